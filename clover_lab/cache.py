@@ -1,0 +1,100 @@
+"""The committed-prefix state: K,V per attention layer (preallocated to a max length) and
+the conv ring + fp32 recurrent state S per GDN layer. Previews read it and never write it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import CloverConfig
+
+
+class CacheFullError(ValueError):
+    """A commit would run past the cache's preallocated length."""
+
+
+@dataclass
+class AttentionCache:
+    k: torch.Tensor  # [B, H_kv, max_len, head_dim]
+    v: torch.Tensor  # [B, H_kv, max_len, head_dim]
+
+
+@dataclass
+class GDNCache:
+    ring: torch.Tensor  # [B, conv_dim, K-1]: the last K-1 pre-convolution q,k,v rows
+    state: torch.Tensor  # [B, H_v, d_k, d_v], fp32
+
+
+class CloverCache:
+    """State of the committed prefix for every layer; ``length`` tokens are committed."""
+
+    def __init__(self, layers: dict[int, AttentionCache | GDNCache], max_len: int, batch_size: int):
+        self.layers = layers
+        self.max_len = max_len
+        self.batch_size = batch_size
+        self.length = 0
+
+    @classmethod
+    def allocate(cls, config: CloverConfig, max_len: int, batch_size: int = 1, device=None,
+                 dtype: torch.dtype = torch.float32) -> "CloverCache":
+        if max_len > config.max_position_embeddings:
+            raise CacheFullError(f"cache length {max_len} exceeds the context length "
+                                 f"max_position_embeddings={config.max_position_embeddings}")
+        layers: dict[int, AttentionCache | GDNCache] = {}
+        for i, kind in enumerate(config.layer_types):
+            if kind == "full_attention":
+                shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+                layers[i] = AttentionCache(torch.zeros(shape, device=device, dtype=dtype),
+                                           torch.zeros(shape, device=device, dtype=dtype))
+            else:
+                layers[i] = GDNCache(
+                    torch.zeros(batch_size, config.conv_dim, config.linear_conv_kernel_dim - 1, device=device, dtype=dtype),
+                    torch.zeros(batch_size, config.linear_num_value_heads, config.linear_key_head_dim,
+                                config.linear_value_head_dim, device=device, dtype=torch.float32))
+        return cls(layers, max_len, batch_size)
+
+    @property
+    def free(self) -> int:
+        return self.max_len - self.length
+
+    def check_room(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise CacheFullError(f"committing {n} tokens at length {self.length} would exceed the cache's "
+                                 f"{self.max_len} positions")
+
+    def tensors(self):
+        for layer in self.layers.values():
+            if isinstance(layer, AttentionCache):
+                yield layer.k
+                yield layer.v
+            else:
+                yield layer.ring
+                yield layer.state
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def clone(self) -> "CloverCache":
+        """An independent copy, to branch a generation (only the committed rows of K,V matter)."""
+        layers = {}
+        for i, layer in self.layers.items():
+            if isinstance(layer, AttentionCache):
+                layers[i] = AttentionCache(layer.k.clone(), layer.v.clone())
+            else:
+                layers[i] = GDNCache(layer.ring.clone(), layer.state.clone())
+        out = CloverCache(layers, self.max_len, self.batch_size)
+        out.length = self.length
+        return out
+
+    def restore(self, snapshot: "CloverCache") -> None:
+        """Make this cache equal to ``snapshot`` (taken by :meth:`clone`), in place."""
+        if snapshot.layers.keys() != self.layers.keys() or snapshot.max_len != self.max_len:
+            raise ValueError("restore: the snapshot was taken from a cache of another shape")
+        for mine, theirs in zip(self.tensors(), snapshot.tensors()):
+            mine.copy_(theirs)
+        self.length = snapshot.length
+
+    def reset(self) -> None:
+        for t in self.tensors():
+            t.zero_()
+        self.length = 0

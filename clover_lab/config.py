@@ -1,0 +1,213 @@
+"""CloverConfig: the fields of a Hugging Face ``config.json`` for Clover, and named presets.
+
+Reads ``clover_moe`` configs, plain Qwen3.5/3.6-MoE text configs (``qwen3_5_moe_text``) and the
+multimodal ``qwen3_5_moe`` wrapper (its ``text_config``). Writes ``clover_moe``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODEL_TYPE = "clover_moe"
+ACCEPTED_MODEL_TYPES = (MODEL_TYPE, "qwen3_5_moe_text", "qwen3_5_moe")
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+class ConfigError(ValueError):
+    """A config.json or config field that clover_lab cannot use; the message names it."""
+
+
+@dataclass
+class CloverConfig:
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    layer_types: list[str] | None = None  # default: 3 x linear_attention + 1 x full_attention, repeated
+    # gated attention
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    max_position_embeddings: int = 131072
+    # Gated DeltaNet
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    # MoE
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    router_aux_loss_coef: float = 0.001
+    # common
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    # block diffusion
+    block_size: int = 32
+    mask_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    dtype: str | None = None  # the checkpoint's dtype ("bfloat16", "float32", ...)
+    extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back as they came
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = [
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(self.num_hidden_layers)
+            ]
+        self.validate()
+
+    # ----------------------------------------------------------------- checks
+    def validate(self) -> None:
+        def need(ok: bool, name: str, what: str):
+            if not ok:
+                raise ConfigError(f"config field {name!r}: {what} (got {getattr(self, name)!r})")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "block_size", "max_position_embeddings"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "must be a positive integer")
+        need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+             f"needs one entry per layer ({self.num_hidden_layers})")
+        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        need(not bad, "layer_types", f"entries must be one of {LAYER_TYPES}")
+        need(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+             "must divide num_attention_heads")
+        need(self.linear_num_value_heads % self.linear_num_key_heads == 0, "linear_num_key_heads",
+             "must divide linear_num_value_heads")
+        need(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", "must be <= num_experts")
+        need(0 < self.partial_rotary_factor <= 1, "partial_rotary_factor", "must be in (0, 1]")
+        need(int(self.head_dim * self.partial_rotary_factor) % 2 == 0, "partial_rotary_factor",
+             "head_dim * partial_rotary_factor must be even")
+        need(self.hidden_act == "silu", "hidden_act", "only 'silu' is supported")
+        need(self.mask_token_id is None or 0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
+             "must be a token id below vocab_size")
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    def gdn_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    # ----------------------------------------------------------------- HF json
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "CloverConfig":
+        d = dict(d)
+        model_type = d.get("model_type")
+        if model_type == "qwen3_5_moe":
+            if not isinstance(d.get("text_config"), dict):
+                raise ConfigError(f"{source}: model_type 'qwen3_5_moe' needs a 'text_config' object")
+            outer = d
+            d = dict(d["text_config"])
+            for key in ("eos_token_id", "bos_token_id", "pad_token_id", "block_size", "mask_token_id"):
+                if d.get(key) is None and outer.get(key) is not None:
+                    d[key] = outer[key]
+            d["model_type"] = "qwen3_5_moe_text"
+            model_type = d["model_type"]
+        if model_type not in ACCEPTED_MODEL_TYPES:
+            raise ConfigError(f"{source}: model_type {model_type!r} is not supported; expected one of "
+                              f"{', '.join(ACCEPTED_MODEL_TYPES)}")
+        rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ConfigError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+        if "rope_theta" in rope:
+            d["rope_theta"] = rope["rope_theta"]
+        if "partial_rotary_factor" in rope:
+            d["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        if d.get("torch_dtype") and not d.get("dtype"):
+            d["dtype"] = d["torch_dtype"]
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        extra = {k: v for k, v in d.items() if k not in names and k not in ("model_type", "torch_dtype", "architectures")}
+        if "full_attention_interval" in extra and known.get("layer_types") is None:
+            n, step = known.get("num_hidden_layers", 40), extra["full_attention_interval"]
+            known["layer_types"] = ["full_attention" if (i + 1) % step == 0 else "linear_attention" for i in range(n)]
+        try:
+            return cls(**known, extra=extra)
+        except TypeError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        extra = d.pop("extra")
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
+                                "partial_rotary_factor": d.pop("partial_rotary_factor")}
+        out = {**extra, "model_type": MODEL_TYPE, "architectures": ["CloverForBlockDiffusion"], **d}
+        if out.get("dtype") is None:
+            out.pop("dtype")
+        return out
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "CloverConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return cls.from_dict(d, source=str(path))
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / "config.json"
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "CloverConfig":
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def replace(self, **changes) -> "CloverConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, dict] = {
+    # the released model (section 2 of the spec)
+    "clover-35b-a3b": dict(mask_token_id=248319),
+    # small shapes with every structural feature (GQA, Hk != Hv, partial RoPE, 3:1 pattern): tests
+    "clover-tiny": dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, max_position_embeddings=4096, block_size=16, mask_token_id=511,
+        rope_theta=10000.0,
+    ),
+    # the size class of the embedded default model: fast on a laptop CPU
+    "clover-small": dict(
+        vocab_size=8192, hidden_size=320, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=80, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256, max_position_embeddings=8192, block_size=16, mask_token_id=None,
+        rope_theta=10000.0,
+    ),
+}

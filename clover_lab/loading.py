@@ -1,0 +1,294 @@
+"""Hugging Face directory <-> CloverModel: config.json + safetensors (single file or shards).
+
+Loading is memory-mapped and tensor by tensor onto a model built on the ``meta`` device, so a
+checkpoint never exists twice in memory. Per-expert and fused expert tensors are both accepted,
+as is the multimodal ``model.language_model.`` prefix (``model.visual.*`` and ``mtp.*`` are
+skipped). Every failure names the file and the tensor; a failed load returns nothing.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import CloverConfig, ConfigError
+
+log = logging.getLogger("clover_lab")
+
+SUPPORTED_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Clover's preview weights (spec 3.2): a checkpoint without them gets the spec's defaults.
+PREVIEW_PARAMS = ("linear_attn.conv1d_right.weight", "linear_attn.block_scale", "linear_attn.history_bias",
+                  "linear_attn.history_log_n")
+# Other spellings of checkpoint names -> this project's names: the one place such mappings live.
+NAME_TABLE = {
+    "model.language_model.": "model.",  # multimodal Qwen3.5/3.6 checkpoints
+}
+SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.language_model.visual.")
+PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or file that cannot be loaded; the message names what and where."""
+
+
+def resolve_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype is not None and dtype not in SUPPORTED_DTYPES:
+            raise CheckpointError(f"dtype {dtype} is not supported; use one of float32, float16, bfloat16")
+        return dtype
+    if dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
+    raise CheckpointError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16")
+
+
+def canonical_name(name: str) -> str | None:
+    """The project's name for a checkpoint tensor, or None when it is skipped."""
+    for old, new in NAME_TABLE.items():
+        if name.startswith(old):
+            name = new + name[len(old):]
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    return name
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Tensor name (as stored) -> the file holding it."""
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = {}
+        for name, shard in weight_map.items():
+            shard_path = path / shard
+            if not shard_path.exists():
+                raise CheckpointError(f"{index} names shard {shard!r} for tensor {name!r}, but {shard_path} is missing")
+            files[name] = shard_path
+        return files
+    if single.exists():
+        return {name: single for name in _read_keys(single)}
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _read_keys(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+class _Reader:
+    """Opens each shard once; yields tensors memory-mapped."""
+
+    def __init__(self):
+        self._open = {}
+
+    def get(self, file: Path, name: str) -> torch.Tensor:
+        try:
+            if file not in self._open:
+                self._open[file] = safe_open(str(file), framework="pt")
+            return self._open[file].get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
+
+    def shape_dtype(self, file: Path, name: str):
+        try:
+            if file not in self._open:
+                self._open[file] = safe_open(str(file), framework="pt")
+            sl = self._open[file].get_slice(name)
+            return tuple(sl.get_shape()), sl.get_dtype()
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def load_config(path) -> CloverConfig:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory (expected a Hugging Face model directory)")
+    cfg = path / "config.json"
+    if not cfg.exists():
+        raise CheckpointError(f"{path}: no config.json")
+    try:
+        return CloverConfig.from_json_file(cfg)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def load_model(path, device=None, dtype=None, progress: bool | None = None):
+    from .model import CloverModel, GatedDeltaNet
+
+    path = Path(path)
+    config = load_config(path)
+    files = checkpoint_files(path)
+    dtype = resolve_dtype(dtype) or resolve_dtype(config.dtype) or torch.float32
+    device = torch.device(device or "cpu")
+
+    # stored name -> canonical name; sort checkpoint names into plain, per-expert and fused
+    skipped, plain, per_expert, fused = [], {}, {}, {}
+    for stored in files:
+        name = canonical_name(stored)
+        if name is None:
+            skipped.append(stored)
+            continue
+        if (mt := PER_EXPERT.match(name)) is not None:
+            per_expert.setdefault(mt.group(1), {})[(int(mt.group(2)), mt.group(3))] = stored
+        elif (mt := FUSED_EXPERT.match(name)) is not None:
+            fused[f"{mt.group(1)}.{mt.group(2)}"] = stored
+        else:
+            plain[name] = stored
+    if skipped:
+        log.info("skipping %d tensors outside the text model (model.visual.*, mtp.*)", len(skipped))
+        warnings.warn(f"{path}: skipped {len(skipped)} tensors outside the text model (model.visual.*, mtp.*)",
+                      stacklevel=3)
+
+    with torch.device("meta"):
+        model = CloverModel(config)
+    expected = dict(model.named_parameters())
+    reader = _Reader()
+    E, I = config.num_experts, config.moe_intermediate_size
+
+    def check(stored: str, want_shape: tuple) -> None:
+        shape, st_dtype = reader.shape_dtype(files[stored], stored)
+        if st_dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{files[stored]}: tensor {stored!r} has dtype {st_dtype}; supported: "
+                                  f"{', '.join(_SAFETENSORS_DTYPES)}")
+        if shape != tuple(want_shape):
+            raise CheckpointError(f"{files[stored]}: tensor {stored!r} has shape {list(shape)}, "
+                                  f"expected {list(want_shape)}")
+
+    unexpected = [plain[n] for n in plain if n not in expected]
+    unexpected += [fused[n] for n in fused if n not in expected]
+    unexpected += [s for prefix, d in per_expert.items() for (e, _), s in d.items()
+                   if f"{prefix}.gate_up_proj" not in expected or not 0 <= e < E]
+    if unexpected:
+        raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensors, e.g. {sorted(unexpected)[:5]} "
+                              f"(is the config.json the right one for this checkpoint?)")
+
+    plan: dict[str, object] = {}  # canonical parameter name -> stored name, or per-expert dict
+    missing, untrained = [], []
+    for name, param in expected.items():
+        if name in plain:
+            check(plain[name], param.shape)
+            plan[name] = plain[name]
+        elif name in fused:
+            check(fused[name], param.shape)
+            plan[name] = fused[name]
+        elif name.endswith((".gate_up_proj", ".down_proj")) and name.rsplit(".", 1)[0] in per_expert:
+            prefix, kind = name.rsplit(".", 1)
+            parts = per_expert[prefix]
+            needed = [(e, w) for e in range(E) for w in (("gate", "up") if kind == "gate_up_proj" else ("down",))]
+            lacking = [f"{prefix}.{e}.{w}_proj.weight" for e, w in needed if (e, w) not in parts]
+            if lacking:
+                missing += lacking
+                continue
+            for (e, w) in needed:
+                check(parts[(e, w)], (I, config.hidden_size) if w != "down" else (config.hidden_size, I))
+            plan[name] = {k: parts[k] for k in needed}
+        elif name.split("layers.")[-1].split(".", 1)[-1] in PREVIEW_PARAMS:
+            untrained.append(name)
+        else:
+            missing.append(name)
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[:5]}")
+
+    total = sum(p.numel() * dtype.itemsize for p in expected.values())
+    show = progress if progress is not None else total > (1 << 30)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", disable=not show)
+    for name, param in expected.items():
+        source = plan.get(name)
+        if source is None:  # an untrained preview weight: filled with defaults below
+            tensor = torch.empty(param.shape, dtype=dtype, device=device)
+        elif isinstance(source, str):
+            tensor = reader.get(files[source], source).to(device=device, dtype=dtype)
+        else:  # per-expert tensors gathered into the fused [E, ...] parameter, one expert at a time
+            tensor = torch.empty(param.shape, dtype=dtype, device=device)
+            for (e, w), stored in source.items():
+                t = reader.get(files[stored], stored)
+                if w == "gate":
+                    tensor[e, :I].copy_(t)
+                elif w == "up":
+                    tensor[e, I:].copy_(t)
+                else:
+                    tensor[e].copy_(t)
+        _set_parameter(model, name, tensor)
+        bar.update(tensor.numel() * dtype.itemsize)
+    bar.close()
+    if untrained:
+        for module in model.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.reset_preview_parameters()
+        warnings.warn(f"{path}: the checkpoint has no Clover preview weights ({len(untrained)} tensors); "
+                      f"they get the spec's defaults, so the preview mode is untrained", stacklevel=3)
+    return model.eval()
+
+
+def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
+
+
+def save_model(model, path, max_shard_bytes: int | None = None) -> None:
+    """Write config.json and the weights (fused experts) as one file or as shards with an index."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config.replace(dtype=str(model.dtype).removeprefix("torch."))
+    config.save(path)
+    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
+    limit = max_shard_bytes or (5 << 30)
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    for stale in list(path.glob("model*.safetensors")) + [path / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata=metadata)
+        weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def load_tokenizer(path):
+    """transformers' AutoTokenizer from the model directory, or None when it has no tokenizer files."""
+    path = Path(path)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - re-raised with the directory named
+        raise CheckpointError(f"{path}: tokenizer files present but unreadable ({e})") from e

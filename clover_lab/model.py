@@ -1,0 +1,541 @@
+"""The Clover model in PyTorch: the reference path every kernel is tested against.
+
+Three modes per forward (spec section 3): **commit** (causal, exactly Qwen3.5-MoE; advances the
+cache), **preview** (one denoising pass over the current block; reads the cache, writes nothing)
+and both fused in one forward over ``[block to commit ; block to preview]``.
+
+Shapes: B batch, T = c + m rows of a forward (c committed rows first, then m preview rows),
+n the committed length before the forward, H hidden size, V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import clover_kernels as ops
+
+from .cache import AttentionCache, CloverCache, GDNCache
+from .config import CloverConfig
+from .hooks import ENGINE_POINTS, GDNPreviewEvent, GDNStateEvent, HookRegistry, RouteEvent
+
+
+# --------------------------------------------------------------------------- one forward's plan
+@dataclass
+class Coreset:
+    """Per-block expert coreset (spec 3.3): the first preview of a block records, per MoE layer,
+    the ``size`` experts with the largest router probability summed over the block's tokens;
+    later previews of the block route only among them. Commit always routes over all experts."""
+
+    size: int
+    experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [size] expert ids
+
+    def reset(self) -> None:
+        self.experts.clear()
+
+
+@dataclass
+class Pass:
+    """What one forward does: commit rows [0, c), preview rows [c, c + m), at committed length n."""
+
+    cache: CloverCache
+    n: int
+    c: int
+    m: int
+    coreset: Coreset | None = None
+    device: torch.device | str = "cpu"
+    pending: list = field(default_factory=list)  # (destination, source) cache writes, applied on success
+
+    def __post_init__(self):
+        self.positions = torch.arange(self.n, self.n + self.c + self.m, device=self.device)  # [c + m]
+
+
+@dataclass
+class StepOutput:
+    commit_logits: torch.Tensor | None  # [B, c or 1, V]
+    preview_logits: torch.Tensor | None  # [B, m or len(positions), V]
+
+
+# --------------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm ``x / rms(x) * (1 + w)``."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm ``w * x / rms(x) * silu(z)`` (weight not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, z):
+        return ops.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """Plain RoPE on the first ``rotary_dim`` dims (text positions: mRoPE reduces to this)."""
+
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        dim = config.rotary_dim
+        # kept out of the module's buffers on purpose: model.to(bf16) must never round it
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; rotates the first cos.shape[-1] dims, passes the rest through."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a sigmoid output gate per head, q/k norms and partial RoPE."""
+
+    def __init__(self, config: CloverConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        H, D, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(H, self.num_heads * D * 2, bias=bias)  # query and gate, interleaved per head
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, p: Pass, rotary: Rotary) -> torch.Tensor:
+        B, T, _ = x.shape
+        D = self.head_dim
+        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)
+        gate = gate.reshape(B, T, -1)
+        q = self.q_norm(q).transpose(1, 2)  # [B, Hq, T, D]
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, D)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        cos, sin = rotary.cos_sin(p.positions, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        cache: AttentionCache = p.cache.layers[self.layer]
+        n, c, m = p.n, p.c, p.m
+        outs = []
+        if c:
+            # rows past the committed length are invisible until the pass succeeds: safe to write now
+            cache.k[:, :, n:n + c] = k[:, :, :c]
+            cache.v[:, :, n:n + c] = v[:, :, :c]
+            keys, values = cache.k[:, :, :n + c], cache.v[:, :, :n + c]
+            if n == 0:
+                o = F.scaled_dot_product_attention(q[:, :, :c], keys, values, is_causal=True, enable_gqa=True)
+            else:
+                allowed = torch.ones(c, n + c, dtype=torch.bool, device=x.device).tril(diagonal=n)
+                o = F.scaled_dot_product_attention(q[:, :, :c], keys, values, attn_mask=allowed, enable_gqa=True)
+            outs.append(o)
+        if m:
+            # the block sees the whole committed prefix and the whole block; its K,V are not cached
+            keys = torch.cat([cache.k[:, :, :n + c], k[:, :, c:]], dim=2)
+            values = torch.cat([cache.v[:, :, :n + c], v[:, :, c:]], dim=2)
+            outs.append(F.scaled_dot_product_attention(q[:, :, c:], keys, values, enable_gqa=True))
+        o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+
+class GatedDeltaNet(nn.Module):
+    """GDN token mixer: the chunked gated delta rule in commit, Clover's preview operator in preview."""
+
+    def __init__(self, config: CloverConfig, layer: int, hooks: HookRegistry):
+        super().__init__()
+        self.layer = layer
+        self.hooks = hooks
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        H, C, K = config.hidden_size, config.conv_dim, config.linear_conv_kernel_dim
+        Hv = self.num_v_heads
+        self.in_proj_qkv = nn.Linear(H, C, bias=False)
+        self.in_proj_z = nn.Linear(H, Hv * self.head_v_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, Hv, bias=False)
+        self.in_proj_a = nn.Linear(H, Hv, bias=False)
+        self.conv1d = nn.Conv1d(C, C, K, groups=C, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(Hv))
+        self.A_log = nn.Parameter(torch.zeros(Hv))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(Hv * self.head_v_dim, H, bias=False)
+        # Clover's preview operator (spec 3.2); defaults make an untrained but well-defined preview
+        self.conv1d_right = nn.Conv1d(C, C, K - 1, groups=C, bias=False)
+        self.block_scale = nn.Parameter(torch.empty(Hv))
+        self.history_bias = nn.Parameter(torch.empty(Hv))
+        self.history_log_n = nn.Parameter(torch.empty(Hv))
+        self.reset_preview_parameters()
+        self.state_point = f"layers.{layer}.gdn.state"
+        self.preview_point = f"layers.{layer}.gdn.preview"
+
+    @torch.no_grad()
+    def reset_preview_parameters(self) -> None:
+        self.conv1d_right.weight.zero_()
+        self.block_scale.fill_(math.log(math.sqrt(self.head_k_dim)))
+        self.history_bias.zero_()
+        self.history_log_n.fill_(1.0)
+
+    def forward(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
+        B, T, _ = x.shape
+        c, m = p.c, p.m
+        mixed = self.in_proj_qkv(x)  # [B, T, C]
+        z = self.in_proj_z(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        cache: GDNCache = p.cache.layers[self.layer]
+        ring, state = cache.ring, cache.state
+        conv_w = self.conv1d.weight[:, 0]
+        outs = []
+        if c:
+            beta = self.in_proj_b(x[:, :c]).sigmoid()
+            g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x[:, :c]).float() + self.dt_bias.float())
+            o, ring, state = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state,
+                                            self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            if self.hooks.active(self.state_point):
+                event = GDNStateEvent(self.layer, state, ring, p.n + c)
+                self.hooks.fire(self.state_point, event)
+                if event.state.shape != state.shape:
+                    raise ValueError(f"{self.state_point}: a hook set a state of shape {tuple(event.state.shape)}, "
+                                     f"expected {tuple(state.shape)}")
+                state = event.state.float()
+            p.pending += [(cache.ring, ring), (cache.state, state)]
+            outs.append(o)
+        if m:
+            want_history = self.hooks.active(self.preview_point)
+            o, p_hist, h = ops.gdn_preview(
+                mixed[:, c:], ring, conv_w, self.conv1d_right.weight[:, 0], state, self.block_scale,
+                self.history_bias, self.history_log_n, self.num_k_heads, self.head_k_dim, self.head_v_dim,
+                return_history=want_history)
+            if want_history:
+                self.hooks.fire(self.preview_point,
+                                GDNPreviewEvent(self.layer, p.positions[c:], p_hist, h))
+            outs.append(o)
+        o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B, T, Hv, dv]
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+
+class Experts(nn.Module):
+    """The routed experts as fused tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+
+class SparseMoE(nn.Module):
+    """Softmax router, renormalised top-k, routed experts plus a sigmoid-gated shared expert."""
+
+    def __init__(self, config: CloverConfig, layer: int, hooks: HookRegistry):
+        super().__init__()
+        self.layer = layer
+        self.hooks = hooks
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.route_point = f"layers.{layer}.moe.route"
+
+    def route(self, logits: torch.Tensor, mode: str, p: Pass, lo: int, hi: int, batch: int):
+        """Top-k routing of rows [lo, hi) of every batch row (logits [batch * (hi - lo), E]);
+        returns (expert_ids [T, k], weights [T, k])."""
+        coreset = p.coreset
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        selectable = None
+        if mode == "preview" and coreset is not None:
+            chosen = coreset.experts.get(self.layer)
+            if chosen is None:  # first preview of the block: route fully, remember the coreset
+                coreset.experts[self.layer] = probs.sum(0).topk(min(coreset.size, self.num_experts)).indices
+            else:
+                selectable = torch.zeros(self.num_experts, dtype=torch.bool, device=probs.device)
+                selectable[chosen] = True
+        choice = probs if selectable is None else probs.masked_fill(~selectable, -1.0)
+        top, ids = choice.topk(self.top_k, dim=-1)
+        weights = (top / top.sum(-1, keepdim=True)).to(logits.dtype)
+        if self.hooks.active(self.route_point):
+            positions = p.positions[lo:hi].repeat(batch)
+            event = RouteEvent(self.layer, mode, positions, probs, ids, weights, selectable)
+            self.hooks.fire(self.route_point, event)
+            ids, weights = event.expert_ids, event.weights.to(logits.dtype)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
+        B, T, H = x.shape
+        logits = F.linear(x, self.gate.weight)  # [B, T, E]
+        parts = [("commit", 0, p.c), ("preview", p.c, p.c + p.m)]
+        ids, weights = [], []
+        for mode, lo, hi in parts:
+            if hi > lo:
+                i, w = self.route(logits[:, lo:hi].reshape(-1, self.num_experts), mode, p, lo, hi, B)
+                ids.append(i.view(B, hi - lo, -1))
+                weights.append(w.view(B, hi - lo, -1))
+        ids = torch.cat(ids, dim=1).reshape(B * T, -1) if len(ids) > 1 else ids[0].reshape(B * T, -1)
+        weights = torch.cat(weights, dim=1).reshape(B * T, -1) if len(weights) > 1 else weights[0].reshape(B * T, -1)
+        flat = x.reshape(B * T, H)
+        routed = ops.moe_experts(flat, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).view(B, T, H)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: CloverConfig, layer: int, hooks: HookRegistry):
+        super().__init__()
+        self.layer_type = config.layer_types[layer]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, layer, hooks)
+        else:
+            self.self_attn = GatedAttention(config, layer)
+        self.mlp = SparseMoE(config, layer, hooks)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, p: Pass, rotary: Rotary) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            h = self.linear_attn(h, p)
+        else:
+            h = self.self_attn(h, p, rotary)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), p)
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: CloverConfig, hooks: HookRegistry):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, hooks) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config)
+
+
+def hook_points(config: CloverConfig) -> list[str]:
+    points = list(ENGINE_POINTS)
+    for i, kind in enumerate(config.layer_types):
+        points.append(f"layers.{i}.moe.route")
+        if kind == "linear_attention":
+            points += [f"layers.{i}.gdn.preview", f"layers.{i}.gdn.state"]
+    return points
+
+
+# --------------------------------------------------------------------------- the language model
+class CloverModel(nn.Module):
+    """Clover: Qwen3.5-MoE's causal path plus the block preview operator. Untied LM head."""
+
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        self.config = config
+        self.hooks = HookRegistry(hook_points(config))
+        self.model = TextModel(config, self.hooks)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def random(cls, config: CloverConfig | str, device=None, dtype=torch.float32, seed: int = 0) -> "CloverModel":
+        """Random weights, materialised directly on ``device`` (built on ``meta`` first, so a
+        full-size preset never exists twice in memory)."""
+        if isinstance(config, str):
+            config = CloverConfig.preset(config)
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device or "cpu").to(dtype)
+        model.init_weights(seed)
+        return model.eval()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = self.config.initializer_range
+
+        def normal_(t: torch.Tensor, s: float = std):
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).mul_(s))
+
+        for name, param in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("linear_attn.norm.weight"):
+                param.fill_(1.0)
+            elif "norm" in name:
+                param.zero_()  # zero-centred norms
+            elif leaf == "dt_bias":
+                param.fill_(1.0)
+            elif leaf == "A_log":
+                param.copy_(torch.empty(param.shape).uniform_(1.0, 16.0, generator=gen).log())
+            elif leaf in ("block_scale", "history_bias", "history_log_n") or "conv1d_right" in name:
+                continue
+            elif "conv1d" in name:
+                normal_(param, 1.0 / math.sqrt(param.shape[-1]))
+            else:
+                normal_(param)
+        for module in self.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.reset_preview_parameters()
+
+    @classmethod
+    def from_pretrained(cls, path, device=None, dtype=None, progress: bool | None = None) -> "CloverModel":
+        from .loading import load_model
+
+        return load_model(path, device=device, dtype=dtype, progress=progress)
+
+    def save_pretrained(self, path, max_shard_bytes: int | None = None) -> None:
+        from .loading import save_model
+
+        save_model(self, path, max_shard_bytes=max_shard_bytes)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, max_len: int, batch_size: int = 1) -> CloverCache:
+        return CloverCache.allocate(self.config, max_len, batch_size, device=self.device, dtype=self.dtype)
+
+    # ------------------------------------------------------------------ the forward
+    def _check_ids(self, ids: torch.Tensor, name: str, cache: CloverCache) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.as_tensor(ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name}: expected integer token ids of shape [B, T], got {tuple(ids.shape)} {ids.dtype}")
+        if ids.shape[0] != cache.batch_size:
+            raise ValueError(f"{name}: batch size {ids.shape[0]} does not match the cache's {cache.batch_size}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"{name}: token ids must be in [0, {self.config.vocab_size})")
+        return ids.to(self.device, torch.long)
+
+    @torch.no_grad()
+    def forward(self, cache: CloverCache, commit_ids=None, preview_ids=None, *, commit_logits: str | None = "last",
+                preview_positions=None, coreset: Coreset | None = None) -> StepOutput:
+        """One forward over ``[commit_ids ; preview_ids]`` (either may be None).
+
+        ``commit_logits``: "last", "all" or None. ``preview_positions``: block positions whose
+        logits are wanted (default: all). The cache advances by the committed rows only if
+        the whole forward succeeds; a preview never changes it.
+        """
+        parts = []
+        if commit_ids is not None:
+            commit_ids = self._check_ids(commit_ids, "commit_ids", cache)
+            parts.append(commit_ids)
+        if preview_ids is not None:
+            preview_ids = self._check_ids(preview_ids, "preview_ids", cache)
+            parts.append(preview_ids)
+        if not parts:
+            raise ValueError("forward needs commit_ids, preview_ids or both")
+        c = 0 if commit_ids is None else commit_ids.shape[1]
+        m = 0 if preview_ids is None else preview_ids.shape[1]
+        if c + m == 0:
+            raise ValueError("forward: no tokens given")
+        cache.check_room(c)
+        if cache.length + c + m > self.config.max_position_embeddings:
+            raise ValueError(f"positions up to {cache.length + c + m} exceed the context length "
+                             f"{self.config.max_position_embeddings}")
+        p = Pass(cache, cache.length, c, m, coreset, self.device)
+        ids = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = layer(x, p, self.model.rotary)
+        # the pass succeeded: publish the commit
+        for dst, src in p.pending:
+            dst.copy_(src)
+        cache.length += c
+
+        out_commit = out_preview = None
+        if c and commit_logits is not None:
+            rows = x[:, c - 1:c] if commit_logits == "last" else x[:, :c]
+            out_commit = self.lm_head(self.model.norm(rows))
+        if m:
+            rows = x[:, c:]
+            if preview_positions is not None:
+                rows = rows[:, torch.as_tensor(preview_positions, device=x.device, dtype=torch.long)]
+            out_preview = self.lm_head(self.model.norm(rows))
+        return StepOutput(out_commit, out_preview)
+
+    # ------------------------------------------------------------------ the three modes
+    def commit(self, cache: CloverCache, ids, logits: str | None = "last") -> torch.Tensor | None:
+        return self.forward(cache, commit_ids=ids, commit_logits=logits).commit_logits
+
+    def preview(self, cache: CloverCache, block_ids, positions=None, coreset: Coreset | None = None) -> torch.Tensor:
+        return self.forward(cache, preview_ids=block_ids, preview_positions=positions, coreset=coreset).preview_logits
+
+    def commit_and_preview(self, cache: CloverCache, commit_ids, block_ids, positions=None,
+                           coreset: Coreset | None = None, commit_logits: str | None = None) -> StepOutput:
+        return self.forward(cache, commit_ids, block_ids, commit_logits=commit_logits,
+                            preview_positions=positions, coreset=coreset)
+
+    def prefill(self, cache: CloverCache, ids, chunk_size: int = 1024, logits: str | None = "last"):
+        """Commit a long prompt in chunks (bounded activation memory)."""
+        ids = self._check_ids(ids, "ids", cache)
+        cache.check_room(ids.shape[1])
+        out = []
+        for start in range(0, ids.shape[1], chunk_size):
+            piece = ids[:, start:start + chunk_size]
+            last = start + chunk_size >= ids.shape[1]
+            r = self.commit(cache, piece, logits=logits if (last or logits == "all") else None)
+            if r is not None:
+                out.append(r)
+        if not out:
+            return None
+        return torch.cat(out, dim=1) if logits == "all" else out[-1]
+
+    # ------------------------------------------------------------------ convenience
+    def logits(self, input_ids) -> torch.Tensor:
+        """Causal next-token logits of whole sequences [B, T] -> [B, T, V]; no cache needed."""
+        ids = torch.as_tensor(input_ids)
+        ids = ids[None] if ids.dim() == 1 else ids
+        cache = self.new_cache(ids.shape[1], ids.shape[0])
+        return self.commit(cache, ids, logits="all")
+
+    def denoise_logits(self, prefix_ids, block_ids) -> torch.Tensor:
+        """The prefix committed, then one preview of the block: logits [B, m, V] at every block position."""
+        prefix = torch.as_tensor(prefix_ids)
+        prefix = prefix[None] if prefix.dim() == 1 else prefix
+        cache = self.new_cache(max(prefix.shape[1], 1), prefix.shape[0])
+        if prefix.shape[1]:
+            self.commit(cache, prefix, logits=None)
+        return self.preview(cache, block_ids)

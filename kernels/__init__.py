@@ -1,0 +1,41 @@
+"""clover_kernels: the production kernel core of clover_lab (torch + Triton only).
+
+Every op has a torch reference (``*/naive.py``) and, where it pays, a Triton kernel tested
+against it. The functions here dispatch between them; see ``dispatch.py``.
+"""
+from .dispatch import backend_for, forced_backend, triton_ops
+from .gdn import naive as _gdn
+from .moe import naive as _moe
+from .norm import naive as _norm
+
+__all__ = ["rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview", "moe_experts", "backend_for", "forced_backend"]
+
+
+def _dispatch(name, reference, x):
+    if backend_for(name, x) == "triton":
+        return triton_ops()[name]
+    return reference
+
+
+def rms_norm(x, weight, eps=1e-6):
+    return _dispatch("rms_norm", _norm.rms_norm, x)(x, weight, eps)
+
+
+def gated_rms_norm(x, gate, weight, eps=1e-6):
+    return _dispatch("gated_rms_norm", _norm.gated_rms_norm, x)(x, gate, weight, eps)
+
+
+def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim):
+    fn = _dispatch("gdn_commit", _gdn.gdn_commit, mixed)
+    return fn(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim)
+
+
+def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
+                num_k_heads, head_k_dim, head_v_dim, return_history=False):
+    fn = _dispatch("gdn_preview", _gdn.gdn_preview, mixed)
+    return fn(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
+              num_k_heads, head_k_dim, head_v_dim, return_history)
+
+
+def moe_experts(x, expert_ids, weights, gate_up, down):
+    return _dispatch("moe_experts", _moe.moe_experts, x)(x, expert_ids, weights, gate_up, down)

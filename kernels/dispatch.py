@@ -1,0 +1,42 @@
+"""One dispatch for every op: CUDA tensors take the Triton kernels, CPU tensors the torch
+reference. ``CLOVER_KERNELS=triton|torch`` forces either (with ``TRITON_INTERPRET=1``,
+``triton`` runs the kernels on the CPU)."""
+import importlib
+import os
+
+import torch
+
+_BACKENDS = ("torch", "triton")
+_triton_ops: dict | None = None
+
+
+def forced_backend() -> str | None:
+    value = os.environ.get("CLOVER_KERNELS", "").strip().lower()
+    if not value:
+        return None
+    if value not in _BACKENDS:
+        raise ValueError(f"CLOVER_KERNELS={value!r}: expected one of {', '.join(_BACKENDS)}")
+    return value
+
+
+def triton_ops() -> dict:
+    """Name -> Triton implementation, for the ops that have one (empty when triton is missing)."""
+    global _triton_ops
+    if _triton_ops is None:
+        try:
+            _triton_ops = importlib.import_module("clover_kernels.triton_ops").OPS
+        except ImportError:
+            _triton_ops = {}
+    return _triton_ops
+
+
+def backend_for(name: str, x: torch.Tensor) -> str:
+    forced = forced_backend()
+    if forced == "torch":
+        return "torch"
+    has_kernel = name in triton_ops()
+    if forced == "triton":
+        if not has_kernel:
+            return "torch"  # ops without a kernel (yet) always run the reference
+        return "triton"
+    return "triton" if (x.is_cuda and has_kernel) else "torch"

@@ -1,0 +1,151 @@
+"""Torch references of the Gated DeltaNet ops: commit (causal) and preview (Clover's block operator).
+
+Shapes: B batch, T tokens, C = conv_dim = 2 * Hk * dk + Hv * dv channels, K conv taps,
+Hk key heads, Hv value heads (each key head serves Hv // Hk consecutive value heads),
+S the recurrent state [B, Hv, dk, dv], always fp32. These are the readable ground
+truth every Triton kernel in this package is tested against.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(mixed: torch.Tensor, ring: torch.Tensor, weight: torch.Tensor):
+    """Depthwise causal conv over ``[ring ; mixed]``, before the activation.
+
+    mixed [B, T, C], ring [B, C, K-1] (the last K-1 pre-conv rows), weight [C, K].
+    Returns (out [B, T, C] in mixed's dtype, new ring [B, C, K-1]).
+    """
+    C, K = weight.shape
+    x = torch.cat([ring.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), groups=C)  # [B, C, T]
+    return out.transpose(1, 2).to(mixed.dtype), x[..., x.shape[-1] - (K - 1):]
+
+
+def right_taps(mixed: torch.Tensor, right_weight: torch.Tensor) -> torch.Tensor:
+    """Preview's anti-causal branch: ``sum_{d=1..K-1} r[d-1] * mixed[t+d]``, zero past the block end.
+
+    mixed [B, m, C], right_weight [C, K-1]; returns [B, m, C].
+    """
+    C, Km1 = right_weight.shape
+    x = F.pad(mixed.transpose(1, 2)[..., 1:], (0, Km1))  # rows t+1 .. t+K-1, zeros past the end
+    out = F.conv1d(x.to(right_weight.dtype), right_weight.unsqueeze(1), groups=C)
+    return out.transpose(1, 2).to(mixed.dtype)
+
+
+def split_heads(conv_out: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int):
+    """SiLU-activated conv output [B, T, C] -> q, k [B, T, Hv, dk] (fp32, L2-normalised,
+    key heads repeated to value heads) and v [B, T, Hv, dv] (fp32)."""
+    B, T, _ = conv_out.shape
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = conv_out.float().split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
+    v = v.reshape(B, T, -1, head_v_dim)
+    rep = v.shape[2] // num_k_heads
+    q = l2norm(q.reshape(B, T, num_k_heads, head_k_dim)).repeat_interleave(rep, dim=2)
+    k = l2norm(k.reshape(B, T, num_k_heads, head_k_dim)).repeat_interleave(rep, dim=2)
+    return q, k, v
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Token-by-token gated delta rule (fp32). q, k [B, T, H, dk] (normalised, q not yet
+    scaled), v [B, T, H, dv], g (log decay) and beta [B, T, H], state [B, H, dk, dv].
+    Returns (o [B, T, H, dv], final state)."""
+    scale = q.shape[-1] ** -0.5
+    S = state.float().clone()
+    out = []
+    for t in range(q.shape[1]):
+        S = S * g[:, t, :, None, None].float().exp()
+        kt = k[:, t].float()
+        pred = torch.einsum("bhk,bhkv->bhv", kt, S)
+        delta = (v[:, t].float() - pred) * beta[:, t, :, None].float()
+        S = S + kt[..., None] * delta[..., None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t].float() * scale, S))
+    return torch.stack(out, dim=1), S
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Chunked (WY / UT-transform) gated delta rule, same contract as the recurrent form.
+
+    Within a chunk with cumulative log decay G, the corrected values solve
+    (I + A) v_new = beta*v - (beta*k*exp(G)) S with A_ij = beta_i <k_i, k_j> exp(G_i - G_j), j < i;
+    then o = (q*exp(G)) S + tril((q k^T) * exp(G_i - G_j)) v_new and
+    S' = exp(G_last) S + (k*exp(G_last - G))^T v_new.
+    """
+    B, T, H, dk = k.shape
+    dv = v.shape[-1]
+    Cs = chunk_size
+    pad = (-T) % Cs
+    # [B, H, T, d] in fp32, padded with no-op tokens (k = v = beta = g = 0)
+    q, k, v = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.float().transpose(1, 2), (0, pad)) for x in (g, beta))
+    q = q * dk ** -0.5
+    N = (T + pad) // Cs
+    q, k, v = (x.reshape(B, H, N, Cs, -1) for x in (q, k, v))
+    g, beta = g.reshape(B, H, N, Cs), beta.reshape(B, H, N, Cs)
+
+    G = g.cumsum(-1)  # [B, H, N, Cs]
+    causal = torch.ones(Cs, Cs, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    A = (k_beta @ k.transpose(-1, -2)) * decay  # diagonal is ignored by the unit-triangular solve
+    u = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(A, k_beta * G.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * G.exp()[..., None]
+    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+
+    S = state.float().clone()
+    out = torch.empty(B, H, N, Cs, dv, dtype=torch.float32, device=q.device)
+    for i in range(N):
+        v_new = u[:, :, i] - w[:, :, i] @ S
+        out[:, :, i] = q_decayed[:, :, i] @ S + intra[:, :, i] @ v_new
+        S = S * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(B, H, N * Cs, dv)[:, :, :T].transpose(1, 2)
+    return out, S
+
+
+def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim):
+    """Causal GDN token mixing of T committed rows.
+
+    mixed [B, T, C] (in_proj_qkv output), ring [B, C, K-1], conv_weight [C, K],
+    g, beta [B, T, Hv], state [B, Hv, dk, dv] fp32.
+    Returns (o [B, T, Hv, dv] in mixed's dtype, new ring, new state fp32).
+    """
+    conv, new_ring = causal_conv(mixed, ring, conv_weight)
+    q, k, v = split_heads(F.silu(conv), num_k_heads, head_k_dim, head_v_dim)
+    rule = recurrent_gated_delta_rule if mixed.shape[1] == 1 else chunk_gated_delta_rule
+    o, new_state = rule(q, k, v, g, beta, state)
+    return o.to(mixed.dtype), new_ring.to(ring.dtype), new_state
+
+
+def gdn_preview(
+    mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
+    num_k_heads, head_k_dim, head_v_dim, return_history: bool = False,
+):
+    """Clover's preview operator over a block of m rows; reads ring and state, writes nothing.
+
+    Conv with right taps, SiLU, split + L2-normalise, then per value head a softmax over
+    [the m block tokens (both directions) ; the history slot] whose history value is the
+    causal read of the frozen state, h_t = (q_t / sqrt(dk)) @ S0, and whose logit
+    history_bias + history_log_n * ln(m) calibrates the memory against the block length.
+
+    Returns (o [B, m, Hv, dv] in mixed's dtype, p_hist [B, m, Hv] fp32, h [B, m, Hv, dv] fp32 or None).
+    """
+    m = mixed.shape[1]
+    conv, _ = causal_conv(mixed, ring, conv_weight)
+    conv = conv + right_taps(mixed, right_weight)
+    q, k, v = split_heads(F.silu(conv), num_k_heads, head_k_dim, head_v_dim)
+    h = torch.einsum("bthk,bhkv->bthv", q * head_k_dim ** -0.5, state.float())
+    scores = torch.einsum("bthk,bjhk->bhtj", q, k) * block_scale.float().exp()[:, None, None]
+    hist_logit = history_bias.float() + history_log_n.float() * math.log(m)  # [Hv]
+    hist_logit = hist_logit[None, :, None, None].expand(scores.shape[0], -1, m, 1)
+    p = torch.softmax(torch.cat([scores, hist_logit], dim=-1), dim=-1)  # [B, Hv, m, m+1]
+    p_block, p_hist = p[..., :m], p[..., m]
+    o = torch.einsum("bhtj,bjhv->bthv", p_block, v) + p_hist.transpose(1, 2)[..., None] * h
+    return o.to(mixed.dtype), p_hist.transpose(1, 2).contiguous(), (h if return_history else None)

@@ -1,0 +1,43 @@
+"""Torch reference of the routed experts: grouped over the experts actually hit.
+
+Tokens are sorted by expert and fed to ``grouped_mm`` against the whole fused
+[E, ...] weight tensors with one (possibly empty) group per expert, so experts
+no token picked are never read and there is no Python loop over experts.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def group_by_expert(expert_ids: torch.Tensor, num_experts: int):
+    """(order, offsets): ``order`` sorts the flattened (token, slot) pairs by expert;
+    ``offsets[e]`` is the end of expert e's group (int32, cumulative)."""
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts.cumsum(0).to(torch.int32)
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    expert_ids: torch.Tensor,  # [T, k] int
+    weights: torch.Tensor,  # [T, k]
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    down: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:
+    """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = expert_ids[t, k]; returns [T, H]."""
+    T, H = x.shape
+    k = expert_ids.shape[1]
+    E, two_i, _ = gate_up.shape
+    if T == 0:
+        return x.new_zeros(T, H)
+    order, offsets = group_by_expert(expert_ids, E)
+    token_of = order // k  # [T*k] token index of each sorted pair
+    xs = x[token_of]  # [T*k, H]
+    h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offsets)  # [T*k, 2I]
+    gate, up = h.split(two_i // 2, dim=-1)
+    act = F.silu(gate) * up
+    y = F.grouped_mm(act, down.transpose(1, 2), offs=offsets)  # [T*k, H]
+    w = weights.reshape(-1)[order].to(y.dtype)
+    out = torch.zeros(T, H, dtype=y.dtype, device=x.device)
+    out.index_add_(0, token_of, y * w[:, None])
+    return out.to(x.dtype)
