@@ -1,0 +1,208 @@
+"""Checkpoint loading and saving: round trips, shards, and a clear error for each bad input."""
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from clover_lab import CheckpointError, CloverConfig, CloverModel, ConfigError
+
+
+@pytest.fixture
+def saved(tiny_model, tmp_path):
+    path = tmp_path / "tiny"
+    tiny_model.save_pretrained(path)
+    return tiny_model, path
+
+
+def params_equal(a, b):
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    return all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_round_trip_is_bit_exact(saved):
+    model, path = saved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Clover checkpoint has its preview weights: no warning
+        loaded = CloverModel.from_pretrained(path)
+    assert params_equal(model, loaded)
+    assert loaded.config == model.config.replace(dtype="float32")
+    ids = torch.arange(30)[None]
+    assert torch.equal(model.logits(ids), loaded.logits(ids))
+
+
+def test_sharded_round_trip(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path, max_shard_bytes=200_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not (tmp_path / "model.safetensors").exists()
+    assert params_equal(tiny_model, CloverModel.from_pretrained(tmp_path))
+
+
+def test_load_in_other_dtype(saved):
+    model, path = saved
+    half = CloverModel.from_pretrained(path, dtype="bfloat16")
+    assert half.dtype == torch.bfloat16
+    assert half.model.layers[0].linear_attn.A_log.dtype == torch.bfloat16
+    out = half.logits(torch.arange(20)[None])
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_plain_qwen_checkpoint_warns_preview_untrained(reference):
+    with pytest.warns(UserWarning, match="preview mode is untrained"):
+        model = CloverModel.from_pretrained(reference[1])
+    gdn = model.model.layers[0].linear_attn
+    assert torch.equal(gdn.conv1d_right.weight, torch.zeros_like(gdn.conv1d_right.weight))
+    assert torch.allclose(gdn.block_scale, torch.full_like(gdn.block_scale, 0.5 * torch.log(torch.tensor(16.0))))
+    assert torch.equal(gdn.history_bias, torch.zeros(4)) and torch.equal(gdn.history_log_n, torch.ones(4))
+
+
+def rewrite(path, fn):
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file(fn(tensors), str(path / "model.safetensors"))
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        CloverModel.from_pretrained(tmp_path / "nope")
+
+
+def test_not_a_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        CloverModel.from_pretrained(f)
+
+
+def test_missing_config(saved):
+    _, path = saved
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        CloverModel.from_pretrained(path)
+
+
+def test_invalid_config_json(saved):
+    _, path = saved
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        CloverModel.from_pretrained(path)
+
+
+def test_unsupported_model_type(saved):
+    _, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="model_type 'llama' is not supported"):
+        CloverModel.from_pretrained(path)
+
+
+def test_missing_weights_file(saved):
+    _, path = saved
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        CloverModel.from_pretrained(path)
+
+
+def test_corrupt_header(saved):
+    _, path = saved
+    (path / "model.safetensors").write_bytes(b"\xff" * 8 + b"garbage")
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
+        CloverModel.from_pretrained(path)
+
+
+def test_missing_tensor(saved):
+    _, path = saved
+    rewrite(path, lambda t: {k: v for k, v in t.items() if k != "model.layers.1.mlp.gate.weight"})
+    with pytest.raises(CheckpointError, match=r"missing .*model\.layers\.1\.mlp\.gate\.weight"):
+        CloverModel.from_pretrained(path)
+
+
+def test_missing_expert_of_per_expert_checkpoint(reference, tmp_path):
+    import shutil
+
+    path = tmp_path / "ref"
+    shutil.copytree(reference[1], path)
+    rewrite(path, lambda t: {k: v for k, v in t.items() if k != "model.layers.2.mlp.experts.5.up_proj.weight"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+        CloverModel.from_pretrained(path)
+
+
+def test_unexpected_tensor(saved):
+    _, path = saved
+    rewrite(path, lambda t: {**t, "model.layers.0.bogus.weight": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match=r"unexpected tensors.*model\.layers\.0\.bogus\.weight"):
+        CloverModel.from_pretrained(path)
+
+
+def test_shape_mismatch(saved):
+    _, path = saved
+    rewrite(path, lambda t: {**t, "lm_head.weight": torch.zeros(512, 63)})
+    with pytest.raises(CheckpointError, match=r"'lm_head\.weight' has shape \[512, 63\], expected \[512, 64\]"):
+        CloverModel.from_pretrained(path)
+
+
+def test_unsupported_tensor_dtype(saved):
+    _, path = saved
+    rewrite(path, lambda t: {**t, "model.norm.weight": torch.zeros(64, dtype=torch.int8)})
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' has dtype I8"):
+        CloverModel.from_pretrained(path)
+
+
+def test_missing_shard(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path, max_shard_bytes=200_000)
+    next(tmp_path.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match="model-00002-of-.* is missing"):
+        CloverModel.from_pretrained(tmp_path)
+
+
+def test_unknown_dtype_argument(saved):
+    with pytest.raises(CheckpointError, match="unknown dtype 'float8'"):
+        CloverModel.from_pretrained(saved[1], dtype="float8")
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_json_round_trip(tmp_path):
+    cfg = CloverConfig.preset("clover-tiny", mask_token_id=7)
+    cfg.save(tmp_path)
+    again = CloverConfig.from_json_file(tmp_path / "config.json")
+    assert again == cfg
+    d = json.loads((tmp_path / "config.json").read_text())
+    assert d["model_type"] == "clover_moe" and d["block_size"] == 16 and d["mask_token_id"] == 7
+
+
+def test_config_reads_transformers_text_and_multimodal_configs(reference):
+    d = json.loads(open(reference[1] + "/config.json").read())
+    text = CloverConfig.from_dict(d)
+    assert text.num_hidden_layers == 8 and text.partial_rotary_factor == 0.25
+    assert text.layer_types.count("full_attention") == 2
+    wrapped = CloverConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": d, "eos_token_id": 3})
+    assert wrapped.hidden_size == 64 and wrapped.eos_token_ids == [3]
+
+
+def test_full_size_preset_on_meta():
+    cfg = CloverConfig.preset("clover-35b-a3b")
+    assert (cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.block_size) == (40, 256, 8, 32)
+    assert cfg.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+    with torch.device("meta"):
+        model = CloverModel(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    assert 34e9 < total < 36e9
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_key_value_heads", 3, "must divide num_attention_heads"),
+    ("num_experts_per_tok", 99, "must be <= num_experts"),
+    ("mask_token_id", 10_000, "mask_token_id"),
+    ("block_size", 0, "block_size"),
+])
+def test_invalid_config_fields(field, value, match):
+    with pytest.raises(ConfigError, match=match):
+        CloverConfig.preset("clover-tiny", **{field: value})
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="unknown preset 'clover-9000'"):
+        CloverConfig.preset("clover-9000")
