@@ -68,6 +68,20 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return torch.stack(out, dim=1), S
 
 
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A [..., n, n], by forward substitution over rows
+    (batched small triangular solves are slow on the CPU; this is n small matmuls)."""
+    n = A.shape[-1]
+    inv = torch.zeros_like(A)
+    inv[..., 0, 0] = 1.0
+    for i in range(1, n):
+        # row i of the inverse: e_i - A[i, :i] @ inv[:i, :]
+        row = -(A[..., i:i + 1, :i] @ inv[..., :i, :])
+        row[..., 0, i] = 1.0
+        inv[..., i:i + 1, :] = row
+    return inv
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     """Chunked (WY / UT-transform) gated delta rule, same contract as the recurrent form.
 
@@ -92,9 +106,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     causal = torch.ones(Cs, Cs, dtype=torch.bool, device=q.device).tril()
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     k_beta = k * beta[..., None]
-    A = (k_beta @ k.transpose(-1, -2)) * decay  # diagonal is ignored by the unit-triangular solve
-    u = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(A, k_beta * G.exp()[..., None], upper=False, unitriangular=True)
+    strict = torch.ones(Cs, Cs, dtype=torch.bool, device=q.device).tril(-1)
+    A = ((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)
+    T_inv = unit_lower_inverse(A)  # (I + A)^-1
+    u = T_inv @ (v * beta[..., None])
+    w = T_inv @ (k_beta * G.exp()[..., None])
     intra = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * G.exp()[..., None]
     k_to_end = k * (G[..., -1:] - G).exp()[..., None]

@@ -30,6 +30,8 @@ def moe_experts(
     E, two_i, _ = gate_up.shape
     if T == 0:
         return x.new_zeros(T, H)
+    if x.device.type == "cpu":
+        return _moe_experts_cpu(x, expert_ids, weights, gate_up, down)
     order, offsets = group_by_expert(expert_ids, E)
     token_of = order // k  # [T*k] token index of each sorted pair
     xs = x[token_of]  # [T*k, H]
@@ -40,4 +42,26 @@ def moe_experts(
     w = weights.reshape(-1)[order].to(y.dtype)
     out = torch.zeros(T, H, dtype=y.dtype, device=x.device)
     out.index_add_(0, token_of, y * w[:, None])
+    return out.to(x.dtype)
+
+
+def _moe_experts_cpu(x, expert_ids, weights, gate_up, down):
+    """CPU path: one matmul pair per expert *hit* (CPU grouped_mm issues a matmul for every
+    expert, empty groups included, which dominates decoding at small token counts)."""
+    T, H = x.shape
+    k = expert_ids.shape[1]
+    I = gate_up.shape[1] // 2
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    token_of = order // k
+    w = weights.reshape(-1)[order]
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in zip(hit.tolist(), counts.tolist()):
+        rows = token_of[start:start + n]
+        h = F.linear(x[rows], gate_up[e])  # [n, 2I]
+        y = F.linear(F.silu(h[:, :I]) * h[:, I:], down[e])  # [n, H]
+        out.index_add_(0, rows, (y * w[start:start + n, None].to(y.dtype)).float())
+        start += n
     return out.to(x.dtype)

@@ -1,0 +1,162 @@
+"""clover_lab vs transformers' Qwen3_5MoeForCausalLM on the same random checkpoint, side by side.
+
+Prefill tokens/s and AR decode tokens/s (same weights, dtype and thread count, one process),
+plus clover_lab's block-diffusion tokens/s when the engine is available. Prints a table of
+ratios and writes JSON to bench/results/.
+
+    python bench/compare_transformers.py [--sizes small,medium] [--prompt 256] [--decode 32]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+SIZES = {
+    # (layers, hidden, experts, top-k, expert FFN, GDN key/value heads, attention heads)
+    "small": dict(num_hidden_layers=4, hidden_size=256, num_experts=32, num_experts_per_tok=4,
+                  moe_intermediate_size=256, shared_expert_intermediate_size=256, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "medium": dict(num_hidden_layers=8, hidden_size=512, num_experts=64, num_experts_per_tok=8,
+                   moe_intermediate_size=256, shared_expert_intermediate_size=256, linear_num_key_heads=4,
+                   linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=64),
+}
+
+
+def best_of(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def build(size: str, dtype: torch.dtype, path: Path):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5MoeTextConfig(vocab_size=8192, max_position_embeddings=8192, **SIZES[size])
+    ref = Qwen3_5MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "A_log" not in name:
+                p.add_(torch.randn_like(p) * 0.02)
+    ref.save_pretrained(path)
+    ref = ref.to(dtype)
+    from clover_lab import CloverModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = CloverModel.from_pretrained(path, dtype=dtype)
+    return ref, ours
+
+
+def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        ref, ours = build(size, dtype, Path(tmp))
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 8000, (1, prompt_len), generator=g)
+    row = {"size": size, "dtype": str(dtype).removeprefix("torch."), "prompt": prompt_len, "decode": decode,
+           "params": sum(p.numel() for p in ours.parameters())}
+
+    with torch.inference_mode():
+        ref(prompt[:, :8])  # warm-up: first calls pay one-time costs
+        ours.logits(prompt[:, :8])
+        # prefill
+        t_ref = best_of(lambda: ref(prompt, use_cache=True), repeat)
+
+        def ours_prefill():
+            ours.prefill(ours.new_cache(prompt_len + decode + 1), prompt)
+
+        t_ours = best_of(ours_prefill, repeat)
+        row["prefill_tok_s"] = {"transformers": prompt_len / t_ref, "clover_lab": prompt_len / t_ours}
+
+        # AR decode (greedy), the decode steps alone: transformers' own cache vs clover_lab's
+        def ref_decode():
+            out = ref(prompt, use_cache=True)
+            cache, tokens = out.cache, []
+            t = time.perf_counter()
+            for _ in range(decode):
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(nxt)
+                out = ref(nxt, cache=cache, use_cache=True)
+            return time.perf_counter() - t, torch.cat(tokens, dim=1)[0]
+
+        def ours_decode():
+            cache = ours.new_cache(prompt_len + decode + 1)
+            logits = ours.prefill(cache, prompt)
+            tokens = []
+            t = time.perf_counter()
+            for _ in range(decode):
+                nxt = logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(nxt)
+                logits = ours.commit(cache, nxt)
+            return time.perf_counter() - t, torch.cat(tokens, dim=1)[0]
+
+        ref_runs = [ref_decode() for _ in range(repeat)]
+        ours_runs = [ours_decode() for _ in range(repeat)]
+        row["ar_decode_tok_s"] = {"transformers": decode / min(r[0] for r in ref_runs),
+                                  "clover_lab": decode / min(r[0] for r in ours_runs)}
+        row["greedy_tokens_agree"] = int((ref_runs[0][1] == ours_runs[0][1]).sum())
+
+        try:
+            from clover_lab import Engine
+        except ImportError:
+            Engine = None
+        if Engine is not None and ours.config.mask_token_id is not None:
+            engine = Engine(ours)
+
+            def diffuse():
+                return engine.generate(prompt[0].tolist(), max_new_tokens=decode, threshold=0.9)
+
+            best = best_of(diffuse, repeat)
+            result = diffuse()
+            row["diffusion"] = {"tok_s_incl_prefill": len(result.token_ids) / best,
+                                "tokens_per_forward": result.stats["tokens_per_forward"]}
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="small,medium")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    rows = [run_size(s, dtype, args.prompt, args.decode, args.repeat) for s in args.sizes.split(",")]
+
+    print(f"\nclover_lab vs transformers, {args.dtype}, {args.threads} threads, prompt {args.prompt}, "
+          f"decode {args.decode} ({platform.processor() or platform.machine()})")
+    print(f"{'size':8} {'params':>9} {'prefill tf':>11} {'prefill ours':>13} {'ratio':>6} "
+          f"{'decode tf':>10} {'decode ours':>12} {'ratio':>6}  tok/s")
+    for r in rows:
+        p, d = r["prefill_tok_s"], r["ar_decode_tok_s"]
+        print(f"{r['size']:8} {r['params'] / 1e6:8.1f}M {p['transformers']:11.1f} {p['clover_lab']:13.1f} "
+              f"{p['clover_lab'] / p['transformers']:6.2f} {d['transformers']:10.1f} {d['clover_lab']:12.1f} "
+              f"{d['clover_lab'] / d['transformers']:6.2f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y-%m-%d")
+    file = out / f"compare_transformers-cpu-{stamp}.json"
+    file.write_text(json.dumps({"date": stamp, "device": "cpu", "threads": args.threads,
+                                "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {file}")
+
+
+if __name__ == "__main__":
+    main()
