@@ -3,7 +3,7 @@
 Every op has a torch reference (``*/naive.py``) and, where it pays, a Triton kernel tested
 against it. The functions here dispatch between them; see ``dispatch.py``.
 """
-from .dispatch import backend_for, forced_backend, triton_ops
+from .dispatch import backend_for, forced_backend, kernel_table
 from .gdn import naive as _gdn
 from .moe import naive as _moe
 from .norm import naive as _norm
@@ -13,7 +13,7 @@ __all__ = ["rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview", "moe_exper
 
 def _dispatch(name, reference, x):
     if backend_for(name, x) == "triton":
-        return triton_ops()[name]
+        return kernel_table()[name]
     return reference
 
 

@@ -19,12 +19,12 @@ def forced_backend() -> str | None:
     return value
 
 
-def triton_ops() -> dict:
+def kernel_table() -> dict:
     """Name -> Triton implementation, for the ops that have one (empty when triton is missing)."""
     global _triton_ops
     if _triton_ops is None:
         try:
-            _triton_ops = importlib.import_module("clover_kernels.triton_ops").OPS
+            _triton_ops = importlib.import_module(f"{__package__}.triton_ops").OPS
         except ImportError:
             _triton_ops = {}
     return _triton_ops
@@ -34,7 +34,7 @@ def backend_for(name: str, x: torch.Tensor) -> str:
     forced = forced_backend()
     if forced == "torch":
         return "torch"
-    has_kernel = name in triton_ops()
+    has_kernel = name in kernel_table()
     if forced == "triton":
         if not has_kernel:
             return "torch"  # ops without a kernel (yet) always run the reference

@@ -1,0 +1,334 @@
+"""Triton kernels of the causal GDN commit (reference: ``gdn/naive.py: gdn_commit``).
+
+Pipeline for T committed rows (B batch, Hk key heads, Hv value heads, C conv channels):
+
+1. ``_conv_silu_kernel`` [grid: C tiles x T tiles x B]: depthwise causal conv over
+   ``[ring ; mixed]`` + SiLU -> ``act`` [B, T, C] (mixed's dtype); the program holding the
+   first T tile also writes the new ring (the last K-1 pre-conv rows).
+2. T == 1 (AR decode): ``_recurrent_kernel`` [grid: dv tiles x B*Hv]: L2-normalises q, k
+   in registers and applies the gated delta rule token by token on an fp32 state tile.
+3. T > 1: the chunked (UT-transform) rule, split like flash-linear-attention's
+   chunk_gated_delta_rule into the part that does not depend on the state (parallel over
+   chunks) and the sequential state recurrence:
+   - ``_chunk_prep_kernel`` [grid: chunks x B*Hv]: per chunk of BT rows, cumulative log
+     decay G, A = strict_tril(beta k k^T * exp(G_i - G_j)), (I + A)^-1 by forward
+     substitution, u = (I + A)^-1 (beta v), w = (I + A)^-1 (beta k exp(G)) -> fp32 scratch.
+   - ``_chunk_fwd_kernel`` [grid: dv tiles x B*Hv]: loops over chunks keeping the state
+     tile S [dk, BV] in fp32: v_new = u - w S; o = (q exp(G)) S + (tril(q k^T) * decay) v_new;
+     S = exp(G_last) S + (k exp(G_last - G))^T v_new. The output is computed in the same
+     pass, so no per-chunk states are materialised.
+   q and k are L2-normalised where they are loaded (no normalised copies in memory); key
+   heads are shared by REP = Hv // Hk consecutive value heads by index arithmetic.
+
+All decay/softmax arithmetic is fp32. Dots take ``input_precision="ieee"`` for fp32 inputs
+(bit-for-bit comparable to the reference) and tf32 otherwise (error below bf16/fp16 input
+rounding).
+"""
+import torch
+import triton
+import triton.language as tl
+
+CHUNK_SIZE = 64  # rows per chunk of the chunked rule (a block of Clover is 32)
+RECURRENT_MAX_T = 1  # T at or below which the token-by-token kernel is used
+
+
+@triton.jit
+def _conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, c, cm, T,
+               s_mb, s_mt, s_rb, s_rc, s_ri,
+               K: tl.constexpr, RIGHT: tl.constexpr):
+    """silu(conv) of rows t (mask tm) and channels c (mask cm), fp32 [len(t), len(c)].
+
+    Causal taps: sum_j w[c, j] * X[t + j - (K-1)] over X = [ring ; mixed]; with RIGHT also
+    the right taps sum_d r[c, d-1] * mixed[t + d] (zero past row T). Intermediate roundings
+    to mixed's dtype follow the reference."""
+    dt = mixed_ptr.dtype.element_ty
+    acc = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(K):
+        s = t + (j - (K - 1))  # source row in mixed; < 0 reads the ring at column s + K - 1
+        wj = tl.load(cw_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
+        m_mixed = (tm & (s >= 0))[:, None] & cm[None, :]
+        m_ring = (tm & (s < 0))[:, None] & cm[None, :]
+        xm = tl.load(mixed_ptr + b * s_mb + s[:, None] * s_mt + c[None, :], mask=m_mixed, other=0.0)
+        xr = tl.load(ring_ptr + b * s_rb + c[None, :] * s_rc + (s + (K - 1))[:, None] * s_ri,
+                     mask=m_ring, other=0.0)
+        x = xm.to(tl.float32) + xr.to(dt).to(tl.float32)
+        acc += x * wj[None, :]
+    acc = acc.to(dt).to(tl.float32)
+    if RIGHT:
+        racc = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32)
+        for d in tl.static_range(1, K):
+            s = t + d
+            msk = (tm & (s < T))[:, None] & cm[None, :]
+            x = tl.load(mixed_ptr + b * s_mb + s[:, None] * s_mt + c[None, :], mask=msk, other=0.0)
+            rd = tl.load(rw_ptr + c * (K - 1) + (d - 1), mask=cm, other=0.0).to(tl.float32)
+            racc += x.to(tl.float32) * rd[None, :]
+        acc = (acc + racc.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _l2norm_rows(x):
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _conv_silu_kernel(mixed_ptr, ring_ptr, cw_ptr, act_ptr, new_ring_ptr, T, C,
+                      s_mb, s_mt, s_rb, s_rc, s_ri, s_ab, s_at, s_nb, s_nc, s_ni,
+                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    pid_c = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    c = pid_c * BC + tl.arange(0, BC)
+    cm = c < C
+    t = pid_t * BT + tl.arange(0, BT)
+    tm = t < T
+    y = _conv_tile(mixed_ptr, ring_ptr, cw_ptr, cw_ptr, b, t, tm, c, cm, T,
+                   s_mb, s_mt, s_rb, s_rc, s_ri, K, False)
+    tl.store(act_ptr + b * s_ab + t[:, None] * s_at + c[None, :], y.to(act_ptr.dtype.element_ty),
+             mask=tm[:, None] & cm[None, :])
+    if pid_t == 0:
+        # new ring column i = X[T + i] (X indexed from -(K-1)): a mixed row or an old ring column
+        dt = mixed_ptr.dtype.element_ty
+        for i in tl.static_range(K - 1):
+            s = c * 0 + (T - (K - 1) + i)  # per-channel copy of the source row
+            xm = tl.load(mixed_ptr + b * s_mb + s * s_mt + c, mask=cm & (s >= 0), other=0.0)
+            xr = tl.load(ring_ptr + b * s_rb + c * s_rc + (s + (K - 1)) * s_ri, mask=cm & (s < 0), other=0.0)
+            x = tl.where(s >= 0, xm.to(dt), xr.to(dt))
+            tl.store(new_ring_ptr + b * s_nb + c * s_nc + i * s_ni, x.to(new_ring_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _recurrent_kernel(act_ptr, g_ptr, beta_ptr, s0_ptr, o_ptr, sT_ptr, T,
+                      s_ab, s_at, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_ob, s_ot, s_oh,
+                      HV, REP, KEY_DIM, scale,
+                      DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // HV
+    h = pid_bh % HV
+    hk = h // REP
+    kr = tl.arange(0, BK)
+    km = kr < DK
+    vr = pid_v * BV + tl.arange(0, BV)
+    vm = vr < DV
+    smask = km[:, None] & vm[None, :]
+    s_off = pid_bh * DK * DV + kr[:, None] * DV + vr[None, :]
+    S = tl.load(s0_ptr + s_off, mask=smask, other=0.0)
+    for t in range(T):
+        row = act_ptr + b * s_ab + t * s_at
+        q = tl.load(row + hk * DK + kr, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(row + KEY_DIM + hk * DK + kr, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(row + 2 * KEY_DIM + h * DV + vr, mask=vm, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        g = tl.load(g_ptr + b * s_gb + t * s_gt + h * s_gh).to(tl.float32)
+        beta = tl.load(beta_ptr + b * s_bb + t * s_bt + h * s_bh).to(tl.float32)
+        S = S * tl.exp(g)
+        pred = tl.sum(k[:, None] * S, axis=0)  # [BV]
+        delta = (v - pred) * beta
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum(q[:, None] * S, axis=0)
+        tl.store(o_ptr + b * s_ob + t * s_ot + h * s_oh + vr, o.to(o_ptr.dtype.element_ty), mask=vm)
+    tl.store(sT_ptr + s_off, S, mask=smask)
+
+
+@triton.jit
+def _chunk_prep_kernel(act_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, T,
+                       s_ab, s_at, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+                       HV, REP, KEY_DIM,
+                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
+                       BT: tl.constexpr, PREC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // HV
+    h = pid_bh % HV
+    hk = h // REP
+    r = tl.arange(0, BT)
+    t = pid_n * BT + r
+    tm = t < T
+    kr = tl.arange(0, BK)
+    km = kr < DK
+    vr = tl.arange(0, BDV)
+    vm = vr < DV
+    rows = act_ptr + b * s_ab + t[:, None] * s_at
+    k = tl.load(rows + KEY_DIM + hk * DK + kr[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
+    k = _l2norm_rows(k)
+    v = tl.load(rows + 2 * KEY_DIM + h * DV + vr[None, :], mask=tm[:, None] & vm[None, :], other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * s_gb + t * s_gt + h * s_gh, mask=tm, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + b * s_bb + t * s_bt + h * s_bh, mask=tm, other=0.0).to(tl.float32)
+    G = tl.cumsum(g, axis=0)  # padded rows have g = 0, so they carry G_last
+
+    kb = k * beta[:, None]
+    lower = r[:, None] > r[None, :]
+    A = tl.dot(kb, tl.trans(k), input_precision=PREC)
+    A = tl.where(lower, A * tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)), 0.0)
+    # (I + A)^-1 = I + N, N strictly lower: row i of N is a + a N with a = -A[i, :]
+    # (rows j < i of N are final when row i is formed; a_j = 0 for j >= i)
+    N = tl.zeros([BT, BT], dtype=tl.float32)
+    n_valid = tl.minimum(T - pid_n * BT, BT)
+    for i in range(1, n_valid):
+        a = -tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)
+        a = a + tl.sum(a[:, None] * N, axis=0)
+        N = tl.where(r[:, None] == i, a[None, :], N)
+    Minv = N + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    u = tl.dot(Minv, v * beta[:, None], input_precision=PREC)
+    w = tl.dot(Minv, kb * tl.exp(G)[:, None], input_precision=PREC)
+    base = pid_bh * T + t  # scratch layout [B*Hv, T, ...]
+    tl.store(u_ptr + base[:, None] * DV + vr[None, :], u, mask=tm[:, None] & vm[None, :])
+    tl.store(w_ptr + base[:, None] * DK + kr[None, :], w, mask=tm[:, None] & km[None, :])
+    tl.store(G_ptr + base, G, mask=tm)
+
+
+@triton.jit
+def _chunk_fwd_kernel(act_ptr, w_ptr, u_ptr, G_ptr, s0_ptr, o_ptr, sT_ptr, T,
+                      s_ab, s_at, s_ob, s_ot, s_oh,
+                      HV, REP, KEY_DIM, scale,
+                      DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      BT: tl.constexpr, PREC: tl.constexpr):
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // HV
+    h = pid_bh % HV
+    hk = h // REP
+    r = tl.arange(0, BT)
+    kr = tl.arange(0, BK)
+    km = kr < DK
+    vr = pid_v * BV + tl.arange(0, BV)
+    vm = vr < DV
+    smask = km[:, None] & vm[None, :]
+    s_off = pid_bh * DK * DV + kr[:, None] * DV + vr[None, :]
+    S = tl.load(s0_ptr + s_off, mask=smask, other=0.0)  # [BK, BV] fp32
+    causal = r[:, None] >= r[None, :]
+    for n in range(tl.cdiv(T, BT)):
+        t = n * BT + r
+        tm = t < T
+        rows = act_ptr + b * s_ab + t[:, None] * s_at
+        mk = tm[:, None] & km[None, :]
+        q = tl.load(rows + hk * DK + kr[None, :], mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(rows + KEY_DIM + hk * DK + kr[None, :], mask=mk, other=0.0).to(tl.float32)
+        q = _l2norm_rows(q) * scale
+        k = _l2norm_rows(k)
+        base = pid_bh * T + t
+        last = tl.minimum(n * BT + BT, T) - 1
+        G_last = tl.load(G_ptr + pid_bh * T + last)
+        G = tl.load(G_ptr + base, mask=tm, other=0.0)
+        G = tl.where(tm, G, G_last)
+        w = tl.load(w_ptr + base[:, None] * DK + kr[None, :], mask=mk, other=0.0)
+        u = tl.load(u_ptr + base[:, None] * DV + vr[None, :], mask=tm[:, None] & vm[None, :], other=0.0)
+        v_new = u - tl.dot(w, S, input_precision=PREC)  # [BT, BV]
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        P = tl.where(causal, qk * tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
+        o = tl.dot(q * tl.exp(G)[:, None], S, input_precision=PREC) + tl.dot(P, v_new, input_precision=PREC)
+        tl.store(o_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + vr[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=tm[:, None] & vm[None, :])
+        kd = k * tl.exp(G_last - G)[:, None]
+        S = S * tl.exp(G_last) + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+    tl.store(sT_ptr + s_off, S, mask=smask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_gdn_shapes(op, mixed, ring, conv_weight, state, num_k_heads, head_k_dim, head_v_dim):
+    """Validates the shared GDN arguments; returns (B, T, C, K, Hv)."""
+    if mixed.dim() != 3:
+        raise ValueError(f"{op}: mixed must be [B, T, C], got shape {tuple(mixed.shape)}")
+    B, T, C = mixed.shape
+    key_dim = num_k_heads * head_k_dim
+    if (C - 2 * key_dim) <= 0 or (C - 2 * key_dim) % head_v_dim:
+        raise ValueError(f"{op}: conv_dim {C} != 2 * {num_k_heads} * {head_k_dim} + Hv * {head_v_dim}")
+    Hv = (C - 2 * key_dim) // head_v_dim
+    if Hv % num_k_heads:
+        raise ValueError(f"{op}: value heads {Hv} not a multiple of key heads {num_k_heads}")
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != C:
+        raise ValueError(f"{op}: conv_weight must be [{C}, K], got {tuple(conv_weight.shape)}")
+    K = conv_weight.shape[1]
+    if K < 2:
+        raise ValueError(f"{op}: conv kernel size {K} < 2 is not supported")
+    if tuple(ring.shape) != (B, C, K - 1):
+        raise ValueError(f"{op}: ring must be [{B}, {C}, {K - 1}], got {tuple(ring.shape)}")
+    if tuple(state.shape) != (B, Hv, head_k_dim, head_v_dim):
+        raise ValueError(f"{op}: state must be [{B}, {Hv}, {head_k_dim}, {head_v_dim}], got {tuple(state.shape)}")
+    return B, T, C, K, Hv
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def conv_silu(mixed, ring, conv_weight):
+    """silu(causal_conv(mixed, ring)) [B, T, C] in mixed's dtype, and the new ring."""
+    B, T, C = mixed.shape
+    K = conv_weight.shape[1]
+    act = torch.empty(B, T, C, dtype=mixed.dtype, device=mixed.device)
+    new_ring = torch.empty(B, C, K - 1, dtype=ring.dtype, device=ring.device)
+    BT = min(16, triton.next_power_of_2(max(T, 1)))
+    BC = 128
+    grid = (triton.cdiv(C, BC), max(triton.cdiv(T, BT), 1), B)
+    _conv_silu_kernel[grid](
+        mixed, ring, conv_weight, act, new_ring, T, C,
+        mixed.stride(0), mixed.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
+        act.stride(0), act.stride(1), new_ring.stride(0), new_ring.stride(1), new_ring.stride(2),
+        K=K, BT=BT, BC=BC, num_warps=4,
+    )
+    return act, new_ring
+
+
+def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim,
+               chunk_size: int = CHUNK_SIZE):
+    """Same contract as ``gdn.naive.gdn_commit``: (o [B, T, Hv, dv] in mixed's dtype,
+    new ring in ring's dtype, new state fp32). The input state is not modified."""
+    B, T, C, K, Hv = check_gdn_shapes("gdn_commit", mixed, ring, conv_weight, state,
+                                      num_k_heads, head_k_dim, head_v_dim)
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, Hv):
+            raise ValueError(f"gdn_commit: {name} must be [{B}, {T}, {Hv}], got {tuple(t.shape)}")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"gdn_commit: chunk_size {chunk_size} must be a power of two >= 16")
+    dk, dv = head_k_dim, head_v_dim
+    mixed = _last_dim_contiguous(mixed)
+    conv_weight = conv_weight.contiguous()
+    s0 = state.to(torch.float32).contiguous()
+    o = torch.empty(B, T, Hv, dv, dtype=mixed.dtype, device=mixed.device)
+    s_final = torch.empty_like(s0)
+    if T == 0:
+        return o, ring.clone(), s0.clone()
+    act, new_ring = conv_silu(mixed, ring, conv_weight)
+    key_dim = num_k_heads * dk
+    rep = Hv // num_k_heads
+    BK = max(16, triton.next_power_of_2(dk))
+    BDV = max(16, triton.next_power_of_2(dv))
+    # dv tile of the sequential kernels: small enough to keep S [dk, BV] and the chunk's
+    # q, k, w tiles in registers, and to give B * Hv * dv/BV programs (128 for Hv=32, dv=128)
+    BV = min(BDV, 32 if BK >= 128 else 64)
+    grid_v = (triton.cdiv(dv, BV), B * Hv)
+    prec = _dot_precision(mixed.dtype)
+    if T <= RECURRENT_MAX_T:
+        _recurrent_kernel[grid_v](
+            act, g, beta, s0, o, s_final, T,
+            act.stride(0), act.stride(1), g.stride(0), g.stride(1), g.stride(2),
+            beta.stride(0), beta.stride(1), beta.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            Hv, rep, key_dim, dk ** -0.5,
+            DK=dk, DV=dv, BK=BK, BV=BV, num_warps=4,
+        )
+        return o, new_ring, s_final
+    BT = chunk_size
+    n_chunks = triton.cdiv(T, BT)
+    w = torch.empty(B * Hv, T, dk, dtype=torch.float32, device=mixed.device)
+    u = torch.empty(B * Hv, T, dv, dtype=torch.float32, device=mixed.device)
+    G = torch.empty(B * Hv, T, dtype=torch.float32, device=mixed.device)
+    _chunk_prep_kernel[(n_chunks, B * Hv)](
+        act, g, beta, w, u, G, T,
+        act.stride(0), act.stride(1), g.stride(0), g.stride(1), g.stride(2),
+        beta.stride(0), beta.stride(1), beta.stride(2),
+        Hv, rep, key_dim,
+        DK=dk, DV=dv, BK=BK, BDV=BDV, BT=BT, PREC=prec, num_warps=8 if BK * BT >= 8192 else 4,
+    )
+    _chunk_fwd_kernel[grid_v](
+        act, w, u, G, s0, o, s_final, T,
+        act.stride(0), act.stride(1), o.stride(0), o.stride(1), o.stride(2),
+        Hv, rep, key_dim, dk ** -0.5,
+        DK=dk, DV=dv, BK=BK, BV=BV, BT=BT, PREC=prec, num_warps=8 if BK * BT >= 8192 else 4,
+    )
+    return o, new_ring, s_final

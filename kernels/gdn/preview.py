@@ -1,0 +1,115 @@
+"""Triton kernel of Clover's GDN preview operator (reference: ``gdn/naive.py: gdn_preview``).
+
+One launch per layer, grid [dv tiles, B * Hv]; each program owns a value head (and a tile
+of its value dims) for the whole block of m <= 64 rows:
+
+    conv with causal + right taps (from the frozen ring and the block) -> SiLU
+    -> q, k of the head's key head (L2-normalised in registers), v tile
+    -> history read h = (q / sqrt(dk)) @ S0[:, tile]
+    -> block logits s = exp(block_scale) q k^T (both directions), history logit
+       history_bias + history_log_n * ln(m), softmax over [block ; history] in fp32
+    -> o = p_block v + p_hist h.
+
+Nothing is written but o, p_hist (by the programs of the first dv tile) and, when asked, h.
+The q/k conv is recomputed per dv tile: with dv <= 64 there is one tile, and it costs a few
+K-tap loads of data that sits in L2 otherwise.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .commit import _conv_tile, _dot_precision, _l2norm_rows, _last_dim_contiguous, check_gdn_shapes
+
+MAX_BLOCK = 64  # the block fits one tile of rows; longer blocks run the reference
+
+
+@triton.jit
+def _preview_kernel(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, s0_ptr, bs_ptr, hb_ptr, hln_ptr,
+                    o_ptr, p_ptr, h_ptr, m, log_m,
+                    s_mb, s_mt, s_rb, s_rc, s_ri, s_ob, s_ot, s_oh, s_pb, s_pt,
+                    HV, REP, KEY_DIM, scale,
+                    K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, BM: tl.constexpr, RETURN_H: tl.constexpr, PREC: tl.constexpr):
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // HV
+    h = pid_bh % HV
+    hk = h // REP
+    t = tl.arange(0, BM)
+    tm = t < m
+    kr = tl.arange(0, BK)
+    km = kr < DK
+    vr = pid_v * BV + tl.arange(0, BV)
+    vm = vr < DV
+
+    q = _conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, hk * DK + kr, km, m,
+                   s_mb, s_mt, s_rb, s_rc, s_ri, K, True)
+    k = _conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, KEY_DIM + hk * DK + kr, km, m,
+                   s_mb, s_mt, s_rb, s_rc, s_ri, K, True)
+    v = _conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, 2 * KEY_DIM + h * DV + vr, vm, m,
+                   s_mb, s_mt, s_rb, s_rc, s_ri, K, True)
+    q = _l2norm_rows(tl.where(tm[:, None], q, 0.0))
+    k = _l2norm_rows(tl.where(tm[:, None], k, 0.0))
+    v = tl.where(tm[:, None], v, 0.0)
+
+    S0 = tl.load(s0_ptr + pid_bh * DK * DV + kr[:, None] * DV + vr[None, :],
+                 mask=km[:, None] & vm[None, :], other=0.0)
+    hist = tl.dot(q * scale, S0, input_precision=PREC)  # [BM, BV]
+
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * tl.exp(tl.load(bs_ptr + h).to(tl.float32))
+    s = tl.where(tm[None, :], s, float("-inf"))
+    s_hist = tl.load(hb_ptr + h).to(tl.float32) + tl.load(hln_ptr + h).to(tl.float32) * log_m
+    mx = tl.maximum(tl.max(s, axis=1), s_hist)
+    p = tl.exp(s - mx[:, None])
+    p_h = tl.exp(s_hist - mx)
+    inv_den = 1.0 / (tl.sum(p, axis=1) + p_h)
+    o = (tl.dot(p, v, input_precision=PREC) + p_h[:, None] * hist) * inv_den[:, None]
+    out_mask = tm[:, None] & vm[None, :]
+    tl.store(o_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + vr[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=out_mask)
+    if pid_v == 0:
+        tl.store(p_ptr + b * s_pb + t * s_pt + h, p_h * inv_den, mask=tm)
+    if RETURN_H:
+        tl.store(h_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + vr[None, :], hist, mask=out_mask)
+
+
+def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
+                num_k_heads, head_k_dim, head_v_dim, return_history: bool = False):
+    """Same contract as ``gdn.naive.gdn_preview``: (o [B, m, Hv, dv] in mixed's dtype,
+    p_hist [B, m, Hv] fp32, h [B, m, Hv, dv] fp32 or None). Reads ring and state only."""
+    B, m, C, K, Hv = check_gdn_shapes("gdn_preview", mixed, ring, conv_weight, state,
+                                      num_k_heads, head_k_dim, head_v_dim)
+    if tuple(right_weight.shape) != (C, K - 1):
+        raise ValueError(f"gdn_preview: right_weight must be [{C}, {K - 1}], got {tuple(right_weight.shape)}")
+    for name, t in (("block_scale", block_scale), ("history_bias", history_bias), ("history_log_n", history_log_n)):
+        if tuple(t.shape) != (Hv,):
+            raise ValueError(f"gdn_preview: {name} must be [{Hv}], got {tuple(t.shape)}")
+    if m < 1:
+        raise ValueError(f"gdn_preview: empty block (m={m})")
+    if m > MAX_BLOCK:  # blocks longer than one tile of rows: the reference (correct, not fast)
+        from .naive import gdn_preview as reference
+        return reference(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias,
+                         history_log_n, num_k_heads, head_k_dim, head_v_dim, return_history)
+    dk, dv = head_k_dim, head_v_dim
+    mixed = _last_dim_contiguous(mixed)
+    s0 = state.to(torch.float32).contiguous()
+    o = torch.empty(B, m, Hv, dv, dtype=mixed.dtype, device=mixed.device)
+    p_hist = torch.empty(B, m, Hv, dtype=torch.float32, device=mixed.device)
+    h = torch.empty(B, m, Hv, dv, dtype=torch.float32, device=mixed.device) if return_history else o
+    BK = max(16, triton.next_power_of_2(dk))
+    BV = min(max(16, triton.next_power_of_2(dv)), 64)
+    BM = max(16, triton.next_power_of_2(m))
+    grid = (triton.cdiv(dv, BV), B * Hv)
+    _preview_kernel[grid](
+        mixed, ring, conv_weight.contiguous(), right_weight.contiguous(), s0,
+        block_scale.contiguous(), history_bias.contiguous(), history_log_n.contiguous(),
+        o, p_hist, h, m, math.log(m),
+        mixed.stride(0), mixed.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
+        o.stride(0), o.stride(1), o.stride(2), p_hist.stride(0), p_hist.stride(1),
+        Hv, Hv // num_k_heads, num_k_heads * dk, dk ** -0.5,
+        K=K, DK=dk, DV=dv, BK=BK, BV=BV, BM=BM, RETURN_H=return_history, PREC=_dot_precision(mixed.dtype),
+        num_warps=8 if BK * BM >= 8192 else 4,
+    )
+    return o, p_hist, (h if return_history else None)

@@ -1,0 +1,166 @@
+"""Fused MoE experts for small token counts (a block of 1-64 tokens, top-k <= 8).
+Reference: ``moe/naive.py: moe_experts``.
+
+Layout (the scheme of SGLang/vLLM's fused_moe, written for this project's shapes):
+
+1. ``align_blocks`` (a few torch ops, no host synchronisation): the T*k (token, slot) pairs
+   are sorted by expert and each expert's group is padded to a multiple of BM rows; the
+   result is a table of row blocks, each owned by one expert, holding pair ids (sentinel =
+   P for padding). The number of blocks is bounded on the host without looking at the data
+   (``cdiv(P + min(E, P) * (BM - 1), BM)``); blocks past the real ones carry expert -1 and
+   exit at once, so the launch needs no sync and is CUDA-graph friendly.
+2. ``_gate_up_kernel`` [grid: blocks x I tiles]: gathers the tokens of a block, computes
+   gate and up tiles against only that expert's rows of gate_up, and stores
+   silu(gate) * up into a padded scratch [blocks * BM, I].
+3. ``_down_kernel`` [grid: blocks x H tiles]: down projection of the scratch rows, times
+   the pair's routing weight, stored per pair [P, H] (fp32).
+4. one torch reduction over the k slots of each token (deterministic, no atomics).
+
+Experts hit by no token own no block, so their weights are never read.
+"""
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # rows per expert block: tl.dot's minimum; a 32-token block spreads over many experts
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, gu_ptr, pair_ptr, blk_e_ptr, act_ptr, P, H, I, TOPK,
+                    s_xt, s_ge, s_gn, s_gh, s_at,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_e_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(pair_ptr + rows)
+    rm = pair < P
+    tok = (pair // TOPK).to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)
+    nm = n < I
+    dt = x_ptr.dtype.element_ty
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    w_base = gu_ptr + e * s_ge
+    for k0 in range(0, H, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < H
+        a = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rm[:, None] & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & nm[None, :]
+        wg = tl.load(w_base + n[None, :] * s_gn + kk[:, None] * s_gh, mask=wmask, other=0.0)  # [BK, BN]
+        wu = tl.load(w_base + (n + I)[None, :] * s_gn + kk[:, None] * s_gh, mask=wmask, other=0.0)
+        acc_g = tl.dot(a, wg.to(dt), acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, wu.to(dt), acc_u, input_precision=PREC)
+    # the reference rounds the projections to x's dtype before the activation
+    gate = acc_g.to(dt).to(tl.float32)
+    up = acc_u.to(dt).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
+    tl.store(act_ptr + rows[:, None].to(tl.int64) * s_at + n[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=rm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, dn_ptr, pair_ptr, blk_e_ptr, wt_ptr, y_ptr, P, H, I,
+                 s_at, s_de, s_dh, s_di, s_yp,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_e_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(pair_ptr + rows)
+    rm = pair < P
+    n = pid_n * BN + tl.arange(0, BN)
+    nm = n < H
+    dt = act_ptr.dtype.element_ty
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    w_base = dn_ptr + e * s_de
+    for k0 in range(0, I, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < I
+        a = tl.load(act_ptr + rows[:, None].to(tl.int64) * s_at + kk[None, :],
+                    mask=rm[:, None] & kmask[None, :], other=0.0)
+        wd = tl.load(w_base + n[None, :] * s_dh + kk[:, None] * s_di,
+                     mask=kmask[:, None] & nm[None, :], other=0.0)  # [BK, BN]
+        acc = tl.dot(a, wd.to(dt), acc, input_precision=PREC)
+    wt = tl.load(wt_ptr + pair, mask=rm, other=0.0).to(dt).to(tl.float32)
+    y = acc.to(dt).to(tl.float32) * wt[:, None]
+    tl.store(y_ptr + pair[:, None].to(tl.int64) * s_yp + n[None, :], y, mask=rm[:, None] & nm[None, :])
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """Upper bound on sum_e ceil(count_e / BM) for num_pairs pairs over num_experts experts."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+
+
+def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+    """(pair_of_row [nb * BM] int32 with sentinel P, expert_of_block [nb] int32 with -1 for unused)."""
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    P = flat.numel()
+    dev = flat.device
+    nb = max_blocks(P, num_experts, block_m)
+    order = torch.argsort(flat, stable=True)  # pair ids sorted by expert
+    # scatter_add, not bincount: bincount on CUDA reads the max id back to the host (a sync)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    starts = counts.cumsum(0) - counts  # first sorted position of each expert
+    blocks = (counts + block_m - 1) // block_m
+    block_ends = blocks.cumsum(0)
+    block_starts = block_ends - blocks
+    bid = torch.arange(nb, device=dev)
+    blk_e = torch.searchsorted(block_ends, bid, right=True)  # == E past the last real block
+    valid_blk = blk_e < num_experts
+    e = blk_e.clamp(max=num_experts - 1)
+    row_in_e = (bid - block_starts[e])[:, None] * block_m + torch.arange(block_m, device=dev)  # [nb, BM]
+    valid_row = valid_blk[:, None] & (row_in_e < counts[e][:, None])
+    sorted_pos = (starts[e][:, None] + row_in_e).clamp(max=P - 1)
+    pair_of_row = torch.where(valid_row, order[sorted_pos], P).to(torch.int32).reshape(-1)
+    expert_of_block = torch.where(valid_blk, blk_e, -1).to(torch.int32)
+    return pair_of_row, expert_of_block
+
+
+def _tile(n: int, cap: int) -> int:
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def moe_experts(x, expert_ids, weights, gate_up, down):
+    """Same contract as ``moe.naive.moe_experts``: [T, H] in x's dtype."""
+    if x.dim() != 2:
+        raise ValueError(f"moe_experts: x must be [T, H], got {tuple(x.shape)}")
+    T, H = x.shape
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != T:
+        raise ValueError(f"moe_experts: expert_ids must be [{T}, k], got {tuple(expert_ids.shape)}")
+    topk = expert_ids.shape[1]
+    if tuple(weights.shape) != (T, topk):
+        raise ValueError(f"moe_experts: weights must be [{T}, {topk}], got {tuple(weights.shape)}")
+    if gate_up.dim() != 3 or gate_up.shape[2] != H or gate_up.shape[1] % 2:
+        raise ValueError(f"moe_experts: gate_up must be [E, 2I, {H}], got {tuple(gate_up.shape)}")
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
+    if tuple(down.shape) != (E, H, I):
+        raise ValueError(f"moe_experts: down must be [{E}, {H}, {I}], got {tuple(down.shape)}")
+    if T == 0 or topk == 0:
+        return x.new_zeros(T, H)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    P = T * topk
+    pair_of_row, expert_of_block = align_blocks(expert_ids, E)
+    nb = expert_of_block.numel()
+    act = torch.empty(nb * BLOCK_M, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    # few expert blocks (decode, a small block): narrower I tiles give more programs to stream weights
+    BN1, BK1 = _tile(I, 32 if nb * triton.cdiv(I, 64) < 128 else 64), _tile(H, 128)
+    _gate_up_kernel[(nb, triton.cdiv(I, BN1))](
+        x, gate_up, pair_of_row, expert_of_block, act, P, H, I, topk,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0),
+        BM=BLOCK_M, BN=BN1, BK=BK1, PREC=prec, num_warps=4,
+    )
+    BN2, BK2 = _tile(H, 128), _tile(I, 128)
+    _down_kernel[(nb, triton.cdiv(H, BN2))](
+        act, down, pair_of_row, expert_of_block, weights.reshape(-1).contiguous(), y, P, H, I,
+        act.stride(0), down.stride(0), down.stride(1), down.stride(2), y.stride(0),
+        BM=BLOCK_M, BN=BN2, BK=BK2, PREC=prec, num_warps=4,
+    )
+    return y.view(T, topk, H).sum(1).to(x.dtype)

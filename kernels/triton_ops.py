@@ -1,0 +1,29 @@
+"""The Triton implementations, by op name, for ``dispatch.py``.
+
+``OPS[name]`` has exactly the signature and return contract of the torch reference of the
+same name. Importing this module never fails: where triton (or one kernel module) cannot be
+imported, its ops are simply absent and ``MISSING`` says why.
+"""
+import importlib
+
+OPS: dict = {}
+MISSING: dict = {}  # op name -> reason it has no Triton implementation here
+
+_SOURCES = {
+    "rms_norm": ("clover_kernels.norm.rms", "rms_norm"),
+    "gated_rms_norm": ("clover_kernels.norm.rms", "gated_rms_norm"),
+    "gdn_commit": ("clover_kernels.gdn.commit", "gdn_commit"),
+    "gdn_preview": ("clover_kernels.gdn.preview", "gdn_preview"),
+    "moe_experts": ("clover_kernels.moe.fused", "moe_experts"),
+}
+
+
+def _load():
+    for name, (module, attr) in _SOURCES.items():
+        try:
+            OPS[name] = getattr(importlib.import_module(module), attr)
+        except Exception as exc:  # triton missing or broken: the op falls back to its reference
+            MISSING[name] = f"{module}: {type(exc).__name__}: {exc}"
+
+
+_load()

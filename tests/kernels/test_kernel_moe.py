@@ -1,0 +1,72 @@
+"""Fused MoE experts (grouped by expert, only experts hit are read) against moe/naive.py."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from clover_kernels.moe import fused  # noqa: E402
+from clover_kernels.moe import naive  # noqa: E402
+
+E, H, I = 8, 64, 32
+
+
+def make_inputs(T, k, dtype, device, unused=(), seed=0, E=E, H=H, I=I):
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(E) if e not in unused])
+    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(T)]) \
+        if T else torch.zeros(0, k, dtype=torch.long)
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(dtype)
+    return tuple(a.to(device) for a in (x, ids, weights, gate_up, down))
+
+
+# (T, k, experts hit by no token): one token top-1 (decode), top-8 of 8, a block of 32 with
+# experts left out, odd counts that leave partly filled expert blocks, a 64-token block
+CASES = [(1, 1, ()), (1, 8, ()), (3, 2, (1, 6)), (32, 4, (0, 5, 7)), (17, 3, ()), (64, 8, ())]
+
+
+@pytest.mark.parametrize("T,k,unused", CASES, ids=lambda c: str(c))
+def test_moe_experts(T, k, unused, dtype, device, close):
+    x, ids, w, gate_up, down = make_inputs(T, k, dtype, device, unused)
+    ref = naive.moe_experts(x, ids, w, gate_up, down)
+    if unused:  # experts hit by no token must never be read: poison them
+        gate_up[list(unused)] = float("nan")
+        down[list(unused)] = float("nan")
+    out = fused.moe_experts(x, ids, w, gate_up, down)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()), what="moe")
+
+
+def test_moe_uneven_dims_and_many_experts(device, close):
+    """Sizes that are not tile multiples, more experts than pairs."""
+    x, ids, w, gate_up, down = make_inputs(5, 2, torch.float32, device, E=40, H=48, I=40, seed=3)
+    close(fused.moe_experts(x, ids, w, gate_up, down), naive.moe_experts(x, ids, w, gate_up, down),
+          torch.float32, what="moe")
+
+
+def test_moe_no_tokens(device):
+    x, ids, w, gate_up, down = make_inputs(0, 2, torch.float32, device)
+    assert fused.moe_experts(x, ids, w, gate_up, down).shape == (0, H)
+
+
+def test_align_blocks_covers_every_pair_once(device):
+    ids = torch.tensor([[3, 1], [3, 0], [1, 3], [7, 3]], device=device)
+    pair_of_row, expert_of_block = fused.align_blocks(ids, 8, block_m=16)
+    P = ids.numel()
+    rows = pair_of_row.view(-1, 16)
+    real = expert_of_block >= 0
+    assert sorted(expert_of_block[real].tolist()) == [0, 1, 3, 7]  # one block per expert hit, none else
+    assert (rows[~real] == P).all()
+    assert sorted(pair_of_row[pair_of_row < P].tolist()) == list(range(P))
+    for blk, e in zip(rows[real], expert_of_block[real]):
+        pairs = blk[blk < P].long()
+        assert (ids.reshape(-1)[pairs] == e).all()
+    assert expert_of_block.numel() == fused.max_blocks(P, 8)
+
+
+def test_moe_rejects_bad_shapes(device):
+    x, ids, w, gate_up, down = make_inputs(2, 2, torch.float32, device)
+    with pytest.raises(ValueError, match="down"):
+        fused.moe_experts(x, ids, w, gate_up, down[:, :, :8])
