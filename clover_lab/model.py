@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import clover_kernels as ops
+from clover_kernels.gdn.naive import gdn_commit_blocks
 
 from .cache import AttentionCache, CloverCache, GDNCache
 from .config import CloverConfig
@@ -39,18 +40,29 @@ class Coreset:
 
 @dataclass
 class Pass:
-    """What one forward does: commit rows [0, c), preview rows [c, c + m), at committed length n."""
+    """What one forward does: commit rows [0, c), preview rows [c, c + m), at committed length n.
 
-    cache: CloverCache
+    Training layout (``block_size`` set, no cache): rows [0, c) are a clean sequence from position
+    0, run causally; rows [c, 2c) a noisy copy, each block of ``block_size`` rows previewed against
+    the clean prefix before it, exactly as the engine previews it against its cache.
+    """
+
+    cache: CloverCache | None
     n: int
     c: int
     m: int
     coreset: Coreset | None = None
     device: torch.device | str = "cpu"
+    block_size: int | None = None
+    router_stats: list | None = None  # training: (router probs [T, E], expert ids [T, k]) per MoE layer part
     pending: list = field(default_factory=list)  # (destination, source) cache writes, applied on success
 
     def __post_init__(self):
-        self.positions = torch.arange(self.n, self.n + self.c + self.m, device=self.device)  # [c + m]
+        if self.block_size:
+            clean = torch.arange(self.c, device=self.device)
+            self.positions = torch.cat([clean, clean])  # each noisy token sits at its clean position
+        else:
+            self.positions = torch.arange(self.n, self.n + self.c + self.m, device=self.device)  # [c + m]
 
 
 @dataclass
@@ -137,6 +149,9 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
         cos, sin = rotary.cos_sin(p.positions, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if p.block_size:
+            o = self._attend_blocks(q, k, v, p.c, p.block_size)
+            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
 
         cache: AttentionCache = p.cache.layers[self.layer]
         n, c, m = p.n, p.c, p.m
@@ -160,6 +175,20 @@ class GatedAttention(nn.Module):
         o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
         return self.o_proj(o)
+
+
+    @staticmethod
+    def _attend_blocks(q, k, v, L: int, bs: int) -> torch.Tensor:
+        """Training layout: clean rows attend causally; noisy block b attends to the clean rows
+        before it and to its own block, both directions (spec 3.1)."""
+        clean = F.scaled_dot_product_attention(q[:, :, :L], k[:, :, :L], v[:, :, :L], is_causal=True,
+                                               enable_gqa=True)
+        block_of = torch.arange(L, device=q.device) // bs
+        sees_clean = torch.arange(L, device=q.device)[None, :] < (block_of[:, None] * bs)
+        sees_block = block_of[:, None] == block_of[None, :]
+        allowed = torch.cat([sees_clean, sees_block], dim=1)  # [L noisy queries, L clean + L noisy keys]
+        noisy = F.scaled_dot_product_attention(q[:, :, L:], k, v, attn_mask=allowed, enable_gqa=True)
+        return torch.cat([clean, noisy], dim=2)
 
 
 class GatedDeltaNet(nn.Module):
@@ -205,13 +234,16 @@ class GatedDeltaNet(nn.Module):
         c, m = p.c, p.m
         mixed = self.in_proj_qkv(x)  # [B, T, C]
         z = self.in_proj_z(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        if p.block_size:
+            o = self._mix_blocks(x, mixed, p.c, p.block_size)
+            o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+            return self.out_proj(o.reshape(B, T, -1))
         cache: GDNCache = p.cache.layers[self.layer]
         ring, state = cache.ring, cache.state
         conv_w = self.conv1d.weight[:, 0]
         outs = []
         if c:
-            beta = self.in_proj_b(x[:, :c]).sigmoid()
-            g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x[:, :c]).float() + self.dt_bias.float())
+            g, beta = self._gates(x[:, :c])
             o, ring, state = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state,
                                             self.num_k_heads, self.head_k_dim, self.head_v_dim)
             if self.hooks.active(self.state_point):
@@ -236,6 +268,28 @@ class GatedDeltaNet(nn.Module):
         o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B, T, Hv, dv]
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(B, T, -1))
+
+
+    def _gates(self, x):
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        return g, beta
+
+    def _mix_blocks(self, x, mixed, L: int, bs: int) -> torch.Tensor:
+        """Training layout: the clean rows in commit mode, every noisy block previewed against the
+        clean state and ring at its boundary, with the same preview op as inference."""
+        B = x.shape[0]
+        nb = L // bs
+        g, beta = self._gates(x[:, :L])
+        conv_w = self.conv1d.weight[:, 0]
+        o_clean, rings, states = gdn_commit_blocks(mixed[:, :L], conv_w, g, beta, self.num_k_heads,
+                                                   self.head_k_dim, self.head_v_dim, bs)
+        noisy = mixed[:, L:].reshape(B * nb, bs, -1)
+        o_noisy, _, _ = ops.gdn_preview(
+            noisy, rings.reshape(B * nb, *rings.shape[2:]), conv_w, self.conv1d_right.weight[:, 0],
+            states.reshape(B * nb, *states.shape[2:]), self.block_scale, self.history_bias, self.history_log_n,
+            self.num_k_heads, self.head_k_dim, self.head_v_dim)
+        return torch.cat([o_clean, o_noisy.reshape(B, L, *o_noisy.shape[2:])], dim=1)
 
 
 class SwiGLU(nn.Module):
@@ -295,6 +349,8 @@ class SparseMoE(nn.Module):
                 selectable[chosen] = True
         choice = probs if selectable is None else probs.masked_fill(~selectable, -1.0)
         top, ids = choice.topk(self.top_k, dim=-1)
+        if p.router_stats is not None:
+            p.router_stats.append((probs, ids))
         weights = (top / top.sum(-1, keepdim=True)).to(logits.dtype)
         if self.hooks.active(self.route_point):
             positions = p.positions[lo:hi].repeat(batch)
@@ -495,6 +551,25 @@ class CloverModel(nn.Module):
                 rows = rows[:, torch.as_tensor(preview_positions, device=x.device, dtype=torch.long)]
             out_preview = self.lm_head(self.model.norm(rows))
         return StepOutput(out_commit, out_preview)
+
+    def block_forward(self, clean_ids: torch.Tensor, noisy_ids: torch.Tensor, block_size: int | None = None,
+                      router_stats: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training forward (with gradients): the clean sequence causally and its noisy copy, each
+        block previewed against the clean prefix before it, in one forward. Returns the logits
+        (hidden states through the final norm and LM head) of the clean and the noisy rows [B, L, V]."""
+        bs = block_size or self.config.block_size
+        if clean_ids.shape != noisy_ids.shape or clean_ids.dim() != 2:
+            raise ValueError(f"block_forward: clean and noisy ids must both be [B, L]; got "
+                             f"{tuple(clean_ids.shape)} and {tuple(noisy_ids.shape)}")
+        L = clean_ids.shape[1]
+        if L % bs:
+            raise ValueError(f"block_forward: length {L} is not a multiple of the block size {bs}")
+        p = Pass(None, 0, L, L, None, self.device, block_size=bs, router_stats=router_stats)
+        x = self.model.embed_tokens(torch.cat([clean_ids, noisy_ids], dim=1))
+        for layer in self.model.layers:
+            x = layer(x, p, self.model.rotary)
+        logits = self.lm_head(self.model.norm(x))
+        return logits[:, :L], logits[:, L:]
 
     # ------------------------------------------------------------------ the three modes
     def commit(self, cache: CloverCache, ids, logits: str | None = "last") -> torch.Tensor | None:

@@ -70,20 +70,20 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
 
 def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     """(I + A)^-1 for strictly lower-triangular A [..., n, n], by forward substitution over rows
-    (batched small triangular solves are slow on the CPU; this is n small matmuls)."""
+    (batched small triangular solves are slow on the CPU; this is n small matmuls). Built from
+    a list of rows rather than in place, so that it is differentiable."""
     n = A.shape[-1]
-    inv = torch.zeros_like(A)
-    inv[..., 0, 0] = 1.0
+    eye = torch.eye(n, dtype=A.dtype, device=A.device)
+    rows = [eye[:1].expand(*A.shape[:-2], 1, n)]
     for i in range(1, n):
-        # row i of the inverse: e_i - A[i, :i] @ inv[:i, :]
-        row = -(A[..., i:i + 1, :i] @ inv[..., :i, :])
-        row[..., 0, i] = 1.0
-        inv[..., i:i + 1, :] = row
-    return inv
+        done = torch.cat(rows, dim=-2)  # [..., i, n]
+        rows.append(eye[i:i + 1] - A[..., i:i + 1, :i] @ done)  # e_i - A[i, :i] @ inv[:i, :]
+    return torch.cat(rows, dim=-2)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
-    """Chunked (WY / UT-transform) gated delta rule, same contract as the recurrent form.
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64, return_chunk_states: bool = False):
+    """Chunked (WY / UT-transform) gated delta rule, same contract as the recurrent form;
+    with ``return_chunk_states`` also the state before each chunk [B, N, H, dk, dv].
 
     Within a chunk with cumulative log decay G, the corrected values solve
     (I + A) v_new = beta*v - (beta*k*exp(G)) S with A_ij = beta_i <k_i, k_j> exp(G_i - G_j), j < i;
@@ -118,11 +118,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
 
     S = state.float().clone()
     out = torch.empty(B, H, N, Cs, dv, dtype=torch.float32, device=q.device)
+    before = []
     for i in range(N):
+        before.append(S)
         v_new = u[:, :, i] - w[:, :, i] @ S
         out[:, :, i] = q_decayed[:, :, i] @ S + intra[:, :, i] @ v_new
         S = S * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
     out = out.reshape(B, H, N * Cs, dv)[:, :, :T].transpose(1, 2)
+    if return_chunk_states:
+        return out, S, torch.stack(before, dim=1)
     return out, S
 
 
@@ -165,3 +169,26 @@ def gdn_preview(
     p_block, p_hist = p[..., :m], p[..., m]
     o = torch.einsum("bhtj,bjhv->bthv", p_block, v) + p_hist.transpose(1, 2)[..., None] * h
     return o.to(mixed.dtype), p_hist.transpose(1, 2).contiguous(), (h if return_history else None)
+
+
+def gdn_commit_blocks(mixed, conv_weight, g, beta, num_k_heads, head_k_dim, head_v_dim, block_size):
+    """Training: the causal GDN over a whole clean sequence from an empty state, plus the
+    committed-prefix state at every block boundary, i.e. what the cache would hold when block b
+    is previewed. T must be a multiple of block_size.
+
+    Returns (o [B, T, Hv, dv], rings [B, nb, C, K-1], states [B, nb, Hv, dk, dv] fp32).
+    """
+    B, T, C = mixed.shape
+    K = conv_weight.shape[1]
+    nb = T // block_size
+    ring0 = mixed.new_zeros(B, C, K - 1)
+    conv, _ = causal_conv(mixed, ring0, conv_weight)
+    q, k, v = split_heads(F.silu(conv), num_k_heads, head_k_dim, head_v_dim)
+    state0 = torch.zeros(B, v.shape[2], head_k_dim, head_v_dim, dtype=torch.float32, device=mixed.device)
+    o, _, states = chunk_gated_delta_rule(q, k, v, g, beta, state0, chunk_size=block_size, return_chunk_states=True)
+    # the ring before block b: pre-conv rows [b*bs - (K-1), b*bs), zeros before the sequence start
+    padded = torch.cat([mixed.new_zeros(B, K - 1, C), mixed], dim=1)  # [B, K-1+T, C]
+    starts = torch.arange(nb, device=mixed.device) * block_size
+    idx = starts[:, None] + torch.arange(K - 1, device=mixed.device)[None]  # [nb, K-1]
+    rings = padded[:, idx].permute(0, 1, 3, 2)  # [B, nb, C, K-1]
+    return o.to(mixed.dtype), rings, states

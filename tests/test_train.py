@@ -1,0 +1,83 @@
+"""Training of small Clover models: the objective uses the inference operators, runs resume."""
+import json
+
+import pytest
+import torch
+
+from clover_lab import CloverConfig, CloverModel
+from clover_lab import train as training
+
+
+def test_block_forward_is_the_engine_math(tiny_model):
+    """The training forward equals committing the clean prefix and previewing each noisy block."""
+    bs, L = 16, 48
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, 500, (2, L), generator=g)
+    noisy, _ = training.mask_blocks(clean, bs, 511, g, 0.3)
+    with torch.no_grad():
+        clean_logits, noisy_logits = tiny_model.block_forward(clean, noisy, bs)
+    assert torch.allclose(clean_logits, tiny_model.logits(clean), atol=1e-5)
+    for row in range(2):
+        for b in range(L // bs):
+            cache = tiny_model.new_cache(L)
+            if b:
+                tiny_model.commit(cache, clean[row:row + 1, :b * bs], logits=None)
+            want = tiny_model.preview(cache, noisy[row:row + 1, b * bs:(b + 1) * bs])
+            assert torch.allclose(noisy_logits[row:row + 1, b * bs:(b + 1) * bs], want, atol=1e-4)
+
+
+def test_block_forward_trains_every_parameter(tiny_model):
+    for p in tiny_model.parameters():
+        p.requires_grad_(True)
+    clean = torch.randint(0, 500, (1, 32))
+    noisy, masked = training.mask_blocks(clean, 16, 511, torch.Generator().manual_seed(1), 0.5)
+    _, logits = tiny_model.block_forward(clean, noisy, 16)
+    logits[masked].logsumexp(-1).sum().backward()
+    no_grad = [n for n, p in tiny_model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    # the clean stream's LM head rows are used, but only through the noisy logits here
+    assert not [n for n in no_grad if "linear_attn" in n or "self_attn" in n or "experts" in n], no_grad
+
+
+def test_mask_blocks_masks_every_block_at_least_once():
+    clean = torch.arange(64).reshape(1, 64)
+    noisy, masked = training.mask_blocks(clean, 16, 999, torch.Generator().manual_seed(0), 0.05)
+    assert masked.reshape(1, 4, 16).any(-1).all()
+    assert torch.equal(noisy[masked], torch.full((int(masked.sum()),), 999))
+    assert torch.equal(noisy[~masked], clean[~masked])
+
+
+def test_stdlib_corpus_has_no_tests_and_a_stable_split():
+    train_files, held = training.split_corpus()
+    assert len(train_files) > 200 and 0 < len(held) < len(train_files) / 5
+    assert not any("test" in f.parts[-2:-1] or f.name.startswith("test_") for f in train_files + held)
+    assert not set(train_files) & set(held)
+    assert training.split_corpus()[1] == held
+
+
+def test_tiny_run_learns_and_resumes(tmp_path, monkeypatch):
+    files = training.stdlib_files()
+    small = [f for f in files if f.name in ("bisect.py", "heapq.py", "colorsys.py", "keyword.py", "abc.py")]
+    assert len(small) >= 4
+    monkeypatch.setattr(training, "split_corpus", lambda root=None: (small[:-1], small[-1:]))
+    settings = training.TrainSettings(seq_len=64, batch_size=4, lr=3e-3, warmup_steps=5, max_steps=40)
+    overrides = dict(hidden_size=64, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=64, shared_expert_intermediate_size=64, head_dim=32,
+                     linear_key_head_dim=16, linear_value_head_dim=16)
+    run = tmp_path / "run"
+    training.train(run, minutes=10, vocab_size=400, block_size=16, settings=settings, overrides=overrides,
+                   log_every=5, checkpoint_every=20)
+    log = [json.loads(line) for line in (run / "loss_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 40
+    assert log[-1]["mask_ce"] < log[0]["mask_ce"] - 0.5
+    state = torch.load(run / "train_state.pt", weights_only=False)
+    assert state["step"] == 40
+    # resuming continues from the checkpoint (max_steps already reached: no further step)
+    training.train(run, minutes=10, vocab_size=400, block_size=16, overrides=overrides)
+    assert torch.load(run / "train_state.pt", weights_only=False)["step"] == 40
+    model_dir = training.export(run, tmp_path / "model")
+    from clover_lab.loading import load_tokenizer
+
+    model, tok = CloverModel.from_pretrained(model_dir), load_tokenizer(model_dir)
+    assert model.config.mask_token_id == tok.mask_token_id and tok.decode(tok("def f(x):")["input_ids"]) == "def f(x):"
+    figures = training.evaluate(model, torch.load(run / "data.pt")["heldout"], windows=4, seq_len=64)
+    assert 0 <= figures["mask_acc@0.5"] <= 1 and figures["ar_perplexity"] > 1
