@@ -287,8 +287,14 @@ def load_tokenizer(path):
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    # AutoTokenizer reads config.json and warns that model_type clover_moe is unknown to it: noise
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - re-raised with the directory named
         raise CheckpointError(f"{path}: tokenizer files present but unreadable ({e})") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)

@@ -501,7 +501,9 @@ class CloverModel(nn.Module):
             raise ValueError(f"{name}: expected integer token ids of shape [B, T], got {tuple(ids.shape)} {ids.dtype}")
         if ids.shape[0] != cache.batch_size:
             raise ValueError(f"{name}: batch size {ids.shape[0]} does not match the cache's {cache.batch_size}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+        # range-checked where that costs no device-to-host sync: ids already on an accelerator
+        # come from the engine itself
+        if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"{name}: token ids must be in [0, {self.config.vocab_size})")
         return ids.to(self.device, torch.long)
 

@@ -1,8 +1,13 @@
 """Shared fixtures: small reference checkpoints written by transformers' own Qwen3.5-MoE."""
+import os
 import warnings
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # read when triton is first imported: set before any test module can import it (tests/kernels)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REF_SIZES = dict(
     vocab_size=512, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -65,3 +70,100 @@ def tiny_model():
             if "conv1d_right" in name or "history" in name or "block_scale" in name:
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
     return model
+
+
+# --------------------------------------------------------------------------- generation (issue 3)
+# Fixture names start with gen_ / tiny_*engine so they stay apart from the model-core fixtures above.
+GEN_EOS = 510
+GEN_MASK = 511
+GEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ 'w1' if m['role'] == 'user' else 'w2' }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w3 {% if enable_thinking is defined and enable_thinking %}w4{% else %}w5"
+    "{% endif %}{% endif %}"
+)
+
+
+def make_gen_model(seed: int = 0):
+    """clover-tiny with random weights and a sharpened LM head, so confidences spread over (0, 1)
+    instead of sitting near 1/vocab (a plain random head makes every threshold test trivial)."""
+    from clover_lab import CloverModel
+
+    model = CloverModel.random("clover-tiny", seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    return model
+
+
+def make_gen_tokenizer():
+    """A word-level tokenizer matching clover-tiny: w0..w508, <unk>=509, <|endoftext|>=510, <|mask|>=511."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(509)}
+    vocab.update({"<unk>": 509, "<|endoftext|>": GEN_EOS, "<|mask|>": GEN_MASK})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
+                                   mask_token="<|mask|>")
+    fast.chat_template = GEN_CHAT_TEMPLATE
+    return fast
+
+
+def _no_hooks_left(model):
+    leftover = model.hooks.attached()
+    model.hooks.clear()
+    assert not leftover, f"hooks left attached after the test: {leftover}"
+
+
+@pytest.fixture(scope="session")
+def gen_model():
+    return make_gen_model()
+
+
+@pytest.fixture(scope="session")
+def gen_tokenizer():
+    return make_gen_tokenizer()
+
+
+@pytest.fixture
+def tiny_engine(gen_model):
+    """A fresh Engine over the shared generation model (no tokenizer); no hook may outlive the test."""
+    from clover_lab import Engine
+
+    yield Engine(gen_model)
+    _no_hooks_left(gen_model)
+
+
+@pytest.fixture
+def tiny_text_engine(gen_model, gen_tokenizer):
+    from clover_lab import Engine
+
+    yield Engine(gen_model, gen_tokenizer)
+    _no_hooks_left(gen_model)
+
+
+@pytest.fixture(scope="session")
+def gen_model_dir(tmp_path_factory):
+    """The generation model saved with no tokenizer."""
+    d = tmp_path_factory.mktemp("gen_model")
+    make_gen_model().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def gen_text_model_dir(tmp_path_factory, gen_tokenizer):
+    """The generation model saved with the word-level tokenizer."""
+    d = tmp_path_factory.mktemp("gen_text_model")
+    make_gen_model().save_pretrained(d)
+    gen_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def gen_one_thread():
+    """Tiny models run ~10x faster on one intra-op thread than on two contended ones; restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,280 @@
+"""``clover-lab``: the command line.
+
+    clover-lab generate --model DIR --prompt "..." [--mode ar] [--max-new-tokens N] [--threshold X]
+                        [--temperature T] [--top-p P] [--top-k K] [--confidence RULE] [--seed S]
+                        [--coreset-size M] [--json]
+
+``generate`` shows the current block unmasking live (rich), then the text and the statistics;
+``--json`` prints one JSON object instead. A model directory without a tokenizer takes
+``--prompt-ids 1,2,3`` and prints token ids. Ctrl-C stops cleanly: what was generated so far is
+printed and the exit code is 130. Errors in the request exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+MASK_GLYPH = "░"
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clover-lab", description="Run, watch and take apart the Clover "
+                                     "block-diffusion language model.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate a response, watching the blocks unmask",
+                       description="Generate a response with block diffusion (or AR) and show it live.")
+    g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (default: the embedded model)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text (needs a tokenizer in the model directory)")
+    src.add_argument("--prompt-ids", type=_ids, metavar="IDS", help="the prompt as token ids: 1,2,3")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
+    g.add_argument("--system", help="a system message (with --chat)")
+    g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="the chat template's enable_thinking flag (with --chat)")
+    g.add_argument("--mode", choices=("diffusion", "ar"), default="diffusion")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--threshold", type=float, default=0.9, help="confidence threshold per position, in (0, 1]")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--confidence", default="probability", help="probability | margin | entropy")
+    g.add_argument("--max-tokens-per-step", type=int, default=None)
+    g.add_argument("--max-steps-per-block", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--coreset-size", type=int, default=None, help="per-block expert coreset size (default off)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="a stop string (repeatable)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cpu)")
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU (small models "
+                   "often run fastest on 1)")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.add_argument("--no-live", action="store_true", help="no live view; print the result at the end")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # before the generation started (loading): nothing to show
+        print("clover-lab: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+# --------------------------------------------------------------------------- generate
+def _fail(message: str) -> int:
+    print(f"clover-lab: error: {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _sampler_kwargs(args) -> dict:
+    return dict(threshold=args.threshold, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                confidence=args.confidence, max_tokens_per_step=args.max_tokens_per_step,
+                max_steps_per_block=args.max_steps_per_block, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                coreset_size=args.coreset_size, seed=args.seed)
+
+
+def load_engine(args):
+    """The engine for ``args`` (a seam for tests)."""
+    from .generate import load
+
+    return load(args.model, device=args.device, dtype=args.dtype)
+
+
+def cmd_generate(args) -> int:
+    from .generate import GenerationError
+    from .loading import CheckpointError
+
+    if args.threads is not None:
+        if args.threads < 1:
+            return _fail(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        engine = load_engine(args)
+    except (CheckpointError, FileNotFoundError, ValueError, OSError) as e:
+        return _fail(str(e))
+    if args.prompt is not None:
+        if engine.tokenizer is None:
+            return _fail(f"the model directory {args.model} has no tokenizer, so --prompt cannot be encoded; "
+                         f"give token ids with --prompt-ids 1,2,3")
+        prompt = args.prompt
+        if args.chat:
+            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                     [{"role": "user", "content": args.prompt}]
+    else:
+        if args.chat:
+            return _fail("--chat needs --prompt (text), not --prompt-ids")
+        prompt = args.prompt_ids
+    if args.block_size is not None:
+        try:
+            engine.block_size = args.block_size
+        except ValueError as e:
+            return _fail(f"--block-size: {e}")
+    try:
+        stream = engine.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
+                               thinking=args.thinking, **_sampler_kwargs(args))
+    except (GenerationError, ValueError, TypeError) as e:
+        return _fail(str(e))
+
+    view = None if (args.json or args.no_live) else _LiveView(engine, args)
+    last = None
+    t0 = time.perf_counter()
+    try:
+        if view is not None:
+            view.start()
+        for update in stream:
+            last = update
+            if view is not None:
+                view.show(update)
+    except KeyboardInterrupt:
+        stream.close()
+        if view is not None:
+            view.stop()
+        committed = [] if last is None else list(last.committed)
+        _print_interrupted(engine, args, committed, time.perf_counter() - t0)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - a failed generation is reported, not a traceback
+        if view is not None:
+            view.stop()
+        return _fail(f"generation failed: {type(e).__name__}: {e}")
+    if view is not None:
+        view.stop()
+    result = last.result
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        _print_result(engine, result)
+    return EXIT_OK
+
+
+def _text_of(engine, ids: list[int]) -> str:
+    if engine.tokenizer is None:
+        return " ".join(map(str, ids))
+    return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _print_interrupted(engine, args, committed: list[int], seconds: float) -> None:
+    if args.json:
+        text = None if engine.tokenizer is None else _text_of(engine, committed)
+        print(json.dumps({"text": text, "token_ids": committed, "interrupted": True,
+                          "stats": {"new_tokens": len(committed), "seconds": seconds}}))
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.print(f"[bold yellow]interrupted[/] after {len(committed)} committed tokens ({seconds:.2f} s):")
+    console.print(_text_of(engine, committed), markup=False, highlight=False)
+
+
+def _print_result(engine, result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if result.text is not None:
+        console.print(result.text, markup=False, highlight=False)
+    else:
+        console.print("token ids: " + " ".join(map(str, result.token_ids)), markup=False, highlight=False)
+    st = result.stats
+    table = Table(title="statistics", show_header=False, box=None, padding=(0, 2))
+    rows = [
+        ("mode", st.mode), ("stop reason", st.stop_reason),
+        ("prompt / new tokens", f"{st.prompt_tokens} / {st.new_tokens}"),
+        ("forwards", f"{st.forwards} ({st.preview_forwards} previews, {st.fused_forwards} fused, "
+                     f"{st.commit_forwards} commits)"),
+        ("tokens per forward", f"{st.tokens_per_forward:.2f}"),
+        ("tokens per second", f"{st.tokens_per_second:.1f}"),
+    ]
+    if st.mode == "diffusion":
+        rows.append(("blocks / mean steps per block", f"{st.blocks} / {st.mean_steps_per_block or 0:.2f}"))
+    if st.seconds_per_preview is not None:
+        rows.append(("time per preview", f"{st.seconds_per_preview * 1e3:.2f} ms"))
+    if st.seconds_per_commit is not None:
+        rows.append(("time per commit", f"{st.seconds_per_commit * 1e3:.2f} ms"))
+    rows += [("prefill", f"{st.prefill_seconds * 1e3:.1f} ms"), ("decode", f"{st.decode_seconds:.3f} s")]
+    if st.seed is not None:
+        rows.append(("seed", str(st.seed)))
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+
+
+class _LiveView:
+    """The committed text, then the current block: provisional tokens in colour, masks as ░."""
+
+    def __init__(self, engine, args):
+        from rich.console import Console
+
+        self.engine = engine
+        self.console = Console()
+        self.live = None
+        self.last_refresh = 0.0
+        self.blocks = 0
+
+    def start(self):
+        from rich.live import Live
+
+        self.live = Live(self._render(None), console=self.console, auto_refresh=False, transient=True)
+        self.live.start()
+
+    def stop(self):
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+    def show(self, update):
+        now = time.perf_counter()
+        if update.kind == "step" and now - self.last_refresh < 0.05:
+            return  # ~20 frames per second at most: the view must not slow generation down
+        self.last_refresh = now
+        self.live.update(self._render(update), refresh=True)
+
+    def _render(self, update):
+        from rich.panel import Panel
+        from rich.text import Text
+
+        text = Text()
+        if update is None:
+            return Panel(Text("prefilling the prompt ...", style="dim"), title="clover-lab")
+        text.append(_text_of(self.engine, update.committed), style="bold")
+        if update.kind == "step":
+            if update.committed:
+                text.append(" ")
+            unmasked = set(update.unmasked)
+            for pos, piece in enumerate(update.block_pieces()):
+                if piece is None:
+                    text.append(MASK_GLYPH, style="dim")
+                else:
+                    text.append(piece if self.engine.tokenizer is not None else piece + " ",
+                                style="black on yellow" if pos in unmasked else "yellow")
+        footer = f"block {update.block}" + (f" step {update.step}" if update.step is not None else "") + \
+                 f" | {len(update.committed)} tokens committed | {update.time:.2f} s"
+        return Panel(text, title="clover-lab generate", subtitle=footer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

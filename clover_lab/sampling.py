@@ -1,0 +1,208 @@
+"""Sampling for block diffusion and AR decoding: settings, penalties, candidates, confidences and
+the unmask rule (spec section 4).
+
+Everything here works on device tensors and never synchronises with the host: the engine makes
+exactly one device-to-host transfer per denoising step (the unmask decision), and none of these
+functions adds another.
+
+Shapes: N positions being decided (the still-masked positions of a block, or 1 in AR), V vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+CONFIDENCE_RULES = ("probability", "margin", "entropy")
+
+
+@dataclass
+class SamplerSettings:
+    """How candidates are drawn and which positions are unmasked per denoising step.
+
+    - ``threshold``: unmask every masked position whose confidence reaches it (and always at least
+      the most confident one), in (0, 1].
+    - ``temperature``: 0 takes the argmax; > 0 samples from softmax(logits / temperature), after
+      ``top_k`` (0 = off) and ``top_p`` (1 = off) filtering.
+    - ``confidence``: "probability" (the candidate's probability), "margin" (its probability minus
+      the best other token's) or "entropy" (``exp(-H)`` of the position's distribution: negative
+      entropy mapped monotonically into (0, 1] so one threshold scale fits every rule).
+      Confidences are measured on the model's distribution after penalties, before temperature and
+      top-k/top-p, so the threshold means the same at every temperature.
+    - ``max_tokens_per_step``: optional cap on positions unmasked per step (None = no cap).
+    - ``max_steps_per_block``: step limit per block; the step that reaches it unmasks every
+      remaining position (None = no limit beyond the block size).
+    - penalties over response tokens only: ``repetition_penalty`` (> 0, 1 = off; divides positive
+      logits and multiplies negative ones of seen tokens), ``presence_penalty`` (subtracted once
+      from seen tokens) and ``frequency_penalty`` (subtracted per occurrence).
+    - ``coreset_size``: per-block expert coreset M (spec 3.3); None or 0 = off.
+    - ``seed``: seeds the run's torch.Generator; None draws a fresh seed (reported in the stats).
+    """
+
+    threshold: float = 0.9
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    confidence: str = "probability"
+    max_tokens_per_step: int | None = None
+    max_steps_per_block: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    coreset_size: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, base: "SamplerSettings | None" = None, **kwargs) -> "SamplerSettings":
+        """``base`` with ``kwargs`` replaced; unknown names are a TypeError naming them."""
+        unknown = sorted(set(kwargs) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"unknown sampler setting(s) {', '.join(map(repr, unknown))}; "
+                            f"known: {', '.join(cls.names())}")
+        if base is None:
+            return cls(**kwargs)
+        return dataclasses.replace(base, **kwargs)
+
+    def validate(self) -> None:
+        def bad(name: str, what: str):
+            raise ValueError(f"sampler setting {name}={getattr(self, name)!r}: {what}")
+
+        def number(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+            return float(v)
+
+        def integer(name: str, lo: int, allow_none: bool) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                bad(name, f"must be an integer >= {lo}" + (" or None" if allow_none else ""))
+
+        if not 0.0 < number("threshold") <= 1.0:
+            bad("threshold", "must be in (0, 1]")
+        if number("temperature") < 0:
+            bad("temperature", "must be >= 0 (0 = greedy)")
+        if not 0.0 < number("top_p") <= 1.0:
+            bad("top_p", "must be in (0, 1] (1 = off)")
+        integer("top_k", 0, allow_none=False)
+        if self.confidence not in CONFIDENCE_RULES:
+            bad("confidence", f"unknown confidence rule; use one of {', '.join(CONFIDENCE_RULES)}")
+        integer("max_tokens_per_step", 1, allow_none=True)
+        integer("max_steps_per_block", 1, allow_none=True)
+        if number("repetition_penalty") <= 0:
+            bad("repetition_penalty", "must be > 0 (1 = off)")
+        number("presence_penalty")
+        number("frequency_penalty")
+        integer("coreset_size", 0, allow_none=True)
+        integer("seed", 0, allow_none=True)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- penalties
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, s: SamplerSettings) -> torch.Tensor:
+    """logits [N, V] float, counts [V]: occurrences of each token in the response so far."""
+    if not s.has_penalties:
+        return logits
+    seen = counts > 0  # [V]
+    if s.repetition_penalty != 1.0:
+        rp = s.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    if s.presence_penalty:
+        logits = logits - s.presence_penalty * seen.to(logits.dtype)
+    if s.frequency_penalty:
+        logits = logits - s.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+# --------------------------------------------------------------------------- candidates
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set logits outside the top-k / the top-p nucleus to -inf (the best token always stays)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p  # mass before this token already >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def candidates(logits: torch.Tensor, s: SamplerSettings, generator: torch.Generator | None = None):
+    """Candidate token per row and the model's distribution: (tokens [N] long, probs [N, V] fp32).
+
+    ``logits`` [N, V] (penalties already applied)."""
+    logits = logits.float()
+    probs = logits.softmax(-1)
+    if s.greedy:
+        return logits.argmax(-1), probs
+    sample_probs = filter_logits(logits / s.temperature, s.top_k, s.top_p).softmax(-1)
+    tokens = torch.multinomial(sample_probs, 1, generator=generator).squeeze(-1)
+    return tokens, probs
+
+
+def confidences(probs: torch.Tensor, tokens: torch.Tensor, rule: str = "probability") -> torch.Tensor:
+    """Confidence per row [N] fp32 of the candidate ``tokens`` [N] under ``probs`` [N, V]."""
+    if rule == "probability":
+        return probs.gather(-1, tokens[:, None]).squeeze(-1)
+    if rule == "margin":
+        p = probs.gather(-1, tokens[:, None]).squeeze(-1)
+        top2 = probs.topk(min(2, probs.shape[-1]), dim=-1)
+        if top2.values.shape[-1] < 2:
+            return p
+        best_other = torch.where(top2.indices[:, 0] == tokens, top2.values[:, 1], top2.values[:, 0])
+        return p - best_other
+    if rule == "entropy":
+        return torch.exp(-torch.special.entr(probs).sum(-1))
+    raise ValueError(f"unknown confidence rule {rule!r}; use one of {', '.join(CONFIDENCE_RULES)}")
+
+
+def select_unmask(conf: torch.Tensor, threshold: float, max_per_step: int | None = None,
+                  force_all: bool = False) -> torch.Tensor:
+    """Which of the N positions to unmask now: bool [N].
+
+    Every position at or above ``threshold`` and always the most confident one (low-confidence
+    remasking); with ``max_per_step`` only the most confident of those; ``force_all`` (the step
+    limit) unmasks everything."""
+    if force_all:
+        return torch.ones_like(conf, dtype=torch.bool)
+    flags = conf >= threshold
+    flags.scatter_(0, conf.argmax().reshape(1), True)  # the most confident one, without a host sync
+    if max_per_step is not None and max_per_step < conf.shape[0]:
+        order = conf.argsort(descending=True, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.shape[0], device=order.device)
+        flags &= rank < max_per_step
+    return flags
+
+
+def decide(logits: torch.Tensor, counts: torch.Tensor | None, s: SamplerSettings,
+           generator: torch.Generator | None = None, force_all: bool = False):
+    """One denoising step's decision over N masked positions: (tokens [N], confidences [N], unmask [N] bool)."""
+    if counts is not None:
+        logits = apply_penalties(logits.float(), counts, s)
+    tokens, probs = candidates(logits, s, generator)
+    conf = confidences(probs, tokens, s.confidence)
+    return tokens, conf, select_unmask(conf, s.threshold, s.max_tokens_per_step, force_all)

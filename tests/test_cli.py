@@ -1,0 +1,128 @@
+"""``clover-lab generate``: JSON and live output, token-id prompts, errors, Ctrl-C."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import clover_lab
+from clover_lab import cli
+
+pytestmark = pytest.mark.usefixtures("gen_one_thread")
+
+
+def run_cli(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_json_with_prompt_ids_matches_the_engine(capsys, gen_model_dir):
+    code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,17,33",
+                             "--max-new-tokens", 20, "--threshold", 0.3, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert set(data) >= {"text", "token_ids", "stats"} and data["text"] is None
+    expected = clover_lab.load(gen_model_dir).generate([5, 17, 33], max_new_tokens=20, threshold=0.3)
+    assert data["token_ids"] == expected.token_ids
+    assert data["stats"]["forwards"] == expected.stats.forwards and data["stats"]["mode"] == "diffusion"
+
+
+def test_json_sampling_options_and_ar(capsys, gen_model_dir):
+    args = ["generate", "--model", gen_model_dir, "--prompt-ids", "5, 17, 33", "--max-new-tokens", 12, "--json",
+            "--temperature", 0.8, "--top-p", 0.9, "--top-k", 40, "--seed", 4, "--confidence", "margin",
+            "--coreset-size", 4, "--threshold", 0.5, "--presence-penalty", 0.5]
+    code1, out1, _ = run_cli(capsys, *args)
+    code2, out2, _ = run_cli(capsys, *args)
+    assert code1 == code2 == 0 and json.loads(out1)["token_ids"] == json.loads(out2)["token_ids"]
+    assert json.loads(out1)["stats"]["coreset_size"] == 4
+    code, out, _ = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,17,33", "--mode", "ar",
+                           "--max-new-tokens", 6, "--json")
+    data = json.loads(out)
+    assert code == 0 and len(data["token_ids"]) == 6 and data["stats"]["tokens_per_forward"] == 1.0
+
+
+def test_text_prompt_chat_and_live_view(capsys, gen_text_model_dir):
+    code, out, err = run_cli(capsys, "generate", "--model", gen_text_model_dir, "--prompt", "w5 w6 w7",
+                             "--max-new-tokens", 20, "--threshold", 0.3)
+    assert code == 0, err
+    assert "statistics" in out and "tokens per forward" in out and "w" in out
+    code, out, _ = run_cli(capsys, "generate", "--model", gen_text_model_dir, "--prompt", "w8 w9", "--chat",
+                           "--thinking", "--max-new-tokens", 4, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["prompt_ids"] == [1, 8, 9, 3, 4] and isinstance(data["text"], str)
+    code, out, _ = run_cli(capsys, "generate", "--model", gen_text_model_dir, "--prompt", "w8 w9",
+                           "--max-new-tokens", 30, "--json", "--stop", "w314", "--threshold", 0.3)
+    assert code == 0 and "w314" not in json.loads(out)["text"]
+
+
+def test_live_view_renders_blocks(gen_model, gen_tokenizer):
+    from rich.console import Console
+
+    engine = clover_lab.Engine(gen_model, gen_tokenizer)
+    view = cli._LiveView(engine, None)
+    console = Console(record=True, width=100, force_terminal=False)
+    seen_mask = False
+    for update in engine.stream([5, 6, 7], max_new_tokens=20, threshold=0.95):
+        if update.kind == "done":
+            break
+        console.print(view._render(update))
+        seen_mask |= update.kind == "step" and None in update.block_tokens
+    text = console.export_text()
+    assert "clover-lab generate" in text and "block 1" in text and "step 3" in text and "w" in text
+    assert seen_mask and cli.MASK_GLYPH in text
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--prompt", "hello"], "--prompt-ids"),
+    (["--prompt-ids", "1,2", "--threshold", "2"], "threshold"),
+    (["--prompt-ids", "1,2", "--confidence", "vibes"], "confidence"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "100000"], "max_position_embeddings"),
+    (["--prompt-ids", "1,2", "--block-size", "0"], "block-size"),
+    (["--prompt-ids", "1,2", "--chat"], "--chat"),
+])
+def test_errors_exit_2_with_a_message(capsys, gen_model_dir, argv, match):
+    code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, *argv)
+    assert code == 2 and match in err and not out
+
+
+def test_missing_model_and_bad_ids(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "--model", tmp_path / "nope", "--prompt-ids", "1,2")
+    assert code == 2 and "does not exist" in err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,x"])
+    assert info.value.code == 2 and "token ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_prints_what_was_generated_and_exits_130(capsys, gen_model, monkeypatch, as_json):
+    engine = clover_lab.Engine(gen_model)
+
+    def interrupt(ev):
+        if ev.block == 1:
+            raise KeyboardInterrupt
+
+    handle = engine.add_hook("denoise.step", interrupt)
+    monkeypatch.setattr(cli, "load_engine", lambda args: engine)
+    try:
+        argv = ["generate", "--prompt-ids", "5,17,33", "--max-new-tokens", 40, "--threshold", 0.3]
+        code, out, err = run_cli(capsys, *argv, *(["--json"] if as_json else []))
+    finally:
+        handle.remove()
+    first_block = engine.generate([5, 17, 33], max_new_tokens=40, threshold=0.3).token_ids[:16]
+    assert code == 130
+    if as_json:
+        data = json.loads(out)
+        assert data["interrupted"] is True and data["token_ids"] == first_block
+    else:
+        assert "interrupted" in out and " ".join(map(str, first_block)) in " ".join(out.split())
+
+
+def test_module_entry_point(gen_model_dir):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "clover_lab.cli", "generate", "--model", str(gen_model_dir),
+                           "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["token_ids"]) == 8

@@ -1,0 +1,314 @@
+"""Hooks over generations (spec section 5): engine events, interventions, errors, capture, cost."""
+import pytest
+import torch
+
+from clover_lab import CommitEvent, Engine, HookError, StepEvent, StopGeneration
+
+pytestmark = pytest.mark.usefixtures("gen_one_thread")
+PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
+KW = dict(max_new_tokens=40, threshold=0.3)
+
+
+# --------------------------------------------------------------------------- engine events
+def test_step_and_commit_events_payloads_order_and_counts(tiny_engine):
+    seen = []
+
+    def on_step(ev: StepEvent):
+        assert isinstance(ev, StepEvent)
+        m = ev.canvas.shape[0]
+        assert ev.canvas.dtype == torch.long and ev.masked == sorted(ev.masked)
+        assert ev.candidates.shape == (len(ev.masked),) and ev.confidences.shape == (len(ev.masked),)
+        assert set(ev.unmask) <= set(ev.masked) and ev.unmask
+        mask = tiny_engine.mask_token_id
+        assert [p for p in range(m) if int(ev.canvas[p]) == mask] == ev.masked  # canvas before this step
+        if ev.step == 0:
+            assert ev.masked == list(range(m))
+        assert ev.candidate(ev.masked[0]) == int(ev.candidates[0])
+        seen.append(("step", ev.block, ev.step, ev.time, list(ev.unmask)))
+
+    def on_commit(ev: CommitEvent):
+        seen.append(("commit", ev.block, list(ev.tokens), ev.steps, ev.start, ev.time))
+
+    with tiny_engine.hooks({"denoise.step": on_step, "block.commit": on_commit}):
+        r = tiny_engine.generate(PROMPT, **KW)
+    steps = [e for e in seen if e[0] == "step"]
+    commits = [e for e in seen if e[0] == "commit"]
+    assert len(steps) == r.stats.preview_forwards and len(commits) == r.stats.blocks == 3
+    # order: the steps of block b, then its commit, then the steps of block b + 1
+    expected = []
+    for b, n in enumerate(r.stats.steps_per_block):
+        expected += [("step", b, s) for s in range(n)] + [("commit", b)]
+    assert [e[:3] if e[0] == "step" else e[:2] for e in seen] == expected
+    assert [t for e in commits for t in e[2]] == r.token_ids
+    assert [e[3] for e in commits] == r.stats.steps_per_block
+    assert [e[4] for e in commits] == [len(PROMPT), len(PROMPT) + 16, len(PROMPT) + 32]
+    times = [e[3] if e[0] == "step" else e[5] for e in seen]
+    assert times == sorted(times)
+    # hooks that only observe change nothing
+    assert tiny_engine.generate(PROMPT, **KW).token_ids == r.token_ids
+
+
+def test_step_hook_veto_add_and_set_token(tiny_engine):
+    base = tiny_engine.generate(PROMPT, max_new_tokens=32, threshold=0.05)
+    assert max(base.stats.steps_per_block) < 16
+
+    with tiny_engine.hooks({"denoise.step": lambda ev: ev.veto(ev.unmask[1:])}):
+        one = tiny_engine.generate(PROMPT, max_new_tokens=32, threshold=0.05)
+    assert one.stats.steps_per_block == [16, 16]
+
+    with tiny_engine.hooks({"denoise.step": lambda ev: ev.add(ev.masked)}):
+        fast = tiny_engine.generate(PROMPT, max_new_tokens=32, threshold=0.99)
+    assert fast.stats.steps_per_block == [1, 1] and fast.stats.tokens_per_forward == pytest.approx(32 / 3)
+
+    def sevens(ev):
+        if ev.block == 1:
+            for p in list(ev.unmask):
+                ev.set_token(p, 7)
+
+    with tiny_engine.hooks({"denoise.step": sevens}):
+        r = tiny_engine.generate(PROMPT, max_new_tokens=32, threshold=0.3)
+    same = tiny_engine.generate(PROMPT, max_new_tokens=32, threshold=0.3)
+    assert r.token_ids[16:] == [7] * 16 and r.token_ids[:16] == same.token_ids[:16]
+
+
+def test_step_hook_may_veto_everything_for_a_while(tiny_engine):
+    calls = []
+
+    def stubborn(ev):
+        calls.append(ev.step)
+        if ev.step < 3:
+            ev.unmask = []
+
+    with tiny_engine.hooks({"denoise.step": stubborn}):
+        r = tiny_engine.generate(PROMPT, max_new_tokens=16, threshold=0.3)
+    assert len(r.token_ids) == 16 and calls[:3] == [0, 1, 2] and r.stats.steps_per_block[0] > 3
+
+    with tiny_engine.hooks({"denoise.step": lambda ev: setattr(ev, "unmask", [])}):
+        with pytest.raises(HookError, match="past the step limit"):
+            tiny_engine.generate(PROMPT, max_new_tokens=16, threshold=0.3, max_steps_per_block=2)
+
+
+def test_step_hook_bad_changes_are_hook_errors(tiny_engine):
+    def bad_position(ev):
+        if ev.step == 1:
+            ev.unmask.append(next(p for p in range(16) if p not in ev.masked))
+
+    with tiny_engine.hooks({"denoise.step": bad_position}):
+        with pytest.raises(HookError, match="denoise.step.*not masked"):
+            tiny_engine.generate(PROMPT, max_new_tokens=16, threshold=0.9)
+    with tiny_engine.hooks({"denoise.step": lambda ev: ev.set_token(ev.masked[0], 10_000)}):
+        with pytest.raises(HookError, match="vocabulary"):
+            tiny_engine.generate(PROMPT, max_new_tokens=16)
+
+
+@pytest.mark.parametrize("how", ["event.stop", "raise"])
+def test_step_hook_stops_the_run(tiny_engine, how):
+    base = tiny_engine.generate(PROMPT, **KW)
+
+    def stopper(ev):
+        if ev.block == 1 and ev.step == 1:
+            if how == "raise":
+                raise StopGeneration
+            ev.stop()
+
+    with tiny_engine.capture(["denoise.step", "block.commit"]) as cap:
+        with tiny_engine.hooks({"denoise.step": stopper}):
+            r = tiny_engine.generate(PROMPT, **KW)
+    assert r.stats.stop_reason == "hook" and r.token_ids[:16] == base.token_ids[:16]
+    assert 16 <= len(r.token_ids) < 32
+    assert r.token_ids[16:] == base.token_ids[16:len(r.token_ids)]  # the block's resolved prefix is kept
+    assert max(rec.block for rec in cap["denoise.step"]) == 1
+    assert tiny_engine.generate(PROMPT, **KW).token_ids == base.token_ids
+
+
+def test_commit_and_model_hooks_stop_the_run(tiny_engine):
+    base = tiny_engine.generate(PROMPT, **KW)
+
+    def stop_after_first(ev):
+        raise StopGeneration
+
+    with tiny_engine.hooks({"block.commit": stop_after_first}):
+        r = tiny_engine.generate(PROMPT, **KW)
+    assert r.token_ids == base.token_ids[:16] and r.stats.stop_reason == "hook" and r.stats.cache_complete
+
+    def stop_in_fused_forward(ev):
+        if ev.mode == "commit" and ev.positions.numel() == 16:
+            raise StopGeneration
+
+    with tiny_engine.hooks({"layers.0.moe.route": stop_in_fused_forward}):
+        r = tiny_engine.generate(PROMPT, **KW)
+    # the finished first block is returned, but its commit never happened
+    assert r.token_ids == base.token_ids[:16] and not r.stats.cache_complete and r.stats.stop_reason == "hook"
+    with tiny_engine.hooks({"block.commit": lambda ev: ev.stop()}):
+        ar = tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=5)
+    assert len(ar.token_ids) == 1 and ar.stats.stop_reason == "hook"
+
+
+# --------------------------------------------------------------------------- a raising hook
+@pytest.mark.parametrize("point,when", [
+    ("denoise.step", lambda ev: ev.block == 1),
+    ("block.commit", lambda ev: ev.block == 1),
+    ("layers.1.moe.route", lambda ev: ev.mode == "preview" and int(ev.positions[0]) >= len(PROMPT) + 16),
+    ("layers.0.gdn.state", lambda ev: ev.length > len(PROMPT)),
+    ("layers.2.gdn.preview", lambda ev: int(ev.positions[0]) >= len(PROMPT) + 16),
+])
+def test_raising_hook_names_the_point_and_leaves_the_engine_usable(gen_model, point, when):
+    engine = Engine(gen_model)
+    fresh = Engine(gen_model).generate(PROMPT, **KW)
+
+    def boom(ev):
+        if when(ev):
+            raise ZeroDivisionError("boom")
+
+    handle = engine.add_hook(point, boom)
+    try:
+        with pytest.raises(HookError, match=point.replace(".", r"\.")) as info:
+            engine.generate(PROMPT, **KW)
+    finally:
+        handle.remove()
+    assert info.value.point == point and isinstance(info.value.__cause__, ZeroDivisionError)
+    assert not gen_model.hooks.attached()
+    again = engine.generate(PROMPT, **KW)
+    assert again.token_ids == fresh.token_ids and again.stats.steps_per_block == fresh.stats.steps_per_block
+
+
+def test_scoped_hooks_are_removed_on_exceptions(tiny_engine):
+    with pytest.raises(HookError):
+        with tiny_engine.hooks({"denoise.step": lambda ev: 1 / 0, "layers.*.moe.route": lambda ev: None}):
+            assert tiny_engine.model.hooks.active("layers.3.moe.route")
+            tiny_engine.generate(PROMPT, **KW)
+    assert not tiny_engine.model.hooks.attached()
+    handle = tiny_engine.add_hook("block.commit", lambda ev: None)
+    assert tiny_engine.model.hooks.attached() == {"block.commit": 1}
+    handle.remove()
+    assert not tiny_engine.model.hooks.attached()
+    with pytest.raises(KeyError, match="denoise.stepp"):
+        tiny_engine.add_hook("denoise.stepp", lambda ev: None)
+
+
+# --------------------------------------------------------------------------- model interventions
+def test_banned_expert_never_appears_in_later_route_events(tiny_engine):
+    used = set()
+    with tiny_engine.hooks({"layers.*.moe.route": lambda ev: used.update(ev.expert_ids.unique().tolist())}):
+        base = tiny_engine.generate(PROMPT, **KW)
+    assert 0 in used
+    after = []
+    with tiny_engine.hooks({"layers.*.moe.route": [lambda ev: ev.ban([0]), lambda ev: after.append(ev.expert_ids)]}):
+        banned = tiny_engine.generate(PROMPT, **KW)
+    assert after and all(0 not in ids.unique().tolist() for ids in after)
+    assert banned.token_ids != base.token_ids
+    forced = set()
+    with tiny_engine.hooks({"layers.*.moe.route": [lambda ev: ev.force([1, 2]),
+                                                  lambda ev: forced.update(ev.expert_ids.unique().tolist())]}):
+        tiny_engine.generate(PROMPT, **KW)
+    assert forced == {1, 2}
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_editing_gdn_state_changes_the_output(tiny_engine, mode):
+    base = tiny_engine.generate(PROMPT, mode=mode, **KW)
+
+    def wipe(ev):
+        ev.state.zero_()
+
+    with tiny_engine.hooks({"layers.*.gdn.state": wipe}):
+        wiped = tiny_engine.generate(PROMPT, mode=mode, **KW)
+    assert wiped.token_ids != base.token_ids
+
+    def scale(ev):
+        ev.state = ev.state * 10.0  # assigning a new tensor works too
+
+    with tiny_engine.hooks({"layers.*.gdn.state": scale}):
+        scaled = tiny_engine.generate(PROMPT, mode=mode, **KW)
+    assert scaled.token_ids != base.token_ids
+
+
+# --------------------------------------------------------------------------- capture
+def test_capture_records_points_tagged_by_block_and_step(tiny_engine):
+    points = ["layers.*.moe.route", "layers.*.gdn.preview", "denoise.step", "block.commit"]
+    with tiny_engine.capture(points) as cap:
+        r = tiny_engine.generate(PROMPT, **KW)
+    assert not tiny_engine.model.hooks.attached()
+    cfg = tiny_engine.model.config
+    n_gdn, n_layers = len(cfg.gdn_layers()), cfg.num_hidden_layers
+    assert "layers.0.moe.route" in cap.points and "layers.3.gdn.preview" not in cap.points
+    steps = cap.by_step("denoise.step")
+    assert len(steps) == r.stats.preview_forwards
+    assert sorted(k for k in steps) == [(b, s) for b, n in enumerate(r.stats.steps_per_block) for s in range(n)]
+    previews = [rec for rec in cap["layers.*.moe.route"] if rec["mode"] == "preview"]
+    assert len(previews) == n_layers * r.stats.preview_forwards
+    assert {(rec.block, rec.step) for rec in previews} == set(steps)
+    assert len(cap["layers.*.gdn.preview"]) == n_gdn * r.stats.preview_forwards
+    hist = cap["layers.0.gdn.preview"][0]["history_weights"]
+    assert hist.shape == (1, 16, cfg.linear_num_value_heads) and ((hist > 0) & (hist < 1)).all()
+    commits = [rec for rec in cap["layers.*.moe.route"] if rec["mode"] == "commit"]
+    assert {rec.block for rec in commits} == {None, 0, 1, 2}
+    assert {rec.phase for rec in commits if rec.block is None} == {"prefill"}
+    assert [rec["tokens"] for rec in cap["block.commit"]] == [r.token_ids[:16], r.token_ids[16:32], r.token_ids[32:]]
+    first = cap["denoise.step"][0]
+    assert first.block == 0 and first.step == 0 and first["canvas"].device == tiny_engine.model.device
+    with pytest.raises(KeyError):
+        cap["layers.*.gdn.state"]
+
+
+def test_capture_to_cpu_across_runs_and_ar(tiny_engine):
+    with tiny_engine.capture(["layers.0.gdn.state", "block.commit"], to="cpu") as cap:
+        tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4)
+        tiny_engine.generate(PROMPT, max_new_tokens=8, threshold=0.3)
+    states = cap["layers.0.gdn.state"]
+    assert all(rec["state"].device.type == "cpu" for rec in states)
+    runs = sorted({rec.run for rec in cap.records})
+    assert len(runs) == 2
+    ar = [rec for rec in cap["block.commit"] if rec.run == runs[0]]
+    assert [rec.block for rec in ar] == [0, 1, 2, 3] and all(rec["steps"] == 1 for rec in ar)
+    assert [rec["length"] for rec in states if rec.run == runs[0]] == [10, 11, 12, 13, 14]
+    # a captured state is a copy: later commits do not change it
+    assert not torch.equal(states[0]["state"], states[1]["state"])
+
+
+# --------------------------------------------------------------------------- cost when idle
+def test_no_events_are_built_without_hooks(tiny_engine, monkeypatch):
+    def forbidden(*a, **k):
+        raise AssertionError("an event was built with no hook attached")
+
+    for name in ("StepEvent", "CommitEvent"):
+        monkeypatch.setattr(f"clover_lab.generate.{name}", forbidden)
+    for name in ("RouteEvent", "GDNPreviewEvent", "GDNStateEvent"):
+        monkeypatch.setattr(f"clover_lab.model.{name}", forbidden)
+    tiny_engine.generate(PROMPT, **KW)
+    tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4)
+
+
+def test_observing_hooks_add_no_host_syncs(tiny_engine, monkeypatch):
+    """Count the tensor -> host reads of a generation with and without observing hooks, by caller."""
+    import sys
+
+    count = {}
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            count[caller] = count.get(caller, 0) + 1
+            return original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+
+    for name in ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+        counting(name)
+
+    def run(mode):
+        count.clear()
+        r = tiny_engine.generate(PROMPT, mode=mode, **KW)
+        return dict(count), r
+
+    for mode in ("diffusion", "ar"):
+        plain, r = run(mode)
+        with tiny_engine.hooks({"*": lambda ev: None}):
+            observed, r2 = run(mode)
+        assert r2.token_ids == r.token_ids
+        assert observed == plain
+        # the engine's own reads: one per denoising step (the unmask decision) or per AR token
+        engine_reads = sum(n for f, n in plain.items() if f.endswith(("generate.py", "sampling.py")))
+        assert engine_reads == (r.stats.preview_forwards if mode == "diffusion" else r.stats.new_tokens)
