@@ -437,17 +437,18 @@ class CloverModel(nn.Module):
             config = CloverConfig.preset(config)
         with torch.device("meta"):
             model = cls(config)
-        model = model.to_empty(device=device or "cpu").to(dtype)
+        model = model.to(dtype).to_empty(device=device or "cpu")  # allocated once, in the target dtype
         model.init_weights(seed)
         return model.eval()
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        device = self.device
+        gen = torch.Generator(device=device).manual_seed(seed)  # drawn where the weights live
         std = self.config.initializer_range
 
         def normal_(t: torch.Tensor, s: float = std):
-            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).mul_(s))
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32, device=device).mul_(s))
 
         for name, param in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
@@ -458,7 +459,7 @@ class CloverModel(nn.Module):
             elif leaf == "dt_bias":
                 param.fill_(1.0)
             elif leaf == "A_log":
-                param.copy_(torch.empty(param.shape).uniform_(1.0, 16.0, generator=gen).log())
+                param.copy_(torch.empty(param.shape, device=device).uniform_(1.0, 16.0, generator=gen).log())
             elif leaf in ("block_scale", "history_bias", "history_log_n") or "conv1d_right" in name:
                 continue
             elif "conv1d" in name:
