@@ -69,10 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.add_argument("--no-live", action="store_true", help="no live view; print the result at the end")
     g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("train", help="train a small Clover on the Python standard library",
+                       add_help=False, description="See `clover-lab train --help`.")
+    t.set_defaults(func=None)  # handled in main(): its own parser takes every argument after "train"
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        from .train import main as train_main
+
+        train_main(argv[1:])
+        return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -42,7 +42,7 @@ COMMIT_POINT = "block.commit"
 # Where clover_lab.load() looks for the embedded default model: a model directory (one with a
 # config.json) in one of these folders, "clover-default" first. None is shipped yet.
 DEFAULT_MODEL_ROOTS = (Path(__file__).resolve().parent.parent / "assets", Path(__file__).resolve().parent / "assets")
-DEFAULT_MODEL_NAME = "clover-default"
+DEFAULT_MODEL_NAME = "clover-stdlib"
 
 
 class GenerationError(ValueError):
