@@ -311,13 +311,15 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     return out
 
 
-def export(run: str | Path, dest: str | Path, generation_defaults: dict | None = None) -> Path:
-    """Copy a run's checkpoint and tokenizer into a self-contained model directory."""
+def export(run: str | Path, dest: str | Path, generation_defaults: dict | None = None,
+           dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Copy a run's checkpoint (in ``dtype``: bf16 halves the shipped size) and tokenizer into a
+    self-contained model directory."""
     import shutil
 
     run, dest = Path(run), Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    model = CloverModel.from_pretrained(run / "checkpoint")
+    model = CloverModel.from_pretrained(run / "checkpoint", dtype=dtype)
     model.save_pretrained(dest)
     for f in (run / "tokenizer").iterdir():
         shutil.copy(f, dest / f.name)
