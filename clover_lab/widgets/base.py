@@ -1,0 +1,490 @@
+"""What every view shares: attaching to an engine's hook points, throttled redraws, frames for
+replay, and static HTML export.
+
+A view listens to hook points through one :class:`~clover_lab.hooks.HookHandle`; ``detach()`` /
+``close()`` (or leaving ``with view.attach(engine):``) removes exactly that handle, so an engine
+with no view attached fires nothing. Hooks hold the view weakly: a view dropped without
+``close()`` takes its hooks with it when it is garbage-collected.
+
+Every hook call turns its event into a small host-side *part* (numbers copied off the device),
+appends it to ``view.frames`` (one frame per denoising step or forward), folds it into the live
+state and asks the :class:`Throttle` for a redraw. Redraws run at most ``fps`` times a second;
+the latest state wins and the last request is always drawn (by a timer thread, or by ``flush()``).
+"""
+from __future__ import annotations
+
+import html
+import math
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+
+def require_notebook():
+    """Import ipywidgets and plotly, or say which extra provides them."""
+    try:
+        import ipywidgets  # noqa: F401
+        import plotly  # noqa: F401
+    except ImportError as e:  # pragma: no cover - the extra is installed in dev
+        raise ImportError(f"clover_lab.widgets needs the notebook extra: pip install 'clover-lab[notebook]' ({e})") from e
+
+
+# --------------------------------------------------------------------------- throttling
+class Throttle:
+    """Coalesces redraw requests: at most ``fps`` draws per second, the latest state wins, and
+    the last request is always drawn: immediately when the interval has passed, else by a timer
+    at the end of the interval (``trailing``), or by :meth:`flush`.
+
+    ``draws`` and ``requests`` count what happened (tests and the overhead notebook read them).
+    ``lock`` is shared with the view so that a timer draw never sees a half-applied event.
+    """
+
+    def __init__(self, draw: Callable[[], None], fps: float = 15.0, *, lock=None, clock=time.monotonic,
+                 trailing: bool = True, on_error: Callable[[BaseException], None] | None = None):
+        if not fps or fps <= 0:
+            raise ValueError(f"fps must be positive, got {fps!r}")
+        self._draw = draw
+        self.interval = 1.0 / fps
+        self.clock = clock
+        self.trailing = trailing
+        self.on_error = on_error
+        self.lock = lock if lock is not None else threading.RLock()
+        self._last = -math.inf
+        self._dirty = False
+        self._timer: threading.Timer | None = None
+        self.draws = 0
+        self.requests = 0
+
+    @property
+    def pending(self) -> bool:
+        """A request not drawn yet."""
+        return self._dirty
+
+    def request(self) -> None:
+        with self.lock:
+            self.requests += 1
+            self._dirty = True
+            wait = self._last + self.interval - self.clock()
+            if wait <= 0:
+                self._cancel_timer()
+                self._run()
+            elif self.trailing and self._timer is None:
+                self._timer = threading.Timer(wait, self._on_timer)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Draw now if a request is pending (the final frame)."""
+        with self.lock:
+            self._cancel_timer()
+            if self._dirty:
+                self._run()
+
+    def cancel(self) -> None:
+        with self.lock:
+            self._cancel_timer()
+            self._dirty = False
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        with self.lock:
+            self._timer = None
+            if not self._dirty:
+                return
+            try:
+                self._run()
+            except Exception as e:  # noqa: BLE001 - a timer thread has nobody to raise to
+                if self.on_error is not None:
+                    self.on_error(e)
+
+    def _run(self) -> None:
+        self._dirty = False
+        self._last = self.clock()
+        self.draws += 1
+        self._draw()
+
+
+# --------------------------------------------------------------------------- attachment
+class Attachment:
+    """A view's hooks on one engine. ``remove()`` (or leaving the ``with`` block) takes them
+    off and draws the final frame. It holds the view, so ``with DenoiseView().attach(engine) as
+    view:`` keeps the view alive for the block."""
+
+    def __init__(self, view: "View", engine, handle):
+        self.view = view
+        self.engine = engine
+        self.handle = handle
+
+    def _view(self):
+        return self.view
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.handle._keys)
+
+    def remove(self) -> None:
+        view = self._view()
+        if view is not None and view._attachment is self:
+            view.detach()
+        else:
+            self.handle.remove()
+
+    def __enter__(self):
+        return self._view()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def weak_callback(obj, method: str) -> Callable:
+    """A widget callback that calls ``obj.method(*args)`` without keeping ``obj`` alive
+    (ipywidgets keeps every open widget, and so its callbacks, in a global registry)."""
+    ref = weakref.ref(obj)
+
+    def callback(*args):
+        o = ref()
+        if o is not None:
+            return getattr(o, method)(*args)
+
+    return callback
+
+
+def _weak_hook(view: "View", method: str) -> Callable:
+    ref = weakref.ref(view)
+
+    def hook(event):
+        v = ref()
+        if v is not None:
+            v._dispatch(method, event)
+
+    hook.__qualname__ = f"{type(view).__name__}.{method}"
+    return hook
+
+
+# --------------------------------------------------------------------------- the base view
+class View:
+    """Base of the notebook views. Subclasses set ``title``, return their hook points from
+    :meth:`hook_methods`, turn events into parts (``self._push(part, key)``), fold parts into a
+    state (:meth:`_empty`, :meth:`_apply_part`) and draw a state (:meth:`_render`)."""
+
+    title = "view"
+
+    def __init__(self, engine=None, *, fps: float = 15.0):
+        require_notebook()
+        import ipywidgets as W
+
+        self.engine = None
+        self.fps = fps
+        self._lock = threading.RLock()
+        self._attachment: Attachment | None = None
+        self._finalizer = None
+        self.frames: list[list] = []  # one list of parts per frame (a denoising step, a forward)
+        self.frame_labels: list[str] = []
+        self._frame_key = object()
+        self.run: int | None = None  # the engine's generation counter of the run shown
+        self.errors: list[BaseException] = []
+        self._live = self._empty()
+        self._follow = True  # the slider sits at the newest frame and follows it
+        self._setting_slider = False
+        self._drawing = False
+        self._closed = False
+        self.throttle = Throttle(weak_callback(self, "_draw"), fps, lock=self._lock,
+                                on_error=weak_callback(self, "_draw_failed"))
+        self.slider = W.IntSlider(value=0, min=0, max=0, description="replay", continuous_update=True,
+                                  readout=False, layout=W.Layout(width="420px"))
+        self.slider.observe(weak_callback(self, "_on_slider"), names="value")
+        self.frame_label = W.HTML(layout=W.Layout(margin="0 0 0 8px"))
+        self.status = W.HTML()
+        self.replay_bar = W.HBox([self.slider, self.frame_label], layout=W.Layout(align_items="center"))
+        body = self._build()
+        self.widget = W.VBox([W.HTML(f"<b>{html.escape(self.title)}</b>"), body, self.replay_bar, self.status],
+                             layout=W.Layout(border="1px solid #ddd", padding="6px", margin="4px 0"))
+        self.widget.add_class("clover-view")
+        self.widget.add_class(f"clover-{type(self).__name__.lower()}")
+        if engine is not None:
+            self.attach(engine)
+        self._draw()
+
+    # ---------------------------------------------------------------- subclass interface
+    def hook_methods(self) -> dict[str, str]:
+        """Hook point (or pattern) -> name of the method that receives its events."""
+        raise NotImplementedError
+
+    def _build(self):
+        raise NotImplementedError
+
+    def _empty(self) -> dict:
+        return {}
+
+    def _apply_part(self, state: dict, part: Any) -> None:
+        raise NotImplementedError
+
+    def _render(self, state: dict, frame: int) -> None:
+        raise NotImplementedError
+
+    def _html_parts(self, state: dict, frame: int) -> list[str]:
+        """Static HTML fragments of a state (figures without plotly.js, grids)."""
+        return []
+
+    # ---------------------------------------------------------------- attaching
+    def attach(self, engine) -> Attachment:
+        """Attach to ``engine``'s hook points until :meth:`detach` (or the end of a ``with``
+        block). Replaces an earlier attachment."""
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed; make a new view")
+        self.detach()
+        mapping = {point: _weak_hook(self, method) for point, method in self.hook_methods().items()}
+        handle = engine.model.hooks.add_many(mapping)
+        self.engine = engine
+        self._attachment = Attachment(self, engine, handle)
+        self._finalizer = weakref.finalize(self, handle.remove)
+        self._on_attach(engine)
+        return self._attachment
+
+    def _on_attach(self, engine) -> None:
+        pass
+
+    @property
+    def attached(self) -> bool:
+        return self._attachment is not None and self._attachment.attached
+
+    def detach(self) -> None:
+        """Remove this view's hooks and draw the final frame; the recorded frames stay."""
+        att, self._attachment = self._attachment, None
+        if att is not None:
+            att.handle.remove()
+            if self._finalizer is not None:
+                self._finalizer.detach()
+                self._finalizer = None
+            self.flush()
+
+    def close(self) -> None:
+        """Detach and close the widgets."""
+        self.detach()
+        self.throttle.cancel()
+        self._closed = True
+        _close_tree(self.widget)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---------------------------------------------------------------- events -> frames
+    def _check_run(self) -> bool:
+        """Start over when the engine began a new generation; True when it did."""
+        run = self.engine._where.run if self.engine is not None else None
+        if run != self.run:
+            self.run = run
+            self._new_run()
+            return True
+        return False
+
+    def _new_run(self) -> None:
+        self.frames.clear()
+        self.frame_labels.clear()
+        self._frame_key = object()
+        self._live = self._empty()
+        self._follow = True
+
+    def _push(self, part, key=None, label: str = "") -> None:
+        """Add a part to the current frame (same ``key``) or start a new frame; None = new frame."""
+        if key is None or key != self._frame_key or not self.frames:
+            self.frames.append([part])
+            self.frame_labels.append(label)
+            self._frame_key = object() if key is None else key
+        else:
+            self.frames[-1].append(part)
+        self._apply_part(self._live, part)
+        self.throttle.request()
+
+    def _dispatch(self, method: str, event) -> None:
+        with self._lock:
+            self._check_run()
+            getattr(self, method)(event)
+
+    # ---------------------------------------------------------------- drawing
+    def flush(self) -> None:
+        """Draw the newest state now if anything is pending."""
+        self.throttle.flush()
+
+    def redraw(self, *_) -> None:
+        """Draw the shown frame again (after a control changed)."""
+        with self._lock:
+            if not self._drawing:
+                self._draw()
+
+    def _draw_failed(self, e: BaseException) -> None:
+        self.errors.append(e)
+        try:
+            self.status.value = f"<span style='color:#b00'>redraw failed: {html.escape(repr(e))}</span>"
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _draw(self) -> None:
+        n = len(self.frames)
+        self._drawing = True
+        self._setting_slider = True
+        try:
+            self.slider.max = max(n - 1, 0)
+            if self._follow:
+                self.slider.value = max(n - 1, 0)
+            self._setting_slider = False
+            frame = self.slider.value if n else -1
+            state = self._live if (self._follow or frame == n - 1) else self.state_at(frame)
+            self._label(frame, n)
+            self._render(state, frame)
+        finally:
+            self._setting_slider = False
+            self._drawing = False
+
+    def _label(self, frame: int, n: int) -> None:
+        if n == 0:
+            self.frame_label.value = "<span style='color:#888'>no frames yet</span>"
+        else:
+            what = self.frame_labels[frame] if 0 <= frame < len(self.frame_labels) else ""
+            self.frame_label.value = f"frame {frame + 1}/{n} <span style='color:#666'>{html.escape(what)}</span>"
+
+    def _on_slider(self, change) -> None:
+        if self._setting_slider:
+            return
+        with self._lock:
+            n = len(self.frames)
+            self._follow = change["new"] >= n - 1
+            self.throttle._cancel_timer()
+            self.throttle._dirty = False
+            self._draw()
+
+    def show_frame(self, frame: int) -> None:
+        """Replay: show the state after ``frame`` (negative counts from the end); the newest
+        frame follows new events again."""
+        n = len(self.frames)
+        if not n:
+            raise IndexError(f"{type(self).__name__} has no frames yet")
+        if frame < 0:
+            frame += n
+        if not 0 <= frame < n:
+            raise IndexError(f"frame {frame} out of range: the view holds {n} frames")
+        self.slider.value = frame  # -> _on_slider
+
+    def state_at(self, frame: int) -> dict:
+        """The state after frames [0, frame] (a replay)."""
+        state = self._empty()
+        for parts in self.frames[:frame + 1]:
+            for part in parts:
+                self._apply_part(state, part)
+        return state
+
+    @property
+    def state(self) -> dict:
+        return self._live
+
+    # ---------------------------------------------------------------- display and export
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+    def to_html(self, frame: int | None = None, *, full_html: bool = True) -> str:
+        """This view as HTML (the shown frame, or ``frame``), plotly.js inline: works offline."""
+        with self._lock:
+            frame = self._shown_frame() if frame is None else frame
+            state = self._live if frame in (-1, len(self.frames) - 1) else self.state_at(frame)
+            body = section(self.title, self._html_parts(state, frame))
+        return page(self.title, [body]) if full_html else body
+
+    def _shown_frame(self) -> int:
+        n = len(self.frames)
+        return -1 if not n else (n - 1 if self._follow else self.slider.value)
+
+    def export_html(self, path, frame: int | None = None) -> Path:
+        """Write :meth:`to_html` to ``path`` (a self-contained file; nothing loads from the network)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_html(frame), encoding="utf-8")
+        return path
+
+
+# --------------------------------------------------------------------------- helpers
+def _close_tree(widget) -> None:
+    seen = set()
+
+    def walk(w):
+        if id(w) in seen:
+            return
+        seen.add(id(w))
+        for child in getattr(w, "children", ()) or ():
+            walk(child)
+        try:
+            w.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+
+    walk(widget)
+
+
+def figure_html(fig) -> str:
+    """A figure (FigureWidget or Figure) as a div + script, without plotly.js (see :func:`page`)."""
+    import plotly.graph_objects as go
+
+    return go.Figure(fig).to_html(full_html=False, include_plotlyjs=False, include_mathjax=False,
+                                  config={"displaylogo": False})
+
+
+def section(title: str, parts: Iterable[str]) -> str:
+    return f"<section class='clover-view'><h2>{html.escape(title)}</h2>\n" + "\n".join(parts) + "</section>"
+
+
+def page(title: str, sections: Iterable[str]) -> str:
+    """A self-contained HTML page: plotly.js inline once, no external script or stylesheet."""
+    from plotly.offline import get_plotlyjs
+
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
+            f"<title>{html.escape(title)}</title>"
+            "<style>body{font-family:system-ui,sans-serif;margin:16px;} h2{font-size:16px;margin:12px 0 4px;}"
+            "section{border-top:1px solid #ddd;padding-top:6px;}</style>"
+            f"<script type='text/javascript'>{get_plotlyjs()}</script></head><body>\n"
+            + "\n".join(sections) + "\n</body></html>")
+
+
+def export_html(views, path, title: str = "clover_lab") -> Path:
+    """Several views in one self-contained HTML file (plotly.js embedded once)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page(title, [v.to_html(full_html=False) for v in views]), encoding="utf-8")
+    return path
+
+
+def token_piece(tokenizer, token: int, cache: dict) -> str:
+    """One token as text, with whitespace made visible."""
+    s = cache.get(token)
+    if s is None:
+        if tokenizer is None:
+            s = str(token)
+        else:
+            try:
+                s = tokenizer.decode([token], skip_special_tokens=False)
+            except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode
+                s = f"<{token}>"
+        cache[token] = s
+    return s
+
+
+def visible(s: str, limit: int = 14) -> str:
+    s = s.replace("\n", "↵").replace("\t", "⇥").replace(" ", "␣")
+    return s if len(s) <= limit else s[:limit - 1] + "…"
+
+
+def to_numpy(t):
+    """A device tensor on the host as numpy (one transfer; views only, never the engine)."""
+    return t.detach().float().cpu().numpy() if t.is_floating_point() else t.detach().cpu().numpy()

@@ -1,0 +1,193 @@
+"""Dashboard: every view, a prompt box, the sampler controls, Generate and Stop.
+
+Generate runs the generation in a background thread, so the notebook stays responsive and Stop
+works while it runs: Stop sets a flag that a ``denoise.step`` / ``block.commit`` hook (attached
+only for the dashboard's own run) turns into StopGeneration, which ends the run cleanly after the
+current step. The views stay attached to the engine until ``close()``, so generations started
+from other cells (``engine.generate(...)``) show up in the dashboard too.
+"""
+from __future__ import annotations
+
+import html
+import threading
+
+from ..hooks import StopGeneration
+from ..sampling import CONFIDENCE_RULES
+from .base import _close_tree, export_html, require_notebook, weak_callback
+from .denoise import DenoiseView
+from .experts import ExpertView
+from .memory import MemoryView
+from .speed import SpeedView
+
+VIEWS = {"denoise": DenoiseView, "speed": SpeedView, "experts": ExpertView, "memory": MemoryView}
+
+
+class Dashboard:
+    """All views on one engine, with controls. ``generate()`` starts a run from code as the
+    Generate button does (``wait=True`` blocks until it ends); ``stop()`` is the Stop button."""
+
+    def __init__(self, engine, *, prompt: str = "Write a Python function that reverses a string.",
+                 max_new_tokens: int = 64, fps: float = 10.0, views=("denoise", "speed", "experts", "memory")):
+        require_notebook()
+        import ipywidgets as W
+
+        unknown = [v for v in views if v not in VIEWS]
+        if unknown:
+            raise ValueError(f"unknown views {unknown}; known: {', '.join(VIEWS)}")
+        self.engine = engine
+        self.views = {name: VIEWS[name](engine, fps=fps) for name in views}
+        self.result = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+        s = engine.settings
+        c = engine.model.config
+        has_chat = getattr(engine.tokenizer, "chat_template", None) is not None
+        wide = {"description_width": "110px"}
+        self.prompt = W.Textarea(value=prompt, placeholder="prompt", rows=3, layout=W.Layout(width="98%"))
+        self.chat = W.Checkbox(value=has_chat, description="chat template", disabled=not has_chat, indent=False,
+                               layout=W.Layout(width="130px"))
+        self.mode = W.ToggleButtons(options=[("block diffusion", "diffusion"), ("AR", "ar")], value="diffusion",
+                                    style={"button_width": "130px"})
+        self.threshold = W.FloatSlider(value=s.threshold, min=0.05, max=1.0, step=0.01, description="threshold",
+                                       style=wide, readout_format=".2f")
+        self.temperature = W.FloatSlider(value=s.temperature, min=0.0, max=2.0, step=0.05, description="temperature",
+                                         style=wide)
+        self.confidence = W.Dropdown(options=list(CONFIDENCE_RULES), value=s.confidence, description="confidence",
+                                     style=wide, layout=W.Layout(width="260px"))
+        self.coreset = W.IntSlider(value=s.coreset_size or 0, min=0, max=c.num_experts, description="coreset (0=off)",
+                                   style=wide)
+        self.max_new_tokens = W.IntSlider(value=max_new_tokens, min=1, max=min(1024, c.max_position_embeddings // 2),
+                                          description="max new tokens", style=wide)
+        self.generate_button = W.Button(description="Generate", button_style="primary", icon="play")
+        self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
+        self.generate_button.on_click(weak_callback(self, "_clicked_generate"))
+        self.stop_button.on_click(weak_callback(self, "stop"))
+        self.generate_button.add_class("clover-generate")
+        self.stop_button.add_class("clover-stop")
+        self.status = W.HTML("<span style='color:#666'>ready</span>")
+        self.status.add_class("clover-status")
+        controls = W.VBox([
+            self.prompt,
+            W.HBox([self.mode, self.chat, self.threshold, self.temperature], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.confidence, self.coreset, self.max_new_tokens, self.generate_button, self.stop_button],
+                   layout=W.Layout(flex_flow="row wrap")),
+            self.status,
+        ])
+        self.widget = W.VBox([controls] + [v.widget for v in self.views.values()])
+        self.widget.add_class("clover-dashboard")
+
+    def __getitem__(self, name: str):
+        return self.views[name]
+
+    # ---------------------------------------------------------------- running
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def settings(self) -> dict:
+        """The controls as keyword arguments of ``engine.generate``."""
+        return dict(mode=self.mode.value, max_new_tokens=int(self.max_new_tokens.value),
+                    threshold=float(self.threshold.value), temperature=float(self.temperature.value),
+                    confidence=self.confidence.value, coreset_size=int(self.coreset.value) or None)
+
+    def _clicked_generate(self, *_) -> None:
+        try:
+            self.generate()
+        except Exception as e:  # noqa: BLE001 - a button has nobody to raise to
+            self._set_status(f"<span style='color:#b00'>{html.escape(str(e))}</span>")
+
+    def generate(self, prompt: str | None = None, *, wait: bool = False, **overrides):
+        """Start a generation with the controls' settings (``overrides`` replace them) in a
+        background thread; with ``wait=True`` return its GenerationResult."""
+        if self._closed:
+            raise RuntimeError("the dashboard is closed")
+        if self.running:
+            raise RuntimeError("a generation is running; stop it first")
+        if prompt is not None:
+            self.prompt.value = prompt
+        text = self.prompt.value
+        kwargs = {**self.settings(), **overrides}
+        request = [{"role": "user", "content": text}] if self.chat.value else text
+        self._stop.clear()
+        self.result, self.error = None, None
+        self.generate_button.disabled = True
+        self.stop_button.disabled = False
+        self._set_status(f"generating ({kwargs['mode']}, up to {kwargs['max_new_tokens']} tokens)…")
+        self._thread = threading.Thread(target=self._work, args=(request, kwargs), name="clover-dashboard",
+                                        daemon=True)
+        self._thread.start()
+        if wait:
+            return self.wait()
+        return None
+
+    def _check_stop(self, event) -> None:
+        if self._stop.is_set():
+            raise StopGeneration("stopped from the dashboard")
+
+    def _work(self, request, kwargs) -> None:
+        try:
+            with self.engine.hooks({"denoise.step": self._check_stop, "block.commit": self._check_stop}):
+                result = self.engine.generate(request, **kwargs)
+            self.result = result
+            if "speed" in self.views:
+                self.views["speed"].add_result(result)
+            st = result.stats
+            self._set_status(f"<b>done</b> ({st.stop_reason}): {st.new_tokens} tokens in {st.decode_seconds:.2f}s, "
+                             f"{st.tokens_per_second:.1f} tokens/s, {st.tokens_per_forward:.2f} tokens per forward, "
+                             f"{st.forwards} forwards")
+        except BaseException as e:  # noqa: BLE001 - shown, and kept for the caller
+            self.error = e
+            self._set_status(f"<span style='color:#b00'>failed: {html.escape(type(e).__name__)}: "
+                             f"{html.escape(str(e))}</span>")
+        finally:
+            for v in self.views.values():
+                try:
+                    v.flush()
+                except Exception:  # noqa: BLE001
+                    pass
+            self.generate_button.disabled = False
+            self.stop_button.disabled = True
+
+    def stop(self, *_) -> None:
+        """End the running generation after its current step (the resolved prefix is kept)."""
+        self._stop.set()
+        if self.running:
+            self._set_status("stopping…")
+
+    def wait(self, timeout: float | None = None):
+        """Block until the running generation ends; its GenerationResult (raises what it raised)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the generation is still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def _set_status(self, text: str) -> None:
+        self.status.value = text
+
+    # ---------------------------------------------------------------- display, export, close
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+    def export_html(self, path, title: str = "clover_lab dashboard"):
+        """Every view in one self-contained HTML file (plotly.js embedded once)."""
+        return export_html(list(self.views.values()), path, title)
+
+    def close(self) -> None:
+        """Stop a running generation, detach every view and close the widgets."""
+        if self.running:
+            self.stop()
+            self._thread.join()
+        for v in self.views.values():
+            v.close()
+        self._closed = True
+        _close_tree(self.widget)

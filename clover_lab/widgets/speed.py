@@ -1,0 +1,246 @@
+"""SpeedView: how fast a generation goes, and why.
+
+Fed by ``denoise.step`` (one preview forward each; the first step of every block after the first
+is fused with the commit of the block before) and ``block.commit`` (in AR mode one token, one
+forward). Shows tokens/s and tokens per forward over time, steps per block, the time per preview
+and per fused commit+preview step, and, across runs, block diffusion against AR on the same
+prompt. Unlike the other views it keeps every run it saw (``clear()`` forgets them); a run's
+``GenerationStats`` can be added with :meth:`add_result` (``compare`` does it), which brings the
+engine's own preview/commit times.
+"""
+from __future__ import annotations
+
+import html
+
+from .base import View, figure_html, weak_callback
+
+
+class SpeedView(View):
+    """Throughput over time and across runs; live and replayable per event."""
+
+    title = "Speed: tokens/s, tokens per forward, steps per block"
+
+    def __init__(self, engine=None, *, fps: float = 10.0, max_runs: int = 8):
+        self.max_runs = max_runs
+        self._trace_runs = None
+        self._synthetic = 0
+        super().__init__(engine, fps=fps)
+
+    def hook_methods(self):
+        return {"denoise.step": "_on_step", "block.commit": "_on_commit"}
+
+    def _new_run(self):  # keep earlier runs: they are what the comparison shows
+        self._frame_key = object()
+        self._follow = True
+
+    def clear(self, *_) -> None:
+        with self._lock:
+            self.frames.clear()
+            self.frame_labels.clear()
+            self._live = self._empty()
+            self._follow = True
+            self._draw()
+
+    # ---------------------------------------------------------------- widgets
+    def _build(self):
+        import ipywidgets as W
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        self.fig_rate = go.FigureWidget(make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                                                      subplot_titles=("tokens/s (since the start)", "tokens per forward")))
+        self.fig_rate.update_layout(height=380, width=560, margin=dict(l=50, r=10, t=40, b=40),
+                                    legend=dict(font=dict(size=9)))
+        self.fig_rate.update_xaxes(title_text="seconds", row=2, col=1)
+        self.fig_blocks = go.FigureWidget()
+        self.fig_blocks.update_layout(title="steps per block", height=380, width=420, barmode="group",
+                                      margin=dict(l=40, r=10, t=40, b=40), xaxis_title="block",
+                                      legend=dict(font=dict(size=9)))
+        self.fig_compare = go.FigureWidget(make_subplots(rows=1, cols=3, horizontal_spacing=0.12,
+                                                         subplot_titles=("tokens/s", "tokens per forward",
+                                                                         "seconds: prefill / preview / commit")))
+        self.fig_compare.update_layout(height=320, width=1000, barmode="stack", showlegend=True,
+                                       margin=dict(l=40, r=10, t=50, b=80), legend=dict(font=dict(size=9)))
+        self.table = W.HTML()
+        self.clear_button = W.Button(description="forget runs", layout=W.Layout(width="110px"))
+        self.clear_button.on_click(weak_callback(self, "clear"))
+        return W.VBox([W.HBox([self.fig_rate, self.fig_blocks]), self.fig_compare,
+                       W.HBox([self.table, self.clear_button])])
+
+    # ---------------------------------------------------------------- events
+    def _on_step(self, ev) -> None:
+        self._push(dict(kind="step", run=self.run, block=ev.block, step=ev.step, unmasked=len(ev.unmask), time=ev.time),
+                   None, f"run {self.run} · block {ev.block} · step {ev.step} · {ev.time:.2f}s")
+
+    def _on_commit(self, ev) -> None:
+        self._push(dict(kind="commit", run=self.run, block=ev.block, tokens=len(ev.tokens), steps=ev.steps,
+                        time=ev.time), None, f"run {self.run} · block {ev.block} committed · {ev.time:.2f}s")
+
+    def add_result(self, result, label: str | None = None) -> None:
+        """Attach a GenerationResult's stats to the run it came from (the newest one without
+        stats), or add it as a run of its own."""
+        st = result.stats
+        with self._lock:
+            runs = self._live["runs"]
+            target = None
+            for rid in reversed(list(runs)):
+                r = runs[rid]
+                if r["stats"] is None and (r["mode"] == st.mode or r["mode"] is None):
+                    target = rid
+                    break
+            if target is None:
+                self._synthetic -= 1
+                target = self._synthetic
+            self._push(dict(kind="result", run=target, stats=st.to_dict(), label=label), None,
+                       f"run {target} · stats")
+            self.flush()
+
+    def compare(self, engine, prompt, *, max_new_tokens: int = 64, modes=("diffusion", "ar"), **sampler) -> dict:
+        """Run ``prompt`` once per mode with this view attached; returns {mode: GenerationResult}."""
+        was = self._attachment
+        if was is None or was.engine is not engine:
+            self.attach(engine)
+        out = {}
+        try:
+            for mode in modes:
+                res = engine.generate(prompt, mode=mode, max_new_tokens=max_new_tokens, **sampler)
+                self.add_result(res)
+                out[mode] = res
+        finally:
+            if was is None:
+                self.detach()
+        return out
+
+    # ---------------------------------------------------------------- state
+    def _empty(self):
+        return {"runs": {}}
+
+    @staticmethod
+    def _new(rid):
+        return {"id": rid, "mode": None, "label": None, "t": [], "rate": [], "tpf": [], "committed": 0, "forwards": 0,
+                "unmasked": 0, "steps_per_block": {}, "last": 0.0, "last_step": 0.0, "fused": [], "preview": [], "stats": None}
+
+    def _apply_part(self, s, part):
+        runs = s["runs"]
+        rid = part["run"]
+        r = runs.get(rid)
+        if r is None:
+            r = runs[rid] = self._new(rid)
+            while len(runs) > self.max_runs:
+                del runs[next(iter(runs))]
+        kind = part["kind"]
+        if kind == "result":
+            r["stats"] = part["stats"]
+            r["mode"] = part["stats"]["mode"]
+            r["label"] = part["label"]
+            return
+        t = part["time"]
+        if kind == "step":
+            r["mode"] = "diffusion"
+            r["forwards"] += 1
+            r["unmasked"] += part["unmasked"]
+            dt = t - r["last_step"]  # from the step before: a fused step's interval holds its commit
+            if r["forwards"] > 1:  # the first step's interval includes the prefill
+                (r["fused"] if part["step"] == 0 and part["block"] > 0 else r["preview"]).append(dt)
+            r["last_step"] = t
+        else:
+            if r["mode"] is None:  # a diffusion run fires its steps before any commit
+                r["mode"] = "ar"
+            if r["mode"] == "ar":
+                r["forwards"] += 1
+                r["unmasked"] += part["tokens"]
+            r["committed"] += part["tokens"]
+            r["steps_per_block"][part["block"]] = part["steps"]
+        r["last"] = t
+        if t > 0:
+            r["t"].append(t)
+            r["rate"].append(r["committed"] / t)
+            r["tpf"].append(r["unmasked"] / r["forwards"] if r["forwards"] else 0.0)
+
+    # ---------------------------------------------------------------- reading
+    def summary(self, state=None) -> list[dict]:
+        """One row per run: mode, tokens, forwards, tokens/s, tokens per forward, steps per block,
+        seconds per preview step and per fused commit+preview step (live estimates), and the
+        engine's own figures when the result was added."""
+        rows = []
+        for r in (state or self._live)["runs"].values():
+            st = r["stats"] or {}
+            spb = list(r["steps_per_block"].values())
+            mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+            rows.append({
+                "run": r["label"] or f"run {r['id']} · {r['mode'] or '?'}"
+                       + (f" · coreset {st['coreset_size']}" if st.get("coreset_size") else ""),
+                "mode": r["mode"],
+                "tokens": st.get("new_tokens", r["committed"]),
+                "forwards": st.get("forwards", r["forwards"]),
+                "tokens/s": st.get("tokens_per_second", r["rate"][-1] if r["rate"] else None),
+                "tokens/forward": st.get("tokens_per_forward", r["tpf"][-1] if r["tpf"] else None),
+                "steps/block": st.get("mean_steps_per_block") or mean(spb),
+                "s/preview step": mean(r["preview"]),
+                "s/fused step": mean(r["fused"]),
+                "prefill s": st.get("prefill_seconds"),
+                "preview s": st.get("preview_seconds"),
+                "commit s": st.get("commit_seconds"),
+            })
+        return rows
+
+    # ---------------------------------------------------------------- drawing
+    def _render(self, s, frame):
+        import plotly.graph_objects as go
+
+        runs = list(s["runs"].values())
+        rows = self.summary(s)
+        names = [row["run"] for row in rows]
+        ids = [r["id"] for r in runs]
+        palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
+        colour = {rid: palette[i % len(palette)] for i, rid in enumerate(ids)}
+        with self.fig_rate.batch_update():
+            if self._trace_runs != (ids, names):
+                self.fig_rate.data = []
+                for r, name in zip(runs, names):
+                    self.fig_rate.add_trace(go.Scatter(name=name, mode="lines", line=dict(color=colour[r["id"]]),
+                                                       legendgroup=str(r["id"])), row=1, col=1)
+                    self.fig_rate.add_trace(go.Scatter(name=name, mode="lines", line=dict(color=colour[r["id"]]),
+                                                       legendgroup=str(r["id"]), showlegend=False), row=2, col=1)
+                self._trace_runs = (ids, names)
+            for i, r in enumerate(runs):
+                self.fig_rate.data[2 * i].x, self.fig_rate.data[2 * i].y = r["t"], r["rate"]
+                self.fig_rate.data[2 * i + 1].x, self.fig_rate.data[2 * i + 1].y = r["t"], r["tpf"]
+        with self.fig_blocks.batch_update():
+            bars = [(r, name) for r, name in zip(runs, names) if r["mode"] != "ar" and r["steps_per_block"]]
+            if len(self.fig_blocks.data) != len(bars):
+                self.fig_blocks.data = []
+                self.fig_blocks.add_traces([go.Bar(name=name) for _, name in bars])
+            for trace, (r, name) in zip(self.fig_blocks.data, bars):
+                trace.name = name
+                trace.marker.color = colour[r["id"]]
+                trace.x = list(r["steps_per_block"])
+                trace.y = list(r["steps_per_block"].values())
+        with self.fig_compare.batch_update():
+            self.fig_compare.data = []
+            short = [n if len(n) < 28 else n[:27] + "…" for n in names]
+            cols = [colour[i] for i in ids]
+            self.fig_compare.add_trace(go.Bar(x=short, y=[row["tokens/s"] for row in rows], marker_color=cols,
+                                              showlegend=False), row=1, col=1)
+            self.fig_compare.add_trace(go.Bar(x=short, y=[row["tokens/forward"] for row in rows], marker_color=cols,
+                                              showlegend=False), row=1, col=2)
+            for key, c in (("prefill s", "#bbbbbb"), ("preview s", "#4c78a8"), ("commit s", "#f58518")):
+                self.fig_compare.add_trace(go.Bar(name=key, x=short, y=[row[key] for row in rows], marker_color=c),
+                                           row=1, col=3)
+        self.table.value = self.table_html(rows)
+
+    @staticmethod
+    def table_html(rows) -> str:
+        if not rows:
+            return "<i style='color:#888'>no runs yet</i>"
+        cols = [c for c in rows[0] if c != "mode"]
+        fmt = lambda v: "–" if v is None else (f"{v:.3g}" if isinstance(v, float) else html.escape(str(v)))  # noqa: E731
+        head = "".join(f"<th style='padding:2px 6px'>{html.escape(c)}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td style='padding:2px 6px;text-align:right'>{fmt(r[c])}</td>" for c in cols)
+                       + "</tr>" for r in rows)
+        return f"<table style='border-collapse:collapse;font-size:11px'><tr>{head}</tr>{body}</table>"
+
+    def _html_parts(self, s, frame):
+        self._render(s, frame)
+        return ["<div style='display:flex;flex-wrap:wrap;gap:8px'>", figure_html(self.fig_rate),
+                figure_html(self.fig_blocks), "</div>", figure_html(self.fig_compare), self.table_html(self.summary(s))]

@@ -1,0 +1,43 @@
+"""Every notebook in notebooks/ runs top to bottom (nbclient) on the embedded default model, or
+on $CLOVER_LAB_MODEL when set."""
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+from clover_lab.generate import default_model_dir  # noqa: E402
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+HAVE_MODEL = bool(os.environ.get("CLOVER_LAB_MODEL")) or default_model_dir() is not None
+needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="no model: the embedded default (assets/clover-stdlib) is "
+                                                        "missing and CLOVER_LAB_MODEL is not set")
+
+
+def test_notebooks_exist_with_a_kernelspec():
+    names = [p.name for p in NOTEBOOKS]
+    for want in ("01_quickstart", "02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed"):
+        assert f"{want}.ipynb" in names
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        assert nb.metadata["kernelspec"]["name"] == "python3", path.name
+        assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{path.name} is stored with outputs"
+        assert "MODEL_DIR = None" in nb.cells[1].source, f"{path.name}: the model is set in its first code cell"
+
+
+@needs_model
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path):
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    start = time.perf_counter()
+    client.execute()  # raises CellExecutionError naming the cell on the first error
+    took = time.perf_counter() - start
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
+    assert took < 180, f"{path.name} took {took:.0f} s; notebooks should run in tens of seconds"
