@@ -47,6 +47,15 @@ class StepEvent(_Stoppable):
     time: float
     tokens: dict[int, int] = field(default_factory=dict)  # position -> token overriding the candidate
     stopped: bool = False
+    logits: torch.Tensor | None = field(default=None, repr=False)  # [N, V] this preview's, aligned with masked
+
+    def top_candidates(self, k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most probable tokens of this step's distribution at each masked position:
+        (ids [N, k], probabilities [N, k]), computed only when asked."""
+        if self.logits is None:
+            raise ValueError("this step event carries no logits")
+        probs, ids = self.logits.float().softmax(-1).topk(min(k, self.logits.shape[-1]), dim=-1)
+        return ids, probs
 
     def veto(self, *positions: int | Iterable[int]) -> None:
         """Keep these block positions masked this step."""

@@ -426,7 +426,7 @@ class _Run:
                     changed = False
                     if self.hooks.active(STEP_POINT):
                         event = StepEvent(block, step, canvas.clone(), list(masked), cand, conf, list(unmask),
-                                          self.now())
+                                          self.now(), logits=logits)
                         try:
                             self.hooks.fire(STEP_POINT, event)
                         except StopGeneration:

@@ -45,7 +45,12 @@ def test_denoise_view_matches_the_step_and_commit_events(engine):
             assert all(s is not None and 0 <= s < n for s in view.unmask_steps(b))
         grid = view.grid.value
         assert "clover-grid" in grid and grid.count("cl-block") >= len(result.stats.steps_per_block)
-        assert "candidates:" in grid  # hover titles list the candidates
+        assert "candidates:" in grid and "best per step:" in grid  # hover titles list the candidates
+        # the hover's top candidates are a true top-k of one step's distribution, best first
+        first = steps[0]
+        assert first["top"] is not None and len(first["top"]) == len(first["masked"])
+        for row in first["top"]:
+            assert [q for _, q in row] == sorted((q for _, q in row), reverse=True) and sum(q for _, q in row) <= 1 + 1e-6
     finally:
         view.close()
 

@@ -3,8 +3,8 @@
 Fed by ``denoise.step`` (one frame per denoising step) and ``block.commit`` (one frame per
 committed block; in AR mode every token is a block of one). A cell is coloured by the step at
 which its position was unmasked (or by its confidence); masked cells are dashed and show, faded,
-the candidate of the latest step; hovering a cell lists the candidates the model proposed there
-over the steps, best first. Blocks are boxed and labelled. The text so far sits beside the grid.
+the candidate of the latest step; hovering a cell lists the top candidates of the latest step's
+distribution there and the best candidate of each step. Blocks are boxed and labelled. The text so far sits beside the grid.
 """
 from __future__ import annotations
 
@@ -105,8 +105,16 @@ class DenoiseView(View):
         part = dict(kind="step", block=ev.block, step=ev.step, m=int(ev.canvas.shape[-1]), masked=masked,
                     cands=[int(x) for x in ev.candidates.reshape(-1).tolist()],
                     confs=[float(x) for x in ev.confidences.reshape(-1).tolist()],
+                    top=self._top(ev),
                     unmask=[int(p) for p in ev.unmask], tokens=dict(ev.tokens), time=ev.time)
         self._push(part, None, f"block {ev.block} · step {ev.step} · {len(part['unmask'])} unmasked · {ev.time:.2f}s")
+
+    def _top(self, ev) -> list[list[tuple[int, float]]] | None:
+        """This step's top candidates per masked position (a true top-k of one distribution)."""
+        if getattr(ev, "logits", None) is None:
+            return None
+        ids, probs = ev.top_candidates(self.n_candidates)
+        return [list(zip(i, p)) for i, p in zip(ids.tolist(), probs.tolist())]
 
     def _on_commit(self, ev) -> None:
         part = dict(kind="commit", block=ev.block, tokens=list(ev.tokens), steps=ev.steps, start=ev.start, time=ev.time)
@@ -119,7 +127,7 @@ class DenoiseView(View):
 
     @staticmethod
     def _cell():
-        return {"tok": None, "step": None, "conf": None, "cands": {}, "set": False, "last": None}
+        return {"tok": None, "step": None, "conf": None, "cands": {}, "set": False, "last": None, "top": None}
 
     def _apply_part(self, state, part):
         b = part["block"]
@@ -136,6 +144,8 @@ class DenoiseView(View):
                 if best is None or conf > best[0]:
                     cell["cands"][tok] = (conf, part["step"])
                 cell["last"] = tok
+                if part.get("top") is not None:
+                    cell["top"] = (part["step"], part["top"][i])
             for p in part["unmask"]:
                 cell = blk["cells"][p]
                 i = index.get(p)
@@ -199,9 +209,12 @@ class DenoiseView(View):
                 cls.append("cl-set")
         if p in now:
             cls.append("cl-now")
+        if cell["top"] is not None:
+            at, top = cell["top"]
+            lines.append("candidates: " + " | ".join(f"{self._piece(t)!r} {q:.2f}" for t, q in top) + f" (step {at})")
         if cell["cands"]:
             top = sorted(cell["cands"].items(), key=lambda kv: -kv[1][0])[:self.n_candidates]
-            lines.append("candidates: " + " | ".join(f"{self._piece(t)!r} {c:.2f} @step {s}" for t, (c, s) in top))
+            lines.append("best per step: " + " | ".join(f"{self._piece(t)!r} {c:.2f} @step {s}" for t, (c, s) in top))
         title = html.escape("\n".join(lines), quote=True).replace("\n", "&#10;")
         return f"<span class='{' '.join(cls)}' title='{title}'{style}>{html.escape(shown)}</span>"
 
