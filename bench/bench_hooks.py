@@ -34,6 +34,8 @@ from clover_lab import CloverConfig, CloverModel, Engine
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="clover-tiny")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="a trained model directory instead of a random preset ('default': the embedded one)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -49,6 +51,12 @@ def parse_args(argv=None):
 def build_engine(args) -> Engine:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
+    if args.model:
+        from clover_lab import load
+
+        engine = load(None if args.model == "default" else args.model, device=args.device, dtype=dtype)
+        args.preset = "default-model" if args.model == "default" else Path(args.model).name  # for the table
+        return engine
     config = CloverConfig.preset(args.preset)
     if config.mask_token_id is None:  # e.g. clover-small: no tokenizer yet, take the last id
         config = config.replace(mask_token_id=config.vocab_size - 1)

@@ -19,11 +19,16 @@ def causal_conv(mixed: torch.Tensor, ring: torch.Tensor, weight: torch.Tensor):
     """Depthwise causal conv over ``[ring ; mixed]``, before the activation.
 
     mixed [B, T, C], ring [B, C, K-1] (the last K-1 pre-conv rows), weight [C, K].
-    Returns (out [B, T, C] in mixed's dtype, new ring [B, C, K-1]).
+    Returns (out [B, T, C] in mixed's dtype, new ring [B, C, K-1]). The K taps are summed
+    directly in fp32: a depthwise conv1d call costs far more than this on the CPU.
     """
     C, K = weight.shape
+    T = mixed.shape[1]
     x = torch.cat([ring.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
-    out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), groups=C)  # [B, C, T]
+    xf, w = x.float(), weight.float()
+    out = xf[..., 0:T] * w[:, 0:1]
+    for j in range(1, K):
+        out = out + xf[..., j:j + T] * w[:, j:j + 1]  # tap j reads row t + j of [ring ; mixed]
     return out.transpose(1, 2).to(mixed.dtype), x[..., x.shape[-1] - (K - 1):]
 
 
@@ -32,10 +37,14 @@ def right_taps(mixed: torch.Tensor, right_weight: torch.Tensor) -> torch.Tensor:
 
     mixed [B, m, C], right_weight [C, K-1]; returns [B, m, C].
     """
-    C, Km1 = right_weight.shape
-    x = F.pad(mixed.transpose(1, 2)[..., 1:], (0, Km1))  # rows t+1 .. t+K-1, zeros past the end
-    out = F.conv1d(x.to(right_weight.dtype), right_weight.unsqueeze(1), groups=C)
-    return out.transpose(1, 2).to(mixed.dtype)
+    m = mixed.shape[1]
+    Km1 = right_weight.shape[1]
+    x = F.pad(mixed.float(), (0, 0, 0, Km1))  # [B, m + K-1, C]: zeros past the end of the block
+    r = right_weight.float().t()  # [K-1, C]
+    out = torch.zeros_like(x[:, :m])
+    for d in range(1, Km1 + 1):
+        out = out + x[:, d:d + m] * r[d - 1]
+    return out.to(mixed.dtype)
 
 
 def split_heads(conv_out: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int):

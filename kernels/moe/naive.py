@@ -56,12 +56,13 @@ def _moe_experts_cpu(x, expert_ids, weights, gate_up, down):
     hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
     token_of = order // k
     w = weights.reshape(-1)[order]
-    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    xs = x[token_of]  # [T*k, H], grouped by expert
+    ys = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     start = 0
     for e, n in zip(hit.tolist(), counts.tolist()):
-        rows = token_of[start:start + n]
-        h = F.linear(x[rows], gate_up[e])  # [n, 2I]
+        h = F.linear(xs[start:start + n], gate_up[e])  # [n, 2I]
         y = F.linear(F.silu(h[:, :I]) * h[:, I:], down[e])  # [n, H]
-        out.index_add_(0, rows, (y * w[start:start + n, None].to(y.dtype)).float())
+        ys[start:start + n] = y * w[start:start + n, None].to(y.dtype)
         start += n
-    return out.to(x.dtype)
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token_of, ys).to(x.dtype)
