@@ -121,6 +121,7 @@ class TrainSettings:
     confidence_weight: float = 0.2
     min_mask_ratio: float = 0.05
     seed: int = 0
+    schedule_start: int = 0  # the step a (re)started warmup + cosine schedule begins at
 
 
 def mask_blocks(clean: torch.Tensor, block_size: int, mask_id: int, gen: torch.Generator, min_ratio: float):
@@ -214,9 +215,10 @@ def unigram_accuracy(train_tokens: torch.Tensor, heldout: torch.Tensor) -> float
 
 # --------------------------------------------------------------------------- the run
 def lr_at(step: int, s: TrainSettings) -> float:
+    step, total = step - s.schedule_start, s.max_steps - s.schedule_start
     if step < s.warmup_steps:
         return s.lr * (step + 1) / s.warmup_steps
-    progress = min(1.0, (step - s.warmup_steps) / max(1, s.max_steps - s.warmup_steps))
+    progress = min(1.0, (step - s.warmup_steps) / max(1, total - s.warmup_steps))
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -241,7 +243,9 @@ def prepare(out: Path, preset: str, vocab_size: int, block_size: int, overrides:
 def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_size: int = 4096,
           block_size: int = 16, settings: TrainSettings | None = None, overrides: dict | None = None,
           threads: int | None = None, device: str | None = None, log_every: int = 10,
-          checkpoint_every: int = 100) -> Path:
+          checkpoint_every: int = 100, extend_steps: int | None = None, extend_lr: float | None = None) -> Path:
+    """Train (or resume) the run in ``out`` for at most ``minutes``. ``extend_steps`` continues a
+    finished run for that many more steps with a fresh warmup + cosine schedule (peak ``extend_lr``)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -256,7 +260,10 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
         settings = TrainSettings(**state["settings"])
         model = CloverModel.from_pretrained(out / "checkpoint", device=device, dtype=torch.float32)
         step = state["step"]
-        print(f"resuming {out} at step {step}", flush=True)
+        if extend_steps:
+            settings.schedule_start, settings.max_steps = step, step + extend_steps
+            settings.lr = extend_lr or settings.lr
+        print(f"resuming {out} at step {step} (schedule to step {settings.max_steps})", flush=True)
     else:
         settings = settings or TrainSettings()
         model = CloverModel.random(config, device=device, seed=settings.seed)
@@ -343,6 +350,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a config field of the preset, e.g. --set num_hidden_layers=4")
+    ap.add_argument("--extend-steps", type=int, default=None,
+                    help="continue a finished run for N more steps, restarting the schedule at --lr")
+    ap.add_argument("--confidence-weight", type=float, default=TrainSettings.confidence_weight)
     ap.add_argument("--export", metavar="DIR", help="after training, write a model directory here")
     args = ap.parse_args(argv)
     overrides = {}
@@ -350,9 +360,10 @@ def main(argv=None):
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
     settings = TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-                             max_steps=args.max_steps, seed=args.seed)
+                             max_steps=args.max_steps, seed=args.seed, confidence_weight=args.confidence_weight)
     run = train(args.out, args.minutes, args.preset, args.vocab_size, args.block_size, settings, overrides,
-                threads=args.threads)
+                threads=args.threads, extend_steps=args.extend_steps,
+                extend_lr=args.lr if args.extend_steps else None)
     if args.export:
         export(run, args.export)
 

@@ -74,6 +74,12 @@ def test_tiny_run_learns_and_resumes(tmp_path, monkeypatch):
     # resuming continues from the checkpoint (max_steps already reached: no further step)
     training.train(run, minutes=10, vocab_size=400, block_size=16, overrides=overrides)
     assert torch.load(run / "train_state.pt", weights_only=False)["step"] == 40
+    # a finished run can be extended with a fresh schedule
+    training.train(run, minutes=10, vocab_size=400, block_size=16, overrides=overrides, extend_steps=5,
+                   extend_lr=1e-3)
+    state = torch.load(run / "train_state.pt", weights_only=False)
+    assert state["step"] == 45 and state["settings"]["schedule_start"] == 40
+    assert training.lr_at(40, training.TrainSettings(**state["settings"])) < 1e-3 / 4  # warming up again
     model_dir = training.export(run, tmp_path / "model")
     from clover_lab.loading import load_tokenizer
 
