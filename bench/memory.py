@@ -1,0 +1,102 @@
+"""Peak memory (RSS) of loading and generating: the embedded model and a ~2B-parameter random bf16
+checkpoint. Each measurement runs in a fresh process; the table shows peak RSS against the
+checkpoint's size: (peak after generating - RSS before loading) / checkpoint, once every weight
+has been used. A loader that held two copies of the weights would show a ratio near 2. Weights
+load memory-mapped, so right after loading little is resident yet.
+
+    python bench/memory.py [--big-layers 8] [--keep DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, time, torch
+torch.set_num_threads(2)
+from clover_lab import load
+def status_mb(key):  # VmHWM: this process's peak RSS (ru_maxrss would carry the parent's over a fork)
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+def peak_mb():
+    return status_mb("VmHWM")
+start = status_mb("VmRSS")
+t = time.perf_counter()
+engine = load(sys.argv[1])
+load_s = time.perf_counter() - t
+after_load = peak_mb()
+engine.mask_token_id = engine.mask_token_id if engine.mask_token_id is not None else engine.model.config.vocab_size - 1
+prompt = list(range(5, 69))
+for mode in ("ar", "diffusion"):
+    engine.generate(prompt, mode=mode, max_new_tokens=32, threshold=0.9)
+print(json.dumps({"baseline_mb": start, "after_load_mb": after_load, "after_generate_mb": peak_mb(),
+                  "load_seconds": load_s, "dtype": str(engine.model.dtype)}))
+"""
+
+
+def checkpoint_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
+
+
+def measure(path: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row["checkpoint_mb"] = checkpoint_mb(path)
+    row["params"] = None
+    return row
+
+
+def make_big(path: Path, layers: int) -> Path:
+    import torch
+
+    from clover_lab import CloverConfig, CloverModel
+
+    config = CloverConfig.preset("clover-35b-a3b", num_hidden_layers=layers, num_experts=64, vocab_size=32000,
+                                 mask_token_id=31999)
+    model = CloverModel.random(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    return path, n
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--big-layers", type=int, default=8, help="layers of the random bf16 checkpoint (8: ~2B)")
+    ap.add_argument("--keep", default=None, help="keep the random checkpoint in this directory")
+    ap.add_argument("--skip-big", action="store_true", help="only the embedded model")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args(argv)
+    from clover_lab.generate import default_model_dir
+
+    rows = []
+    small = default_model_dir()
+    if small is not None:
+        rows.append({"model": small.name, **measure(small)})
+    if not args.skip_big:
+        with tempfile.TemporaryDirectory() as tmp:
+            big_dir, n = make_big(Path(args.keep or tmp) / "random-2b", args.big_layers)
+            rows.append({"model": f"random bf16, {n / 1e9:.2f}B params", **measure(big_dir), "params": n})
+    print(f"\n{'model':34} {'checkpoint MB':>14} {'RSS before':>11} {'peak after load':>16} "
+          f"{'peak after generate':>20} {'used / ckpt':>12} {'load s':>7}")
+    for r in rows:
+        grown = r["after_generate_mb"] - r["baseline_mb"]
+        print(f"{r['model']:34} {r['checkpoint_mb']:14.0f} {r['baseline_mb']:11.0f} {r['after_load_mb']:16.0f} "
+              f"{r['after_generate_mb']:20.0f} "
+              f"{grown / r['checkpoint_mb']:12.2f} {r['load_seconds']:7.1f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y-%m-%d")
+    file = out / f"memory-cpu-{stamp}{'-small' if args.skip_big else ''}.json"
+    file.write_text(json.dumps({"date": stamp, "device": "cpu", "rows": rows}, indent=2) + "\n")
+    print(f"wrote {file}")
+
+
+if __name__ == "__main__":
+    main()
