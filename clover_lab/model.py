@@ -55,6 +55,7 @@ class Pass:
     device: torch.device | str = "cpu"
     block_size: int | None = None
     router_stats: list | None = None  # training: (router probs [T, E], expert ids [T, k]) per MoE layer part
+    rope: tuple | None = None  # (cos, sin) [c + m, rotary_dim] at ``positions``, shared by every attention layer
     pending: list = field(default_factory=list)  # (destination, source) cache writes, applied on success
 
     def __post_init__(self):
@@ -139,7 +140,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, p: Pass, rotary: Rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
         B, T, _ = x.shape
         D = self.head_dim
         q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)
@@ -147,7 +148,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q).transpose(1, 2)  # [B, Hq, T, D]
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, D)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
-        cos, sin = rotary.cos_sin(p.positions, q.dtype)
+        cos, sin = p.rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if p.block_size:
             o = self._attend_blocks(q, k, v, p.c, p.block_size)
@@ -389,12 +390,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, p: Pass, rotary: Rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, p)
         else:
-            h = self.self_attn(h, p, rotary)
+            h = self.self_attn(h, p)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x), p)
 
@@ -535,10 +536,7 @@ class CloverModel(nn.Module):
             raise ValueError(f"positions up to {cache.length + c + m} exceed the context length "
                              f"{self.config.max_position_embeddings}")
         p = Pass(cache, cache.length, c, m, coreset, self.device)
-        ids = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        x = self.model.embed_tokens(ids)
-        for layer in self.model.layers:
-            x = layer(x, p, self.model.rotary)
+        x = self._layers(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], p)
         # the pass succeeded: publish the commit
         for dst, src in p.pending:
             dst.copy_(src)
@@ -555,6 +553,14 @@ class CloverModel(nn.Module):
             out_preview = self.lm_head(self.model.norm(rows))
         return StepOutput(out_commit, out_preview)
 
+    def _layers(self, ids: torch.Tensor, p: Pass) -> torch.Tensor:
+        """Embedding and every decoder layer over the rows of ``p``; RoPE's cos/sin once per forward."""
+        x = self.model.embed_tokens(ids)
+        p.rope = self.model.rotary.cos_sin(p.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, p)
+        return x
+
     def block_forward(self, clean_ids: torch.Tensor, noisy_ids: torch.Tensor, block_size: int | None = None,
                       router_stats: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Training forward (with gradients): the clean sequence causally and its noisy copy, each
@@ -568,9 +574,7 @@ class CloverModel(nn.Module):
         if L % bs:
             raise ValueError(f"block_forward: length {L} is not a multiple of the block size {bs}")
         p = Pass(None, 0, L, L, None, self.device, block_size=bs, router_stats=router_stats)
-        x = self.model.embed_tokens(torch.cat([clean_ids, noisy_ids], dim=1))
-        for layer in self.model.layers:
-            x = layer(x, p, self.model.rotary)
+        x = self._layers(torch.cat([clean_ids, noisy_ids], dim=1), p)
         logits = self.lm_head(self.model.norm(x))
         return logits[:, :L], logits[:, L:]
 
