@@ -91,27 +91,28 @@ def _read_keys(file: Path) -> list[str]:
 
 
 class _Reader:
-    """Opens each shard once; yields tensors memory-mapped."""
+    """Opens each shard once; yields tensors memory-mapped. Read failures name file and tensor."""
 
     def __init__(self):
         self._open = {}
 
-    def get(self, file: Path, name: str) -> torch.Tensor:
+    def _read(self, file: Path, name: str, what):
         try:
             if file not in self._open:
                 self._open[file] = safe_open(str(file), framework="pt")
-            return self._open[file].get_tensor(name)
+            return what(self._open[file])
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
 
+    def get(self, file: Path, name: str) -> torch.Tensor:
+        return self._read(file, name, lambda f: f.get_tensor(name))
+
     def shape_dtype(self, file: Path, name: str):
-        try:
-            if file not in self._open:
-                self._open[file] = safe_open(str(file), framework="pt")
-            sl = self._open[file].get_slice(name)
+        def read(f):
+            sl = f.get_slice(name)
             return tuple(sl.get_shape()), sl.get_dtype()
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
+
+        return self._read(file, name, read)
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
