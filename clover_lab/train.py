@@ -122,6 +122,8 @@ class TrainSettings:
     min_mask_ratio: float = 0.05
     seed: int = 0
     schedule_start: int = 0  # the step a (re)started warmup + cosine schedule begins at
+    distill_data: str | None = None  # a self-distillation corpus (clover_lab.distill) mixed into each batch
+    distill_share: float = 0.5  # the share of each batch's rows drawn from it
 
 
 def mask_blocks(clean: torch.Tensor, block_size: int, mask_id: int, gen: torch.Generator, min_ratio: float):
@@ -214,6 +216,19 @@ def unigram_accuracy(train_tokens: torch.Tensor, heldout: torch.Tensor) -> float
 
 
 # --------------------------------------------------------------------------- the run
+def training_batch(tokens: torch.Tensor, distilled: torch.Tensor | None, s: TrainSettings,
+                   gen: torch.Generator) -> torch.Tensor:
+    """[batch_size, seq_len] rows: random windows of the corpus, and with a self-distillation
+    corpus, ``distill_share`` of the rows drawn from it instead."""
+    n_distill = 0 if distilled is None else round(s.distill_share * s.batch_size)
+    starts = torch.randint(0, len(tokens) - s.seq_len, (s.batch_size - n_distill,), generator=gen)
+    rows = [tokens[i:i + s.seq_len] for i in starts.tolist()]
+    if n_distill:
+        picks = torch.randint(0, len(distilled), (n_distill,), generator=gen)
+        rows += [distilled[i, :s.seq_len] for i in picks.tolist()]
+    return torch.stack(rows).long()
+
+
 def lr_at(step: int, s: TrainSettings) -> float:
     step, total = step - s.schedule_start, s.max_steps - s.schedule_start
     if step < s.warmup_steps:
@@ -243,9 +258,11 @@ def prepare(out: Path, preset: str, vocab_size: int, block_size: int, overrides:
 def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_size: int = 4096,
           block_size: int = 16, settings: TrainSettings | None = None, overrides: dict | None = None,
           threads: int | None = None, device: str | None = None, log_every: int = 10,
-          checkpoint_every: int = 100, extend_steps: int | None = None, extend_lr: float | None = None) -> Path:
+          checkpoint_every: int = 100, extend_steps: int | None = None, extend_lr: float | None = None,
+          extend_overrides: dict | None = None) -> Path:
     """Train (or resume) the run in ``out`` for at most ``minutes``. ``extend_steps`` continues a
-    finished run for that many more steps with a fresh warmup + cosine schedule (peak ``extend_lr``)."""
+    finished run for that many more steps with a fresh warmup + cosine schedule (peak ``extend_lr``;
+    ``extend_overrides`` replaces other fields of its TrainSettings, e.g. ``distill_data``)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -263,6 +280,8 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
         if extend_steps:
             settings.schedule_start, settings.max_steps = step, step + extend_steps
             settings.lr = extend_lr or settings.lr
+            for field, value in (extend_overrides or {}).items():
+                setattr(settings, field, value)
         print(f"resuming {out} at step {step} (schedule to step {settings.max_steps})", flush=True)
     else:
         settings = settings or TrainSettings()
@@ -280,6 +299,14 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
     tokens = data["train"]
+    distilled = None
+    if settings.distill_data:
+        distilled = torch.load(settings.distill_data)["sequences"]
+        if distilled.shape[1] < settings.seq_len:
+            raise ValueError(f"{settings.distill_data}: sequences of {distilled.shape[1]} tokens, "
+                             f"shorter than seq_len {settings.seq_len}")
+        print(f"mixing {len(distilled)} self-distilled sequences into {settings.distill_share:.0%} "
+              f"of each batch", flush=True)
     log = open(out / "loss_log.jsonl", "a")
 
     def checkpoint():
@@ -292,8 +319,7 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     bar = tqdm(desc="training", unit="step", initial=step)
     try:
         while time.monotonic() < deadline and step < settings.max_steps:
-            starts = torch.randint(0, len(tokens) - settings.seq_len, (settings.batch_size,), generator=gen)
-            clean = torch.stack([tokens[s:s + settings.seq_len] for s in starts.tolist()]).long().to(device)
+            clean = training_batch(tokens, distilled, settings, gen).to(device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, settings)
             loss, parts = block_diffusion_loss(model, clean, settings, gen)
@@ -352,18 +378,33 @@ def main(argv=None):
                     help="override a config field of the preset, e.g. --set num_hidden_layers=4")
     ap.add_argument("--extend-steps", type=int, default=None,
                     help="continue a finished run for N more steps, restarting the schedule at --lr")
-    ap.add_argument("--confidence-weight", type=float, default=TrainSettings.confidence_weight)
+    ap.add_argument("--confidence-weight", type=float, default=None,
+                    help=f"weight of the confidence term (default {TrainSettings.confidence_weight}; "
+                         f"with --extend-steps, the run's own unless given)")
+    ap.add_argument("--distill", metavar="FILE", help="mix this self-distillation corpus (python -m "
+                    "clover_lab.distill) into each batch; with --extend-steps, from the continuation on")
+    ap.add_argument("--distill-share", type=float, default=TrainSettings.distill_share)
     ap.add_argument("--export", metavar="DIR", help="after training, write a model directory here")
     args = ap.parse_args(argv)
     overrides = {}
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
+    if not 0 <= args.distill_share <= 1:
+        ap.error("--distill-share must be in [0, 1]")
+    if args.distill and not Path(args.distill).is_file():
+        ap.error(f"--distill: {args.distill} is not a file")
     settings = TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-                             max_steps=args.max_steps, seed=args.seed, confidence_weight=args.confidence_weight)
+                             max_steps=args.max_steps, seed=args.seed, distill_data=args.distill,
+                             distill_share=args.distill_share)
+    extend_overrides = {}
+    if args.confidence_weight is not None:
+        settings.confidence_weight = extend_overrides["confidence_weight"] = args.confidence_weight
+    if args.distill:
+        extend_overrides.update(distill_data=args.distill, distill_share=args.distill_share)
     run = train(args.out, args.minutes, args.preset, args.vocab_size, args.block_size, settings, overrides,
                 threads=args.threads, extend_steps=args.extend_steps,
-                extend_lr=args.lr if args.extend_steps else None)
+                extend_lr=args.lr if args.extend_steps else None, extend_overrides=extend_overrides)
     if args.export:
         export(run, args.export)
 

@@ -80,6 +80,16 @@ def test_tiny_run_learns_and_resumes(tmp_path, monkeypatch):
     state = torch.load(run / "train_state.pt", weights_only=False)
     assert state["step"] == 45 and state["settings"]["schedule_start"] == 40
     assert training.lr_at(40, training.TrainSettings(**state["settings"])) < 1e-3 / 4  # warming up again
+    # ... and continued on a mix with its own greedy continuations (self-distillation)
+    from clover_lab.distill import make_corpus
+
+    corpus = make_corpus(CloverModel.from_pretrained(run / "checkpoint"), torch.load(run / "data.pt")["train"],
+                         6, seq_len=64, prompt_lens=(16, 32), min_distinct=0.0, progress=False)
+    torch.save(corpus, run / "distill.pt")
+    training.train(run, minutes=10, vocab_size=400, block_size=16, overrides=overrides, extend_steps=5,
+                   extend_lr=1e-3, extend_overrides={"distill_data": str(run / "distill.pt"), "distill_share": 0.5})
+    state = torch.load(run / "train_state.pt", weights_only=False)
+    assert state["step"] == 50 and state["settings"]["distill_data"] == str(run / "distill.pt")
     model_dir = training.export(run, tmp_path / "model")
     from clover_lab.loading import load_tokenizer
 

@@ -1,0 +1,80 @@
+"""Self-distillation corpus: the model's own greedy continuations, and training that mixes them in."""
+import copy
+
+import pytest
+import torch
+
+from clover_lab import CloverModel, Engine
+from clover_lab import train as training
+from clover_lab.distill import distinct_ngrams, greedy_continuations, make_corpus
+
+
+def test_greedy_continuations_are_the_engines_ar_greedy(tiny_model):
+    prompts = torch.randint(3, 500, (2, 20), generator=torch.Generator().manual_seed(0))
+    batch = greedy_continuations(tiny_model, prompts, 12, repetition_penalty=1.0)
+    engine = Engine(tiny_model)
+    for row, prompt in zip(batch, prompts):
+        # eos/mask/pad are never chosen by the corpus writer; the tiny model's eos is None here
+        r = engine.generate(prompt.tolist(), mode="ar", max_new_tokens=12)
+        assert r.token_ids == row.tolist()
+
+
+def test_repetition_penalty_matches_a_full_recompute(tiny_model):
+    """Cached batched decoding with the penalty equals recomputing each step from the whole sequence."""
+    # a head that can only pick tokens 7-10, so that 16 greedy tokens must repeat
+    looping = copy.deepcopy(tiny_model)
+    w = torch.randn(looping.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        looping.lm_head.weight.zero_()
+        looping.lm_head.weight[7:11] = torch.stack([10 * w, 9 * w, -10 * w, -9 * w])
+    prompts = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+    penalty, window = 5.0, 6
+    out = greedy_continuations(looping, prompts, 16, repetition_penalty=penalty, window=window)
+    for prompt, row in zip(prompts, out):
+        seq = prompt.tolist()
+        for i in range(16):
+            logits = looping.logits(torch.tensor([seq]))[0, -1].float()
+            for t in set(seq[len(prompt):][-window:]):
+                logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
+            seq.append(int(logits.argmax()))
+        assert seq[len(prompt):] == row.tolist()
+    assert not torch.equal(out, greedy_continuations(looping, prompts, 16, repetition_penalty=1.0))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        greedy_continuations(tiny_model, prompts, 4, repetition_penalty=0)
+    with pytest.raises(ValueError, match="prompts"):
+        greedy_continuations(tiny_model, prompts[:, :0], 4)
+
+
+def test_distinct_ngrams():
+    assert distinct_ngrams(torch.arange(10)) == 1.0
+    assert distinct_ngrams(torch.tensor([1, 2] * 10)) == pytest.approx(2 / 17)
+
+
+def test_corpus_rows_are_real_prefix_then_continuation(tiny_model):
+    tokens = torch.randint(3, 500, (2000,), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    corpus = make_corpus(tiny_model, tokens, 5, seq_len=64, prompt_lens=(16, 32), batch_size=3,
+                         min_distinct=0.0, progress=False)
+    seqs, plens = corpus["sequences"], corpus["prompt_lens"]
+    assert seqs.shape == (5, 64) and seqs.dtype == torch.int32 and set(plens.tolist()) <= {16, 32}
+    for row, P in zip(seqs, plens.tolist()):
+        prefix = row[:P]
+        hits = [s for s in range(len(tokens) - P + 1) if torch.equal(tokens[s:s + P], prefix)]
+        assert hits, "the prefix is a window of the corpus"
+        assert row[P:].tolist() == greedy_continuations(tiny_model, prefix[None].long(), 64 - P)[0].tolist()
+    with pytest.raises(ValueError, match="multiples of the block size"):
+        make_corpus(tiny_model, tokens, 2, seq_len=64, prompt_lens=(10,), progress=False)
+    with pytest.raises(RuntimeError, match="loop"):  # nothing can pass a distinct-4-gram share above 1
+        make_corpus(tiny_model, tokens, 2, seq_len=64, prompt_lens=(16,), min_distinct=1.01, progress=False)
+
+
+def test_training_batch_mixes_the_corpus():
+    tokens = torch.arange(1000, dtype=torch.int32)
+    distilled = torch.full((7, 64), -1, dtype=torch.int32)
+    s = training.TrainSettings(seq_len=32, batch_size=8, distill_share=0.25)
+    batch = training.training_batch(tokens, distilled, s, torch.Generator().manual_seed(0))
+    assert batch.shape == (8, 32) and batch.dtype == torch.long
+    assert (batch == -1).all(1).sum() == 2 and (batch >= 0).all(1).sum() == 6
+    # without a corpus: the same draws as before self-distillation existed
+    plain = training.training_batch(tokens, None, s, torch.Generator().manual_seed(0))
+    starts = torch.randint(0, 1000 - 32, (8,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(plain[:, 0], starts.long())
