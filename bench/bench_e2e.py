@@ -10,6 +10,9 @@ restored outside them):
                        coreset (recorded by an untimed all-masked first preview, as in generation)
   commit+preview       the fused forward: commit --block tokens, first preview of the next block
   AR step              commit 1 token, logits of the last
+  [CUDA graph]         preview, commit+preview and AR step again through clover_lab.graphs.StepGraphs:
+                       the no-hook fast path the engine takes on CUDA, one graph replay per step
+                       (on a CPU the same static-shape steps run eagerly)
 Roofline: the bytes a step must move, / 4.8e12 B/s (H200 HBM): every non-expert weight (the LM
 head whole when logits are computed, embedding rows as gathered), 3 * H * I * dtype bytes per
 *distinct* routed expert per MoE layer (counted by a route hook in a separate untimed run), the
@@ -43,6 +46,7 @@ from pathlib import Path
 import torch
 
 from clover_lab.config import CloverConfig
+from clover_lab.graphs import StepGraphs
 from clover_lab.model import CloverModel, Coreset
 
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -188,6 +192,10 @@ def main(argv=None) -> int:
     snapshot, n, B = cache.clone(), cache.length, args.block
     restore = lambda: cache.restore(snapshot)  # noqa: E731
     coreset = Coreset(args.coreset)
+    graphs = StepGraphs(model, cache.max_len)  # the fast path, on its own cache holding the same prompt
+    model.prefill(graphs.reset(), prompt, logits=None)
+    g_snapshot = graphs.cache.clone()
+    g_restore = lambda: graphs.cache.restore(g_snapshot)  # noqa: E731
 
     steps = {  # name -> (call, (c, m, logits), restore before each call)
         "preview, all masked": (lambda: model.preview(cache, block), (0, B, True), None),
@@ -197,10 +205,16 @@ def main(argv=None) -> int:
         "preview, coreset": (lambda: model.preview(cache, later, positions=masked, coreset=coreset),
                              (0, B, len(masked) > 0), None),
     }
+    graph_steps = {  # the same steps on the fast path (all block logits: the engine picks rows after)
+        "preview": (lambda: graphs.step(later, 0, B), g_restore),
+        "commit+preview": (lambda: graphs.step(torch.cat([commit_ids, block], 1), B, B), g_restore),
+        "AR step": (lambda: graphs.step(commit_ids[:, :1], 1, 0, commit_logits=True), g_restore),
+    }
     variants = [  # (step, variant label, setting: None | "hook" | "torch")
         ("preview, all masked", "default", None), ("preview", "default", None), ("commit+preview", "default", None),
         ("AR step", "default", None), ("preview", "route hook", "hook"), ("preview", "CLOVER_KERNELS=torch", "torch"),
         ("preview, coreset", f"coreset {args.coreset}", None),
+        ("preview", "CUDA graph", "graph"), ("commit+preview", "CUDA graph", "graph"), ("AR step", "CUDA graph", "graph"),
     ]
     model.preview(cache, block, coreset=coreset)  # the block's first preview records the coreset (untimed)
     name, now = device_name(dev), dt.datetime.now()
@@ -220,7 +234,11 @@ def main(argv=None) -> int:
         call, (c, m, logits), before = steps[step]
         if before:
             before()
-        hit = experts_hit(model, call)
+        hit = experts_hit(model, call)  # graphs take no hooks: the eager twin's experts
+        if setting == "graph":
+            restore()
+            call, before = graph_steps[step]
+            before()
         handle = model.hooks.add("layers.*.moe.route", lambda ev: None) if setting == "hook" else None
         if setting == "torch":
             os.environ["CLOVER_KERNELS"] = "torch"
@@ -231,6 +249,7 @@ def main(argv=None) -> int:
             if handle is not None:
                 handle.remove()
         restore()
+        g_restore()
         parts = roofline_bytes(model, n, c, m, logits, hit)
         total = sum(parts.values())
         med = statistics.median(times)

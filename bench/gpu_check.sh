@@ -2,6 +2,7 @@
 # The GPU check of the kernel core, offline, in under 5 minutes on one H200:
 #   1. install the project (editable, no deps, no network),
 #   2. the kernel tests on CUDA (real Triton compilation, no interpreter, CLOVER_KERNELS unset),
+#      and the CUDA-graph tests (tests/test_graphs.py),
 #      in parallel pytest processes (compilation dominates a cold run),
 #   3. bench/bench_kernels.py (table + JSON),
 #   4. bench/bench_e2e.py when it exists, with the time that is left.
@@ -64,6 +65,10 @@ if "$PY" -c "import pytest" 2>/dev/null; then
             pids+=($!); names+=("$name")
         done
     done
+    # the CUDA-graph fast path (clover_lab.graphs): captured replays against eager static steps
+    timeout "$T_LIMIT" "$PY" -m pytest tests/test_graphs.py -q -p no:cacheprovider -rfE \
+        --junitxml="$OUT/tests_graphs.xml" > "$OUT/tests_graphs.log" 2>&1 &
+    pids+=($!); names+=("graphs")
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}"; rc=$?
         [ $rc -eq 5 ] && rc=0  # nothing selected in this part

@@ -24,6 +24,7 @@ import math
 import os
 import random
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -248,7 +249,10 @@ class _Run:
         self.where = engine._where
         self.where.run += 1
         try:
-            self.cache = model.new_cache(len(prompt_ids) + max_new_tokens)
+            self.graphs = engine._graphs_for(self, len(prompt_ids) + max_new_tokens,
+                                             coreset=mode == "diffusion" and bool(s.coreset_size))
+            self.cache = (self.graphs.reset() if self.graphs is not None
+                          else model.new_cache(len(prompt_ids) + max_new_tokens))
         except (torch.OutOfMemoryError, RuntimeError) as e:
             raise GenerationError(f"cannot allocate a cache of {len(prompt_ids) + max_new_tokens} positions "
                                   f"({cache_bytes(model, len(prompt_ids) + max_new_tokens) / 2**30:.2f} GiB) on "
@@ -270,10 +274,17 @@ class _Run:
         self.t_decode = time.perf_counter()
         return out
 
+    def fast(self) -> bool:
+        """Take the static-shape step (a CUDA graph on CUDA): no hook inside the model right now."""
+        return self.graphs is not None and not self.hooks.model_hooks_attached()
+
     def commit(self, ids: list[int], block: int, logits: str | None = None):
         self.where.set("decode", commit_block=block)
         self.clock.start("commit")
-        out = self.model.commit(self.cache, ids, logits=logits)
+        if len(ids) == 1 and self.fast():  # the AR step
+            out = self.graphs.step(torch.tensor([ids], device=self.device), 1, 0, commit_logits=True)[0]
+        else:
+            out = self.model.commit(self.cache, ids, logits=logits)
         self.clock.stop()
         self.stats.commit_forwards += 1
         return out
@@ -391,8 +402,13 @@ class _Run:
                     self.clock.start("preview")
                     if step == 0 and pending is not None:
                         self.where.set("decode", block=block, step=0, commit_block=block - 1)
-                        logits = model.commit_and_preview(self.cache, pending, canvas[None], positions=idx,
-                                                          coreset=coreset).preview_logits
+                        if self.fast():
+                            ids = torch.cat([torch.tensor(pending, device=self.device), canvas])[None]
+                            logits = self.graphs.step(ids, len(pending), m)[1]
+                            logits = logits if idx is None else logits[:, idx]
+                        else:
+                            logits = model.commit_and_preview(self.cache, pending, canvas[None], positions=idx,
+                                                              coreset=coreset).preview_logits
                         self.clock.stop()
                         self.stats.preview_forwards += 1
                         self.stats.fused_forwards += 1
@@ -412,7 +428,11 @@ class _Run:
                             raise _Ended
                     else:
                         self.where.set("decode", block=block, step=step)
-                        logits = model.preview(self.cache, canvas[None], positions=idx, coreset=coreset)
+                        if self.fast():
+                            logits = self.graphs.step(canvas[None], 0, m)[1]
+                            logits = logits if idx is None else logits[:, idx]
+                        else:
+                            logits = model.preview(self.cache, canvas[None], positions=idx, coreset=coreset)
                         self.clock.stop()
                         self.stats.preview_forwards += 1
                     logits = logits[0].float()  # [N, V]
@@ -565,6 +585,31 @@ class Engine:
             eos = [tokenizer.eos_token_id]
         self.eos_token_ids: list[int] = eos
         self._where = _Where()
+        # the no-hook fast path (clover_lab.graphs): None = on where it pays (CUDA, as CUDA graphs),
+        # True = also on a CPU (static-shape steps run eagerly: tests), False = off
+        self.step_graphs: bool | None = None
+        self._graphs = None
+        self._graphs_holder = None  # weakref to the generation running on them
+
+    def _graphs_for(self, run: "_Run", length: int, coreset: bool):
+        """The StepGraphs to run a generation of ``length`` positions on, or None for the plain path
+        (also while another unfinished generation of this engine holds them: streams interleaved)."""
+        use = self.step_graphs if self.step_graphs is not None else self.model.device.type == "cuda"
+        if not use or coreset:
+            return None
+        from .graphs import StepGraphs
+
+        if self._graphs_holder is not None and self._graphs_holder() is not None:
+            return None  # another generation of this engine is still running on them
+        self._graphs_holder = weakref.ref(run)
+
+        g = self._graphs
+        if g is None or not g.fits(length) or (g.device, g.dtype) != (self.model.device, self.model.dtype):
+            size = max(1024, 1 << (length - 1).bit_length())  # a power of two: few re-allocations
+            size = min(size, self.model.config.max_position_embeddings)
+            self._graphs = None  # free the old cache and graphs first
+            self._graphs = StepGraphs(self.model, size)
+        return self._graphs
 
     def __repr__(self):
         c = self.model.config
@@ -707,7 +752,11 @@ class Engine:
 
     def _drive(self, run: _Run) -> Iterator[StreamUpdate]:
         # no inference_mode around the yields: it would leak into the consumer's code between updates
-        yield from (run.run_diffusion() if run.mode == "diffusion" else run.run_ar())
+        try:
+            yield from (run.run_diffusion() if run.mode == "diffusion" else run.run_ar())
+        finally:  # ended, failed or abandoned: the fast path's cache is free for the next generation
+            if self._graphs_holder is not None and self._graphs_holder() is run:
+                self._graphs_holder = None
 
     def generate(self, prompt, *, mode: str = "diffusion", max_new_tokens: int = 256, stop=None,
                  thinking: bool | None = None, settings: SamplerSettings | None = None,

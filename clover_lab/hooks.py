@@ -118,6 +118,10 @@ class HookRegistry:
     def attached(self) -> dict[str, int]:
         return {name: len(fns) for name, fns in self._fns.items()}
 
+    def model_hooks_attached(self) -> bool:
+        """True when a hook sits on a point inside the model's forward (not an engine point)."""
+        return any(name not in ENGINE_POINTS for name in self._fns)
+
 
 # --------------------------------------------------------------------------- model events
 @dataclass

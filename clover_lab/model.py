@@ -57,9 +57,14 @@ class Pass:
     router_stats: list | None = None  # training: (router probs [T, E], expert ids [T, k]) per MoE layer part
     rope: tuple | None = None  # (cos, sin) [c + m, rotary_dim] at ``positions``, shared by every attention layer
     pending: list = field(default_factory=list)  # (destination, source) cache writes, applied on success
+    # static-shape step (CUDA-graph fast path): the committed length as a 0-d device tensor; attention
+    # then runs over the cache's whole preallocated buffer with a mask instead of slicing it at ``n``
+    n_dev: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.block_size:
+        if self.n_dev is not None:
+            self.positions = self.n_dev + torch.arange(self.c + self.m, device=self.device)
+        elif self.block_size:
             clean = torch.arange(self.c, device=self.device)
             self.positions = torch.cat([clean, clean])  # each noisy token sits at its clean position
         else:
@@ -155,6 +160,9 @@ class GatedAttention(nn.Module):
             return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
 
         cache: AttentionCache = p.cache.layers[self.layer]
+        if p.n_dev is not None:
+            o = self._attend_static(q, k, v, cache, p)
+            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
         n, c, m = p.n, p.c, p.m
         outs = []
         if c:
@@ -177,6 +185,17 @@ class GatedAttention(nn.Module):
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
         return self.o_proj(o)
 
+    @staticmethod
+    def _attend_static(q, k, v, cache: AttentionCache, p: Pass) -> torch.Tensor:
+        """Static shapes for CUDA graphs: every row's K,V is written at its position (rows past the
+        committed length are scratch until a commit publishes them), then one attention over the
+        whole buffer. Commit rows see the prefix causally; block rows see the prefix and the block."""
+        pos = p.positions  # [c + m] = n + arange
+        cache.k.index_copy_(2, pos, k)
+        cache.v.index_copy_(2, pos, v)
+        last = pos[:p.c] if not p.m else torch.cat([pos[:p.c], pos[-1:].expand(p.m)])
+        allowed = torch.arange(cache.k.shape[2], device=q.device)[None, :] <= last[:, None]  # [T, max_len]
+        return F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=allowed, enable_gqa=True)
 
     @staticmethod
     def _attend_blocks(q, k, v, L: int, bs: int) -> torch.Tensor:
@@ -552,6 +571,28 @@ class CloverModel(nn.Module):
                 rows = rows[:, torch.as_tensor(preview_positions, device=x.device, dtype=torch.long)]
             out_preview = self.lm_head(self.model.norm(rows))
         return StepOutput(out_commit, out_preview)
+
+    @torch.no_grad()
+    def static_step(self, cache: CloverCache, ids: torch.Tensor, n: torch.Tensor, c: int, m: int,
+                    commit_logits: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``forward`` with static shapes and no host synchronisation, the body of a CUDA graph
+        (``clover_lab.graphs``): ids [B, c + m] on the model's device, ``n`` the committed length as a
+        0-d device tensor. Writes the cache (K,V rows at n.., GDN ring and state when c > 0) but
+        leaves ``cache.length`` to the caller. Refused while a hook is attached inside the model:
+        a graph replays kernels and would never call it.
+        Returns (logits of the last commit row or None, logits of every block row or None)."""
+        if self.hooks.model_hooks_attached():
+            raise RuntimeError("static_step: hooks are attached to model points; use forward()")
+        if cache.batch_size != ids.shape[0] or ids.shape[1] != c + m:
+            raise ValueError(f"static_step: ids {tuple(ids.shape)} do not match batch {cache.batch_size}, "
+                             f"c + m = {c + m}")
+        p = Pass(cache, -1, c, m, None, self.device, n_dev=n)
+        x = self._layers(ids, p)
+        for dst, src in p.pending:
+            dst.copy_(src)
+        out_commit = self.lm_head(self.model.norm(x[:, c - 1:c])) if c and commit_logits else None
+        out_preview = self.lm_head(self.model.norm(x[:, c:])) if m else None
+        return out_commit, out_preview
 
     def _layers(self, ids: torch.Tensor, p: Pass) -> torch.Tensor:
         """Embedding and every decoder layer over the rows of ``p``; RoPE's cos/sin once per forward."""

@@ -1,0 +1,101 @@
+"""The no-hook fast path: static-shape forwards, replayed as CUDA graphs.
+
+At batch 1 a step of a big MoE model is hundreds of small kernels; launching them one by one
+from Python costs more than running them. ``StepGraphs`` owns one preallocated cache and, per
+step shape (commit rows c, block rows m, whether the last commit row's logits are wanted),
+one captured graph of ``CloverModel.static_step``: a preview of a block (c = 0), the fused
+commit of the previous block with the preview of the next (c = m = block size) and an AR step
+(c = 1). Replaying a graph writes the step's ids and the committed length into static input
+buffers and launches the whole forward at once.
+
+On a CPU (or with ``capture=False``) the same static-shape forwards run eagerly, so that the
+path is tested everywhere. The engine uses it only while no hook is attached inside the model
+(engine points ``denoise.step`` / ``block.commit`` are fine: they run between forwards) and
+without an expert coreset; anything else takes the ordinary forward.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .cache import CloverCache
+from .model import CloverModel
+
+
+class StepGraphs:
+    def __init__(self, model: CloverModel, max_len: int, capture: bool | None = None):
+        self.model = model
+        self.device, self.dtype = model.device, model.dtype
+        self.cache: CloverCache = model.new_cache(max_len)
+        self.capture = (self.device.type == "cuda") if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("StepGraphs: capture needs a CUDA device")
+        self._n = torch.zeros((), dtype=torch.long, device=self.device)
+        self._graphs: dict[tuple[int, int, bool], tuple] = {}  # key -> (graph, ids, outputs)
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.disabled: str | None = None  # why capture failed, once it has
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def fits(self, length: int) -> bool:
+        return length <= self.cache.max_len
+
+    def reset(self) -> CloverCache:
+        """The cache, emptied for a new generation (its buffers, and so every graph, are kept)."""
+        self.cache.reset()
+        return self.cache
+
+    # ------------------------------------------------------------------ a step
+    def step(self, ids: torch.Tensor, c: int, m: int, commit_logits: bool = False):
+        """Run one step on the owned cache: ids [1, c + m]; advances ``cache.length`` by c.
+        Returns (commit logits [1, 1, V] or None, preview logits [1, m, V] or None), fresh tensors."""
+        cache = self.cache
+        cache.check_room(c + m)  # block rows are written as scratch past the committed rows
+        if cache.length + c + m > self.model.config.max_position_embeddings:
+            raise ValueError(f"positions up to {cache.length + c + m} exceed the context length")
+        ids = ids.to(self.device, torch.long)
+        key = (c, m, bool(commit_logits))
+        graph = self._graphs.get(key) if self.capture and not self.disabled else None
+        if graph is None and self.capture and not self.disabled:
+            graph = self._capture(key)
+        if graph is None:  # eager static step
+            self._n.fill_(cache.length)
+            out = self.model.static_step(cache, ids, self._n, c, m, commit_logits)
+        else:
+            g, static_ids, static_out = graph
+            static_ids.copy_(ids)
+            self._n.fill_(cache.length)
+            g.replay()
+            # outputs live in the graphs' shared pool: the next replay may overwrite them
+            out = tuple(None if t is None else t.clone() for t in static_out)
+        cache.length += c
+        return out
+
+    def _capture(self, key):
+        c, m, commit_logits = key
+        cache, model = self.cache, self.model
+        static_ids = torch.zeros(1, c + m, dtype=torch.long, device=self.device)
+        snapshot = cache.clone()  # warm-up runs write the cache; capture itself runs nothing
+        try:
+            self._n.fill_(cache.length)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compiles the Triton kernels, settles the allocator
+                for _ in range(2):
+                    model.static_step(cache, static_ids, self._n, c, m, commit_logits)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                static_out = model.static_step(cache, static_ids, self._n, c, m, commit_logits)
+        except Exception as e:  # noqa: BLE001 - the eager static step is always there
+            self.disabled = f"{type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graph capture failed, running steps eagerly from now on ({self.disabled})",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        finally:
+            cache.restore(snapshot)
+        self._graphs[key] = (g, static_ids, static_out)
+        return self._graphs[key]

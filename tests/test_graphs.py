@@ -1,0 +1,146 @@
+"""The no-hook fast path: static-shape steps (CUDA graphs on CUDA) equal the ordinary forward."""
+import gc
+
+import pytest
+import torch
+
+from clover_lab import Engine
+from clover_lab.graphs import StepGraphs
+
+PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64, 8, 400, 23]
+
+
+def _states(cache):
+    return [t.clone() for layer in cache.layers.values() if hasattr(layer, "state") for t in (layer.ring, layer.state)]
+
+
+def test_static_steps_equal_the_forward(gen_model):
+    """AR steps, previews and fused commit+preview on a preallocated buffer (attention over all of it
+    with a mask) give the logits and the cache of the plain forward."""
+    model = gen_model
+    eager = model.new_cache(64)
+    graphs = StepGraphs(model, 128)
+    static = graphs.reset()
+    prompt = torch.tensor([PROMPT])
+    model.prefill(eager, prompt, logits=None)
+    model.prefill(static, prompt, logits=None)
+    g = torch.Generator().manual_seed(0)
+    block = torch.randint(0, 500, (1, 16), generator=g)
+    block[0, ::3] = 511
+    steps = [("ar", torch.tensor([[7]])), ("ar", torch.tensor([[300]])), ("preview", block),
+             ("fused", (torch.randint(0, 500, (1, 16), generator=g), block)), ("preview", block[:, :5]),
+             ("fused", (torch.randint(0, 500, (1, 5), generator=g), block[:, :7]))]
+    for kind, ids in steps:
+        if kind == "ar":
+            want = model.commit(eager, ids)
+            got = graphs.step(ids, 1, 0, commit_logits=True)[0]
+        elif kind == "preview":
+            want = model.preview(eager, ids)
+            got = graphs.step(ids, 0, ids.shape[1])[1]
+        else:
+            commit, blk = ids
+            want = model.commit_and_preview(eager, commit, blk).preview_logits
+            got = graphs.step(torch.cat([commit, blk], 1), commit.shape[1], blk.shape[1])[1]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert static.length == eager.length
+        for a, b in zip(_states(static), _states(eager)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        n = eager.length
+        for i, layer in eager.layers.items():
+            if hasattr(layer, "k"):
+                torch.testing.assert_close(static.layers[i].k[:, :, :n], layer.k[:, :, :n])
+
+
+def test_static_step_refuses_what_it_cannot_do(gen_model):
+    graphs = StepGraphs(gen_model, 32)
+    graphs.reset()
+    with gen_model.hooks.scoped({"layers.0.moe.route": lambda e: None}):
+        with pytest.raises(RuntimeError, match="hooks"):
+            graphs.step(torch.tensor([[1]]), 1, 0)
+    with pytest.raises(ValueError, match="c \\+ m"):
+        graphs.step(torch.tensor([[1, 2]]), 1, 0)
+    with pytest.raises(ValueError, match="exceed"):  # 40 positions of a 32-row buffer
+        graphs.step(torch.zeros(1, 40, dtype=torch.long), 0, 40)
+    assert graphs.cache.length == 0
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            StepGraphs(gen_model, 32, capture=True)
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_engine_fast_path_generates_the_same(gen_model, mode):
+    plain = Engine(gen_model)
+    plain.step_graphs = False
+    fast = Engine(gen_model)
+    fast.step_graphs = True
+    for max_new in (37, 16):
+        a = plain.generate(PROMPT, mode=mode, max_new_tokens=max_new, threshold=0.3)
+        b = fast.generate(PROMPT, mode=mode, max_new_tokens=max_new, threshold=0.3)
+        assert b.token_ids == a.token_ids
+        assert b.stats.forwards == a.stats.forwards
+    assert fast._graphs is not None and fast._graphs.cache.length == len(PROMPT) + 16
+    assert plain._graphs is None
+
+
+def test_engine_fast_path_steps_aside_for_hooks_and_interleaved_streams(gen_model):
+    plain = Engine(gen_model)
+    plain.step_graphs = False
+    want = plain.generate(PROMPT, max_new_tokens=40, threshold=0.3).token_ids
+    fast = Engine(gen_model)
+    fast.step_graphs = True
+    seen = []  # a model hook attached mid-generation: from then on the plain forward
+    out = []
+    for u in fast.stream(PROMPT, max_new_tokens=40, threshold=0.3):
+        if u.kind == "commit" and not seen:
+            seen.append(fast.add_hook("layers.*.moe.route", lambda e: seen.append(e.layer)))
+        if u.kind == "done":
+            out = u.result.token_ids
+    seen[0].remove()
+    assert out == want and len(seen) > 1  # the hook fired on the rest of the run
+    # two streams consumed alternately: the second cannot share the first one's cache
+    s1 = fast.stream(PROMPT, max_new_tokens=40, threshold=0.3)
+    s2 = fast.stream(PROMPT, max_new_tokens=40, threshold=0.3)
+    r1 = r2 = None
+    for u1, u2 in zip(s1, s2):
+        r1, r2 = u1.result or r1, u2.result or r2
+    assert r1.token_ids == want and r2.token_ids == want
+    # an abandoned stream frees the fast path for the next generation
+    s3 = fast.stream(PROMPT, max_new_tokens=40, threshold=0.3)
+    next(s3)
+    del s3
+    gc.collect()
+    assert fast._graphs_holder is None or fast._graphs_holder() is None
+    s4 = fast.stream(PROMPT, max_new_tokens=40, threshold=0.3)
+    assert fast._graphs_holder() is not None  # the new generation holds them
+    assert list(s4)[-1].result.token_ids == want
+
+
+def test_coreset_runs_take_the_plain_path(gen_model):
+    fast = Engine(gen_model)
+    fast.step_graphs = True
+    plain = Engine(gen_model)
+    plain.step_graphs = False
+    a = plain.generate(PROMPT, max_new_tokens=32, threshold=0.3, coreset_size=4)
+    b = fast.generate(PROMPT, max_new_tokens=32, threshold=0.3, coreset_size=4)
+    assert a.token_ids == b.token_ids and fast._graphs is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_equal_eager(gen_model):
+    model = gen_model.to("cuda")
+    try:
+        captured, eager = StepGraphs(model, 256), StepGraphs(model, 256, capture=False)
+        for graphs in (captured, eager):
+            graphs.reset()
+            model.prefill(graphs.cache, torch.tensor([PROMPT], device="cuda"), logits=None)
+        block = torch.full((1, 16), 511, device="cuda")
+        for _ in range(3):  # the first call captures, the next ones replay
+            a = captured.step(block, 0, 16)[1]
+            b = eager.step(block, 0, 16)[1]
+            torch.testing.assert_close(a, b)
+            a = captured.step(torch.tensor([[7]], device="cuda"), 1, 0, commit_logits=True)[0]
+            b = eager.step(torch.tensor([[7]], device="cuda"), 1, 0, commit_logits=True)[0]
+            torch.testing.assert_close(a, b)
+        assert captured.disabled is None and len(captured._graphs) == 2
+    finally:
+        gen_model.to("cpu")
