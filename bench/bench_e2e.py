@@ -10,7 +10,8 @@ restored outside them):
                        coreset (recorded by an untimed all-masked first preview, as in generation)
   commit+preview       the fused forward: commit --block tokens, first preview of the next block
   AR step              commit 1 token, logits of the last
-  [CUDA graph]         preview, commit+preview and AR step again through clover_lab.graphs.StepGraphs:
+  [CUDA graph]         preview (also with the coreset), commit+preview and AR step again through
+                       clover_lab.graphs.StepGraphs:
                        the no-hook fast path the engine takes on CUDA, one graph replay per step
                        (on a CPU the same static-shape steps run eagerly)
 Roofline: the bytes a step must move, / 4.8e12 B/s (H200 HBM): every non-expert weight (the LM
@@ -209,12 +210,16 @@ def main(argv=None) -> int:
         "preview": (lambda: graphs.step(later, 0, B), g_restore),
         "commit+preview": (lambda: graphs.step(torch.cat([commit_ids, block], 1), B, B), g_restore),
         "AR step": (lambda: graphs.step(commit_ids[:, :1], 1, 0, commit_logits=True), g_restore),
+        "preview, coreset": (lambda: graphs.step(later, 0, B, coreset=g_core), g_restore),
     }
+    g_core = graphs.coreset(args.coreset)
+    graphs.step(block, 0, B, coreset=g_core)  # records the fast path's coreset (untimed)
     variants = [  # (step, variant label, setting: None | "hook" | "torch")
         ("preview, all masked", "default", None), ("preview", "default", None), ("commit+preview", "default", None),
         ("AR step", "default", None), ("preview", "route hook", "hook"), ("preview", "CLOVER_KERNELS=torch", "torch"),
         ("preview, coreset", f"coreset {args.coreset}", None),
         ("preview", "CUDA graph", "graph"), ("commit+preview", "CUDA graph", "graph"), ("AR step", "CUDA graph", "graph"),
+        ("preview, coreset", f"coreset {args.coreset}, CUDA graph", "graph"),
     ]
     model.preview(cache, block, coreset=coreset)  # the block's first preview records the coreset (untimed)
     name, now = device_name(dev), dt.datetime.now()

@@ -249,8 +249,7 @@ class _Run:
         self.where = engine._where
         self.where.run += 1
         try:
-            self.graphs = engine._graphs_for(self, len(prompt_ids) + max_new_tokens,
-                                             coreset=mode == "diffusion" and bool(s.coreset_size))
+            self.graphs = engine._graphs_for(self, len(prompt_ids) + max_new_tokens)
             self.cache = (self.graphs.reset() if self.graphs is not None
                           else model.new_cache(len(prompt_ids) + max_new_tokens))
         except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -375,7 +374,9 @@ class _Run:
         s, model, eng = self.s, self.model, self.engine
         B, mask_id = eng.block_size, eng.mask_token_id
         vocab = model.config.vocab_size
-        coreset = Coreset(s.coreset_size) if s.coreset_size else None
+        coreset = None
+        if s.coreset_size:  # on the fast path, the coreset whose buffers its graphs share
+            coreset = self.graphs.coreset(s.coreset_size) if self.graphs is not None else Coreset(s.coreset_size)
         self.prefill(None)
         pending: list[int] | None = None  # a finished block waiting to be committed (fused)
         pending_steps = 0
@@ -404,7 +405,7 @@ class _Run:
                         self.where.set("decode", block=block, step=0, commit_block=block - 1)
                         if self.fast():
                             ids = torch.cat([torch.tensor(pending, device=self.device), canvas])[None]
-                            logits = self.graphs.step(ids, len(pending), m)[1]
+                            logits = self.graphs.step(ids, len(pending), m, coreset=coreset)[1]
                             logits = logits if idx is None else logits[:, idx]
                         else:
                             logits = model.commit_and_preview(self.cache, pending, canvas[None], positions=idx,
@@ -429,7 +430,7 @@ class _Run:
                     else:
                         self.where.set("decode", block=block, step=step)
                         if self.fast():
-                            logits = self.graphs.step(canvas[None], 0, m)[1]
+                            logits = self.graphs.step(canvas[None], 0, m, coreset=coreset)[1]
                             logits = logits if idx is None else logits[:, idx]
                         else:
                             logits = model.preview(self.cache, canvas[None], positions=idx, coreset=coreset)
@@ -591,11 +592,11 @@ class Engine:
         self._graphs = None
         self._graphs_holder = None  # weakref to the generation running on them
 
-    def _graphs_for(self, run: "_Run", length: int, coreset: bool):
+    def _graphs_for(self, run: "_Run", length: int):
         """The StepGraphs to run a generation of ``length`` positions on, or None for the plain path
         (also while another unfinished generation of this engine holds them: streams interleaved)."""
         use = self.step_graphs if self.step_graphs is not None else self.model.device.type == "cuda"
-        if not use or coreset:
+        if not use:
             return None
         from .graphs import StepGraphs
 

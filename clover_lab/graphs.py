@@ -10,8 +10,10 @@ buffers and launches the whole forward at once.
 
 On a CPU (or with ``capture=False``) the same static-shape forwards run eagerly, so that the
 path is tested everywhere. The engine uses it only while no hook is attached inside the model
-(engine points ``denoise.step`` / ``block.commit`` are fine: they run between forwards) and
-without an expert coreset; anything else takes the ordinary forward.
+(engine points ``denoise.step`` / ``block.commit`` are fine: they run between forwards);
+anything else takes the ordinary forward. With an expert coreset, a block's first preview
+(which records the coreset) and its later previews (which route within it) are two graphs
+that share the coreset's buffers, owned here (``coreset(size)``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import warnings
 import torch
 
 from .cache import CloverCache
-from .model import CloverModel
+from .model import CloverModel, Coreset
 
 
 class StepGraphs:
@@ -32,7 +34,8 @@ class StepGraphs:
         if self.capture and self.device.type != "cuda":
             raise ValueError("StepGraphs: capture needs a CUDA device")
         self._n = torch.zeros((), dtype=torch.long, device=self.device)
-        self._graphs: dict[tuple[int, int, bool], tuple] = {}  # key -> (graph, ids, outputs)
+        self._graphs: dict[tuple, tuple] = {}  # (c, m, commit_logits, coreset phase) -> (graph, ids, outputs)
+        self._coresets: dict[int, Coreset] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.disabled: str | None = None  # why capture failed, once it has
 
@@ -43,40 +46,61 @@ class StepGraphs:
     def fits(self, length: int) -> bool:
         return length <= self.cache.max_len
 
+    def coreset(self, size: int) -> Coreset:
+        """The coreset of this size whose buffers the graphs read and write (emptied)."""
+        core = self._coresets.setdefault(size, Coreset(size))
+        core.reset()
+        return core
+
     def reset(self) -> CloverCache:
         """The cache, emptied for a new generation (its buffers, and so every graph, are kept)."""
         self.cache.reset()
         return self.cache
 
     # ------------------------------------------------------------------ a step
-    def step(self, ids: torch.Tensor, c: int, m: int, commit_logits: bool = False):
+    def step(self, ids: torch.Tensor, c: int, m: int, commit_logits: bool = False, coreset: Coreset | None = None):
         """Run one step on the owned cache: ids [1, c + m]; advances ``cache.length`` by c.
+        ``coreset``: one from :meth:`coreset`; empty, the step records it, else routes within it.
         Returns (commit logits [1, 1, V] or None, preview logits [1, m, V] or None), fresh tensors."""
+        if coreset is not None and self._coresets.get(coreset.size) is not coreset:
+            raise ValueError("StepGraphs.step: pass a coreset made by StepGraphs.coreset(size)")
         cache = self.cache
         cache.check_room(c + m)  # block rows are written as scratch past the committed rows
         if cache.length + c + m > self.model.config.max_position_embeddings:
             raise ValueError(f"positions up to {cache.length + c + m} exceed the context length")
         ids = ids.to(self.device, torch.long)
-        key = (c, m, bool(commit_logits))
+        phase = None if coreset is None else (coreset.size, "use" if coreset.experts else "record")
+        key = (c, m, bool(commit_logits), phase)
         graph = self._graphs.get(key) if self.capture and not self.disabled else None
         if graph is None and self.capture and not self.disabled:
             graph = self._capture(key)
         if graph is None:  # eager static step
             self._n.fill_(cache.length)
-            out = self.model.static_step(cache, ids, self._n, c, m, commit_logits)
+            out = self.model.static_step(cache, ids, self._n, c, m, commit_logits, coreset)
         else:
             g, static_ids, static_out = graph
             static_ids.copy_(ids)
             self._n.fill_(cache.length)
             g.replay()
+            if phase is not None and phase[1] == "record":  # the graph wrote every layer's buffer
+                coreset.experts.update(coreset._buffers)
             # outputs live in the graphs' shared pool: the next replay may overwrite them
             out = tuple(None if t is None else t.clone() for t in static_out)
         cache.length += c
         return out
 
     def _capture(self, key):
-        c, m, commit_logits = key
+        c, m, commit_logits, phase = key
         cache, model = self.cache, self.model
+        coreset = None if phase is None else self._coresets[phase[0]]
+        recorded = None if coreset is None else dict(coreset.experts)
+
+        def run():
+            if coreset is not None:  # every run starts from the coreset the step was asked with
+                coreset.experts.clear()
+                coreset.experts.update(recorded)
+            return model.static_step(cache, static_ids, self._n, c, m, commit_logits, coreset)
+
         static_ids = torch.zeros(1, c + m, dtype=torch.long, device=self.device)
         snapshot = cache.clone()  # warm-up runs write the cache; capture itself runs nothing
         try:
@@ -85,11 +109,11 @@ class StepGraphs:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # compiles the Triton kernels, settles the allocator
                 for _ in range(2):
-                    model.static_step(cache, static_ids, self._n, c, m, commit_logits)
+                    run()
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):
-                static_out = model.static_step(cache, static_ids, self._n, c, m, commit_logits)
+                static_out = run()
         except Exception as e:  # noqa: BLE001 - the eager static step is always there
             self.disabled = f"{type(e).__name__}: {e}"
             warnings.warn(f"CUDA graph capture failed, running steps eagerly from now on ({self.disabled})",
@@ -97,5 +121,8 @@ class StepGraphs:
             return None
         finally:
             cache.restore(snapshot)
+            if coreset is not None:
+                coreset.experts.clear()
+                coreset.experts.update(recorded)
         self._graphs[key] = (g, static_ids, static_out)
         return self._graphs[key]

@@ -29,13 +29,25 @@ from .hooks import ENGINE_POINTS, GDNPreviewEvent, GDNStateEvent, HookRegistry, 
 class Coreset:
     """Per-block expert coreset (spec 3.3): the first preview of a block records, per MoE layer,
     the ``size`` experts with the largest router probability summed over the block's tokens;
-    later previews of the block route only among them. Commit always routes over all experts."""
+    later previews of the block route only among them. Commit always routes over all experts.
+
+    ``experts`` holds the recorded layers of the current block. Once recorded, a layer's tensor
+    is reused (written in place) by later blocks, so that a CUDA graph can read it."""
 
     size: int
     experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [size] expert ids
+    _buffers: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def reset(self) -> None:
         self.experts.clear()
+
+    def record(self, layer: int, ids: torch.Tensor) -> None:
+        buf = self._buffers.get(layer)
+        if buf is None or buf.shape != ids.shape or buf.device != ids.device:
+            buf = self._buffers[layer] = ids.clone()
+        else:
+            buf.copy_(ids)
+        self.experts[layer] = buf
 
 
 @dataclass
@@ -363,7 +375,7 @@ class SparseMoE(nn.Module):
         if mode == "preview" and coreset is not None:
             chosen = coreset.experts.get(self.layer)
             if chosen is None:  # first preview of the block: route fully, remember the coreset
-                coreset.experts[self.layer] = probs.sum(0).topk(min(coreset.size, self.num_experts)).indices
+                coreset.record(self.layer, probs.sum(0).topk(min(coreset.size, self.num_experts)).indices)
             else:
                 selectable = torch.zeros(self.num_experts, dtype=torch.bool, device=probs.device)
                 selectable[chosen] = True
@@ -574,7 +586,8 @@ class CloverModel(nn.Module):
 
     @torch.no_grad()
     def static_step(self, cache: CloverCache, ids: torch.Tensor, n: torch.Tensor, c: int, m: int,
-                    commit_logits: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                    commit_logits: bool = False, coreset: Coreset | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``forward`` with static shapes and no host synchronisation, the body of a CUDA graph
         (``clover_lab.graphs``): ids [B, c + m] on the model's device, ``n`` the committed length as a
         0-d device tensor. Writes the cache (K,V rows at n.., GDN ring and state when c > 0) but
@@ -586,7 +599,7 @@ class CloverModel(nn.Module):
         if cache.batch_size != ids.shape[0] or ids.shape[1] != c + m:
             raise ValueError(f"static_step: ids {tuple(ids.shape)} do not match batch {cache.batch_size}, "
                              f"c + m = {c + m}")
-        p = Pass(cache, -1, c, m, None, self.device, n_dev=n)
+        p = Pass(cache, -1, c, m, coreset, self.device, n_dev=n)
         x = self._layers(ids, p)
         for dst, src in p.pending:
             dst.copy_(src)

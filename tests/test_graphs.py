@@ -6,6 +6,7 @@ import torch
 
 from clover_lab import Engine
 from clover_lab.graphs import StepGraphs
+from clover_lab.model import Coreset
 
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64, 8, 400, 23]
 
@@ -115,14 +116,19 @@ def test_engine_fast_path_steps_aside_for_hooks_and_interleaved_streams(gen_mode
     assert list(s4)[-1].result.token_ids == want
 
 
-def test_coreset_runs_take_the_plain_path(gen_model):
+def test_coreset_runs_on_the_fast_path(gen_model):
     fast = Engine(gen_model)
     fast.step_graphs = True
     plain = Engine(gen_model)
     plain.step_graphs = False
-    a = plain.generate(PROMPT, max_new_tokens=32, threshold=0.3, coreset_size=4)
-    b = fast.generate(PROMPT, max_new_tokens=32, threshold=0.3, coreset_size=4)
-    assert a.token_ids == b.token_ids and fast._graphs is None
+    for size in (3, 5):
+        a = plain.generate(PROMPT, max_new_tokens=40, threshold=0.3, coreset_size=size)
+        b = fast.generate(PROMPT, max_new_tokens=40, threshold=0.3, coreset_size=size)
+        assert a.token_ids == b.token_ids and a.stats.forwards == b.stats.forwards
+    core = fast._graphs.coreset(3)
+    assert core.experts == {} and len(core._buffers) == gen_model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="coreset"):
+        fast._graphs.step(torch.full((1, 4), 511), 0, 4, coreset=Coreset(3))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -141,6 +147,14 @@ def test_cuda_graph_replays_equal_eager(gen_model):
             a = captured.step(torch.tensor([[7]], device="cuda"), 1, 0, commit_logits=True)[0]
             b = eager.step(torch.tensor([[7]], device="cuda"), 1, 0, commit_logits=True)[0]
             torch.testing.assert_close(a, b)
-        assert captured.disabled is None and len(captured._graphs) == 2
+            ca, cb = captured.coreset(3), eager.coreset(3)
+            for _ in range(2):  # records the coreset, then routes within it
+                a = captured.step(block, 0, 16, coreset=ca)[1]
+                b = eager.step(block, 0, 16, coreset=cb)[1]
+                torch.testing.assert_close(a, b)
+                assert ca.experts.keys() == cb.experts.keys()
+                for layer in ca.experts:
+                    assert torch.equal(ca.experts[layer], cb.experts[layer])
+        assert captured.disabled is None and len(captured._graphs) == 4
     finally:
         gen_model.to("cpu")
