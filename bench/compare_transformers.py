@@ -1,8 +1,9 @@
 """clover_lab vs transformers' Qwen3_5MoeForCausalLM on the same random checkpoint, side by side.
 
 Prefill tokens/s and AR decode tokens/s (same weights, dtype and thread count, one process),
-plus clover_lab's block-diffusion tokens/s when the engine is available. Prints a table of
-ratios and writes JSON to bench/results/.
+plus clover_lab's block-diffusion tokens/s when the engine is available, and the decode floor:
+the bare matrix-vector products of one token's weights (so floor / transformers bounds what any
+implementation could gain at batch 1). Prints a table of ratios and writes JSON to bench/results/.
 
     python bench/compare_transformers.py [--sizes small,medium] [--prompt 256] [--decode 32]
 """
@@ -61,6 +62,31 @@ def build(size: str, dtype: torch.dtype, path: Path):
     return ref, ours
 
 
+def decode_floor(model, repeat: int) -> float:
+    """Seconds per token of the bare matrix-vector products an AR step must do: every 2-D weight
+    of every layer, top-k routed experts' gate_up and down, and the LM head, one F.linear each
+    on a single row, back to back in this process (no norms, no attention over the cache, no
+    routing, no Python around them). A lower bound for any implementation using torch's kernels."""
+    import torch.nn.functional as F
+
+    k = model.config.num_experts_per_tok
+    weights = []
+    for layer in model.model.layers:
+        weights += [p for n, p in layer.named_parameters() if p.dim() == 2]
+        experts = layer.mlp.experts
+        for e in range(k):
+            weights += [experts.gate_up_proj[e], experts.down_proj[e]]
+    weights.append(model.lm_head.weight)
+    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
+
+    def run():
+        for w in weights:
+            F.linear(rows[w.shape[1]], w)
+
+    run()
+    return best_of(run, max(repeat, 5))
+
+
 def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ref, ours = build(size, dtype, Path(tmp))
@@ -108,6 +134,7 @@ def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat
         row["ar_decode_tok_s"] = {"transformers": decode / min(r[0] for r in ref_runs),
                                   "clover_lab": decode / min(r[0] for r in ours_runs)}
         row["greedy_tokens_agree"] = int((ref_runs[0][1] == ours_runs[0][1]).sum())
+        row["decode_floor_tok_s"] = 1.0 / decode_floor(ours, repeat)
 
         try:
             from clover_lab import Engine
@@ -146,17 +173,20 @@ def main(argv=None):
     print(f"\nclover_lab vs transformers, {args.dtype}, {args.threads} threads, prompt {args.prompt}, "
           f"decode {args.decode} ({platform.processor() or platform.machine()})")
     print(f"{'size':8} {'params':>9} {'prefill tf':>11} {'prefill ours':>13} {'ratio':>6} "
-          f"{'decode tf':>10} {'decode ours':>12} {'ratio':>6} {'diffusion':>10}  tok/s (diffusion incl. prefill)")
+          f"{'decode tf':>10} {'decode ours':>12} {'ratio':>6} {'floor':>7} {'max x':>6} {'diffusion':>10}  "
+          f"tok/s (floor: bare matvecs of one token's weights, max x: floor / transformers, the most any\n"
+          f"implementation on torch's kernels could gain; diffusion incl. prefill)")
     for r in rows:
         p, d = r["prefill_tok_s"], r["ar_decode_tok_s"]
         print(f"{r['size']:8} {r['params'] / 1e6:8.1f}M {p['transformers']:11.1f} {p['clover_lab']:13.1f} "
               f"{p['clover_lab'] / p['transformers']:6.2f} {d['transformers']:10.1f} {d['clover_lab']:12.1f} "
-              f"{d['clover_lab'] / d['transformers']:6.2f} "
+              f"{d['clover_lab'] / d['transformers']:6.2f} {r['decode_floor_tok_s']:7.1f} "
+              f"{r['decode_floor_tok_s'] / d['transformers']:6.2f} "
               f"{r['diffusion']['tok_s_incl_prefill'] if 'diffusion' in r else float('nan'):10.1f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y-%m-%d")
-    file = out / f"compare_transformers-cpu-{stamp}.json"
+    file = out / f"compare_transformers-cpu-{stamp}-{args.dtype}.json"
     file.write_text(json.dumps({"date": stamp, "device": "cpu", "threads": args.threads,
                                 "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
     print(f"wrote {file}")
