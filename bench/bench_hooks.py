@@ -122,9 +122,14 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = build_engine(args)
-    g = torch.Generator().manual_seed(0)
-    vocab = engine.model.config.vocab_size
-    prompt = torch.randint(0, vocab - 1, (args.prompt_len,), generator=g).tolist()
+    if engine.tokenizer is not None:
+        # a trained model: real code, the first tokens of the first held-out stdlib module
+        from clover_lab.train import encode_files, split_corpus
+
+        prompt = encode_files(engine.tokenizer, split_corpus()[1][:1])[:args.prompt_len].tolist()
+    else:  # random weights: random tokens are as good as any
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, engine.model.config.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
     rows = measure(engine, prompt, args, "diffusion") + measure(engine, prompt, args, "ar")
 
     from rich.console import Console

@@ -72,7 +72,7 @@ def samples(engine, prompts: list[str], new: int = 96) -> list[dict]:
     return rows
 
 
-def loss_curve(run: Path, dest: Path) -> None:
+def loss_curve(run: Path, dest: Path, distillation: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,6 +86,10 @@ def loss_curve(run: Path, dest: Path) -> None:
     ax[0].set_xlabel("step"), ax[0].set_ylabel("cross-entropy (nats)"), ax[0].legend()
     ax[1].plot(steps, [r["mask_acc"] for r in log], lw=1, color="tab:green")
     ax[1].set_xlabel("step"), ax[1].set_ylabel("masked-token accuracy (training batch)")
+    if distillation:  # from here on the batches mix in the model's own continuations
+        for a in ax:
+            a.axvline(distillation["from_step"], color="grey", ls="--", lw=1)
+        ax[0].text(distillation["from_step"], ax[0].get_ylim()[1], " self-distillation", va="top", fontsize=8)
     fig.tight_layout()
     fig.savefig(dest, dpi=110)
     plt.close(fig)
@@ -95,10 +99,16 @@ SAMPLE_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n
                   "class Stack:\n    def __init__(self):\n"]
 
 
-def write_card(run: Path, model_dir: Path, command: str) -> dict:
+SWEEP_THRESHOLDS = (0.7, 0.5)
+
+
+def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None = None) -> dict:
+    """Measure the model in ``model_dir`` (trained in ``run``) and write card.json, the loss curve
+    and README.md there. ``baseline``: an earlier card.json to set the figures beside."""
     engine = load(model_dir)
     torch.manual_seed(0)
     data = torch.load(run / "data.pt")
+    state = torch.load(run / "train_state.pt", weights_only=False)
     held, train_tokens = data["heldout"], data["train"]
     t0 = time.time()
     figures = {
@@ -106,18 +116,55 @@ def write_card(run: Path, model_dir: Path, command: str) -> dict:
         "unigram_baseline_accuracy": unigram_accuracy(train_tokens, held),
         "expert_usage": expert_usage(engine.model, held),
         "speed_cpu": speed(engine, held),
+        "speed_cpu_thresholds": {str(t): speed(engine, held, threshold=t) for t in SWEEP_THRESHOLDS},
         "samples": samples(engine, SAMPLE_PROMPTS),
         "parameters": sum(p.numel() for p in engine.model.parameters()),
-        "training_steps": torch.load(run / "train_state.pt", weights_only=False)["step"],
+        "training_steps": state["step"],
+        "distillation": ({"from_step": state["settings"]["schedule_start"], "share": state["settings"]["distill_share"],
+                          "confidence_weight": state["settings"]["confidence_weight"]}
+                         if state["settings"].get("distill_data") else None),
         "heldout_modules": len(data["heldout_modules"]),
         "heldout_tokens": len(held),
         "train_tokens": len(train_tokens),
     }
     figures["measure_seconds"] = time.time() - t0
+    if baseline is not None:
+        b = json.loads(Path(baseline).read_text())
+        figures["baseline"] = {k: b[k] for k in ("training_steps", "heldout", "speed_cpu", "speed_cpu_thresholds")
+                               if k in b}
     (model_dir / "card.json").write_text(json.dumps(figures, indent=2) + "\n")
-    loss_curve(run, model_dir / "loss_curve.png")
+    loss_curve(run, model_dir / "loss_curve.png", figures["distillation"])
     (model_dir / "README.md").write_text(render(figures, engine.model.config, command))
     return figures
+
+
+def render_distillation(f: dict) -> str:
+    d = f.get("distillation")
+    if not d:
+        return ""
+    return (f"\n- Self-distillation from step {d['from_step']} on: {d['share']:.0%} of every batch were the "
+            f"model's own greedy continuations\n  of training prefixes (`python -m clover_lab.distill`), with "
+            f"the confidence term at weight {d['confidence_weight']}, so that\n  it learns to be sure of "
+            f"whole blocks and unmasks several tokens per pass.")
+
+
+def render_baseline(f: dict) -> str:
+    b = f.get("baseline")
+    if not b:
+        return ""
+    rows = [("masked-token accuracy, ratio 0.5", lambda x: x["heldout"]["mask_acc@0.5"], ".3f"),
+            ("masked-token accuracy, ratio 1.0", lambda x: x["heldout"]["mask_acc@1.0"], ".3f"),
+            ("next-token perplexity", lambda x: x["heldout"]["ar_perplexity"], ".1f"),
+            ("tokens per forward, threshold 0.9", lambda x: x["speed_cpu"]["diffusion"]["tokens_per_forward"], ".2f"),
+            ("diffusion / AR tokens/s, threshold 0.9", lambda x: x["speed_cpu"]["speedup_tokens_per_second"], ".2f")]
+    for t in SWEEP_THRESHOLDS:
+        if str(t) in b.get("speed_cpu_thresholds", {}):
+            rows.append((f"tokens per forward, threshold {t}",
+                         lambda x, t=t: x["speed_cpu_thresholds"][str(t)]["diffusion"]["tokens_per_forward"], ".2f"))
+    body = "\n".join(f"| {name} | {get(b):{fmt}} | {get(f):{fmt}} |" for name, get, fmt in rows)
+    return (f"\nBefore and after the last training stage (the same measurements; before: step "
+            f"{b['training_steps']}):\n\n| figure | step {b['training_steps']} | step {f['training_steps']} |\n"
+            f"|---|---|---|\n{body}\n")
 
 
 def render(f: dict, config, command: str) -> str:
@@ -126,6 +173,8 @@ def render(f: dict, config, command: str) -> str:
     conf = " | ".join(f"{h[f'confident@{r}']:.3f}" for r in (0.25, 0.5, 0.75, 1.0))
     usage = "\n".join(f"| {u['layer']} | {u['entropy_bits']:.2f} / {u['max_bits']:.0f} | {u['max_over_mean_load']:.2f} |"
                       for u in f["expert_usage"])
+    sweep = "\n".join(f"| {t} | {x['diffusion']['tokens_per_forward']:.2f} | {x['diffusion']['tokens_per_second']:.1f} | "
+                      f"{x['ar']['tokens_per_second']:.1f} |" for t, x in f.get("speed_cpu_thresholds", {}).items())
     samples_md = "\n\n".join(f"Prompt:\n```python\n{s['prompt']}```\nCompletion (tokens per forward "
                              f"{s['tokens_per_forward']:.2f}):\n```python\n{s['completion']}\n```" for s in f["samples"])
     return f"""# clover-stdlib: the embedded default model of clover_lab
@@ -139,7 +188,7 @@ unmasking, expert routing and GDN memory show real structure. It is a small code
   {config.num_experts} experts top-{config.num_experts_per_tok} plus a shared expert, block size {config.block_size},
   byte-level BPE vocabulary of {config.vocab_size} (mask token id {config.mask_token_id}).
 - {f['training_steps']} training steps over {f['train_tokens'] / 1e6:.1f}M training tokens;
-  held out: {f['heldout_modules']} modules, {f['heldout_tokens'] / 1e3:.0f}k tokens.
+  held out: {f['heldout_modules']} modules, {f['heldout_tokens'] / 1e3:.0f}k tokens.{render_distillation(f)}
 
 Reproduce (from the repository root):
 
@@ -167,6 +216,13 @@ threshold {sp['settings']['threshold']}, greedy, {sp['settings']['threads']} CPU
 | block diffusion | {sp['diffusion']['tokens_per_forward']:.2f} | {sp['diffusion']['tokens_per_second']:.1f} |
 | AR | {sp['ar']['tokens_per_forward']:.2f} | {sp['ar']['tokens_per_second']:.1f} |
 
+Lower thresholds, same prompts (greedy candidates; a lower threshold trades some agreement with
+the threshold-0.9 output for fewer forwards):
+
+| threshold | diffusion tokens per forward | diffusion tokens/s | AR tokens/s |
+|---|---|---|---|
+{sweep}
+{render_baseline(f)}
 Expert usage on held-out text (entropy of the routed-slot distribution; uniform = max):
 
 | layer | entropy (bits) | max / mean load |
@@ -187,11 +243,13 @@ def main(argv=None):
     ap.add_argument("--model", required=True, help="the exported model directory")
     ap.add_argument("--command", default="bash assets/make_default_model.sh", help="the command that reproduces it")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--baseline", help="an earlier card.json to set the figures beside")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    figures = write_card(Path(args.run), Path(args.model), args.command)
-    print(json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=2))
+    figures = write_card(Path(args.run), Path(args.model), args.command,
+                         Path(args.baseline) if args.baseline else None)
+    print(json.dumps({k: v for k, v in figures.items() if k not in ("samples", "baseline")}, indent=2))
 
 
 if __name__ == "__main__":
