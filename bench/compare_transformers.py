@@ -1,7 +1,8 @@
 """clover_lab vs transformers' Qwen3_5MoeForCausalLM on the same random checkpoint, side by side.
 
 Prefill tokens/s and AR decode tokens/s (same weights, dtype and thread count, one process),
-plus clover_lab's block-diffusion tokens/s when the engine is available, and the decode floor:
+plus clover_lab's block-diffusion tokens/s when the engine is available, AR decode through
+torch.compile (``StepGraphs(compile=True)``, the engine's ``compile_steps``), and the decode floor:
 the bare matrix-vector products of one token's weights (so floor / transformers bounds what any
 implementation could gain at batch 1). Prints a table of ratios and writes JSON to bench/results/.
 
@@ -129,10 +130,32 @@ def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat
                 logits = ours.commit(cache, nxt)
             return time.perf_counter() - t, torch.cat(tokens, dim=1)[0]
 
+        from clover_lab.graphs import StepGraphs
+
+        graphs = StepGraphs(ours, prompt_len + decode + 1, compile=True)
+
+        def ours_compiled_decode():
+            # the engine's CPU fast path with compile_steps: static-shape steps through torch.compile
+            cache = graphs.reset()
+            logits = ours.prefill(cache, prompt)
+            tokens = []
+            t = time.perf_counter()
+            for _ in range(decode):
+                nxt = logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(nxt)
+                logits = graphs.step(nxt, 1, 0, commit_logits=True)[0]
+            return time.perf_counter() - t, torch.cat(tokens, dim=1)[0]
+
+        t = time.perf_counter()
+        ours_compiled_decode()  # compiles the step once
+        row["compile_seconds"] = time.perf_counter() - t
         ref_runs = [ref_decode() for _ in range(repeat)]
         ours_runs = [ours_decode() for _ in range(repeat)]
+        compiled_runs = [ours_compiled_decode() for _ in range(repeat)]
         row["ar_decode_tok_s"] = {"transformers": decode / min(r[0] for r in ref_runs),
-                                  "clover_lab": decode / min(r[0] for r in ours_runs)}
+                                  "clover_lab": decode / min(r[0] for r in ours_runs),
+                                  "clover_lab_compiled": decode / min(r[0] for r in compiled_runs)}
+        row["compiled_tokens_agree"] = int((compiled_runs[0][1] == ours_runs[0][1]).sum())
         row["greedy_tokens_agree"] = int((ref_runs[0][1] == ours_runs[0][1]).sum())
         row["decode_floor_tok_s"] = 1.0 / decode_floor(ours, repeat)
 
@@ -173,14 +196,16 @@ def main(argv=None):
     print(f"\nclover_lab vs transformers, {args.dtype}, {args.threads} threads, prompt {args.prompt}, "
           f"decode {args.decode} ({platform.processor() or platform.machine()})")
     print(f"{'size':8} {'params':>9} {'prefill tf':>11} {'prefill ours':>13} {'ratio':>6} "
-          f"{'decode tf':>10} {'decode ours':>12} {'ratio':>6} {'floor':>7} {'max x':>6} {'diffusion':>10}  "
-          f"tok/s (floor: bare matvecs of one token's weights, max x: floor / transformers, the most any\n"
-          f"implementation on torch's kernels could gain; diffusion incl. prefill)")
+          f"{'decode tf':>10} {'decode ours':>12} {'ratio':>6} {'compiled':>9} {'ratio':>6} {'floor':>7} {'max x':>6} "
+          f"{'diffusion':>10}  "
+          f"tok/s (compiled: clover_lab's static steps through torch.compile; floor: bare matvecs of one\n"
+          f"token's weights, max x: floor / transformers, what separate torch matmuls could gain; diffusion incl. prefill)")
     for r in rows:
         p, d = r["prefill_tok_s"], r["ar_decode_tok_s"]
         print(f"{r['size']:8} {r['params'] / 1e6:8.1f}M {p['transformers']:11.1f} {p['clover_lab']:13.1f} "
               f"{p['clover_lab'] / p['transformers']:6.2f} {d['transformers']:10.1f} {d['clover_lab']:12.1f} "
-              f"{d['clover_lab'] / d['transformers']:6.2f} {r['decode_floor_tok_s']:7.1f} "
+              f"{d['clover_lab'] / d['transformers']:6.2f} {d['clover_lab_compiled']:9.1f} "
+              f"{d['clover_lab_compiled'] / d['transformers']:6.2f} {r['decode_floor_tok_s']:7.1f} "
               f"{r['decode_floor_tok_s'] / d['transformers']:6.2f} "
               f"{r['diffusion']['tok_s_incl_prefill'] if 'diffusion' in r else float('nan'):10.1f}")
     out = Path(args.out)

@@ -589,13 +589,17 @@ class Engine:
         # the no-hook fast path (clover_lab.graphs): None = on where it pays (CUDA, as CUDA graphs),
         # True = also on a CPU (static-shape steps run eagerly: tests), False = off
         self.step_graphs: bool | None = None
+        # on a CPU, run the fast path's steps through torch.compile (~10 s of compilation per step
+        # shape on first use, then steps 2-3x faster: bench/compare_transformers.py)
+        self.compile_steps = False
         self._graphs = None
         self._graphs_holder = None  # weakref to the generation running on them
 
     def _graphs_for(self, run: "_Run", length: int):
         """The StepGraphs to run a generation of ``length`` positions on, or None for the plain path
         (also while another unfinished generation of this engine holds them: streams interleaved)."""
-        use = self.step_graphs if self.step_graphs is not None else self.model.device.type == "cuda"
+        cuda = self.model.device.type == "cuda"
+        use = self.step_graphs if self.step_graphs is not None else (cuda or self.compile_steps)
         if not use:
             return None
         from .graphs import StepGraphs
@@ -605,11 +609,13 @@ class Engine:
         self._graphs_holder = weakref.ref(run)
 
         g = self._graphs
-        if g is None or not g.fits(length) or (g.device, g.dtype) != (self.model.device, self.model.dtype):
+        compile_steps = self.compile_steps and not cuda
+        if (g is None or not g.fits(length) or (g.device, g.dtype) != (self.model.device, self.model.dtype)
+                or g.compile != compile_steps):
             size = max(1024, 1 << (length - 1).bit_length())  # a power of two: few re-allocations
             size = min(size, self.model.config.max_position_embeddings)
             self._graphs = None  # free the old cache and graphs first
-            self._graphs = StepGraphs(self.model, size)
+            self._graphs = StepGraphs(self.model, size, compile=compile_steps)
         return self._graphs
 
     def __repr__(self):

@@ -72,6 +72,7 @@ class Pass:
     # static-shape step (CUDA-graph fast path): the committed length as a 0-d device tensor; attention
     # then runs over the cache's whole preallocated buffer with a mask instead of slicing it at ``n``
     n_dev: torch.Tensor | None = None
+    hooks: bool = True  # False: hook points are not even looked up (static steps, which refuse hooks)
 
     def __post_init__(self):
         if self.n_dev is not None:
@@ -278,7 +279,7 @@ class GatedDeltaNet(nn.Module):
             g, beta = self._gates(x[:, :c])
             o, ring, state = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state,
                                             self.num_k_heads, self.head_k_dim, self.head_v_dim)
-            if self.hooks.active(self.state_point):
+            if p.hooks and self.hooks.active(self.state_point):
                 event = GDNStateEvent(self.layer, state, ring, p.n + c)
                 self.hooks.fire(self.state_point, event)
                 if event.state.shape != state.shape:
@@ -288,7 +289,7 @@ class GatedDeltaNet(nn.Module):
             p.pending += [(cache.ring, ring), (cache.state, state)]
             outs.append(o)
         if m:
-            want_history = self.hooks.active(self.preview_point)
+            want_history = p.hooks and self.hooks.active(self.preview_point)
             o, p_hist, h = ops.gdn_preview(
                 mixed[:, c:], ring, conv_w, self.conv1d_right.weight[:, 0], state, self.block_scale,
                 self.history_bias, self.history_log_n, self.num_k_heads, self.head_k_dim, self.head_v_dim,
@@ -384,7 +385,7 @@ class SparseMoE(nn.Module):
         if p.router_stats is not None:
             p.router_stats.append((probs, ids))
         weights = (top / top.sum(-1, keepdim=True)).to(logits.dtype)
-        if self.hooks.active(self.route_point):
+        if p.hooks and self.hooks.active(self.route_point):
             positions = p.positions[lo:hi].repeat(batch)
             event = RouteEvent(self.layer, mode, positions, probs, ids, weights, selectable)
             self.hooks.fire(self.route_point, event)
@@ -599,7 +600,12 @@ class CloverModel(nn.Module):
         if cache.batch_size != ids.shape[0] or ids.shape[1] != c + m:
             raise ValueError(f"static_step: ids {tuple(ids.shape)} do not match batch {cache.batch_size}, "
                              f"c + m = {c + m}")
-        p = Pass(cache, -1, c, m, coreset, self.device, n_dev=n)
+        return self._static_body(cache, ids, n, c, m, commit_logits, coreset)
+
+    def _static_body(self, cache, ids, n, c, m, commit_logits, coreset):
+        """What ``torch.compile`` traces for a static step (``clover_lab.graphs``): no hook lookups,
+        so that attaching an engine hook does not invalidate the compiled code."""
+        p = Pass(cache, -1, c, m, coreset, self.device, n_dev=n, hooks=False)
         x = self._layers(ids, p)
         for dst, src in p.pending:
             dst.copy_(src)

@@ -126,3 +126,15 @@ def test_module_entry_point(gen_model_dir):
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["token_ids"]) == 8
+
+
+def test_compile_flag_takes_the_compiled_fast_path(capsys, gen_model, monkeypatch):
+    engine = clover_lab.Engine(gen_model)
+    monkeypatch.setattr(cli, "load_engine", lambda args: engine)
+    code, out, err = run_cli(capsys, "generate", "--prompt-ids", "5,17,33", "--mode", "ar", "--max-new-tokens", 6,
+                             "--compile", "--json")
+    assert code == 0, err
+    assert engine.compile_steps and engine._graphs is not None and engine._graphs.compile
+    plain = clover_lab.Engine(gen_model)
+    plain.step_graphs = False
+    assert json.loads(out)["token_ids"] == plain.generate([5, 17, 33], mode="ar", max_new_tokens=6).token_ids

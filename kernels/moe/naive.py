@@ -31,6 +31,8 @@ def moe_experts(
     if T == 0:
         return x.new_zeros(T, H)
     if x.device.type == "cpu":
+        if torch.compiler.is_compiling():
+            return _moe_experts_traced(x, expert_ids, weights, gate_up, down)
         return _moe_experts_cpu(x, expert_ids, weights, gate_up, down)
     order, offsets = group_by_expert(expert_ids, E)
     token_of = order // k  # [T*k] token index of each sorted pair
@@ -43,6 +45,23 @@ def moe_experts(
     out = torch.zeros(T, H, dtype=y.dtype, device=x.device)
     out.index_add_(0, token_of, y * w[:, None])
     return out.to(x.dtype)
+
+
+def _moe_experts_traced(x, expert_ids, weights, gate_up, down):
+    """CPU path under torch.compile (decode and block steps): every (token, slot) pair's expert
+    rows gathered and contracted in one expression. Inductor fuses gather and contraction into
+    one loop nest that reads only the rows of the experts hit, with no host synchronisation
+    (the eager path's loop over the experts hit needs one). Run eagerly it would copy the
+    gathered weights: that path is only taken while tracing."""
+    T, H = x.shape
+    k = expert_ids.shape[1]
+    I = gate_up.shape[1] // 2
+    flat = expert_ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)  # [T*k, H]
+    h = (gate_up[flat] * xs[:, None, :]).sum(-1)  # [T*k, 2I]
+    act = F.silu(h[:, :I]) * h[:, I:]
+    y = (down[flat] * act[:, None, :]).sum(-1).float() * weights.reshape(-1, 1).float()  # [T*k, H]
+    return y.view(T, k, H).sum(1).to(x.dtype)
 
 
 def _moe_experts_cpu(x, expert_ids, weights, gate_up, down):
