@@ -119,39 +119,28 @@ def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat
                 out = ref(nxt, cache=cache, use_cache=True)
             return time.perf_counter() - t, torch.cat(tokens, dim=1)[0]
 
-        def ours_decode():
-            cache = ours.new_cache(prompt_len + decode + 1)
-            logits = ours.prefill(cache, prompt)
-            tokens = []
-            t = time.perf_counter()
-            for _ in range(decode):
-                nxt = logits[:, -1].argmax(-1, keepdim=True)
-                tokens.append(nxt)
-                logits = ours.commit(cache, nxt)
-            return time.perf_counter() - t, torch.cat(tokens, dim=1)[0]
-
         from clover_lab.graphs import StepGraphs
 
         graphs = StepGraphs(ours, prompt_len + decode + 1, compile=True)
 
-        def ours_compiled_decode():
-            # the engine's CPU fast path with compile_steps: static-shape steps through torch.compile
-            cache = graphs.reset()
+        def ours_decode(compiled: bool = False):
+            # compiled: the engine's CPU fast path with compile_steps, static steps through torch.compile
+            cache = graphs.reset() if compiled else ours.new_cache(prompt_len + decode + 1)
             logits = ours.prefill(cache, prompt)
             tokens = []
             t = time.perf_counter()
             for _ in range(decode):
                 nxt = logits[:, -1].argmax(-1, keepdim=True)
                 tokens.append(nxt)
-                logits = graphs.step(nxt, 1, 0, commit_logits=True)[0]
+                logits = graphs.step(nxt, 1, 0, commit_logits=True)[0] if compiled else ours.commit(cache, nxt)
             return time.perf_counter() - t, torch.cat(tokens, dim=1)[0]
 
         t = time.perf_counter()
-        ours_compiled_decode()  # compiles the step once
+        ours_decode(compiled=True)  # compiles the step once
         row["compile_seconds"] = time.perf_counter() - t
         ref_runs = [ref_decode() for _ in range(repeat)]
         ours_runs = [ours_decode() for _ in range(repeat)]
-        compiled_runs = [ours_compiled_decode() for _ in range(repeat)]
+        compiled_runs = [ours_decode(compiled=True) for _ in range(repeat)]
         row["ar_decode_tok_s"] = {"transformers": decode / min(r[0] for r in ref_runs),
                                   "clover_lab": decode / min(r[0] for r in ours_runs),
                                   "clover_lab_compiled": decode / min(r[0] for r in compiled_runs)}
