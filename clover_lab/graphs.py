@@ -1,4 +1,4 @@
-"""The no-hook fast path: static-shape forwards, replayed as CUDA graphs.
+"""The no-hook fast path: static-shape forwards, replayed as CUDA graphs (or compiled on a CPU).
 
 At batch 1 a step of a big MoE model is hundreds of small kernels; launching them one by one
 from Python costs more than running them. ``StepGraphs`` owns one preallocated cache and, per
@@ -11,10 +11,10 @@ buffers and launches the whole forward at once.
 On a CPU (or with ``capture=False``) the same static-shape forwards run eagerly, so that the
 path is tested everywhere; with ``compile=True`` they run through ``torch.compile`` (inductor
 fuses the few hundred small ops of a step and contracts the experts hit without a host sync:
-steps 2-3x faster than eager on 2 CPU cores, see bench/compare_transformers.py). A compile
-costs ~10 s per step shape, once per process. The engine uses it only while no hook is attached inside the model
-(engine points ``denoise.step`` / ``block.commit`` are fine: they run between forwards);
-anything else takes the ordinary forward. With an expert coreset, a block's first preview
+steps 2-3x faster than eager on 2 CPU cores, see bench/compare_transformers.py); a compile
+costs ~10 s per step shape, once per process. The engine takes this path only while no hook
+is attached inside the model (engine points ``denoise.step`` / ``block.commit`` are fine: they
+run between forwards); anything else takes the ordinary forward. With an expert coreset, a block's first preview
 (which records the coreset) and its later previews (which route within it) are two graphs
 that share the coreset's buffers, owned here (``coreset(size)``).
 """
@@ -83,23 +83,10 @@ class StepGraphs:
         graph = self._graphs.get(key) if self.capture and not self.disabled else None
         if graph is None and self.capture and not self.disabled:
             graph = self._capture(key)
-        if graph is None:  # eager static step, or compiled
+        if graph is None:
             self._n.fill_(cache.length)
-            out = None
-            if self._compiled is not None and not self.compile_failed and (
-                    key in self._compiled_keys or len(self._compiled_keys) < self.MAX_COMPILED):
-                if self.model.hooks.model_hooks_attached():
-                    raise RuntimeError("static_step: hooks are attached to model points; use forward()")
-                try:
-                    out = self._compiled(cache, ids, self._n, c, m, commit_logits, coreset)
-                    self._compiled_keys.add(key)
-                except Exception as e:  # noqa: BLE001 - compilation failed before anything ran
-                    if key in self._compiled_keys:
-                        raise
-                    self.compile_failed = f"{type(e).__name__}: {e}"
-                    warnings.warn(f"torch.compile of the step failed, running steps eagerly from now on "
-                                  f"({self.compile_failed})", RuntimeWarning, stacklevel=2)
-            if out is None:
+            out = self._compiled_step(key, ids, coreset) if self._compiled is not None else None
+            if out is None:  # eager static step
                 out = self.model.static_step(cache, ids, self._n, c, m, commit_logits, coreset)
         else:
             g, static_ids, static_out = graph
@@ -111,6 +98,26 @@ class StepGraphs:
             # outputs live in the graphs' shared pool: the next replay may overwrite them
             out = tuple(None if t is None else t.clone() for t in static_out)
         cache.length += c
+        return out
+
+    def _compiled_step(self, key, ids, coreset):
+        """The step through torch.compile, or None to run it eagerly (compilation failed once, or
+        too many shapes already compiled)."""
+        if self.compile_failed or (key not in self._compiled_keys and len(self._compiled_keys) >= self.MAX_COMPILED):
+            return None
+        if self.model.hooks.model_hooks_attached():
+            raise RuntimeError("static_step: hooks are attached to model points; use forward()")
+        c, m, commit_logits, _ = key
+        try:
+            out = self._compiled(self.cache, ids, self._n, c, m, commit_logits, coreset)
+        except Exception as e:  # noqa: BLE001 - a first compilation fails before anything runs
+            if key in self._compiled_keys:
+                raise
+            self.compile_failed = f"{type(e).__name__}: {e}"
+            warnings.warn(f"torch.compile of the step failed, running steps eagerly from now on "
+                          f"({self.compile_failed})", RuntimeWarning, stacklevel=3)
+            return None
+        self._compiled_keys.add(key)
         return out
 
     def _capture(self, key):

@@ -147,11 +147,12 @@ def test_compiled_steps_equal_the_forward_and_generate_the_same(gen_model):
     assert graphs.compile_failed is None and len(graphs._compiled_keys) == 2
     plain, fast = Engine(gen_model), Engine(gen_model)
     plain.step_graphs, fast.compile_steps = False, True
-    for mode in ("ar", "diffusion"):
-        a = plain.generate(PROMPT, mode=mode, max_new_tokens=32, threshold=0.3)
-        b = fast.generate(PROMPT, mode=mode, max_new_tokens=32, threshold=0.3)
+    for mode, coreset in (("ar", None), ("diffusion", None), ("diffusion", 3)):
+        a = plain.generate(PROMPT, mode=mode, max_new_tokens=32, threshold=0.3, coreset_size=coreset)
+        b = fast.generate(PROMPT, mode=mode, max_new_tokens=32, threshold=0.3, coreset_size=coreset)
         assert a.token_ids == b.token_ids
     assert fast._graphs.compile and fast._graphs.compile_failed is None
+    assert len(fast._graphs._coresets[3]._buffers) == gen_model.config.num_hidden_layers
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
