@@ -143,7 +143,8 @@ class StepGraphs:
                     run()
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
+            # thread_local: a notebook thread touching CUDA meanwhile must not break the capture
+            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                 static_out = run()
         except Exception as e:  # noqa: BLE001 - the eager static step is always there
             self.disabled = f"{type(e).__name__}: {e}"
