@@ -116,6 +116,30 @@ def test_engine_fast_path_steps_aside_for_hooks_and_interleaved_streams(gen_mode
     assert list(s4)[-1].result.token_ids == want
 
 
+def test_interrupted_and_failed_runs_leave_the_fast_path_usable(gen_model):
+    from clover_lab.hooks import HookError
+
+    plain, fast = Engine(gen_model), Engine(gen_model)
+    plain.step_graphs, fast.step_graphs = False, True
+    want = plain.generate(PROMPT, max_new_tokens=40, threshold=0.3).token_ids
+
+    def interrupt(ev):
+        if ev.block == 1 and ev.step == 1:
+            raise KeyboardInterrupt
+
+    with fast.hooks({"denoise.step": interrupt}), pytest.raises(KeyboardInterrupt):
+        fast.generate(PROMPT, max_new_tokens=40, threshold=0.3)
+
+    def broken(ev):
+        if ev.mode == "preview":
+            raise ValueError("broken hook")
+
+    with fast.hooks({"layers.2.moe.route": broken}), pytest.raises(HookError, match="layers.2.moe.route"):
+        fast.generate(PROMPT, max_new_tokens=40, threshold=0.3)
+    assert fast.generate(PROMPT, max_new_tokens=40, threshold=0.3).token_ids == want
+    assert fast._graphs_holder is None or fast._graphs_holder() is None
+
+
 def test_coreset_runs_on_the_fast_path(gen_model):
     fast = Engine(gen_model)
     fast.step_graphs = True
