@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .model import CloverModel
+from .sampling import SamplerSettings, apply_penalties
 
 
 @torch.no_grad()
@@ -29,25 +30,25 @@ def greedy_continuations(model: CloverModel, prompts: torch.Tensor, new_tokens: 
                          repetition_penalty: float = 1.2, window: int = 64) -> torch.Tensor:
     """Greedy causal continuations of a batch of equal-length prompts [B, P] -> [B, new_tokens].
 
-    The repetition penalty (as in ``SamplerSettings``) applies to tokens of the last ``window``
-    generated tokens; EOS is never chosen, so that every row is ``new_tokens`` long."""
+    The sampler's repetition penalty (``sampling.apply_penalties``) applies to the tokens of each
+    row's last ``window`` generated tokens; EOS is never chosen, so that every row is
+    ``new_tokens`` long."""
     if prompts.dim() != 2 or prompts.shape[1] == 0:
         raise ValueError(f"prompts must be [B, P] with P > 0, got {tuple(prompts.shape)}")
-    if repetition_penalty <= 0:
-        raise ValueError("repetition_penalty must be > 0 (1 = off)")
+    settings = SamplerSettings(repetition_penalty=repetition_penalty)  # validates it
     cfg = model.config
     B, P = prompts.shape
     cache = model.new_cache(P + new_tokens, B)
     logits = model.prefill(cache, prompts.to(model.device))[:, -1].float()
     out = torch.empty(B, new_tokens, dtype=torch.long, device=model.device)
+    counts = torch.zeros(B, cfg.vocab_size, device=model.device)  # per row: tokens in the window
     banned = [t for t in (cfg.eos_token_id, cfg.mask_token_id, cfg.pad_token_id) if t is not None]
     for i in range(new_tokens):
         logits[:, banned] = float("-inf")
-        if repetition_penalty != 1.0 and i:
-            seen = out[:, max(0, i - window):i]
-            vals = logits.gather(1, seen)
-            logits.scatter_(1, seen, torch.where(vals > 0, vals / repetition_penalty, vals * repetition_penalty))
-        out[:, i] = logits.argmax(-1)
+        out[:, i] = apply_penalties(logits, counts, settings).argmax(-1)
+        counts.scatter_add_(1, out[:, i:i + 1], torch.ones(B, 1, device=model.device))
+        if i >= window:  # the token leaving the window
+            counts.scatter_add_(1, out[:, i - window:i - window + 1], -torch.ones(B, 1, device=model.device))
         if i + 1 < new_tokens:
             logits = model.commit(cache, out[:, i:i + 1])[:, -1].float()
     return out

@@ -121,7 +121,8 @@ class SamplerSettings:
 
 # --------------------------------------------------------------------------- penalties
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, s: SamplerSettings) -> torch.Tensor:
-    """logits [N, V] float, counts [V]: occurrences of each token in the response so far."""
+    """logits [N, V] float, counts [V] (or [N, V], one row each): occurrences of each token in
+    the response so far."""
     if not s.has_penalties:
         return logits
     seen = counts > 0  # [V]
