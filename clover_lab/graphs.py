@@ -74,9 +74,9 @@ class StepGraphs:
         if coreset is not None and self._coresets.get(coreset.size) is not coreset:
             raise ValueError("StepGraphs.step: pass a coreset made by StepGraphs.coreset(size)")
         cache = self.cache
-        cache.check_room(c + m)  # block rows are written as scratch past the committed rows
-        if cache.length + c + m > self.model.config.max_position_embeddings:
-            raise ValueError(f"positions up to {cache.length + c + m} exceed the context length")
+        # block rows are written as scratch past the committed rows; the cache is never longer
+        # than the context (CloverCache.allocate refuses it), so this bounds the positions too
+        cache.check_room(c + m)
         ids = ids.to(self.device, torch.long)
         phase = None if coreset is None else (coreset.size, "use" if coreset.experts else "record")
         key = (c, m, bool(commit_logits), phase)
@@ -105,9 +105,8 @@ class StepGraphs:
         too many shapes already compiled)."""
         if self.compile_failed or (key not in self._compiled_keys and len(self._compiled_keys) >= self.MAX_COMPILED):
             return None
-        if self.model.hooks.model_hooks_attached():
-            raise RuntimeError("static_step: hooks are attached to model points; use forward()")
         c, m, commit_logits, _ = key
+        self.model.check_static_step(self.cache, ids, c, m)
         try:
             out = self._compiled(self.cache, ids, self._n, c, m, commit_logits, coreset)
         except Exception as e:  # noqa: BLE001 - a first compilation fails before anything runs

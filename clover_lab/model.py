@@ -595,12 +595,16 @@ class CloverModel(nn.Module):
         leaves ``cache.length`` to the caller. Refused while a hook is attached inside the model:
         a graph replays kernels and would never call it.
         Returns (logits of the last commit row or None, logits of every block row or None)."""
+        self.check_static_step(cache, ids, c, m)
+        return self._static_body(cache, ids, n, c, m, commit_logits, coreset)
+
+    def check_static_step(self, cache: CloverCache, ids: torch.Tensor, c: int, m: int) -> None:
+        """What a static step refuses, checked outside any traced or captured code."""
         if self.hooks.model_hooks_attached():
             raise RuntimeError("static_step: hooks are attached to model points; use forward()")
         if cache.batch_size != ids.shape[0] or ids.shape[1] != c + m:
             raise ValueError(f"static_step: ids {tuple(ids.shape)} do not match batch {cache.batch_size}, "
                              f"c + m = {c + m}")
-        return self._static_body(cache, ids, n, c, m, commit_logits, coreset)
 
     def _static_body(self, cache, ids, n, c, m, commit_logits, coreset):
         """What ``torch.compile`` traces for a static step (``clover_lab.graphs``): no hook lookups,
