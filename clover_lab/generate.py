@@ -277,6 +277,18 @@ class _Run:
         """Take the static-shape step (a CUDA graph on CUDA): no hook inside the model right now."""
         return self.graphs is not None and not self.hooks.model_hooks_attached()
 
+    def block_forward(self, pending: list[int] | None, canvas: torch.Tensor, idx, coreset):
+        """Preview logits [1, N, V] of the block ``canvas`` at positions ``idx`` (None: all), after
+        committing ``pending`` (the previous block) in the same forward when given."""
+        if self.fast():
+            ids = canvas if pending is None else torch.cat([torch.tensor(pending, device=self.device), canvas])
+            logits = self.graphs.step(ids[None], len(pending or ()), len(canvas), coreset=coreset)[1]
+            return logits if idx is None else logits[:, idx]
+        if pending is None:
+            return self.model.preview(self.cache, canvas[None], positions=idx, coreset=coreset)
+        return self.model.commit_and_preview(self.cache, pending, canvas[None], positions=idx,
+                                             coreset=coreset).preview_logits
+
     def commit(self, ids: list[int], block: int, logits: str | None = None):
         self.where.set("decode", commit_block=block)
         self.clock.start("commit")
@@ -403,13 +415,7 @@ class _Run:
                     self.clock.start("preview")
                     if step == 0 and pending is not None:
                         self.where.set("decode", block=block, step=0, commit_block=block - 1)
-                        if self.fast():
-                            ids = torch.cat([torch.tensor(pending, device=self.device), canvas])[None]
-                            logits = self.graphs.step(ids, len(pending), m, coreset=coreset)[1]
-                            logits = logits if idx is None else logits[:, idx]
-                        else:
-                            logits = model.commit_and_preview(self.cache, pending, canvas[None], positions=idx,
-                                                              coreset=coreset).preview_logits
+                        logits = self.block_forward(pending, canvas, idx, coreset)
                         self.clock.stop()
                         self.stats.preview_forwards += 1
                         self.stats.fused_forwards += 1
@@ -429,11 +435,7 @@ class _Run:
                             raise _Ended
                     else:
                         self.where.set("decode", block=block, step=step)
-                        if self.fast():
-                            logits = self.graphs.step(canvas[None], 0, m, coreset=coreset)[1]
-                            logits = logits if idx is None else logits[:, idx]
-                        else:
-                            logits = model.preview(self.cache, canvas[None], positions=idx, coreset=coreset)
+                        logits = self.block_forward(None, canvas, idx, coreset)
                         self.clock.stop()
                         self.stats.preview_forwards += 1
                     logits = logits[0].float()  # [N, V]
