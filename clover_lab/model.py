@@ -91,6 +91,14 @@ class StepOutput:
 
 
 # --------------------------------------------------------------------------- building blocks
+class Linear(nn.Linear):
+    """``nn.Linear`` whose CPU inference GEMM is ``clover_kernels.linear`` (oneDNN's fp32 GEMM where
+    it beats the default BLAS); same parameters, same state-dict names, same results to fp32 rounding."""
+
+    def forward(self, x):
+        return ops.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm ``x / rms(x) * (1 + w)``."""
 
@@ -151,10 +159,10 @@ class GatedAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         H, D, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.q_proj = nn.Linear(H, self.num_heads * D * 2, bias=bias)  # query and gate, interleaved per head
-        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.q_proj = Linear(H, self.num_heads * D * 2, bias=bias)  # query and gate, interleaved per head
+        self.k_proj = Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = Linear(self.num_heads * D, H, bias=bias)
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
@@ -237,15 +245,15 @@ class GatedDeltaNet(nn.Module):
         self.head_v_dim = config.linear_value_head_dim
         H, C, K = config.hidden_size, config.conv_dim, config.linear_conv_kernel_dim
         Hv = self.num_v_heads
-        self.in_proj_qkv = nn.Linear(H, C, bias=False)
-        self.in_proj_z = nn.Linear(H, Hv * self.head_v_dim, bias=False)
-        self.in_proj_b = nn.Linear(H, Hv, bias=False)
-        self.in_proj_a = nn.Linear(H, Hv, bias=False)
+        self.in_proj_qkv = Linear(H, C, bias=False)
+        self.in_proj_z = Linear(H, Hv * self.head_v_dim, bias=False)
+        self.in_proj_b = Linear(H, Hv, bias=False)
+        self.in_proj_a = Linear(H, Hv, bias=False)
         self.conv1d = nn.Conv1d(C, C, K, groups=C, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.A_log = nn.Parameter(torch.zeros(Hv))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(Hv * self.head_v_dim, H, bias=False)
+        self.out_proj = Linear(Hv * self.head_v_dim, H, bias=False)
         # Clover's preview operator (spec 3.2); defaults make an untrained but well-defined preview
         self.conv1d_right = nn.Conv1d(C, C, K - 1, groups=C, bias=False)
         self.block_scale = nn.Parameter(torch.empty(Hv))
@@ -328,9 +336,9 @@ class GatedDeltaNet(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -364,7 +372,7 @@ class SparseMoE(nn.Module):
         self.gate = Router(config)
         self.experts = Experts(config)
         self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.route_point = f"layers.{layer}.moe.route"
 
     def route(self, logits: torch.Tensor, mode: str, p: Pass, lo: int, hi: int, batch: int):
@@ -394,7 +402,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
         B, T, H = x.shape
-        logits = F.linear(x, self.gate.weight)  # [B, T, E]
+        logits = ops.linear(x, self.gate.weight)  # [B, T, E]
         parts = [("commit", 0, p.c), ("preview", p.c, p.c + p.m)]
         ids, weights = [], []
         for mode, lo, hi in parts:
@@ -459,7 +467,7 @@ class CloverModel(nn.Module):
         self.config = config
         self.hooks = HookRegistry(hook_points(config))
         self.model = TextModel(config, self.hooks)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     # ------------------------------------------------------------------ construction
     @classmethod

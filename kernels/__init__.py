@@ -4,11 +4,12 @@ Every op has a torch reference (``*/naive.py``) and, where it pays, a Triton ker
 against it. The functions here dispatch between them; see ``dispatch.py``.
 """
 from .dispatch import backend_for, forced_backend, kernel_table
+from .dense import linear
 from .gdn import naive as _gdn
 from .moe import naive as _moe
 from .norm import naive as _norm
 
-__all__ = ["rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview", "moe_experts", "backend_for", "forced_backend"]
+__all__ = ["linear", "rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview", "moe_experts", "backend_for", "forced_backend"]
 
 
 def _dispatch(name, reference, x):

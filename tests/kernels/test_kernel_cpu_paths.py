@@ -1,0 +1,69 @@
+"""The CPU inference paths against their definitions: ``linear`` (oneDNN's fp32 GEMM) against
+``F.linear``, and the CPU routed-experts paths against a token-by-token float64 loop."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clover_kernels import dense
+from clover_kernels.dense import linear, uses_onednn
+from clover_kernels.moe import naive
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (32, 512), (2, 7, 96), (300, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(48, shape[-1], generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    with torch.inference_mode():
+        expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(linear(x, w, b).double(), expected, atol=1e-4, rtol=1e-5)  # fp32 rounding
+        # a strided view of the rows gives the same result as its contiguous copy
+        torch.testing.assert_close(linear(x[..., ::2, :], w, b), linear(x[..., ::2, :].contiguous(), w, b))
+
+
+def test_linear_takes_onednn_only_where_it_is_meant_to():
+    w = torch.randn(16, 32)
+    rows = torch.randn(8, 32)
+    if not dense._ONEDNN:
+        pytest.skip("torch has no oneDNN linear on this machine")
+    with torch.inference_mode():
+        assert uses_onednn(rows, w)
+        assert not uses_onednn(rows[:1], w)  # one row (decode): F.linear is the faster kernel there
+        assert not uses_onednn(rows.bfloat16(), w.bfloat16())  # bf16 F.linear is oneDNN already
+    p = torch.nn.Parameter(w.clone())
+    assert not uses_onednn(rows, p)  # a weight that needs a gradient: autograd's F.linear
+    out = linear(rows, p)
+    out.sum().backward()
+    torch.testing.assert_close(p.grad, rows.sum(0)[None].expand_as(w))
+
+
+def expert_loop(x, ids, weights, gate_up, down):
+    """The routed experts by definition, token by token and slot by slot, in float64."""
+    x, weights, gate_up, down = x.double(), weights.double(), gate_up.double(), down.double()
+    I = gate_up.shape[1] // 2
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = int(ids[t, slot])
+            h = gate_up[e] @ x[t]
+            out[t] += weights[t, slot] * (down[e] @ (F.silu(h[:I]) * h[I:]))
+    return out
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 1, 4), (1, 8, 16), (9, 2, 1), (33, 4, 16), (64, 8, 64)])
+@pytest.mark.parametrize("path", ["eager", "traced"])
+def test_cpu_experts_equal_the_loop(T, k, E, path):
+    g = torch.Generator().manual_seed(T * 100 + E)
+    H, I = 32, 24
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if E >= k \
+        else torch.zeros(T, k, dtype=torch.long)
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1)
+    gate_up = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
+    down = torch.randn(E, H, I, generator=g) * I ** -0.5
+    fn = naive._moe_experts_cpu if path == "eager" else naive._moe_experts_traced
+    with torch.inference_mode():
+        out = fn(x, ids, weights, gate_up, down)
+    torch.testing.assert_close(out.double(), expert_loop(x, ids, weights, gate_up, down), atol=2e-5, rtol=2e-5)
