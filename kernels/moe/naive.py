@@ -7,6 +7,8 @@ no token picked are never read and there is no Python loop over experts.
 import torch
 import torch.nn.functional as F
 
+from ..dense import linear
+
 
 def group_by_expert(expert_ids: torch.Tensor, num_experts: int):
     """(order, offsets): ``order`` sorts the flattened (token, slot) pairs by expert;
@@ -65,23 +67,27 @@ def _moe_experts_traced(x, expert_ids, weights, gate_up, down):
 
 
 def _moe_experts_cpu(x, expert_ids, weights, gate_up, down):
-    """CPU path: one matmul pair per expert *hit* (CPU grouped_mm issues a matmul for every
-    expert, empty groups included, which dominates decoding at small token counts)."""
+    """CPU path: the (token, slot) pairs sorted by expert, one GEMM per expert *hit* and per
+    projection on its contiguous rows (CPU grouped_mm issues a matmul for every expert, empty
+    groups included, which dominates decoding at small token counts); the activation, the
+    routing weights and the scatter back run once over all pairs, accumulated in fp32."""
     T, H = x.shape
     k = expert_ids.shape[1]
     I = gate_up.shape[1] // 2
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    groups = list(zip(hit.tolist(), torch.cumsum(counts, 0).tolist(), counts.tolist()))  # (expert, end, rows)
     token_of = order // k
-    w = weights.reshape(-1)[order]
-    xs = x[token_of]  # [T*k, H], grouped by expert
-    ys = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
-    start = 0
-    for e, n in zip(hit.tolist(), counts.tolist()):
-        h = F.linear(xs[start:start + n], gate_up[e])  # [n, 2I]
-        y = F.linear(F.silu(h[:, :I]) * h[:, I:], down[e])  # [n, H]
-        ys[start:start + n] = y * w[start:start + n, None].to(y.dtype)
-        start += n
+    h = _per_expert(x[token_of], gate_up, groups)  # [T*k, 2I]
+    y = _per_expert(F.silu(h[:, :I]).mul_(h[:, I:]), down, groups).float()  # [T*k, H]
+    y = y.mul_(weights.reshape(-1)[order, None].float())
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    return out.index_add_(0, token_of, ys).to(x.dtype)
+    return out.index_add_(0, token_of, y).to(x.dtype)
+
+
+def _per_expert(rows: torch.Tensor, weight: torch.Tensor, groups) -> torch.Tensor:
+    """Rows grouped by expert [N, K] times their expert's weight [E, O, K]^T -> [N, O]."""
+    if len(groups) == 1:
+        return linear(rows, weight[groups[0][0]])
+    return torch.cat([linear(rows[end - n:end], weight[e]) for e, end, n in groups])
