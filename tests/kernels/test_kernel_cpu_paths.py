@@ -1,5 +1,6 @@
 """The CPU inference paths against their definitions: ``linear`` (oneDNN's fp32 GEMM) against
-``F.linear``, and the CPU routed-experts paths against a token-by-token float64 loop."""
+``F.linear``, the CPU routed-experts paths against a token-by-token float64 loop, and the
+chunked gated delta rule against the recurrence."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,3 +68,29 @@ def test_cpu_experts_equal_the_loop(T, k, E, path):
     with torch.inference_mode():
         out = fn(x, ids, weights, gate_up, down)
     torch.testing.assert_close(out.double(), expert_loop(x, ids, weights, gate_up, down), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("B,T,H,dk,dv,chunk", [(1, 256, 8, 64, 64, 64), (2, 100, 4, 32, 16, 64),
+                                               (1, 1, 2, 8, 8, 64), (3, 70, 2, 16, 24, 32)])
+def test_chunked_delta_rule_equals_the_recurrence(B, T, H, dk, dv, chunk):
+    """The chunked gated delta rule (the reference for prefill and training) against the
+    token-by-token recurrence, from a non-zero state, with the state before every chunk."""
+    from clover_kernels.gdn.naive import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+
+    g = torch.Generator().manual_seed(T)
+    q, k = (l2norm(torch.randn(B, T, H, dk, generator=g)) for _ in range(2))
+    v = torch.randn(B, T, H, dv, generator=g)
+    log_decay = -torch.rand(B, T, H, generator=g) * 0.5
+    beta = torch.rand(B, T, H, generator=g)
+    state = torch.randn(B, H, dk, dv, generator=g)
+    o, final, before = chunk_gated_delta_rule(q, k, v, log_decay, beta, state, chunk_size=chunk,
+                                              return_chunk_states=True)
+    o_ref, final_ref = recurrent_gated_delta_rule(q, k, v, log_decay, beta, state)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, final_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(before[:, 0], state)
+    for i in range(1, before.shape[1]):
+        start = i * chunk
+        _, at_start = recurrent_gated_delta_rule(q[:, :start], k[:, :start], v[:, :start], log_decay[:, :start],
+                                                 beta[:, :start], state)
+        torch.testing.assert_close(before[:, i], at_start, atol=1e-5, rtol=1e-5)
