@@ -2,9 +2,10 @@
 
 Prefill tokens/s and AR decode tokens/s (same weights, dtype and thread count, one process),
 plus clover_lab's block-diffusion tokens/s when the engine is available, AR decode through
-torch.compile (``StepGraphs(compile=True)``, the engine's ``compile_steps``), and the decode floor:
-the bare matrix-vector products of one token's weights (so floor / transformers bounds what any
-implementation could gain at batch 1). Prints a table of ratios and writes JSON to bench/results/.
+torch.compile (``StepGraphs(compile=True)``, the engine's ``compile_steps``), and two floors: the
+bare matrix products of a prefill and the matrix-vector products of one decoded token (floor /
+transformers bounds what any implementation using those kernels could gain). Prints a table of
+ratios and writes JSON to bench/results/.
 
     python bench/compare_transformers.py [--sizes small,medium] [--prompt 256] [--decode 32]
 """
@@ -88,6 +89,35 @@ def decode_floor(model, repeat: int) -> float:
     return best_of(run, max(repeat, 5))
 
 
+def prefill_floor(model, T: int, repeat: int) -> float:
+    """Seconds for the bare matrix products of a T-token prefill: every 2-D weight of every layer
+    on T rows and every expert's gate_up and down on its share T * top-k / experts of rows (an
+    even split), through ``clover_kernels.linear`` (oneDNN in fp32), back to back: no attention,
+    no delta rule, no routing, no norms. transformers' prefill time over this bounds what any
+    implementation using these GEMM kernels could gain."""
+    from clover_kernels import linear
+
+    cfg = model.config
+    share = max(1, round(T * cfg.num_experts_per_tok / cfg.num_experts))
+    products = []
+    for layer in model.model.layers:
+        products += [(p, T) for n, p in layer.named_parameters() if p.dim() == 2]
+        experts = layer.mlp.experts
+        for e in range(cfg.num_experts):
+            products += [(experts.gate_up_proj[e], share), (experts.down_proj[e], share)]
+    products.append((model.lm_head.weight, 1))
+    rows = {}
+    for w, m in products:
+        rows.setdefault((w.shape[1], m), torch.randn(m, w.shape[1], dtype=w.dtype))
+
+    def run():
+        for w, m in products:
+            linear(rows[w.shape[1], m], w)
+
+    run()
+    return best_of(run, repeat)
+
+
 def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ref, ours = build(size, dtype, Path(tmp))
@@ -107,6 +137,7 @@ def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat
 
         t_ours = best_of(ours_prefill, repeat)
         row["prefill_tok_s"] = {"transformers": prompt_len / t_ref, "clover_lab": prompt_len / t_ours}
+        row["prefill_floor_tok_s"] = prompt_len / prefill_floor(ours, prompt_len, repeat)
 
         # AR decode (greedy), the decode steps alone: transformers' own cache vs clover_lab's
         def ref_decode():
@@ -184,19 +215,21 @@ def main(argv=None):
 
     print(f"\nclover_lab vs transformers, {args.dtype}, {args.threads} threads, prompt {args.prompt}, "
           f"decode {args.decode} ({platform.processor() or platform.machine()})")
-    print(f"{'size':8} {'params':>9} {'prefill tf':>11} {'prefill ours':>13} {'ratio':>6} "
-          f"{'decode tf':>10} {'decode ours':>12} {'ratio':>6} {'compiled':>9} {'ratio':>6} {'floor':>7} {'max x':>6} "
-          f"{'diffusion':>10}  "
-          f"tok/s (compiled: clover_lab's static steps through torch.compile; floor: bare matvecs of one\n"
-          f"token's weights, max x: floor / transformers, what separate torch matmuls could gain; diffusion incl. prefill)")
+    print(f"{'size':8} {'params':>9} | {'prefill tf':>10} {'ours':>8} {'ratio':>5} {'floor':>8} {'max x':>5} | "
+          f"{'decode tf':>9} {'ours':>7} {'ratio':>5} {'compiled':>8} {'ratio':>5} {'floor':>7} {'max x':>5} | "
+          f"{'diffusion':>9}")
     for r in rows:
         p, d = r["prefill_tok_s"], r["ar_decode_tok_s"]
-        print(f"{r['size']:8} {r['params'] / 1e6:8.1f}M {p['transformers']:11.1f} {p['clover_lab']:13.1f} "
-              f"{p['clover_lab'] / p['transformers']:6.2f} {d['transformers']:10.1f} {d['clover_lab']:12.1f} "
-              f"{d['clover_lab'] / d['transformers']:6.2f} {d['clover_lab_compiled']:9.1f} "
-              f"{d['clover_lab_compiled'] / d['transformers']:6.2f} {r['decode_floor_tok_s']:7.1f} "
-              f"{r['decode_floor_tok_s'] / d['transformers']:6.2f} "
-              f"{r['diffusion']['tok_s_incl_prefill'] if 'diffusion' in r else float('nan'):10.1f}")
+        print(f"{r['size']:8} {r['params'] / 1e6:8.1f}M | {p['transformers']:10.1f} {p['clover_lab']:8.1f} "
+              f"{p['clover_lab'] / p['transformers']:5.2f} {r['prefill_floor_tok_s']:8.1f} "
+              f"{r['prefill_floor_tok_s'] / p['transformers']:5.2f} | {d['transformers']:9.1f} {d['clover_lab']:7.1f} "
+              f"{d['clover_lab'] / d['transformers']:5.2f} {d['clover_lab_compiled']:8.1f} "
+              f"{d['clover_lab_compiled'] / d['transformers']:5.2f} {r['decode_floor_tok_s']:7.1f} "
+              f"{r['decode_floor_tok_s'] / d['transformers']:5.2f} | "
+              f"{r['diffusion']['tok_s_incl_prefill'] if 'diffusion' in r else float('nan'):9.1f}")
+    print("tokens/s. compiled: clover_lab's static steps through torch.compile. floor: the bare matrix products\n"
+          "alone (prefill: every weight on its rows through clover_kernels.linear; decode: one token's matvecs);\n"
+          "max x: floor / transformers, the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y-%m-%d")
