@@ -64,58 +64,46 @@ def build(size: str, dtype: torch.dtype, path: Path):
     return ref, ours
 
 
-def decode_floor(model, repeat: int) -> float:
-    """Seconds per token of the bare matrix-vector products an AR step must do: every 2-D weight
-    of every layer, top-k routed experts' gate_up and down, and the LM head, one F.linear each
-    on a single row, back to back in this process (no norms, no attention over the cache, no
-    routing, no Python around them). A lower bound for any implementation using torch's kernels."""
-    import torch.nn.functional as F
-
-    k = model.config.num_experts_per_tok
-    weights = []
-    for layer in model.model.layers:
-        weights += [p for n, p in layer.named_parameters() if p.dim() == 2]
-        experts = layer.mlp.experts
-        for e in range(k):
-            weights += [experts.gate_up_proj[e], experts.down_proj[e]]
-    weights.append(model.lm_head.weight)
-    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
-
-    def run():
-        for w in weights:
-            F.linear(rows[w.shape[1]], w)
-
-    run()
-    return best_of(run, max(repeat, 5))
-
-
-def prefill_floor(model, T: int, repeat: int) -> float:
-    """Seconds for the bare matrix products of a T-token prefill: every 2-D weight of every layer
-    on T rows and every expert's gate_up and down on its share T * top-k / experts of rows (an
-    even split), through ``clover_kernels.linear`` (oneDNN in fp32), back to back: no attention,
-    no delta rule, no routing, no norms. transformers' prefill time over this bounds what any
-    implementation using these GEMM kernels could gain."""
+def gemm_floor(model, rows: int, experts: int, expert_rows: int, repeat: int) -> float:
+    """Seconds for the bare matrix products of one forward, back to back in this process: every
+    2-D weight of every layer on ``rows`` rows, the first ``experts`` routed experts' gate_up and
+    down on ``expert_rows`` rows each, and the LM head on one row, through
+    ``clover_kernels.linear`` (oneDNN in fp32 from 4 rows, ``F.linear`` otherwise). No attention,
+    no delta rule, no routing, no norms, no Python around them: a lower bound for any
+    implementation using these kernels."""
     from clover_kernels import linear
 
-    cfg = model.config
-    share = max(1, round(T * cfg.num_experts_per_tok / cfg.num_experts))
     products = []
     for layer in model.model.layers:
-        products += [(p, T) for n, p in layer.named_parameters() if p.dim() == 2]
-        experts = layer.mlp.experts
-        for e in range(cfg.num_experts):
-            products += [(experts.gate_up_proj[e], share), (experts.down_proj[e], share)]
+        products += [(p, rows) for p in layer.parameters() if p.dim() == 2]
+        routed = layer.mlp.experts
+        for e in range(experts):
+            products += [(routed.gate_up_proj[e], expert_rows), (routed.down_proj[e], expert_rows)]
     products.append((model.lm_head.weight, 1))
-    rows = {}
+    inputs = {}
     for w, m in products:
-        rows.setdefault((w.shape[1], m), torch.randn(m, w.shape[1], dtype=w.dtype))
+        inputs.setdefault((w.shape[1], m), torch.randn(m, w.shape[1], dtype=w.dtype))
 
     def run():
         for w, m in products:
-            linear(rows[w.shape[1], m], w)
+            linear(inputs[w.shape[1], m], w)
 
     run()
     return best_of(run, repeat)
+
+
+def decode_floor(model, repeat: int) -> float:
+    """Seconds per token of an AR step's matrix-vector products: every weight on one row, top-k experts."""
+    return gemm_floor(model, 1, model.config.num_experts_per_tok, 1, max(repeat, 5))
+
+
+def prefill_floor(model, T: int, repeat: int) -> float:
+    """Seconds for a T-token prefill's matrix products: every weight on T rows, every expert on its
+    even share T * top-k / experts of the rows. transformers' prefill time over this bounds what
+    any implementation using these GEMM kernels could gain."""
+    cfg = model.config
+    share = max(1, round(T * cfg.num_experts_per_tok / cfg.num_experts))
+    return gemm_floor(model, T, cfg.num_experts, share, repeat)
 
 
 def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat: int) -> dict:
