@@ -88,6 +88,4 @@ def _moe_experts_cpu(x, expert_ids, weights, gate_up, down):
 
 def _per_expert(rows: torch.Tensor, weight: torch.Tensor, groups) -> torch.Tensor:
     """Rows grouped by expert [N, K] times their expert's weight [E, O, K]^T -> [N, O]."""
-    if len(groups) == 1:
-        return linear(rows, weight[groups[0][0]])
     return torch.cat([linear(rows[end - n:end], weight[e]) for e, end, n in groups])
