@@ -248,13 +248,13 @@ class _Run:
         self.result: GenerationResult | None = None
         self.where = engine._where
         self.where.run += 1
+        length = len(prompt_ids) + max_new_tokens
         try:
-            self.graphs = engine._graphs_for(self, len(prompt_ids) + max_new_tokens)
-            self.cache = (self.graphs.reset() if self.graphs is not None
-                          else model.new_cache(len(prompt_ids) + max_new_tokens))
+            self.graphs = engine._graphs_for(self, length)
+            self.cache = self.graphs.reset() if self.graphs is not None else model.new_cache(length)
         except (torch.OutOfMemoryError, RuntimeError) as e:
-            raise GenerationError(f"cannot allocate a cache of {len(prompt_ids) + max_new_tokens} positions "
-                                  f"({cache_bytes(model, len(prompt_ids) + max_new_tokens) / 2**30:.2f} GiB) on "
+            raise GenerationError(f"cannot allocate a cache of {length} positions "
+                                  f"({cache_bytes(model, length) / 2**30:.2f} GiB) on "
                                   f"{self.device}: {e}") from e
 
     def now(self) -> float:
