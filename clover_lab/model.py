@@ -93,10 +93,13 @@ class StepOutput:
 # --------------------------------------------------------------------------- building blocks
 class Linear(nn.Linear):
     """``nn.Linear`` whose CPU inference GEMM is ``clover_kernels.linear`` (oneDNN's fp32 GEMM where
-    it beats the default BLAS); same parameters, same state-dict names, same results to fp32 rounding."""
+    it beats the default BLAS); same parameters, same state-dict names, same results to fp32 rounding.
+    ``packed``: the weight kept in oneDNN's layout (``CloverModel.pack_weights``), or None."""
+
+    packed: ops.PackedWeight | None = None
 
     def forward(self, x):
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, packed=self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -349,6 +352,8 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
+    packed: ops.PackedWeight | None = None
+
 
 class Experts(nn.Module):
     """The routed experts as fused tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
@@ -358,6 +363,9 @@ class Experts(nn.Module):
         E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    # (gate_up, down): one PackedWeight per expert each (CloverModel.pack_weights), or None
+    packed: tuple[list[ops.PackedWeight], list[ops.PackedWeight]] | None = None
 
 
 class SparseMoE(nn.Module):
@@ -402,7 +410,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
         B, T, H = x.shape
-        logits = ops.linear(x, self.gate.weight)  # [B, T, E]
+        logits = ops.linear(x, self.gate.weight, packed=self.gate.packed)  # [B, T, E]
         parts = [("commit", 0, p.c), ("preview", p.c, p.c + p.m)]
         ids, weights = [], []
         for mode, lo, hi in parts:
@@ -413,7 +421,8 @@ class SparseMoE(nn.Module):
         ids = torch.cat(ids, dim=1).reshape(B * T, -1) if len(ids) > 1 else ids[0].reshape(B * T, -1)
         weights = torch.cat(weights, dim=1).reshape(B * T, -1) if len(weights) > 1 else weights[0].reshape(B * T, -1)
         flat = x.reshape(B * T, H)
-        routed = ops.moe_experts(flat, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        experts = self.experts
+        routed = ops.moe_experts(flat, ids, weights, experts.gate_up_proj, experts.down_proj, experts.packed)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).view(B, T, H)
 
@@ -529,6 +538,40 @@ class CloverModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    def pack_weights(self, enabled: bool = True) -> int:
+        """CPU inference: keep every GEMM weight (projections, router, each expert, LM head) also in
+        oneDNN's blocked layout, so products stop reordering it on every call: prefill and block
+        previews get faster (``bench/compare_transformers.py``), at the price of a second copy of
+        the weights in memory. A weight changed in place or replaced is repacked on its next use;
+        writes through ``.data`` are not seen (call ``pack_weights()`` again). Returns the bytes
+        packed; ``pack_weights(False)`` drops the copies."""
+        if enabled:
+            if not ops.can_pack(self.lm_head.weight):
+                raise ValueError(f"pack_weights: packed weights are for fp32/bf16 models on an x86 CPU with oneDNN; "
+                                 f"this model is {str(self.dtype).removeprefix('torch.')} on {self.device}")
+        packed = 0
+
+        def pack(weight):
+            nonlocal packed
+            if not enabled:
+                return None
+            p = ops.PackedWeight()
+            p.get(weight)
+            packed += p.nbytes
+            return p
+
+        for module in self.modules():
+            if isinstance(module, (Linear, Router)):
+                module.packed = pack(module.weight)
+            elif isinstance(module, Experts):
+                module.packed = None if not enabled else (
+                    [pack(w) for w in module.gate_up_proj], [pack(w) for w in module.down_proj])
+        return packed
+
+    @property
+    def packed_weights(self) -> bool:
+        return self.lm_head.packed is not None
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> CloverCache:
         return CloverCache.allocate(self.config, max_len, batch_size, device=self.device, dtype=self.dtype)

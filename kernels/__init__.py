@@ -4,12 +4,12 @@ Every op has a torch reference (``*/naive.py``) and, where it pays, a Triton ker
 against it. The functions here dispatch between them; see ``dispatch.py``.
 """
 from .dispatch import backend_for, forced_backend, kernel_table
-from .dense import linear
+from .dense import PackedWeight, can_pack, linear
 from .gdn import naive as _gdn
 from .moe import naive as _moe
 from .norm import naive as _norm
 
-__all__ = ["linear", "rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview", "moe_experts", "backend_for", "forced_backend"]
+__all__ = ["linear", "PackedWeight", "can_pack", "rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview", "moe_experts", "backend_for", "forced_backend"]
 
 
 def _dispatch(name, reference, x):
@@ -38,5 +38,8 @@ def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, hist
               num_k_heads, head_k_dim, head_v_dim, return_history)
 
 
-def moe_experts(x, expert_ids, weights, gate_up, down):
-    return _dispatch("moe_experts", _moe.moe_experts, x)(x, expert_ids, weights, gate_up, down)
+def moe_experts(x, expert_ids, weights, gate_up, down, packed=None):
+    """``packed``: the CPU reference's kept oneDNN weights (see ``PackedWeight``); kernels ignore it."""
+    if backend_for("moe_experts", x) == "triton":
+        return kernel_table()["moe_experts"](x, expert_ids, weights, gate_up, down)
+    return _moe.moe_experts(x, expert_ids, weights, gate_up, down, packed)

@@ -108,3 +108,38 @@ def test_random_full_size_materialises_on_meta_first():
         model = CloverModel(CloverConfig.preset("clover-35b-a3b"))
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape == (256, 1024, 2048) and experts.gate_up_proj.is_meta
+
+
+def test_packed_weights_give_the_same_model(tiny_model):
+    """pack_weights: the same logits on the kept oneDNN copies; edits made in place after packing
+    are followed; pack_weights(False) drops the copies; the state dict is untouched."""
+    import clover_kernels
+
+    if not clover_kernels.can_pack(tiny_model.lm_head.weight):
+        pytest.skip("torch has no oneDNN linear on this machine")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, tiny_model.config.vocab_size, (1, 40), generator=g)
+    block = torch.randint(0, tiny_model.config.vocab_size, (1, 8), generator=g)
+    keys = list(tiny_model.state_dict())
+    with torch.inference_mode():
+        plain = tiny_model.logits(ids)
+        plain_preview = tiny_model.denoise_logits(ids, block)
+        assert tiny_model.pack_weights() > 0 and tiny_model.packed_weights
+        torch.testing.assert_close(tiny_model.logits(ids), plain, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tiny_model.denoise_logits(ids, block), plain_preview, atol=1e-5, rtol=1e-5)
+    assert list(tiny_model.state_dict()) == keys
+    experts = tiny_model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        experts.down_proj.mul_(3.0)  # an ablation made after packing
+    with torch.inference_mode():
+        edited = tiny_model.logits(ids)
+        tiny_model.pack_weights(False)
+        assert not tiny_model.packed_weights and experts.packed is None
+        torch.testing.assert_close(edited, tiny_model.logits(ids), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(edited, plain, atol=1e-3)
+
+
+def test_packed_weights_refuse_what_they_cannot_pack(tiny_model):
+    with pytest.raises(ValueError, match="float16"):
+        tiny_model.half().pack_weights()
+    assert not tiny_model.packed_weights

@@ -25,6 +25,7 @@ def moe_experts(
     weights: torch.Tensor,  # [T, k]
     gate_up: torch.Tensor,  # [E, 2I, H]
     down: torch.Tensor,  # [E, H, I]
+    packed=None,  # CPU: (gate_up, down) lists of E ``PackedWeight``s, each expert's kept oneDNN layout
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = expert_ids[t, k]; returns [T, H]."""
     T, H = x.shape
@@ -35,7 +36,7 @@ def moe_experts(
     if x.device.type == "cpu":
         if torch.compiler.is_compiling():
             return _moe_experts_traced(x, expert_ids, weights, gate_up, down)
-        return _moe_experts_cpu(x, expert_ids, weights, gate_up, down)
+        return _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed)
     order, offsets = group_by_expert(expert_ids, E)
     token_of = order // k  # [T*k] token index of each sorted pair
     xs = x[token_of]  # [T*k, H]
@@ -66,7 +67,7 @@ def _moe_experts_traced(x, expert_ids, weights, gate_up, down):
     return y.view(T, k, H).sum(1).to(x.dtype)
 
 
-def _moe_experts_cpu(x, expert_ids, weights, gate_up, down):
+def _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed=None):
     """CPU path: the (token, slot) pairs sorted by expert, one GEMM per expert *hit* and per
     projection on its contiguous rows (CPU grouped_mm issues a matmul for every expert, empty
     groups included, which dominates decoding at small token counts); the activation, the
@@ -79,13 +80,14 @@ def _moe_experts_cpu(x, expert_ids, weights, gate_up, down):
     hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
     groups = list(zip(hit.tolist(), torch.cumsum(counts, 0).tolist(), counts.tolist()))  # (expert, end, rows)
     token_of = order // k
-    h = _per_expert(x[token_of], gate_up, groups)  # [T*k, 2I]
-    y = _per_expert(F.silu(h[:, :I]).mul_(h[:, I:]), down, groups).float()  # [T*k, H]
+    packed_gate_up, packed_down = packed if packed is not None else (None, None)
+    h = _per_expert(x[token_of], gate_up, groups, packed_gate_up)  # [T*k, 2I]
+    y = _per_expert(F.silu(h[:, :I]).mul_(h[:, I:]), down, groups, packed_down).float()  # [T*k, H]
     y = y.mul_(weights.reshape(-1)[order, None].float())
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     return out.index_add_(0, token_of, y).to(x.dtype)
 
 
-def _per_expert(rows: torch.Tensor, weight: torch.Tensor, groups) -> torch.Tensor:
+def _per_expert(rows: torch.Tensor, weight: torch.Tensor, groups, packed=None) -> torch.Tensor:
     """Rows grouped by expert [N, K] times their expert's weight [E, O, K]^T -> [N, O]."""
-    return torch.cat([linear(rows[end - n:end], weight[e]) for e, end, n in groups])
+    return torch.cat([linear(rows[end - n:end], weight[e], packed=packed and packed[e]) for e, end, n in groups])

@@ -1,12 +1,12 @@
-"""The CPU inference paths against their definitions: ``linear`` (oneDNN's fp32 GEMM) against
-``F.linear``, the CPU routed-experts paths against a token-by-token float64 loop, and the
-chunked gated delta rule against the recurrence."""
+"""The CPU inference paths against their definitions: ``linear`` (oneDNN's fp32 GEMM, and on a
+kept packed weight) against ``F.linear``, the CPU routed-experts paths against a token-by-token
+float64 loop, and the chunked gated delta rule against the recurrence."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from clover_kernels import dense
-from clover_kernels.dense import linear, uses_onednn
+from clover_kernels.dense import PackedWeight, linear, uses_onednn
 from clover_kernels.moe import naive
 
 
@@ -40,6 +40,70 @@ def test_linear_takes_onednn_only_where_it_is_meant_to():
     torch.testing.assert_close(p.grad, rows.sum(0)[None].expand_as(w))
 
 
+needs_onednn = pytest.mark.skipif(not dense._ONEDNN, reason="torch has no oneDNN linear on this machine")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 64), (37, 96), (2, 9, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_on_a_packed_weight_equals_f_linear(dt, shape, bias):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=g).to(dt)
+    w = torch.randn(40, shape[-1], generator=g).to(dt)
+    b = torch.randn(40, generator=g).to(dt) if bias else None
+    packed = PackedWeight()
+    with torch.inference_mode():
+        assert packed.applies(x, w)
+        out = linear(x, w, b, packed=packed)
+        assert packed.nbytes > 0  # it packed, and the product ran on the packed copy
+        expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+        tol = dict(atol=1e-4, rtol=1e-5) if dt == torch.float32 else dict(atol=0.1, rtol=2e-2)  # bf16 output
+        torch.testing.assert_close(out.double(), expected, **tol)
+        torch.testing.assert_close(out, F.linear(x, w, b), **tol)
+
+
+@needs_onednn
+def test_a_packed_weight_follows_its_weight():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 32, generator=g)
+    w = torch.randn(16, 32, generator=g)
+    packed = PackedWeight()
+    with torch.inference_mode():
+        first = linear(x, w, packed=packed)
+        copy = packed.get(w)
+        assert packed.get(w) is copy  # unchanged weight: the same copy, no repacking
+    with torch.no_grad():
+        w[3] = 0.0  # an in-place edit bumps the version counter
+    with torch.inference_mode():
+        edited = linear(x, w, packed=packed)
+        assert packed.get(w) is not copy
+        torch.testing.assert_close(edited, F.linear(x, w))
+        assert (edited[:, 3] == 0).all() and not (first[:, 3] == 0).all()
+        other = torch.randn(16, 32, generator=g)  # another weight (another tensor) used with it
+        torch.testing.assert_close(linear(x, other, packed=packed), F.linear(x, other), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(linear(x, w, packed=packed), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        w.data[0] = 5.0  # .data bypasses the version counter: clear() is the documented way back
+        packed.clear()
+        torch.testing.assert_close(linear(x, w, packed=packed), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_a_packed_weight_steps_aside_where_it_does_not_apply():
+    w = torch.randn(16, 32)
+    packed = PackedWeight()
+    with torch.inference_mode():
+        assert not packed.applies(torch.randn(1, 32), w)  # one row: F.linear
+        assert not packed.applies(torch.randn(8, 32).half(), w.half())  # fp16: not packed
+        assert not packed.applies(torch.randn(8, 32).bfloat16(), w)  # mixed dtypes: F.linear's error
+    p = torch.nn.Parameter(w.clone())
+    rows = torch.randn(8, 32)
+    out = linear(rows, p, packed=packed)  # a weight that needs a gradient: autograd's F.linear
+    assert packed.nbytes == 0
+    out.sum().backward()
+    torch.testing.assert_close(p.grad, rows.sum(0)[None].expand_as(w))
+
+
 def expert_loop(x, ids, weights, gate_up, down):
     """The routed experts by definition, token by token and slot by slot, in float64."""
     x, weights, gate_up, down = x.double(), weights.double(), gate_up.double(), down.double()
@@ -54,7 +118,7 @@ def expert_loop(x, ids, weights, gate_up, down):
 
 
 @pytest.mark.parametrize("T,k,E", [(1, 1, 4), (1, 8, 16), (9, 2, 1), (33, 4, 16), (64, 8, 64)])
-@pytest.mark.parametrize("path", ["eager", "traced"])
+@pytest.mark.parametrize("path", ["eager", "traced", "packed"])
 def test_cpu_experts_equal_the_loop(T, k, E, path):
     g = torch.Generator().manual_seed(T * 100 + E)
     H, I = 32, 24
@@ -64,9 +128,14 @@ def test_cpu_experts_equal_the_loop(T, k, E, path):
     weights = torch.softmax(torch.randn(T, k, generator=g), -1)
     gate_up = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
     down = torch.randn(E, H, I, generator=g) * I ** -0.5
-    fn = naive._moe_experts_cpu if path == "eager" else naive._moe_experts_traced
+    if path == "packed" and not dense._ONEDNN:
+        pytest.skip("torch has no oneDNN linear on this machine")
     with torch.inference_mode():
-        out = fn(x, ids, weights, gate_up, down)
+        if path == "traced":
+            out = naive._moe_experts_traced(x, ids, weights, gate_up, down)
+        else:
+            packed = ([PackedWeight() for _ in range(E)], [PackedWeight() for _ in range(E)]) if path == "packed" else None
+            out = naive._moe_experts_cpu(x, ids, weights, gate_up, down, packed)
     torch.testing.assert_close(out.double(), expert_loop(x, ids, weights, gate_up, down), atol=2e-5, rtol=2e-5)
 
 
