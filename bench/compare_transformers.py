@@ -1,7 +1,8 @@
 """clover_lab vs transformers' Qwen3_5MoeForCausalLM on the same random checkpoint, side by side.
 
-Prefill tokens/s and AR decode tokens/s (same weights, dtype and thread count, one process),
-plus clover_lab's block-diffusion tokens/s when the engine is available, AR decode through
+Prefill tokens/s (as generate runs it: cache filled, last position's logits) and AR decode tokens/s
+(same weights, dtype and thread count, one process), prefill and block diffusion also with
+``model.pack_weights()``, clover_lab's block-diffusion tokens/s when the engine is available, AR decode through
 torch.compile (``StepGraphs(compile=True)``, the engine's ``compile_steps``), and two floors: the
 bare matrix products of a prefill and the matrix-vector products of one decoded token (floor /
 transformers bounds what any implementation using those kernels could gain). Prints a table of
@@ -64,14 +65,14 @@ def build(size: str, dtype: torch.dtype, path: Path):
     return ref, ours
 
 
-def gemm_floor(model, rows: int, experts: int, expert_rows: int, repeat: int) -> float:
+def gemm_floor(model, rows: int, experts: int, expert_rows: int, repeat: int, packed: bool = False) -> float:
     """Seconds for the bare matrix products of one forward, back to back in this process: every
     2-D weight of every layer on ``rows`` rows, the first ``experts`` routed experts' gate_up and
     down on ``expert_rows`` rows each, and the LM head on one row, through
-    ``clover_kernels.linear`` (oneDNN in fp32 from 4 rows, ``F.linear`` otherwise). No attention,
-    no delta rule, no routing, no norms, no Python around them: a lower bound for any
-    implementation using these kernels."""
-    from clover_kernels import linear
+    ``clover_kernels.linear`` (oneDNN in fp32 from 4 rows, ``F.linear`` otherwise; ``packed``: on
+    weights kept in oneDNN's layout). No attention, no delta rule, no routing, no norms, no Python
+    around them: a lower bound for any implementation using these kernels."""
+    from clover_kernels import PackedWeight, linear
 
     products = []
     for layer in model.model.layers:
@@ -84,9 +85,11 @@ def gemm_floor(model, rows: int, experts: int, expert_rows: int, repeat: int) ->
     for w, m in products:
         inputs.setdefault((w.shape[1], m), torch.randn(m, w.shape[1], dtype=w.dtype))
 
+    packs = [PackedWeight() if packed else None for _ in products]
+
     def run():
-        for w, m in products:
-            linear(inputs[w.shape[1], m], w)
+        for (w, m), p in zip(products, packs):
+            linear(inputs[w.shape[1], m], w, packed=p)
 
     run()
     return best_of(run, repeat)
@@ -97,13 +100,13 @@ def decode_floor(model, repeat: int) -> float:
     return gemm_floor(model, 1, model.config.num_experts_per_tok, 1, max(repeat, 5))
 
 
-def prefill_floor(model, T: int, repeat: int) -> float:
+def prefill_floor(model, T: int, repeat: int, packed: bool = False) -> float:
     """Seconds for a T-token prefill's matrix products: every weight on T rows, every expert on its
     even share T * top-k / experts of the rows. transformers' prefill time over this bounds what
     any implementation using these GEMM kernels could gain."""
     cfg = model.config
     share = max(1, round(T * cfg.num_experts_per_tok / cfg.num_experts))
-    return gemm_floor(model, T, cfg.num_experts, share, repeat)
+    return gemm_floor(model, T, cfg.num_experts, share, repeat, packed)
 
 
 def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat: int) -> dict:
@@ -117,15 +120,25 @@ def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat
     with torch.inference_mode():
         ref(prompt[:, :8])  # warm-up: first calls pay one-time costs
         ours.logits(prompt[:, :8])
-        # prefill
-        t_ref = best_of(lambda: ref(prompt, use_cache=True), repeat)
+        # prefill, as generate runs it: the cache filled, logits of the last position only; the three
+        # in turn in each round (this machine's speed drifts), best round of each
+        def ref_prefill():
+            ref(prompt, use_cache=True, logits_to_keep=1)
 
         def ours_prefill():
             ours.prefill(ours.new_cache(prompt_len + decode + 1), prompt)
 
-        t_ours = best_of(ours_prefill, repeat)
-        row["prefill_tok_s"] = {"transformers": prompt_len / t_ref, "clover_lab": prompt_len / t_ours}
+        times = {"transformers": [], "clover_lab": [], "clover_lab_packed": []}
+        for _ in range(repeat):
+            times["transformers"].append(best_of(ref_prefill, 1))
+            times["clover_lab"].append(best_of(ours_prefill, 1))
+            ours.pack_weights()
+            ours_prefill()  # warm: the first call on fresh copies pays page faults
+            times["clover_lab_packed"].append(best_of(ours_prefill, 1))
+            ours.pack_weights(False)
+        row["prefill_tok_s"] = {k: prompt_len / min(v) for k, v in times.items()}
         row["prefill_floor_tok_s"] = prompt_len / prefill_floor(ours, prompt_len, repeat)
+        row["prefill_floor_packed_tok_s"] = prompt_len / prefill_floor(ours, prompt_len, repeat, packed=True)
 
         # AR decode (greedy), the decode steps alone: transformers' own cache vs clover_lab's
         def ref_decode():
@@ -181,7 +194,11 @@ def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat
 
             best = best_of(diffuse, repeat)
             result = diffuse()
+            ours.pack_weights()
+            best_packed = best_of(diffuse, repeat)
+            ours.pack_weights(False)
             row["diffusion"] = {"tok_s_incl_prefill": len(result.token_ids) / best,
+                                "packed_tok_s_incl_prefill": len(result.token_ids) / best_packed,
                                 "tokens_per_forward": result.stats["tokens_per_forward"],
                                 "note": "random weights: tokens per forward says little about a trained model"}
     return row
@@ -203,21 +220,24 @@ def main(argv=None):
 
     print(f"\nclover_lab vs transformers, {args.dtype}, {args.threads} threads, prompt {args.prompt}, "
           f"decode {args.decode} ({platform.processor() or platform.machine()})")
-    print(f"{'size':8} {'params':>9} | {'prefill tf':>10} {'ours':>8} {'ratio':>5} {'floor':>8} {'max x':>5} | "
+    print(f"{'size':8} {'params':>9} | {'prefill tf':>10} {'ours':>8} {'ratio':>5} {'packed':>8} {'ratio':>5} "
+          f"{'max x':>5} {'packed':>6} | "
           f"{'decode tf':>9} {'ours':>7} {'ratio':>5} {'compiled':>8} {'ratio':>5} {'floor':>7} {'max x':>5} | "
           f"{'diffusion':>9}")
     for r in rows:
         p, d = r["prefill_tok_s"], r["ar_decode_tok_s"]
         print(f"{r['size']:8} {r['params'] / 1e6:8.1f}M | {p['transformers']:10.1f} {p['clover_lab']:8.1f} "
-              f"{p['clover_lab'] / p['transformers']:5.2f} {r['prefill_floor_tok_s']:8.1f} "
-              f"{r['prefill_floor_tok_s'] / p['transformers']:5.2f} | {d['transformers']:9.1f} {d['clover_lab']:7.1f} "
+              f"{p['clover_lab'] / p['transformers']:5.2f} {p['clover_lab_packed']:8.1f} "
+              f"{p['clover_lab_packed'] / p['transformers']:5.2f} {r['prefill_floor_tok_s'] / p['transformers']:5.2f} "
+              f"{r['prefill_floor_packed_tok_s'] / p['transformers']:6.2f} | {d['transformers']:9.1f} {d['clover_lab']:7.1f} "
               f"{d['clover_lab'] / d['transformers']:5.2f} {d['clover_lab_compiled']:8.1f} "
               f"{d['clover_lab_compiled'] / d['transformers']:5.2f} {r['decode_floor_tok_s']:7.1f} "
               f"{r['decode_floor_tok_s'] / d['transformers']:5.2f} | "
               f"{r['diffusion']['tok_s_incl_prefill'] if 'diffusion' in r else float('nan'):9.1f}")
-    print("tokens/s. compiled: clover_lab's static steps through torch.compile. floor: the bare matrix products\n"
-          "alone (prefill: every weight on its rows through clover_kernels.linear; decode: one token's matvecs);\n"
-          "max x: floor / transformers, the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.")
+    print("tokens/s. packed: model.pack_weights() (GEMM weights kept in oneDNN's layout). compiled: clover_lab's\n"
+          "static steps through torch.compile. max x: transformers' time over the bare matrix products alone\n"
+          "(prefill: every weight on its rows through clover_kernels.linear, plain or packed; decode: one token's\n"
+          "matvecs), the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y-%m-%d")
