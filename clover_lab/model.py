@@ -546,31 +546,33 @@ class CloverModel(nn.Module):
         the weights in memory. A weight changed in place or replaced is repacked on its next use;
         writes through ``.data`` are not seen (call ``pack_weights()`` again). Returns the bytes
         packed; ``pack_weights(False)`` drops the copies."""
-        if enabled:
-            if not ops.can_pack(self.lm_head.weight):
-                raise ValueError(f"pack_weights: packed weights are for fp32/bf16 models on an x86 CPU with oneDNN; "
-                                 f"this model is {str(self.dtype).removeprefix('torch.')} on {self.device}")
-        packed = 0
+        if enabled and not ops.can_pack(self.lm_head.weight):
+            raise ValueError(f"pack_weights: packed weights are for fp32/bf16 models on an x86 CPU with oneDNN; "
+                             f"this model is {str(self.dtype).removeprefix('torch.')} on {self.device}")
 
-        def pack(weight):
-            nonlocal packed
-            if not enabled:
-                return None
-            p = ops.PackedWeight()
-            p.get(weight)
-            packed += p.nbytes
-            return p
+        def pack(weight) -> ops.PackedWeight:
+            packed = ops.PackedWeight()
+            packed.get(weight)
+            return packed
 
         for module in self.modules():
             if isinstance(module, (Linear, Router)):
-                module.packed = pack(module.weight)
+                module.packed = pack(module.weight) if enabled else None
             elif isinstance(module, Experts):
-                module.packed = None if not enabled else (
-                    [pack(w) for w in module.gate_up_proj], [pack(w) for w in module.down_proj])
-        return packed
+                module.packed = ([pack(w) for w in module.gate_up_proj],
+                                 [pack(w) for w in module.down_proj]) if enabled else None
+        return sum(p.nbytes for p in self._packs())
+
+    def _packs(self):
+        for module in self.modules():
+            if isinstance(module, (Linear, Router)) and module.packed is not None:
+                yield module.packed
+            elif isinstance(module, Experts) and module.packed is not None:
+                yield from (p for group in module.packed for p in group)
 
     @property
     def packed_weights(self) -> bool:
+        """Whether ``pack_weights`` is on."""
         return self.lm_head.packed is not None
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> CloverCache:
