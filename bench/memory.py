@@ -2,7 +2,9 @@
 checkpoint. Each measurement runs in a fresh process; the table shows peak RSS against the
 checkpoint's size: (peak after generating - RSS before loading) / checkpoint, once every weight
 has been used. A loader that held two copies of the weights would show a ratio near 2. Weights
-load memory-mapped, so right after loading little is resident yet.
+load memory-mapped, so right after loading little is resident yet. Each model is measured again
+with ``model.pack_weights()`` (a second, oneDNN-layout copy of the GEMM weights, opt-in), to show
+what that costs.
 
     python bench/memory.py [--big-layers 8] [--keep DIR]
 """
@@ -31,12 +33,13 @@ t = time.perf_counter()
 engine = load(sys.argv[1])
 load_s = time.perf_counter() - t
 after_load = peak_mb()
+packed_mb = engine.model.pack_weights() / 2**20 if sys.argv[2:] == ["pack"] else 0.0
 engine.mask_token_id = engine.mask_token_id if engine.mask_token_id is not None else engine.model.config.vocab_size - 1
 prompt = list(range(5, 69))
 for mode in ("ar", "diffusion"):
     engine.generate(prompt, mode=mode, max_new_tokens=32, threshold=0.9)
 print(json.dumps({"baseline_mb": start, "after_load_mb": after_load, "after_generate_mb": peak_mb(),
-                  "load_seconds": load_s, "dtype": str(engine.model.dtype)}))
+                  "load_seconds": load_s, "dtype": str(engine.model.dtype), "packed_mb": packed_mb}))
 """
 
 
@@ -44,8 +47,9 @@ def checkpoint_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
 
 
-def measure(path: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, check=True)
+def measure(path: Path, pack: bool = False) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(path)] + (["pack"] if pack else []),
+                         capture_output=True, text=True, check=True)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     row["checkpoint_mb"] = checkpoint_mb(path)
     row["params"] = None
@@ -78,11 +82,12 @@ def main(argv=None):
     rows = []
     small = default_model_dir()
     if small is not None:
-        rows.append({"model": small.name, **measure(small)})
+        rows += [{"model": small.name + (", packed" if pack else ""), **measure(small, pack)} for pack in (False, True)]
     if not args.skip_big:
         with tempfile.TemporaryDirectory() as tmp:
             big_dir, n = make_big(Path(args.keep or tmp) / "random-2b", args.big_layers)
-            rows.append({"model": f"random bf16, {n / 1e9:.2f}B params", **measure(big_dir), "params": n})
+            rows += [{"model": f"random bf16, {n / 1e9:.2f}B params" + (", packed" if pack else ""),
+                      **measure(big_dir, pack), "params": n} for pack in (False, True)]
     print(f"\n{'model':34} {'checkpoint MB':>14} {'RSS before':>11} {'peak after load':>16} "
           f"{'peak after generate':>20} {'used / ckpt':>12} {'load s':>7}")
     for r in rows:
