@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import sampling
+from . import malloc, sampling
 from .events import CommitEvent, StepEvent, StreamUpdate
 from .hooks import HookError, StopGeneration
 from .model import CloverModel, Coreset
@@ -572,11 +572,14 @@ class _Ended(Exception):
 # --------------------------------------------------------------------------- the engine
 class Engine:
     """Runs generations on one model: ``generate`` (a result), ``stream`` (updates as it goes),
-    ``hooks`` / ``add_hook`` (interventions), ``capture`` (recordings)."""
+    ``hooks`` / ``add_hook`` (interventions), ``capture`` (recordings). For a model on the CPU it
+    applies ``clover_lab.malloc.tune()`` once per process (``CLOVER_MALLOC=system`` opts out)."""
 
     def __init__(self, model: CloverModel, tokenizer=None, settings: SamplerSettings | None = None):
         if not isinstance(model, CloverModel):
             raise TypeError(f"Engine needs a CloverModel, got {type(model).__name__}")
+        if model.device.type == "cpu":
+            malloc.tune()  # large activations from glibc's heap, reused: no page fault per fresh page
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings or SamplerSettings()
