@@ -215,6 +215,9 @@ def main(argv=None):
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from clover_lab import malloc
+
+    tuned = malloc.tune()  # for both sides: this process's large activations from glibc's heap, reused
     dtype = getattr(torch, args.dtype)
     rows = [run_size(s, dtype, args.prompt, args.decode, args.repeat) for s in args.sizes.split(",")]
 
@@ -237,12 +240,13 @@ def main(argv=None):
     print("tokens/s. packed: model.pack_weights() (GEMM weights kept in oneDNN's layout). compiled: clover_lab's\n"
           "static steps through torch.compile. max x: transformers' time over the bare matrix products alone\n"
           "(prefill: every weight on its rows through clover_kernels.linear, plain or packed; decode: one token's\n"
-          "matvecs), the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.")
+          "matvecs), the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.\n"
+          f"glibc malloc tuned for both (clover_lab.malloc): {tuned}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y-%m-%d")
-    file = out / f"compare_transformers-cpu-{stamp}-{args.dtype}.json"
-    file.write_text(json.dumps({"date": stamp, "device": "cpu", "threads": args.threads,
+    file = out / f"compare_transformers-cpu-{stamp}-{args.dtype}-prompt{args.prompt}.json"
+    file.write_text(json.dumps({"date": stamp, "device": "cpu", "threads": args.threads, "malloc_tuned": tuned,
                                 "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
     print(f"wrote {file}")
 
