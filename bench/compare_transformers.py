@@ -1,8 +1,8 @@
 """clover_lab vs transformers' Qwen3_5MoeForCausalLM on the same random checkpoint, side by side.
 
 Prefill tokens/s (as generate runs it: cache filled, last position's logits) and AR decode tokens/s
-(same weights, dtype and thread count, one process), prefill and block diffusion also with
-``model.pack_weights()``, clover_lab's block-diffusion tokens/s when the engine is available, AR decode through
+(same weights, dtype and thread count, one process), plus clover_lab's block-diffusion tokens/s,
+prefill and diffusion also with ``model.pack_weights()``, AR decode through
 torch.compile (``StepGraphs(compile=True)``, the engine's ``compile_steps``), and two floors: the
 bare matrix products of a prefill and the matrix-vector products of one decoded token (floor /
 transformers bounds what any implementation using those kernels could gain). Prints a table of
@@ -133,7 +133,7 @@ def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat
             times["transformers"].append(best_of(ref_prefill, 1))
             times["clover_lab"].append(best_of(ours_prefill, 1))
             ours.pack_weights()
-            ours_prefill()  # warm: the first call on fresh copies pays page faults
+            ours_prefill()  # warm: the first call on the packed copies creates oneDNN's primitives
             times["clover_lab_packed"].append(best_of(ours_prefill, 1))
             ours.pack_weights(False)
         row["prefill_tok_s"] = {k: prompt_len / min(v) for k, v in times.items()}
