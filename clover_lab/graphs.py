@@ -83,15 +83,14 @@ class StepGraphs:
         graph = self._graphs.get(key) if self.capture and not self.disabled else None
         if graph is None and self.capture and not self.disabled:
             graph = self._capture(key)
+        self._n.fill_(cache.length)  # a capture above restored the cache, and so its length
         if graph is None:
-            self._n.fill_(cache.length)
             out = self._compiled_step(key, ids, coreset) if self._compiled is not None else None
             if out is None:  # eager static step
                 out = self.model.static_step(cache, ids, self._n, c, m, commit_logits, coreset)
         else:
             g, static_ids, static_out = graph
             static_ids.copy_(ids)
-            self._n.fill_(cache.length)
             g.replay()
             if phase is not None and phase[1] == "record":  # the graph wrote every layer's buffer
                 coreset.experts.update(coreset._buffers)
