@@ -50,8 +50,8 @@ if not ARGS.interpret and not torch.cuda.is_available():
           "(use --interpret for a tiny CPU smoke run of the script itself)")
     sys.exit(2)
 
-from clover_kernels.gdn import naive as gdn_ref  # noqa: E402
-from clover_kernels.moe import naive as moe_ref  # noqa: E402
+from clover_kernels.gdn import torch as gdn_ref  # noqa: E402
+from clover_kernels.moe import torch as moe_ref  # noqa: E402
 from clover_kernels.norm import naive as norm_ref  # noqa: E402
 
 try:

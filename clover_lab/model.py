@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import clover_kernels as ops
-from clover_kernels.gdn.naive import gdn_commit_blocks
+from clover_kernels.gdn.torch import gdn_commit_blocks
 
 from .cache import AttentionCache, CloverCache, GDNCache
 from .config import CloverConfig

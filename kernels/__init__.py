@@ -1,45 +1,50 @@
 """clover_kernels: the production kernel core of clover_lab (torch + Triton only).
 
-Every op has a torch reference (``*/naive.py``) and, where it pays, a Triton kernel tested
-against it. The functions here dispatch between them; see ``dispatch.py``.
+Per op, one folder: ``naive.py`` the readable reference (loops, the spec's formulas),
+``torch.py`` the production torch path where it differs (chunked, grouped, oneDNN), and the
+Triton kernels (``commit.py``, ``preview.py``, ``fused.py``, ``rms.py``; shared device
+functions in ``common.py``). The functions here dispatch between the torch path and the
+kernels; see ``dispatch.py``.
 """
-from .dispatch import backend_for, forced_backend, kernel_table
 from .dense import PackedWeight, can_pack, linear
-from .gdn import naive as _gdn
-from .moe import naive as _moe
+from .dispatch import backend_for, forced_backend, kernel_table
+from .gdn import torch as _gdn
+from .moe import torch as _moe
 from .norm import naive as _norm
 
-__all__ = ["linear", "PackedWeight", "can_pack", "rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview", "moe_experts", "backend_for", "forced_backend"]
+__all__ = ["linear", "PackedWeight", "can_pack", "rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview",
+           "moe_experts", "backend_for", "forced_backend"]
 
 
-def _dispatch(name, reference, x):
-    if backend_for(name, x) == "triton":
+def _dispatch(name, reference, *tensors):
+    if backend_for(name, *tensors) == "triton":
         return kernel_table()[name]
     return reference
 
 
 def rms_norm(x, weight, eps=1e-6):
-    return _dispatch("rms_norm", _norm.rms_norm, x)(x, weight, eps)
+    return _dispatch("rms_norm", _norm.rms_norm, x, weight)(x, weight, eps)
 
 
 def gated_rms_norm(x, gate, weight, eps=1e-6):
-    return _dispatch("gated_rms_norm", _norm.gated_rms_norm, x)(x, gate, weight, eps)
+    return _dispatch("gated_rms_norm", _norm.gated_rms_norm, x, gate, weight)(x, gate, weight, eps)
 
 
 def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim):
-    fn = _dispatch("gdn_commit", _gdn.gdn_commit, mixed)
+    fn = _dispatch("gdn_commit", _gdn.gdn_commit, mixed, ring, conv_weight, g, beta, state)
     return fn(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim)
 
 
 def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
                 num_k_heads, head_k_dim, head_v_dim, return_history=False):
-    fn = _dispatch("gdn_preview", _gdn.gdn_preview, mixed)
+    fn = _dispatch("gdn_preview", _gdn.gdn_preview, mixed, ring, conv_weight, right_weight, state, block_scale,
+                   history_bias, history_log_n)
     return fn(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
               num_k_heads, head_k_dim, head_v_dim, return_history)
 
 
 def moe_experts(x, expert_ids, weights, gate_up, down, packed=None):
-    """``packed``: the CPU reference's kept oneDNN weights (see ``PackedWeight``); kernels ignore it."""
-    if backend_for("moe_experts", x) == "triton":
+    """``packed``: the CPU path's kept oneDNN weights (see ``PackedWeight``); kernels ignore it."""
+    if backend_for("moe_experts", x, weights, gate_up, down) == "triton":
         return kernel_table()["moe_experts"](x, expert_ids, weights, gate_up, down)
     return _moe.moe_experts(x, expert_ids, weights, gate_up, down, packed)

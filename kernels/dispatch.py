@@ -1,6 +1,7 @@
 """One dispatch for every op: CUDA tensors take the Triton kernels, CPU tensors the torch
-reference. ``CLOVER_KERNELS=triton|torch`` forces either (with ``TRITON_INTERPRET=1``,
-``triton`` runs the kernels on the CPU)."""
+path. ``CLOVER_KERNELS=triton|torch`` forces either (with ``TRITON_INTERPRET=1``, ``triton``
+runs the kernels on the CPU). The kernels are forward-only: whenever autograd needs a gradient
+through an op, it runs the torch path, whatever the device or the forced backend."""
 import importlib
 import os
 
@@ -30,9 +31,16 @@ def kernel_table() -> dict:
     return _triton_ops
 
 
-def backend_for(name: str, x: torch.Tensor) -> str:
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """True when autograd would record a gradient through an op on these tensors."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
+
+
+def backend_for(name: str, x: torch.Tensor, *others: torch.Tensor) -> str:
+    """"triton" or "torch" for op ``name`` on input ``x`` (its device decides); ``others``: the
+    op's other tensors, which only matter for whether a gradient is needed."""
     forced = forced_backend()
-    if forced == "torch":
+    if forced == "torch" or needs_grad(x, *others):
         return "torch"
     has_kernel = name in kernel_table()
     if forced == "triton":

@@ -28,47 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import check_gdn_shapes, conv_tile, dot_precision, l2norm_rows, last_dim_contiguous
+
 CHUNK_SIZE = 64  # rows per chunk of the chunked rule (a block of Clover is 32)
 RECURRENT_MAX_T = 1  # T at or below which the token-by-token kernel is used
-
-
-@triton.jit
-def _conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, c, cm, T,
-               s_mb, s_mt, s_rb, s_rc, s_ri,
-               K: tl.constexpr, RIGHT: tl.constexpr):
-    """silu(conv) of rows t (mask tm) and channels c (mask cm), fp32 [len(t), len(c)].
-
-    Causal taps: sum_j w[c, j] * X[t + j - (K-1)] over X = [ring ; mixed]; with RIGHT also
-    the right taps sum_d r[c, d-1] * mixed[t + d] (zero past row T). Intermediate roundings
-    to mixed's dtype follow the reference."""
-    dt = mixed_ptr.dtype.element_ty
-    acc = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32)
-    for j in tl.static_range(K):
-        s = t + (j - (K - 1))  # source row in mixed; < 0 reads the ring at column s + K - 1
-        wj = tl.load(cw_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
-        m_mixed = (tm & (s >= 0))[:, None] & cm[None, :]
-        m_ring = (tm & (s < 0))[:, None] & cm[None, :]
-        xm = tl.load(mixed_ptr + b * s_mb + s[:, None] * s_mt + c[None, :], mask=m_mixed, other=0.0)
-        xr = tl.load(ring_ptr + b * s_rb + c[None, :] * s_rc + (s + (K - 1))[:, None] * s_ri,
-                     mask=m_ring, other=0.0)
-        x = xm.to(tl.float32) + xr.to(dt).to(tl.float32)
-        acc += x * wj[None, :]
-    acc = acc.to(dt).to(tl.float32)
-    if RIGHT:
-        racc = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32)
-        for d in tl.static_range(1, K):
-            s = t + d
-            msk = (tm & (s < T))[:, None] & cm[None, :]
-            x = tl.load(mixed_ptr + b * s_mb + s[:, None] * s_mt + c[None, :], mask=msk, other=0.0)
-            rd = tl.load(rw_ptr + c * (K - 1) + (d - 1), mask=cm, other=0.0).to(tl.float32)
-            racc += x.to(tl.float32) * rd[None, :]
-        acc = (acc + racc.to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    return acc * tl.sigmoid(acc)
-
-
-@triton.jit
-def _l2norm_rows(x):
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
 
 
 @triton.jit
@@ -82,7 +45,7 @@ def _conv_silu_kernel(mixed_ptr, ring_ptr, cw_ptr, act_ptr, new_ring_ptr, T, C,
     cm = c < C
     t = pid_t * BT + tl.arange(0, BT)
     tm = t < T
-    y = _conv_tile(mixed_ptr, ring_ptr, cw_ptr, cw_ptr, b, t, tm, c, cm, T,
+    y = conv_tile(mixed_ptr, ring_ptr, cw_ptr, cw_ptr, b, t, tm, c, cm, T,
                    s_mb, s_mt, s_rb, s_rc, s_ri, K, False)
     tl.store(act_ptr + b * s_ab + t[:, None] * s_at + c[None, :], y.to(act_ptr.dtype.element_ty),
              mask=tm[:, None] & cm[None, :])
@@ -152,7 +115,7 @@ def _chunk_prep_kernel(act_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, T,
     vm = vr < DV
     rows = act_ptr + b * s_ab + t[:, None] * s_at
     k = tl.load(rows + KEY_DIM + hk * DK + kr[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
-    k = _l2norm_rows(k)
+    k = l2norm_rows(k)
     v = tl.load(rows + 2 * KEY_DIM + h * DV + vr[None, :], mask=tm[:, None] & vm[None, :], other=0.0).to(tl.float32)
     g = tl.load(g_ptr + b * s_gb + t * s_gt + h * s_gh, mask=tm, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + b * s_bb + t * s_bt + h * s_bh, mask=tm, other=0.0).to(tl.float32)
@@ -206,8 +169,8 @@ def _chunk_fwd_kernel(act_ptr, w_ptr, u_ptr, G_ptr, s0_ptr, o_ptr, sT_ptr, T,
         mk = tm[:, None] & km[None, :]
         q = tl.load(rows + hk * DK + kr[None, :], mask=mk, other=0.0).to(tl.float32)
         k = tl.load(rows + KEY_DIM + hk * DK + kr[None, :], mask=mk, other=0.0).to(tl.float32)
-        q = _l2norm_rows(q) * scale
-        k = _l2norm_rows(k)
+        q = l2norm_rows(q) * scale
+        k = l2norm_rows(k)
         base = pid_bh * T + t
         last = tl.minimum(n * BT + BT, T) - 1
         G_last = tl.load(G_ptr + pid_bh * T + last)
@@ -224,37 +187,6 @@ def _chunk_fwd_kernel(act_ptr, w_ptr, u_ptr, G_ptr, s0_ptr, o_ptr, sT_ptr, T,
         kd = k * tl.exp(G_last - G)[:, None]
         S = S * tl.exp(G_last) + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
     tl.store(sT_ptr + s_off, S, mask=smask)
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def check_gdn_shapes(op, mixed, ring, conv_weight, state, num_k_heads, head_k_dim, head_v_dim):
-    """Validates the shared GDN arguments; returns (B, T, C, K, Hv)."""
-    if mixed.dim() != 3:
-        raise ValueError(f"{op}: mixed must be [B, T, C], got shape {tuple(mixed.shape)}")
-    B, T, C = mixed.shape
-    key_dim = num_k_heads * head_k_dim
-    if (C - 2 * key_dim) <= 0 or (C - 2 * key_dim) % head_v_dim:
-        raise ValueError(f"{op}: conv_dim {C} != 2 * {num_k_heads} * {head_k_dim} + Hv * {head_v_dim}")
-    Hv = (C - 2 * key_dim) // head_v_dim
-    if Hv % num_k_heads:
-        raise ValueError(f"{op}: value heads {Hv} not a multiple of key heads {num_k_heads}")
-    if conv_weight.dim() != 2 or conv_weight.shape[0] != C:
-        raise ValueError(f"{op}: conv_weight must be [{C}, K], got {tuple(conv_weight.shape)}")
-    K = conv_weight.shape[1]
-    if K < 2:
-        raise ValueError(f"{op}: conv kernel size {K} < 2 is not supported")
-    if tuple(ring.shape) != (B, C, K - 1):
-        raise ValueError(f"{op}: ring must be [{B}, {C}, {K - 1}], got {tuple(ring.shape)}")
-    if tuple(state.shape) != (B, Hv, head_k_dim, head_v_dim):
-        raise ValueError(f"{op}: state must be [{B}, {Hv}, {head_k_dim}, {head_v_dim}], got {tuple(state.shape)}")
-    return B, T, C, K, Hv
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def conv_silu(mixed, ring, conv_weight):
@@ -287,7 +219,7 @@ def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"gdn_commit: chunk_size {chunk_size} must be a power of two >= 16")
     dk, dv = head_k_dim, head_v_dim
-    mixed = _last_dim_contiguous(mixed)
+    mixed = last_dim_contiguous(mixed)
     conv_weight = conv_weight.contiguous()
     s0 = state.to(torch.float32).contiguous()
     o = torch.empty(B, T, Hv, dv, dtype=mixed.dtype, device=mixed.device)
@@ -303,7 +235,7 @@ def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim
     # q, k, w tiles in registers, and to give B * Hv * dv/BV programs (128 for Hv=32, dv=128)
     BV = min(BDV, 32 if BK >= 128 else 64)
     grid_v = (triton.cdiv(dv, BV), B * Hv)
-    prec = _dot_precision(mixed.dtype)
+    prec = dot_precision(mixed.dtype)
     if T <= RECURRENT_MAX_T:
         _recurrent_kernel[grid_v](
             act, g, beta, s0, o, s_final, T,

@@ -1,9 +1,10 @@
-"""Torch references of the Gated DeltaNet ops: commit (causal) and preview (Clover's block operator).
+"""Readable references of the Gated DeltaNet ops: commit (causal, token by token) and preview
+(Clover's block operator), written as the spec states them. Every faster path, the production
+torch path in ``torch.py`` and the Triton kernels, is tested against these.
 
 Shapes: B batch, T tokens, C = conv_dim = 2 * Hk * dk + Hv * dv channels, K conv taps,
 Hk key heads, Hv value heads (each key head serves Hv // Hk consecutive value heads),
-S the recurrent state [B, Hv, dk, dv], always fp32. These are the readable ground
-truth every Triton kernel in this package is tested against.
+S the recurrent state [B, Hv, dk, dv], always fp32.
 """
 import math
 
@@ -77,68 +78,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return torch.stack(out, dim=1), S
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64, return_chunk_states: bool = False):
-    """Chunked (WY / UT-transform) gated delta rule, same contract as the recurrent form;
-    with ``return_chunk_states`` also the state before each chunk [B, N, H, dk, dv].
-
-    Within a chunk with cumulative log decay G, the corrected values solve
-    (I + A) v_new = beta*v - (beta*k*exp(G)) S with A_ij = beta_i <k_i, k_j> exp(G_i - G_j), j < i;
-    then o = (q*exp(G)) S + tril((q k^T) * exp(G_i - G_j)) v_new and
-    S' = exp(G_last) S + (k*exp(G_last - G))^T v_new.
-
-    Written as few, large products (measured on 2 CPU cores, T = 256, 8 heads: 3.3 -> 2.6 ms):
-    one product gives both beta*k k^T and q k^T; one unit-triangular solve gives (I + A)^-1 applied to
-    [beta*v | beta*k*exp(G)] (no explicit inverse); per chunk, one product applies S to the rows
-    [(I + A)^-1 beta*k*exp(G) ; q*exp(G)] and one applies v_new to [intra-chunk scores ; (k*exp(G_last - G))^T].
-    """
-    B, T, H, dk = k.shape
-    dv = v.shape[-1]
-    Cs = chunk_size
-    pad = (-T) % Cs
-    N = (T + pad) // Cs
-
-    def chunks(x):  # [B, T, H, ...] -> [N, B, H, Cs, ...] fp32, padded with no-op tokens (k = v = beta = g = 0)
-        x = x.float()
-        x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, 0, 0, pad))
-        x = x.reshape(B, N, Cs, H, *x.shape[3:]).movedim(3, 2).movedim(1, 0)
-        return x.contiguous()
-
-    q, k, v = chunks(q) * dk ** -0.5, chunks(k), chunks(v)  # [N, B, H, Cs, d]
-    g, beta = chunks(g), chunks(beta)  # [N, B, H, Cs]
-
-    G = g.cumsum(-1)
-    causal = torch.ones(Cs, Cs, dtype=torch.bool, device=q.device).tril()
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, B, H, Cs, Cs]
-    k_beta = k * beta[..., None]
-    scores = (torch.cat([k_beta, q], dim=-2) @ k.transpose(-1, -2)).unflatten(-2, (2, Cs)) * decay[..., None, :, :]
-    A, intra = scores[..., 0, :, :].tril(-1), scores[..., 1, :, :]  # [.., Cs, Cs] each
-    eG = G.exp()[..., None]
-    rhs = torch.cat([v * beta[..., None], k_beta * eG], dim=-1)  # [.., Cs, dv + dk]
-    uw = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # (I + A)^-1 rhs
-    u, w = uw[..., :dv], uw[..., dv:]
-    reads_state = torch.cat([w, q * eG], dim=-2)  # [.., 2Cs, dk]: rows applied to S
-    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
-    reads_v_new = torch.cat([intra, k_to_end.transpose(-1, -2)], dim=-2)  # [.., Cs + dk, Cs]
-    chunk_decay = G[..., -1].exp()[..., None, None]  # [N, B, H, 1, 1]
-
-    S = state.float().clone()
-    out = torch.empty(N, B, H, Cs, dv, dtype=torch.float32, device=q.device)
-    before = []
-    for i in range(N):
-        before.append(S)
-        from_state = reads_state[i] @ S  # [B, H, 2Cs, dv]
-        v_new = u[i] - from_state[..., :Cs, :]
-        from_v_new = reads_v_new[i] @ v_new  # [B, H, Cs + dk, dv]
-        out[i] = from_state[..., Cs:, :] + from_v_new[..., :Cs, :]
-        S = S * chunk_decay[i] + from_v_new[..., Cs:, :]
-    out = out.movedim(0, 2).reshape(B, H, N * Cs, dv)[:, :, :T].transpose(1, 2)
-    if return_chunk_states:
-        return out, S, torch.stack(before, dim=1)
-    return out, S
-
-
 def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim):
-    """Causal GDN token mixing of T committed rows.
+    """Causal GDN token mixing of T committed rows, one token at a time.
 
     mixed [B, T, C] (in_proj_qkv output), ring [B, C, K-1], conv_weight [C, K],
     g, beta [B, T, Hv], state [B, Hv, dk, dv] fp32.
@@ -146,8 +87,7 @@ def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim
     """
     conv, new_ring = causal_conv(mixed, ring, conv_weight)
     q, k, v = split_heads(F.silu(conv), num_k_heads, head_k_dim, head_v_dim)
-    rule = recurrent_gated_delta_rule if mixed.shape[1] == 1 else chunk_gated_delta_rule
-    o, new_state = rule(q, k, v, g, beta, state)
+    o, new_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
     return o.to(mixed.dtype), new_ring.to(ring.dtype), new_state
 
 
@@ -176,26 +116,3 @@ def gdn_preview(
     p_block, p_hist = p[..., :m], p[..., m]
     o = torch.einsum("bhtj,bjhv->bthv", p_block, v) + p_hist.transpose(1, 2)[..., None] * h
     return o.to(mixed.dtype), p_hist.transpose(1, 2).contiguous(), (h if return_history else None)
-
-
-def gdn_commit_blocks(mixed, conv_weight, g, beta, num_k_heads, head_k_dim, head_v_dim, block_size):
-    """Training: the causal GDN over a whole clean sequence from an empty state, plus the
-    committed-prefix state at every block boundary, i.e. what the cache would hold when block b
-    is previewed. T must be a multiple of block_size.
-
-    Returns (o [B, T, Hv, dv], rings [B, nb, C, K-1], states [B, nb, Hv, dk, dv] fp32).
-    """
-    B, T, C = mixed.shape
-    K = conv_weight.shape[1]
-    nb = T // block_size
-    ring0 = mixed.new_zeros(B, C, K - 1)
-    conv, _ = causal_conv(mixed, ring0, conv_weight)
-    q, k, v = split_heads(F.silu(conv), num_k_heads, head_k_dim, head_v_dim)
-    state0 = torch.zeros(B, v.shape[2], head_k_dim, head_v_dim, dtype=torch.float32, device=mixed.device)
-    o, _, states = chunk_gated_delta_rule(q, k, v, g, beta, state0, chunk_size=block_size, return_chunk_states=True)
-    # the ring before block b: pre-conv rows [b*bs - (K-1), b*bs), zeros before the sequence start
-    padded = torch.cat([mixed.new_zeros(B, K - 1, C), mixed], dim=1)  # [B, K-1+T, C]
-    starts = torch.arange(nb, device=mixed.device) * block_size
-    idx = starts[:, None] + torch.arange(K - 1, device=mixed.device)[None]  # [nb, K-1]
-    rings = padded[:, idx].permute(0, 1, 3, 2)  # [B, nb, C, K-1]
-    return o.to(mixed.dtype), rings, states

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .commit import _conv_tile, _dot_precision, _l2norm_rows, _last_dim_contiguous, check_gdn_shapes
+from .common import check_gdn_shapes, conv_tile, dot_precision, l2norm_rows, last_dim_contiguous
 
 MAX_BLOCK = 64  # the block fits one tile of rows; longer blocks run the reference
 
@@ -44,14 +44,14 @@ def _preview_kernel(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, s0_ptr, bs_ptr, hb_ptr,
     vr = pid_v * BV + tl.arange(0, BV)
     vm = vr < DV
 
-    q = _conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, hk * DK + kr, km, m,
+    q = conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, hk * DK + kr, km, m,
                    s_mb, s_mt, s_rb, s_rc, s_ri, K, True)
-    k = _conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, KEY_DIM + hk * DK + kr, km, m,
+    k = conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, KEY_DIM + hk * DK + kr, km, m,
                    s_mb, s_mt, s_rb, s_rc, s_ri, K, True)
-    v = _conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, 2 * KEY_DIM + h * DV + vr, vm, m,
+    v = conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, 2 * KEY_DIM + h * DV + vr, vm, m,
                    s_mb, s_mt, s_rb, s_rc, s_ri, K, True)
-    q = _l2norm_rows(tl.where(tm[:, None], q, 0.0))
-    k = _l2norm_rows(tl.where(tm[:, None], k, 0.0))
+    q = l2norm_rows(tl.where(tm[:, None], q, 0.0))
+    k = l2norm_rows(tl.where(tm[:, None], k, 0.0))
     v = tl.where(tm[:, None], v, 0.0)
 
     S0 = tl.load(s0_ptr + pid_bh * DK * DV + kr[:, None] * DV + vr[None, :],
@@ -93,7 +93,7 @@ def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, hist
         return reference(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias,
                          history_log_n, num_k_heads, head_k_dim, head_v_dim, return_history)
     dk, dv = head_k_dim, head_v_dim
-    mixed = _last_dim_contiguous(mixed)
+    mixed = last_dim_contiguous(mixed)
     s0 = state.to(torch.float32).contiguous()
     o = torch.empty(B, m, Hv, dv, dtype=mixed.dtype, device=mixed.device)
     p_hist = torch.empty(B, m, Hv, dtype=torch.float32, device=mixed.device)
@@ -109,7 +109,7 @@ def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, hist
         mixed.stride(0), mixed.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
         o.stride(0), o.stride(1), o.stride(2), p_hist.stride(0), p_hist.stride(1),
         Hv, Hv // num_k_heads, num_k_heads * dk, dk ** -0.5,
-        K=K, DK=dk, DV=dv, BK=BK, BV=BV, BM=BM, RETURN_H=return_history, PREC=_dot_precision(mixed.dtype),
+        K=K, DK=dk, DV=dv, BK=BK, BV=BV, BM=BM, RETURN_H=return_history, PREC=dot_precision(mixed.dtype),
         num_warps=8 if BK * BM >= 8192 else 4,
     )
     return o, p_hist, (h if return_history else None)

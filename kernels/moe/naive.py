@@ -1,93 +1,27 @@
-"""Torch reference of the routed experts: grouped over the experts actually hit.
+"""Readable reference of the routed experts: the definition, token by token and slot by slot.
 
-Tokens are sorted by expert and fed to ``grouped_mm`` against the whole fused
-[E, ...] weight tensors with one (possibly empty) group per expert, so experts
-no token picked are never read and there is no Python loop over experts.
+Every faster path (``torch.py``: grouped GEMMs, the CPU per-expert loop, the traced contraction;
+``fused.py``: the Triton kernels) is tested against it.
 """
 import torch
 import torch.nn.functional as F
-
-from ..dense import linear
-
-
-def group_by_expert(expert_ids: torch.Tensor, num_experts: int):
-    """(order, offsets): ``order`` sorts the flattened (token, slot) pairs by expert;
-    ``offsets[e]`` is the end of expert e's group (int32, cumulative)."""
-    flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, counts.cumsum(0).to(torch.int32)
 
 
 def moe_experts(
     x: torch.Tensor,  # [T, H]
     expert_ids: torch.Tensor,  # [T, k] int
     weights: torch.Tensor,  # [T, k]
-    gate_up: torch.Tensor,  # [E, 2I, H]
+    gate_up: torch.Tensor,  # [E, 2I, H]: gate rows first, then up rows
     down: torch.Tensor,  # [E, H, I]
-    packed=None,  # CPU: (gate_up, down) lists of E ``PackedWeight``s, each expert's kept oneDNN layout
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = expert_ids[t, k]; returns [T, H]."""
-    T, H = x.shape
-    k = expert_ids.shape[1]
-    E, two_i, _ = gate_up.shape
-    if T == 0:
-        return x.new_zeros(T, H)
-    if x.device.type == "cpu":
-        if torch.compiler.is_compiling():
-            return _moe_experts_traced(x, expert_ids, weights, gate_up, down)
-        return _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed)
-    order, offsets = group_by_expert(expert_ids, E)
-    token_of = order // k  # [T*k] token index of each sorted pair
-    xs = x[token_of]  # [T*k, H]
-    h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offsets)  # [T*k, 2I]
-    gate, up = h.split(two_i // 2, dim=-1)
-    act = F.silu(gate) * up
-    y = F.grouped_mm(act, down.transpose(1, 2), offs=offsets)  # [T*k, H]
-    w = weights.reshape(-1)[order].to(y.dtype)
-    out = torch.zeros(T, H, dtype=y.dtype, device=x.device)
-    out.index_add_(0, token_of, y * w[:, None])
+    """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = expert_ids[t, k];
+    accumulated in fp32 (float64 stays float64), returned as [T, H] in x's dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    I = gate_up.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    for t in range(x.shape[0]):
+        for slot in range(expert_ids.shape[1]):
+            e = int(expert_ids[t, slot])
+            h = gate_up[e].to(acc) @ x[t].to(acc)  # [2I]
+            out[t] += weights[t, slot].to(acc) * (down[e].to(acc) @ (F.silu(h[:I]) * h[I:]))
     return out.to(x.dtype)
-
-
-def _moe_experts_traced(x, expert_ids, weights, gate_up, down):
-    """CPU path under torch.compile (decode and block steps): every (token, slot) pair's expert
-    rows gathered and contracted in one expression. Inductor fuses gather and contraction into
-    one loop nest that reads only the rows of the experts hit, with no host synchronisation
-    (the eager path's loop over the experts hit needs one). Run eagerly it would copy the
-    gathered weights: that path is only taken while tracing."""
-    T, H = x.shape
-    k = expert_ids.shape[1]
-    I = gate_up.shape[1] // 2
-    flat = expert_ids.reshape(-1)
-    xs = x.repeat_interleave(k, dim=0)  # [T*k, H]
-    h = (gate_up[flat] * xs[:, None, :]).sum(-1)  # [T*k, 2I]
-    act = F.silu(h[:, :I]) * h[:, I:]
-    y = (down[flat] * act[:, None, :]).sum(-1).float() * weights.reshape(-1, 1).float()  # [T*k, H]
-    return y.view(T, k, H).sum(1).to(x.dtype)
-
-
-def _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed=None):
-    """CPU path: the (token, slot) pairs sorted by expert, one GEMM per expert *hit* and per
-    projection on its contiguous rows (CPU grouped_mm issues a matmul for every expert, empty
-    groups included, which dominates decoding at small token counts); the activation, the
-    routing weights and the scatter back run once over all pairs, accumulated in fp32."""
-    T, H = x.shape
-    k = expert_ids.shape[1]
-    I = gate_up.shape[1] // 2
-    flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    groups = list(zip(hit.tolist(), torch.cumsum(counts, 0).tolist(), counts.tolist()))  # (expert, end, rows)
-    token_of = order // k
-    packed_gate_up, packed_down = packed if packed is not None else (None, None)
-    h = _per_expert(x[token_of], gate_up, groups, packed_gate_up)  # [T*k, 2I]
-    y = _per_expert(F.silu(h[:, :I]).mul_(h[:, I:]), down, groups, packed_down).float()  # [T*k, H]
-    y = y.mul_(weights.reshape(-1)[order, None].float())
-    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    return out.index_add_(0, token_of, y).to(x.dtype)
-
-
-def _per_expert(rows: torch.Tensor, weight: torch.Tensor, groups, packed=None) -> torch.Tensor:
-    """Rows grouped by expert [N, K] times their expert's weight [E, O, K]^T -> [N, O]."""
-    return torch.cat([linear(rows[end - n:end], weight[e], packed=packed and packed[e]) for e, end, n in groups])

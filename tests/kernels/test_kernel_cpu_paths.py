@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from clover_kernels import dense
 from clover_kernels.dense import PackedWeight, linear, uses_onednn
-from clover_kernels.moe import naive
+from clover_kernels.moe import naive, torch as moe_torch
 
 
 @pytest.mark.parametrize("shape", [(4, 64), (32, 512), (2, 7, 96), (300, 33)])
@@ -105,16 +105,8 @@ def test_a_packed_weight_steps_aside_where_it_does_not_apply():
 
 
 def expert_loop(x, ids, weights, gate_up, down):
-    """The routed experts by definition, token by token and slot by slot, in float64."""
-    x, weights, gate_up, down = x.double(), weights.double(), gate_up.double(), down.double()
-    I = gate_up.shape[1] // 2
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for slot in range(ids.shape[1]):
-            e = int(ids[t, slot])
-            h = gate_up[e] @ x[t]
-            out[t] += weights[t, slot] * (down[e] @ (F.silu(h[:I]) * h[I:]))
-    return out
+    """The routed experts by definition (``moe/naive.py``), in float64."""
+    return naive.moe_experts(x.double(), ids, weights.double(), gate_up.double(), down.double())
 
 
 @pytest.mark.parametrize("T,k,E", [(1, 1, 4), (1, 8, 16), (9, 2, 1), (33, 4, 16), (64, 8, 64)])
@@ -132,10 +124,10 @@ def test_cpu_experts_equal_the_loop(T, k, E, path):
         pytest.skip("torch has no oneDNN linear on this machine")
     with torch.inference_mode():
         if path == "traced":
-            out = naive._moe_experts_traced(x, ids, weights, gate_up, down)
+            out = moe_torch._moe_experts_traced(x, ids, weights, gate_up, down)
         else:
             packed = ([PackedWeight() for _ in range(E)], [PackedWeight() for _ in range(E)]) if path == "packed" else None
-            out = naive._moe_experts_cpu(x, ids, weights, gate_up, down, packed)
+            out = moe_torch._moe_experts_cpu(x, ids, weights, gate_up, down, packed)
     torch.testing.assert_close(out.double(), expert_loop(x, ids, weights, gate_up, down), atol=2e-5, rtol=2e-5)
 
 
@@ -144,7 +136,8 @@ def test_cpu_experts_equal_the_loop(T, k, E, path):
 def test_chunked_delta_rule_equals_the_recurrence(B, T, H, dk, dv, chunk):
     """The chunked gated delta rule (the reference for prefill and training) against the
     token-by-token recurrence, from a non-zero state, with the state before every chunk."""
-    from clover_kernels.gdn.naive import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+    from clover_kernels.gdn.naive import l2norm, recurrent_gated_delta_rule
+    from clover_kernels.gdn.torch import chunk_gated_delta_rule
 
     g = torch.Generator().manual_seed(T)
     q, k = (l2norm(torch.randn(B, T, H, dk, generator=g)) for _ in range(2))

@@ -104,3 +104,39 @@ def test_bad_backend_name(monkeypatch):
     monkeypatch.setenv("CLOVER_KERNELS", "cuda")
     with pytest.raises(ValueError, match="CLOVER_KERNELS"):
         dispatch.backend_for("rms_norm", torch.zeros(1))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_gradient_takes_the_torch_path(name, monkeypatch):
+    """The kernels are forward-only: an op autograd must differentiate runs the torch path,
+    whether the gradient flows through the input or only through another tensor (a weight)."""
+    monkeypatch.setenv("CLOVER_KERNELS", "triton")
+    x, w = torch.zeros(2, 4), torch.zeros(4, requires_grad=True)
+    assert dispatch.backend_for(name, x, w) == "torch"
+    assert dispatch.backend_for(name, x.requires_grad_()) == "torch"
+    with torch.no_grad():
+        assert dispatch.backend_for(name, x, w) == "triton"
+
+
+def test_training_through_forced_kernels_keeps_every_gradient(tiny_model, monkeypatch):
+    """A training forward and backward with the Triton path forced gives every parameter the
+    gradient it gets on the torch path (the kernels would silently cut the graph)."""
+    from clover_lab.train import TrainSettings, block_diffusion_loss
+
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, tiny_model.config.vocab_size, (2, 2 * tiny_model.config.block_size), generator=g)
+
+    def grads():
+        tiny_model.zero_grad(set_to_none=True)
+        block_diffusion_loss(tiny_model, clean, TrainSettings(), torch.Generator().manual_seed(1))[0].backward()
+        return {n: p.grad for n, p in tiny_model.named_parameters()}
+
+    monkeypatch.setenv("CLOVER_KERNELS", "torch")
+    expected = grads()
+    monkeypatch.setenv("CLOVER_KERNELS", "triton")
+    got = grads()
+    missing = [n for n, gr in got.items() if gr is None and expected[n] is not None]
+    assert not missing, f"no gradient through the kernels for {missing}"
+    for n in expected:
+        if expected[n] is not None:
+            torch.testing.assert_close(got[n], expected[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
