@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/stdlib}
 python -m clover_lab.train --out "$RUN" --minutes 105 --max-steps 2400 --threads 2
 python -m clover_lab.train --out "$RUN" --minutes 40 --extend-steps 1900 --lr 6e-4 --threads 2
-python -m clover_lab.distill --run "$RUN" --sequences 4096 --threads 2
+python -m clover_lab.train.distill --run "$RUN" --sequences 4096 --threads 2
 python -m clover_lab.train --out "$RUN" --minutes 30 --extend-steps 1200 --lr 6e-4 --threads 2 \
     --confidence-weight 0.5 --distill "$RUN/distill.pt" --distill-share 0.625 --export assets/clover-stdlib
-python -m clover_lab.card --run "$RUN" --model assets/clover-stdlib
+python -m clover_lab.train.card --run "$RUN" --model assets/clover-stdlib

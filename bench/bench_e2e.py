@@ -11,7 +11,7 @@ restored outside them):
   commit+preview       the fused forward: commit --block tokens, first preview of the next block
   AR step              commit 1 token, logits of the last
   [CUDA graph]         preview (also with the coreset), commit+preview and AR step again through
-                       clover_lab.graphs.StepGraphs:
+                       clover_lab.engine.runner.StepGraphs:
                        the no-hook fast path the engine takes on CUDA, one graph replay per step
                        (on a CPU the same static-shape steps run eagerly)
 Roofline: the bytes a step must move, / 4.8e12 B/s (H200 HBM): every non-expert weight (the LM
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from clover_lab.config import CloverConfig
-from clover_lab.graphs import StepGraphs
+from clover_lab.engine.runner import StepGraphs
 from clover_lab.model import CloverModel, Coreset
 
 HBM_BYTES_PER_S = 4.8e12  # H200

@@ -151,7 +151,7 @@ def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat
                 out = ref(nxt, cache=cache, use_cache=True)
             return time.perf_counter() - t, torch.cat(tokens, dim=1)[0]
 
-        from clover_lab.graphs import StepGraphs
+        from clover_lab.engine.runner import StepGraphs
 
         graphs = StepGraphs(ours, prompt_len + decode + 1, compile=True)
 

@@ -65,7 +65,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
             pids+=($!); names+=("$name")
         done
     done
-    # the CUDA-graph fast path (clover_lab.graphs): captured replays against eager static steps
+    # the CUDA-graph fast path (clover_lab.engine.runner): captured replays against eager static steps
     timeout "$T_LIMIT" "$PY" -m pytest tests/test_graphs.py -q -p no:cacheprovider -rfE \
         --junitxml="$OUT/tests_graphs.xml" > "$OUT/tests_graphs.log" 2>&1 &
     pids+=($!); names+=("graphs")

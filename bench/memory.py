@@ -77,7 +77,7 @@ def main(argv=None):
     ap.add_argument("--skip-big", action="store_true", help="only the embedded model")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
-    from clover_lab.generate import default_model_dir
+    from clover_lab.loading import default_model_dir
 
     rows = []
     small = default_model_dir()

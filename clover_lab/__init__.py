@@ -1,12 +1,11 @@
 """clover_lab: run, watch and take apart the Clover block-diffusion language model."""
 from .cache import CacheFullError, CloverCache
 from .config import PRESETS, CloverConfig, ConfigError
-from .hooks import HookError, StopGeneration
+from .context import Coreset
+from .engine import Engine, GenerationError, GenerationResult, GenerationStats, StreamUpdate, load
+from .hooks import Capture, CommitEvent, HookError, Record, StepEvent, StopGeneration
 from .loading import CheckpointError
-from .model import CloverModel, Coreset, StepOutput
-from .capture import Capture, Record
-from .events import CommitEvent, StepEvent, StreamUpdate
-from .generate import Engine, GenerationError, GenerationResult, GenerationStats, load
+from .model import CloverModel, StepOutput
 from .sampling import SamplerSettings
 
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 the conv ring + fp32 recurrent state S per GDN layer. Previews read it and never write it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,26 @@ class GDNCache:
     state: torch.Tensor  # [B, H_v, d_k, d_v], fp32
 
 
+def layer_shapes(config: CloverConfig, max_len: int, batch_size: int, dtype: torch.dtype):
+    """Per layer (index, layer type, [(shape, dtype)] of its cache tensors in field order): the one
+    place cache sizes are decided. K,V grow with ``max_len``; the GDN ring and state do not."""
+    for i, kind in enumerate(config.layer_types):
+        if kind == "full_attention":
+            kv = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+            yield i, kind, [(kv, dtype), (kv, dtype)]
+        else:
+            ring = (batch_size, config.conv_dim, config.linear_conv_kernel_dim - 1)
+            state = (batch_size, config.linear_num_value_heads, config.linear_key_head_dim,
+                     config.linear_value_head_dim)
+            yield i, kind, [(ring, dtype), (state, torch.float32)]
+
+
+def cache_bytes(config: CloverConfig, max_len: int, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of a cache of ``max_len`` positions, without allocating it."""
+    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+               for _, _, shapes in layer_shapes(config, max_len, batch_size, dtype) for shape, dt in shapes)
+
+
 class CloverCache:
     """State of the committed prefix for every layer; ``length`` tokens are committed."""
 
@@ -41,16 +62,9 @@ class CloverCache:
             raise CacheFullError(f"cache length {max_len} exceeds the context length "
                                  f"max_position_embeddings={config.max_position_embeddings}")
         layers: dict[int, AttentionCache | GDNCache] = {}
-        for i, kind in enumerate(config.layer_types):
-            if kind == "full_attention":
-                shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
-                layers[i] = AttentionCache(torch.zeros(shape, device=device, dtype=dtype),
-                                           torch.zeros(shape, device=device, dtype=dtype))
-            else:
-                layers[i] = GDNCache(
-                    torch.zeros(batch_size, config.conv_dim, config.linear_conv_kernel_dim - 1, device=device, dtype=dtype),
-                    torch.zeros(batch_size, config.linear_num_value_heads, config.linear_key_head_dim,
-                                config.linear_value_head_dim, device=device, dtype=torch.float32))
+        for i, kind, shapes in layer_shapes(config, max_len, batch_size, dtype):
+            tensors = [torch.zeros(shape, device=device, dtype=dt) for shape, dt in shapes]
+            layers[i] = AttentionCache(*tensors) if kind == "full_attention" else GDNCache(*tensors)
         return cls(layers, max_len, batch_size)
 
     @property

@@ -12,6 +12,7 @@ printed and the exit code is 130. Errors in the request exit with code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -47,20 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="the chat template's enable_thinking flag (with --chat)")
     g.add_argument("--mode", choices=("diffusion", "ar"), default="diffusion")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--threshold", type=float, default=0.9, help="confidence threshold per position, in (0, 1]")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--confidence", default="probability", help="probability | margin | entropy")
-    g.add_argument("--max-tokens-per-step", type=int, default=None)
-    g.add_argument("--max-steps-per-block", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: the model's generation_config.json, else 256")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--coreset-size", type=int, default=None, help="per-block expert coreset size (default off)")
-    g.add_argument("--seed", type=int, default=None)
+    add_sampler_options(g)
     g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="a stop string (repeatable)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cpu)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
@@ -82,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:
-        from .train import main as train_main
+        from .train.loop import main as train_main
 
         train_main(argv[1:])
         return 0
@@ -101,23 +92,37 @@ def _fail(message: str) -> int:
     return EXIT_ERROR
 
 
+def add_sampler_options(parser: argparse.ArgumentParser) -> None:
+    """One ``--option`` per SamplerSettings field, defaulting to None: what is not given keeps the
+    engine's settings (the model's generation_config.json, else SamplerSettings' defaults)."""
+    from .sampling import SamplerSettings
+
+    types = {"float": float, "int": int, "str": str}
+    for f in dataclasses.fields(SamplerSettings):
+        kind = types[str(f.type).split(" |")[0]]
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
+                            help=f"{f.metadata.get('help', '')} (default: {f.default})")
+
+
 def _sampler_kwargs(args) -> dict:
-    return dict(threshold=args.threshold, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                confidence=args.confidence, max_tokens_per_step=args.max_tokens_per_step,
-                max_steps_per_block=args.max_steps_per_block, repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                coreset_size=args.coreset_size, seed=args.seed)
+    from .sampling import SamplerSettings
+
+    return {name: getattr(args, name) for name in SamplerSettings.names() if getattr(args, name) is not None}
 
 
 def load_engine(args):
     """The engine for ``args`` (a seam for tests)."""
-    from .generate import load
+    from .engine import load
 
     return load(args.model, device=args.device, dtype=args.dtype)
 
 
+class _UsageError(Exception):
+    """A request the command line refuses; the message is printed as one line, exit code 2."""
+
+
 def cmd_generate(args) -> int:
-    from .generate import GenerationError
+    from .engine import GenerationError
     from .loading import CheckpointError
 
     if args.threads is not None:
@@ -131,29 +136,41 @@ def cmd_generate(args) -> int:
     except (CheckpointError, FileNotFoundError, ValueError, OSError) as e:
         return _fail(str(e))
     engine.compile_steps = args.compile
-    if args.prompt is not None:
-        if engine.tokenizer is None:
-            return _fail(f"the model directory {args.model} has no tokenizer, so --prompt cannot be encoded; "
-                         f"give token ids with --prompt-ids 1,2,3")
-        prompt = args.prompt
-        if args.chat:
-            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                     [{"role": "user", "content": args.prompt}]
-    else:
-        if args.chat:
-            return _fail("--chat needs --prompt (text), not --prompt-ids")
-        prompt = args.prompt_ids
-    if args.block_size is not None:
-        try:
-            engine.block_size = args.block_size
-        except ValueError as e:
-            return _fail(f"--block-size: {e}")
     try:
+        prompt = _prompt(engine, args)
+        if args.block_size is not None:
+            _set_block_size(engine, args.block_size)
         stream = engine.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                thinking=args.thinking, **_sampler_kwargs(args))
-    except (GenerationError, ValueError, TypeError) as e:
+    except (_UsageError, GenerationError, ValueError, TypeError) as e:
         return _fail(str(e))
+    return _run_stream(engine, args, stream)
 
+
+def _prompt(engine, args):
+    """The request's prompt: text, chat messages around it, or token ids."""
+    if args.prompt is None:
+        if args.chat:
+            raise _UsageError("--chat needs --prompt (text), not --prompt-ids")
+        return args.prompt_ids
+    if engine.tokenizer is None:
+        raise _UsageError(f"the model directory {args.model} has no tokenizer, so --prompt cannot be encoded; "
+                          f"give token ids with --prompt-ids 1,2,3")
+    if not args.chat:
+        return args.prompt
+    return ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": args.prompt}]
+
+
+def _set_block_size(engine, value: int) -> None:
+    try:
+        engine.block_size = value
+    except ValueError as e:
+        raise _UsageError(f"--block-size: {e}") from None
+
+
+def _run_stream(engine, args, stream) -> int:
+    """Drive the generation, live or not; Ctrl-C prints what was committed so far (exit 130)."""
     view = None if (args.json or args.no_live) else _LiveView(engine, args)
     last = None
     t0 = time.perf_counter()
@@ -177,11 +194,10 @@ def cmd_generate(args) -> int:
         return _fail(f"generation failed: {type(e).__name__}: {e}")
     if view is not None:
         view.stop()
-    result = last.result
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps(last.result.to_dict()))
     else:
-        _print_result(engine, result)
+        _print_result(engine, last.result)
     return EXIT_OK
 
 

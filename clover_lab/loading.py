@@ -1,4 +1,5 @@
-"""Hugging Face directory <-> CloverModel: config.json + safetensors (single file or shards).
+"""Hugging Face directory <-> CloverModel: config.json + safetensors (single file or shards),
+the tokenizer, generation_config.json and where the embedded default model lives.
 
 Loading is memory-mapped and tensor by tensor onto a model built on the ``meta`` device, so a
 checkpoint never exists twice in memory. Per-expert and fused expert tensors are both accepted,
@@ -133,16 +134,32 @@ def load_config(path) -> CloverConfig:
         raise CheckpointError(str(e)) from None
 
 
-def load_model(path, device=None, dtype=None, progress: bool | None = None):
-    from .model import CloverModel, GatedDeltaNet
-
+def load_model(model_cls, path, device=None, dtype=None, progress: bool | None = None):
+    """A ``model_cls`` (CloverModel) built on the meta device from ``path``'s config.json, then
+    filled tensor by tensor from the memory-mapped checkpoint, each tensor read straight onto
+    ``device`` in ``dtype``. Any failure names the file and tensor, and returns nothing."""
     path = Path(path)
     config = load_config(path)
     files = checkpoint_files(path)
     dtype = resolve_dtype(dtype) or resolve_dtype(config.dtype) or torch.float32
     device = torch.device(device or "cpu")
+    names = _sort_names(path, files)
+    with torch.device("meta"):
+        model = model_cls(config)
+    expected = dict(model.named_parameters())
+    reader = _Reader()
+    _refuse_unexpected(path, names, expected, config.num_experts)
+    plan, untrained = _plan(path, files, reader, names, expected, config)
+    _fill(model, path, files, reader, plan, expected, dtype, device, progress, config.moe_intermediate_size)
+    if untrained:
+        model.reset_preview_parameters()
+        warnings.warn(f"{path}: the checkpoint has no Clover preview weights ({len(untrained)} tensors); "
+                      f"they get the spec's defaults, so the preview mode is untrained", stacklevel=3)
+    return model.eval()
 
-    # stored name -> canonical name; sort checkpoint names into plain, per-expert and fused
+
+def _sort_names(path: Path, files: dict[str, Path]):
+    """Stored names sorted by canonical name into (plain, per-expert, fused); skipped ones logged."""
     skipped, plain, per_expert, fused = [], {}, {}, {}
     for stored in files:
         name = canonical_name(stored)
@@ -158,13 +175,26 @@ def load_model(path, device=None, dtype=None, progress: bool | None = None):
     if skipped:
         log.info("skipping %d tensors outside the text model (model.visual.*, mtp.*)", len(skipped))
         warnings.warn(f"{path}: skipped {len(skipped)} tensors outside the text model (model.visual.*, mtp.*)",
-                      stacklevel=3)
+                      stacklevel=4)
+    return plain, per_expert, fused
 
-    with torch.device("meta"):
-        model = CloverModel(config)
-    expected = dict(model.named_parameters())
-    reader = _Reader()
-    E, I = config.num_experts, config.moe_intermediate_size
+
+def _refuse_unexpected(path: Path, names, expected: dict, num_experts: int) -> None:
+    plain, per_expert, fused = names
+    unexpected = [plain[n] for n in plain if n not in expected]
+    unexpected += [fused[n] for n in fused if n not in expected]
+    unexpected += [s for prefix, d in per_expert.items() for (e, _), s in d.items()
+                   if f"{prefix}.gate_up_proj" not in expected or not 0 <= e < num_experts]
+    if unexpected:
+        raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensors, e.g. {sorted(unexpected)[:5]} "
+                              f"(is the config.json the right one for this checkpoint?)")
+
+
+def _plan(path: Path, files, reader: "_Reader", names, expected: dict, config: CloverConfig):
+    """(canonical parameter name -> stored name, or per-expert {(expert, part): stored}; the
+    untrained preview parameters), every stored shape and dtype checked before anything is read."""
+    plain, per_expert, fused = names
+    E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
 
     def check(stored: str, want_shape: tuple) -> None:
         shape, st_dtype = reader.shape_dtype(files[stored], stored)
@@ -175,23 +205,13 @@ def load_model(path, device=None, dtype=None, progress: bool | None = None):
             raise CheckpointError(f"{files[stored]}: tensor {stored!r} has shape {list(shape)}, "
                                   f"expected {list(want_shape)}")
 
-    unexpected = [plain[n] for n in plain if n not in expected]
-    unexpected += [fused[n] for n in fused if n not in expected]
-    unexpected += [s for prefix, d in per_expert.items() for (e, _), s in d.items()
-                   if f"{prefix}.gate_up_proj" not in expected or not 0 <= e < E]
-    if unexpected:
-        raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensors, e.g. {sorted(unexpected)[:5]} "
-                              f"(is the config.json the right one for this checkpoint?)")
-
-    plan: dict[str, object] = {}  # canonical parameter name -> stored name, or per-expert dict
+    plan: dict[str, object] = {}
     missing, untrained = [], []
     for name, param in expected.items():
-        if name in plain:
-            check(plain[name], param.shape)
-            plan[name] = plain[name]
-        elif name in fused:
-            check(fused[name], param.shape)
-            plan[name] = fused[name]
+        if name in plain or name in fused:
+            stored = plain.get(name) or fused[name]
+            check(stored, param.shape)
+            plan[name] = stored
         elif name.endswith((".gate_up_proj", ".down_proj")) and name.rsplit(".", 1)[0] in per_expert:
             prefix, kind = name.rsplit(".", 1)
             parts = per_expert[prefix]
@@ -201,7 +221,7 @@ def load_model(path, device=None, dtype=None, progress: bool | None = None):
                 missing += lacking
                 continue
             for (e, w) in needed:
-                check(parts[(e, w)], (I, config.hidden_size) if w != "down" else (config.hidden_size, I))
+                check(parts[(e, w)], (I, H) if w != "down" else (H, I))
             plan[name] = {k: parts[k] for k in needed}
         elif name.split("layers.")[-1].split(".", 1)[-1] in PREVIEW_PARAMS:
             untrained.append(name)
@@ -209,38 +229,31 @@ def load_model(path, device=None, dtype=None, progress: bool | None = None):
             missing.append(name)
     if missing:
         raise CheckpointError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[:5]}")
+    return plan, untrained
+
+
+def _fill(model, path: Path, files, reader: "_Reader", plan: dict, expected: dict, dtype, device, progress,
+          moe_width: int) -> None:
+    """Every parameter read onto ``device`` in ``dtype``, one tensor (or one expert) at a time."""
+    from tqdm.auto import tqdm
 
     total = sum(p.numel() * dtype.itemsize for p in expected.values())
     show = progress if progress is not None else total > (1 << 30)
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", disable=not show)
     for name, param in expected.items():
         source = plan.get(name)
-        if source is None:  # an untrained preview weight: filled with defaults below
+        if source is None:  # an untrained preview weight: filled with defaults by the caller
             tensor = torch.empty(param.shape, dtype=dtype, device=device)
         elif isinstance(source, str):
             tensor = reader.get(files[source], source).to(device=device, dtype=dtype)
         else:  # per-expert tensors gathered into the fused [E, ...] parameter, one expert at a time
             tensor = torch.empty(param.shape, dtype=dtype, device=device)
             for (e, w), stored in source.items():
-                t = reader.get(files[stored], stored)
-                if w == "gate":
-                    tensor[e, :I].copy_(t)
-                elif w == "up":
-                    tensor[e, I:].copy_(t)
-                else:
-                    tensor[e].copy_(t)
+                rows = {"gate": slice(0, moe_width), "up": slice(moe_width, None), "down": slice(None)}[w]
+                tensor[e, rows].copy_(reader.get(files[stored], stored))
         _set_parameter(model, name, tensor)
         bar.update(tensor.numel() * dtype.itemsize)
     bar.close()
-    if untrained:
-        for module in model.modules():
-            if isinstance(module, GatedDeltaNet):
-                module.reset_preview_parameters()
-        warnings.warn(f"{path}: the checkpoint has no Clover preview weights ({len(untrained)} tensors); "
-                      f"they get the spec's defaults, so the preview mode is untrained", stacklevel=3)
-    return model.eval()
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -299,3 +312,52 @@ def load_tokenizer(path):
         raise CheckpointError(f"{path}: tokenizer files present but unreadable ({e})") from e
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+# --------------------------------------------------------------------------- around the weights
+# Where clover_lab.load() looks for the embedded default model: a model directory (one with a
+# config.json) in one of these folders, "clover-stdlib" first.
+DEFAULT_MODEL_ROOTS = (Path(__file__).resolve().parent.parent / "assets", Path(__file__).resolve().parent / "assets")
+DEFAULT_MODEL_NAME = "clover-stdlib"
+
+
+def default_model_dir() -> Path | None:
+    """The embedded default model's directory, or None when there is none."""
+    for root in DEFAULT_MODEL_ROOTS:
+        if (root / DEFAULT_MODEL_NAME / "config.json").exists():
+            return root / DEFAULT_MODEL_NAME
+        found = sorted(p.parent for p in root.glob("*/config.json")) if root.is_dir() else []
+        if found:
+            return found[0]
+    return None
+
+
+def load_generation_config(path, sampler_fields) -> dict:
+    """What ``path``/generation_config.json sets of a generation: the sampler settings named in
+    ``sampler_fields``, ``max_new_tokens`` and ``eos_token_ids``. transformers' fields map as it
+    means them (``do_sample: false`` is greedy); fields it has that Clover does not use are
+    ignored. No file: an empty dict."""
+    file = Path(path) / "generation_config.json"
+    if not file.exists():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    out = {k: raw[k] for k in sampler_fields if k in raw and k != "seed"}
+    if raw.get("do_sample") is False:
+        out["temperature"] = 0.0
+    if "max_new_tokens" in raw:
+        value = raw["max_new_tokens"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{file}: max_new_tokens={value!r}: expected a positive integer")
+        out["max_new_tokens"] = value
+    if raw.get("eos_token_id") is not None:
+        eos = raw["eos_token_id"]
+        eos = [eos] if isinstance(eos, int) else eos
+        if not isinstance(eos, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+            raise CheckpointError(f"{file}: eos_token_id={raw['eos_token_id']!r}: expected a token id or a list")
+        out["eos_token_ids"] = eos
+    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,18 +41,19 @@ class SamplerSettings:
     - ``seed``: seeds the run's torch.Generator; None draws a fresh seed (reported in the stats).
     """
 
-    threshold: float = 0.9
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    confidence: str = "probability"
-    max_tokens_per_step: int | None = None
-    max_steps_per_block: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    coreset_size: int | None = None
-    seed: int | None = None
+    # ``help``: one line for the command line (cli.py builds its sampler options from these fields)
+    threshold: float = field(default=0.9, metadata={"help": "confidence threshold per position, in (0, 1]"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus filtering when sampling (1 = off)"})
+    top_k: int = field(default=0, metadata={"help": "top-k filtering when sampling (0 = off)"})
+    confidence: str = field(default="probability", metadata={"help": " | ".join(CONFIDENCE_RULES)})
+    max_tokens_per_step: int | None = field(default=None, metadata={"help": "cap on positions unmasked per step"})
+    max_steps_per_block: int | None = field(default=None, metadata={"help": "step limit per block"})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "> 0, 1 = off"})
+    presence_penalty: float = field(default=0.0, metadata={"help": "subtracted once from seen tokens"})
+    frequency_penalty: float = field(default=0.0, metadata={"help": "subtracted per occurrence"})
+    coreset_size: int | None = field(default=None, metadata={"help": "per-block expert coreset size (off by default)"})
+    seed: int | None = field(default=None, metadata={"help": "seeds sampling; none: a fresh seed, reported"})
 
     def __post_init__(self):
         self.validate()

@@ -3,13 +3,13 @@ import pytest
 import torch
 
 from clover_lab import load
-from clover_lab.generate import default_model_dir
+from clover_lab.loading import default_model_dir
 from clover_lab.train import encode_files, evaluate, split_corpus
 
 MODEL = default_model_dir()
 pytestmark = pytest.mark.skipif(MODEL is None or MODEL.name != "clover-stdlib",
                                 reason="the embedded default model is not in assets/")
-# measured on the held-out split by clover_lab.card (see assets/clover-stdlib/README.md); the bar
+# measured on the held-out split by clover_lab.train.card (see assets/clover-stdlib/README.md); the bar
 # leaves room for the smaller sample taken here, and the unigram baseline is ~0.035
 MASK_ACC_AT_HALF_BAR = 0.20
 

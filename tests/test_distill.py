@@ -6,7 +6,7 @@ import torch
 
 from clover_lab import CloverModel, Engine
 from clover_lab import train as training
-from clover_lab.distill import distinct_ngrams, greedy_continuations, make_corpus
+from clover_lab.train.distill import distinct_ngrams, greedy_continuations, make_corpus
 
 
 def test_greedy_continuations_are_the_engines_ar_greedy(tiny_model):

@@ -7,7 +7,7 @@ import torch
 
 import clover_lab
 from clover_lab import Engine, GenerationError
-from clover_lab.generate import cache_bytes
+from clover_lab.cache import cache_bytes
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
@@ -220,10 +220,10 @@ def test_requests_that_cannot_fit_are_refused(tiny_engine, monkeypatch):
         tiny_engine.generate(PROMPT, max_new_tokens=ctx)
     with pytest.raises(GenerationError, match="max_position_embeddings"):
         tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=ctx - len(PROMPT) + 1)
-    monkeypatch.setattr("clover_lab.generate._available_bytes", lambda device: 1000)
+    monkeypatch.setattr("clover_lab.engine.requests.available_bytes", lambda device: 1000)
     with pytest.raises(GenerationError, match="GiB"):
         tiny_engine.generate(PROMPT, max_new_tokens=64)
-    assert cache_bytes(tiny_engine.model, 100) < cache_bytes(tiny_engine.model, 200)
+    assert cache_bytes(tiny_engine.model.config, 100) < cache_bytes(tiny_engine.model.config, 200)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -275,7 +275,7 @@ def test_load(gen_text_model_dir, gen_model_dir, monkeypatch, tmp_path):
     bare = clover_lab.load(gen_model_dir)
     assert bare.tokenizer is None
     monkeypatch.delenv("CLOVER_LAB_MODEL", raising=False)
-    monkeypatch.setattr("clover_lab.generate.DEFAULT_MODEL_ROOTS", (tmp_path / "assets",))
+    monkeypatch.setattr("clover_lab.loading.DEFAULT_MODEL_ROOTS", (tmp_path / "assets",))
     with pytest.raises(FileNotFoundError, match="no default model"):
         clover_lab.load()
     (tmp_path / "assets").mkdir()

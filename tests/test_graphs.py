@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from clover_lab import Engine
-from clover_lab.graphs import StepGraphs
+from clover_lab.engine.runner import StepGraphs
 from clover_lab.model import Coreset
 
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64, 8, 400, 23]
@@ -79,8 +79,8 @@ def test_engine_fast_path_generates_the_same(gen_model, mode):
         b = fast.generate(PROMPT, mode=mode, max_new_tokens=max_new, threshold=0.3)
         assert b.token_ids == a.token_ids
         assert b.stats.forwards == a.stats.forwards
-    assert fast._graphs is not None and fast._graphs.cache.length == len(PROMPT) + 16
-    assert plain._graphs is None
+    assert fast._fast_path.graphs is not None and fast._fast_path.graphs.cache.length == len(PROMPT) + 16
+    assert plain._fast_path.graphs is None
 
 
 def test_engine_fast_path_steps_aside_for_hooks_and_interleaved_streams(gen_model):
@@ -110,9 +110,9 @@ def test_engine_fast_path_steps_aside_for_hooks_and_interleaved_streams(gen_mode
     next(s3)
     del s3
     gc.collect()
-    assert fast._graphs_holder is None or fast._graphs_holder() is None
+    assert fast._fast_path._holder is None or fast._fast_path._holder() is None
     s4 = fast.stream(PROMPT, max_new_tokens=40, threshold=0.3)
-    assert fast._graphs_holder() is not None  # the new generation holds them
+    assert fast._fast_path._holder() is not None  # the new generation holds them
     assert list(s4)[-1].result.token_ids == want
 
 
@@ -137,7 +137,7 @@ def test_interrupted_and_failed_runs_leave_the_fast_path_usable(gen_model):
     with fast.hooks({"layers.2.moe.route": broken}), pytest.raises(HookError, match="layers.2.moe.route"):
         fast.generate(PROMPT, max_new_tokens=40, threshold=0.3)
     assert fast.generate(PROMPT, max_new_tokens=40, threshold=0.3).token_ids == want
-    assert fast._graphs_holder is None or fast._graphs_holder() is None
+    assert fast._fast_path._holder is None or fast._fast_path._holder() is None
 
 
 def test_coreset_runs_on_the_fast_path(gen_model):
@@ -149,10 +149,10 @@ def test_coreset_runs_on_the_fast_path(gen_model):
         a = plain.generate(PROMPT, max_new_tokens=40, threshold=0.3, coreset_size=size)
         b = fast.generate(PROMPT, max_new_tokens=40, threshold=0.3, coreset_size=size)
         assert a.token_ids == b.token_ids and a.stats.forwards == b.stats.forwards
-    core = fast._graphs.coreset(3)
+    core = fast._fast_path.graphs.coreset(3)
     assert core.experts == {} and len(core._buffers) == gen_model.config.num_hidden_layers
     with pytest.raises(ValueError, match="coreset"):
-        fast._graphs.step(torch.full((1, 4), 511), 0, 4, coreset=Coreset(3))
+        fast._fast_path.graphs.step(torch.full((1, 4), 511), 0, 4, coreset=Coreset(3))
 
 
 def test_compiled_steps_equal_the_forward_and_generate_the_same(gen_model):
@@ -167,6 +167,8 @@ def test_compiled_steps_equal_the_forward_and_generate_the_same(gen_model):
         want = gen_model.commit(eager, torch.tensor([[42]]))
         got = graphs.step(torch.tensor([[42]]), 1, 0, commit_logits=True)[0]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the model's parameters need gradients, but a compiled step records no autograd history
+        assert any(p.requires_grad for p in gen_model.parameters()) and got.grad_fn is None
         torch.testing.assert_close(graphs.step(block, 0, 16)[1], gen_model.preview(eager, block), rtol=1e-5, atol=1e-5)
     assert graphs.compile_failed is None and len(graphs._compiled_keys) == 2
     plain, fast = Engine(gen_model), Engine(gen_model)
@@ -175,8 +177,8 @@ def test_compiled_steps_equal_the_forward_and_generate_the_same(gen_model):
         a = plain.generate(PROMPT, mode=mode, max_new_tokens=32, threshold=0.3, coreset_size=coreset)
         b = fast.generate(PROMPT, mode=mode, max_new_tokens=32, threshold=0.3, coreset_size=coreset)
         assert a.token_ids == b.token_ids
-    assert fast._graphs.compile and fast._graphs.compile_failed is None
-    assert len(fast._graphs._coresets[3]._buffers) == gen_model.config.num_hidden_layers
+    assert fast._fast_path.graphs.compile and fast._fast_path.graphs.compile_failed is None
+    assert len(fast._fast_path.graphs._coresets[3]._buffers) == gen_model.config.num_hidden_layers
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -271,10 +271,9 @@ def test_no_events_are_built_without_hooks(tiny_engine, monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("an event was built with no hook attached")
 
-    for name in ("StepEvent", "CommitEvent"):
-        monkeypatch.setattr(f"clover_lab.generate.{name}", forbidden)
-    for name in ("RouteEvent", "GDNPreviewEvent", "GDNStateEvent"):
-        monkeypatch.setattr(f"clover_lab.model.{name}", forbidden)
+    for where in ("engine.diffusion.StepEvent", "engine.run.CommitEvent", "layers.moe.RouteEvent",
+                  "layers.gdn.GDNPreviewEvent", "layers.gdn.GDNStateEvent"):
+        monkeypatch.setattr(f"clover_lab.{where}", forbidden)
     tiny_engine.generate(PROMPT, **KW)
     tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4)
 
@@ -310,5 +309,29 @@ def test_observing_hooks_add_no_host_syncs(tiny_engine, monkeypatch):
         assert r2.token_ids == r.token_ids
         assert observed == plain
         # the engine's own reads: one per denoising step (the unmask decision) or per AR token
-        engine_reads = sum(n for f, n in plain.items() if f.endswith(("generate.py", "sampling.py")))
+        engine_reads = sum(n for f, n in plain.items() if f.endswith(("engine/diffusion.py", "engine/ar.py", "sampling.py")))
         assert engine_reads == (r.stats.preview_forwards if mode == "diffusion" else r.stats.new_tokens)
+
+
+def test_model_events_carry_their_block_and_step(tiny_engine):
+    """Route, preview and state events say where the generation stood, without asking the engine:
+    prefill routes carry no block, a preview's rows its block and step, a commit's rows the block
+    they commit (at no step); ``run`` counts generations."""
+    seen = []
+
+    def keep(ev):
+        seen.append((type(ev).__name__, getattr(ev, "mode", None), ev.where.run, ev.phase, ev.block, ev.step))
+
+    with tiny_engine.hooks({"layers.*.moe.route": keep, "layers.*.gdn.*": keep, "denoise.step": keep,
+                            "block.commit": keep}):
+        tiny_engine.generate(PROMPT, **KW)
+    runs = {s[2] for s in seen}
+    assert len(runs) == 1 and runs.pop() >= 1
+    prefill = [s for s in seen if s[3] == "prefill"]
+    assert prefill and all(s[4] is None and s[5] is None for s in prefill)
+    steps = {(s[4], s[5]) for s in seen if s[0] == "StepEvent"}
+    previews = {(s[4], s[5]) for s in seen if s[0] == "GDNPreviewEvent" or s[1] == "preview"}
+    assert previews == steps  # every preview's events sit at a denoising step of the engine
+    commits = {s[4] for s in seen if s[0] == "CommitEvent"}
+    committed = {s[4] for s in seen if s[3] == "decode" and (s[0] == "GDNStateEvent" or s[1] == "commit")}
+    assert committed == commits and all(s[5] is None for s in seen if s[0] == "GDNStateEvent")

@@ -206,3 +206,48 @@ def test_invalid_config_fields(field, value, match):
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="unknown preset 'clover-9000'"):
         CloverConfig.preset("clover-9000")
+
+
+# --------------------------------------------------------------------------- generation_config.json
+def test_load_takes_the_generation_config_defaults(gen_text_model_dir, tmp_path):
+    """What training writes into generation_config.json (threshold, max_new_tokens), and
+    transformers' own fields (do_sample, eos_token_id), become the engine's defaults; a
+    request still overrides them."""
+    import shutil
+
+    import clover_lab
+
+    d = tmp_path / "m"
+    shutil.copytree(gen_text_model_dir, d)
+    (d / "generation_config.json").write_text(json.dumps(
+        {"threshold": 0.5, "max_new_tokens": 12, "do_sample": False, "temperature": 0.7, "top_k": 20,
+         "bos_token_id": 1, "transformers_version": "5.0"}))
+    engine = clover_lab.load(d)
+    assert engine.settings.threshold == 0.5 and engine.settings.temperature == 0.0 and engine.settings.top_k == 20
+    assert engine.max_new_tokens == 12
+    ids = list(range(5, 15))
+    assert engine.generate(ids).stats.new_tokens <= 12
+    assert engine.generate(ids, max_new_tokens=3).stats.new_tokens <= 3
+    assert len(engine.generate(ids, threshold=1.0, max_new_tokens=4).token_ids) <= 4
+    plain = clover_lab.load(gen_text_model_dir)  # no file: the library's defaults
+    assert plain.settings == clover_lab.SamplerSettings() and plain.max_new_tokens == 256
+
+
+@pytest.mark.parametrize("content,match", [
+    ('{"threshold": 7}', "threshold"),
+    ('{"max_new_tokens": 0}', "max_new_tokens"),
+    ('{"eos_token_id": "x"}', "eos_token_id"),
+    ('[1, 2]', "JSON object"),
+    ('{"threshold": ', "not valid JSON"),
+])
+def test_a_bad_generation_config_is_named(gen_model_dir, tmp_path, content, match):
+    import shutil
+
+    import clover_lab
+
+    d = tmp_path / "m"
+    shutil.copytree(gen_model_dir, d)
+    (d / "generation_config.json").write_text(content)
+    with pytest.raises(CheckpointError, match=match) as err:
+        clover_lab.load(d)
+    assert "generation_config.json" in str(err.value)

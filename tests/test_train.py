@@ -8,14 +8,14 @@ from clover_lab import CloverConfig, CloverModel
 from clover_lab import train as training
 
 
-def test_block_forward_is_the_engine_math(tiny_model):
+def test_training_forward_is_the_engine_math(tiny_model):
     """The training forward equals committing the clean prefix and previewing each noisy block."""
     bs, L = 16, 48
     g = torch.Generator().manual_seed(0)
     clean = torch.randint(0, 500, (2, L), generator=g)
     noisy, _ = training.mask_blocks(clean, bs, 511, g, 0.3)
     with torch.no_grad():
-        clean_logits, noisy_logits = tiny_model.block_forward(clean, noisy, bs)
+        clean_logits, noisy_logits = tiny_model.training_forward(clean, noisy, bs)
     assert torch.allclose(clean_logits, tiny_model.logits(clean), atol=1e-5)
     for row in range(2):
         for b in range(L // bs):
@@ -26,12 +26,12 @@ def test_block_forward_is_the_engine_math(tiny_model):
             assert torch.allclose(noisy_logits[row:row + 1, b * bs:(b + 1) * bs], want, atol=1e-4)
 
 
-def test_block_forward_trains_every_parameter(tiny_model):
+def test_training_forward_trains_every_parameter(tiny_model):
     for p in tiny_model.parameters():
         p.requires_grad_(True)
     clean = torch.randint(0, 500, (1, 32))
     noisy, masked = training.mask_blocks(clean, 16, 511, torch.Generator().manual_seed(1), 0.5)
-    _, logits = tiny_model.block_forward(clean, noisy, 16)
+    _, logits = tiny_model.training_forward(clean, noisy, 16)
     logits[masked].logsumexp(-1).sum().backward()
     no_grad = [n for n, p in tiny_model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     # the clean stream's LM head rows are used, but only through the noisy logits here
@@ -81,7 +81,7 @@ def test_tiny_run_learns_and_resumes(tmp_path, monkeypatch):
     assert state["step"] == 45 and state["settings"]["schedule_start"] == 40
     assert training.lr_at(40, training.TrainSettings(**state["settings"])) < 1e-3 / 4  # warming up again
     # ... and continued on a mix with its own greedy continuations (self-distillation)
-    from clover_lab.distill import make_corpus
+    from clover_lab.train.distill import make_corpus
 
     corpus = make_corpus(CloverModel.from_pretrained(run / "checkpoint"), torch.load(run / "data.pt")["train"],
                          6, seq_len=64, prompt_lens=(16, 32), min_distinct=0.0, progress=False)

@@ -278,9 +278,9 @@ class View:
         self.close()
 
     # ---------------------------------------------------------------- events -> frames
-    def _check_run(self) -> bool:
-        """Start over when the engine began a new generation; True when it did."""
-        run = self.engine._where.run if self.engine is not None else None
+    def _check_run(self, event) -> bool:
+        """Start over when ``event`` belongs to a new generation; True when it did."""
+        run = event.where.run
         if run != self.run:
             self.run = run
             self._new_run()
@@ -307,7 +307,7 @@ class View:
 
     def _dispatch(self, method: str, event) -> None:
         with self._lock:
-            self._check_run()
+            self._check_run(event)
             getattr(self, method)(event)
 
     # ---------------------------------------------------------------- drawing

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import threading
 
-from ..hooks import StopGeneration
+from ..hooks import StopGeneration, points
 from ..sampling import CONFIDENCE_RULES
 from .base import _close_tree, export_html, require_notebook, weak_callback
 from .denoise import DenoiseView
@@ -128,7 +128,7 @@ class Dashboard:
 
     def _work(self, request, kwargs) -> None:
         try:
-            with self.engine.hooks({"denoise.step": self._check_stop, "block.commit": self._check_stop}):
+            with self.engine.hooks({points.DENOISE_STEP: self._check_stop, points.BLOCK_COMMIT: self._check_stop}):
                 result = self.engine.generate(request, **kwargs)
             self.result = result
             if "speed" in self.views:

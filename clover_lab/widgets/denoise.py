@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 
+from ..hooks import points
 from .base import View, token_piece, visible, weak_callback
 
 # viridis anchors: step 0 dark purple ... late steps yellow
@@ -79,7 +80,7 @@ class DenoiseView(View):
         super().__init__(engine, fps=fps)
 
     def hook_methods(self):
-        return {"denoise.step": "_on_step", "block.commit": "_on_commit"}
+        return {points.DENOISE_STEP: "_on_step", points.BLOCK_COMMIT: "_on_commit"}
 
     # ---------------------------------------------------------------- widgets
     def _build(self):

@@ -16,6 +16,7 @@ import html
 
 import numpy as np
 
+from ..hooks import points
 from .base import View, figure_html, to_numpy, token_piece, visible, weak_callback
 
 PHASES = ("preview", "commit", "prefill")
@@ -37,7 +38,7 @@ class ExpertView(View):
         super().__init__(engine, fps=fps)
 
     def hook_methods(self):
-        return {"layers.*.moe.route": "_on_route", "block.commit": "_on_commit"}
+        return {points.every_layer(points.MOE_ROUTE): "_on_route", points.BLOCK_COMMIT: "_on_commit"}
 
     def _on_attach(self, engine):
         c = engine.model.config
@@ -93,7 +94,7 @@ class ExpertView(View):
 
     # ---------------------------------------------------------------- events
     def _on_route(self, ev) -> None:
-        w = self.engine._where
+        w = ev.where
         phase = "prefill" if w.phase == "prefill" else ev.mode
         ids = to_numpy(ev.expert_ids).astype(np.int64)
         full = None
@@ -101,13 +102,7 @@ class ExpertView(View):
             full = to_numpy(ev.router_probs.topk(ids.shape[-1], dim=-1).indices).astype(np.int64)
         part = dict(kind="route", layer=ev.layer, phase=phase, ids=ids, weights=to_numpy(ev.weights),
                     mass=to_numpy(ev.router_probs.sum(0)), full=full, positions=to_numpy(ev.positions).astype(np.int64))
-        key = (w.run, w.phase, w.block, w.step, w.commit_block)
-        if w.phase == "prefill":
-            label = "prefill"
-        elif w.step is None:
-            label = f"commit of block {w.commit_block}"
-        else:
-            label = f"block {w.block} · step {w.step}" + ("" if w.commit_block is None else f" (+ commit of block {w.commit_block})")
+        key, label = w, w.label()
         self._push(part, key, label)
 
     def _on_commit(self, ev) -> None:

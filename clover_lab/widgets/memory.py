@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..hooks import points
 from .base import View, figure_html, to_numpy, weak_callback
 
 
@@ -30,7 +31,7 @@ class MemoryView(View):
         super().__init__(engine, fps=fps)
 
     def hook_methods(self):
-        return {"layers.*.gdn.preview": "_on_preview", "layers.*.gdn.state": "_on_state"}
+        return {points.every_layer(points.GDN_PREVIEW): "_on_preview", points.every_layer(points.GDN_STATE): "_on_state"}
 
     def _on_attach(self, engine):
         c = engine.model.config
@@ -73,24 +74,23 @@ class MemoryView(View):
                        W.HBox([W.VBox([W.HBox([self.layer_dd, self.head_dd]), self.fig_state]), self.mean_html])])
 
     # ---------------------------------------------------------------- events
-    def _key_label(self):
-        w = self.engine._where
-        key = (w.run, w.phase, w.block, w.step, w.commit_block)
-        if w.phase == "prefill":
-            return key, "prefill"
-        if w.step is None:
-            return key, f"commit of block {w.commit_block}"
-        return key, f"block {w.block} · step {w.step}"
+    @staticmethod
+    def _key_label(ev):
+        """Events of one forward share a frame; a preview's label leaves out a fused commit."""
+        w = ev.where
+        if w.phase != "prefill" and w.step is not None:
+            return w, f"block {w.block} · step {w.step}"
+        return w, w.label()
 
     def _on_preview(self, ev) -> None:
-        w = self.engine._where
-        key, label = self._key_label()
+        w = ev.where
+        key, label = self._key_label(ev)
         hw = to_numpy(ev.history_weights[0])  # [m, H_v]
         self._push(dict(kind="preview", layer=ev.layer, block=w.block, step=w.step, hw=hw,
                         positions=to_numpy(ev.positions).astype(np.int64)), key, label)
 
     def _on_state(self, ev) -> None:
-        key, label = self._key_label()
+        key, label = self._key_label(ev)
         S = ev.state[0].detach()  # [H_v, d_k, d_v]
         norms = to_numpy(S.float().flatten(1).norm(dim=1))
         matrix = S.to("cpu", dtype=torch.float16).numpy()
@@ -99,7 +99,7 @@ class MemoryView(View):
             self._state_bytes += matrix.nbytes
         self._latest_matrix = (ev.layer, ev.length, matrix)
         self._push(dict(kind="state", layer=ev.layer, length=int(ev.length), norms=norms,
-                        matrix=matrix if keep else None, phase=self.engine._where.phase), key, label)
+                        matrix=matrix if keep else None, phase=ev.where.phase), key, label)
 
     # ---------------------------------------------------------------- state
     def _empty(self):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 
+from ..hooks import points
 from .base import View, figure_html, weak_callback
 
 
@@ -27,7 +28,7 @@ class SpeedView(View):
         super().__init__(engine, fps=fps)
 
     def hook_methods(self):
-        return {"denoise.step": "_on_step", "block.commit": "_on_commit"}
+        return {points.DENOISE_STEP: "_on_step", points.BLOCK_COMMIT: "_on_commit"}
 
     def _new_run(self):  # keep earlier runs: they are what the comparison shows
         self._frame_key = object()

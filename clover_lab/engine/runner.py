@@ -1,9 +1,10 @@
-"""The no-hook fast path: static-shape forwards, replayed as CUDA graphs (or compiled on a CPU).
+"""The runner's no-hook fast path: static-shape forwards, replayed as CUDA graphs (or compiled on
+a CPU). Everything here runs without autograd.
 
 At batch 1 a step of a big MoE model is hundreds of small kernels; launching them one by one
 from Python costs more than running them. ``StepGraphs`` owns one preallocated cache and, per
 step shape (commit rows c, block rows m, whether the last commit row's logits are wanted),
-one captured graph of ``CloverModel.static_step``: a preview of a block (c = 0), the fused
+one captured graph of :func:`static_step`: a preview of a block (c = 0), the fused
 commit of the previous block with the preview of the next (c = m = block size) and an AR step
 (c = 1). Replaying a graph writes the step's ids and the committed length into static input
 buffers and launches the whole forward at once.
@@ -21,11 +22,53 @@ that share the coreset's buffers, owned here (``coreset(size)``).
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
-from .cache import CloverCache
-from .model import CloverModel, Coreset
+from ..cache import CloverCache
+from ..context import Coreset, ForwardContext
+from ..model import CloverModel
+
+
+# --------------------------------------------------------------------------- one static step
+@torch.no_grad()
+def static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, n: torch.Tensor, c: int, m: int,
+                commit_logits: bool = False, coreset: Coreset | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``CloverModel.forward`` with static shapes and no host synchronisation, the body of a CUDA
+    graph: ids [B, c + m] on the model's device, ``n`` the committed length as a 0-d device
+    tensor. Writes the cache (K,V rows at n.., GDN ring and state when c > 0) but leaves
+    ``cache.length`` to the caller. Refused while a hook is attached inside the model: a graph
+    replays kernels and would never call it.
+    Returns (logits of the last commit row or None, logits of every block row or None)."""
+    check_static_step(model, cache, ids, c, m)
+    return static_body(model, cache, ids, n, c, m, commit_logits, coreset)
+
+
+def check_static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, c: int, m: int) -> None:
+    """What a static step refuses, checked outside any traced or captured code."""
+    if model.hooks.model_hooks_attached():
+        raise RuntimeError("static_step: hooks are attached to model points; use forward()")
+    if cache.batch_size != ids.shape[0] or ids.shape[1] != c + m:
+        raise ValueError(f"static_step: ids {tuple(ids.shape)} do not match batch {cache.batch_size}, "
+                         f"c + m = {c + m}")
+
+
+@torch.no_grad()
+def static_body(model: CloverModel, cache, ids, n, c, m, commit_logits, coreset):
+    """What ``torch.compile`` traces for a static step: no hook lookups, so that attaching an
+    engine hook does not invalidate the compiled code; no autograd history either."""
+    ctx = ForwardContext.static(cache, n, c, m, coreset)
+    x = model.hidden_states(ids, ctx)
+    for dst, src in ctx.pending:
+        dst.copy_(src)
+    out_commit = model.head(x[:, c - 1:c]) if c and commit_logits else None
+    out_preview = model.head(x[:, c:]) if m else None
+    return out_commit, out_preview
+
+
+# --------------------------------------------------------------------------- graphs per step shape
 
 
 class StepGraphs:
@@ -44,7 +87,7 @@ class StepGraphs:
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.disabled: str | None = None  # why capture failed, once it has
         self.compile = compile and not self.capture
-        self._compiled = torch.compile(model._static_body, dynamic=False) if self.compile else None
+        self._compiled = torch.compile(static_body, dynamic=False) if self.compile else None
         self._compiled_keys: set = set()
         self.compile_failed: str | None = None
 
@@ -87,7 +130,7 @@ class StepGraphs:
         if graph is None:
             out = self._compiled_step(key, ids, coreset) if self._compiled is not None else None
             if out is None:  # eager static step
-                out = self.model.static_step(cache, ids, self._n, c, m, commit_logits, coreset)
+                out = static_step(self.model, cache, ids, self._n, c, m, commit_logits, coreset)
         else:
             g, static_ids, static_out = graph
             static_ids.copy_(ids)
@@ -105,9 +148,9 @@ class StepGraphs:
         if self.compile_failed or (key not in self._compiled_keys and len(self._compiled_keys) >= self.MAX_COMPILED):
             return None
         c, m, commit_logits, _ = key
-        self.model.check_static_step(self.cache, ids, c, m)
+        check_static_step(self.model, self.cache, ids, c, m)
         try:
-            out = self._compiled(self.cache, ids, self._n, c, m, commit_logits, coreset)
+            out = self._compiled(self.model, self.cache, ids, self._n, c, m, commit_logits, coreset)
         except Exception as e:  # noqa: BLE001 - a first compilation fails before anything runs
             if key in self._compiled_keys:
                 raise
@@ -128,7 +171,7 @@ class StepGraphs:
             if coreset is not None:  # every run starts from the coreset the step was asked with
                 coreset.experts.clear()
                 coreset.experts.update(recorded)
-            return model.static_step(cache, static_ids, self._n, c, m, commit_logits, coreset)
+            return static_step(model, cache, static_ids, self._n, c, m, commit_logits, coreset)
 
         static_ids = torch.zeros(1, c + m, dtype=torch.long, device=self.device)
         snapshot = cache.clone()  # warm-up runs write the cache; capture itself runs nothing
@@ -156,3 +199,35 @@ class StepGraphs:
                 coreset.experts.update(recorded)
         self._graphs[key] = (g, static_ids, static_out)
         return self._graphs[key]
+
+
+# --------------------------------------------------------------------------- which graphs a run uses
+class FastPath:
+    """An engine's StepGraphs, handed to one generation at a time: a stream left open holds them,
+    and a generation started meanwhile takes the plain path."""
+
+    def __init__(self):
+        self.graphs: StepGraphs | None = None
+        self._holder = None  # weakref to the generation running on them
+
+    def acquire(self, run, model: CloverModel, length: int, use: bool, compile: bool) -> StepGraphs | None:
+        """The StepGraphs for ``run``, a generation of ``length`` positions, or None for the plain
+        path (``use`` False, or another unfinished generation holds them)."""
+        if not use:
+            return None
+        if self._holder is not None and self._holder() is not None:
+            return None
+        self._holder = weakref.ref(run)
+        g = self.graphs
+        if (g is None or not g.fits(length) or (g.device, g.dtype) != (model.device, model.dtype)
+                or g.compile != compile):
+            size = max(1024, 1 << (length - 1).bit_length())  # a power of two: few re-allocations
+            size = min(size, model.config.max_position_embeddings)
+            self.graphs = None  # free the old cache and graphs first
+            self.graphs = StepGraphs(model, size, compile=compile)
+        return self.graphs
+
+    def release(self, run) -> None:
+        """``run`` ended, failed or was abandoned: the graphs' cache is free for the next one."""
+        if self._holder is not None and self._holder() is run:
+            self._holder = None

@@ -1,6 +1,6 @@
 """The model card of a trained small Clover: figures measured on the held-out split.
 
-    python -m clover_lab.card --run runs/stdlib --model assets/clover-stdlib
+    python -m clover_lab.train.card --run runs/stdlib --model assets/clover-stdlib
 
 Writes ``README.md`` (the card), ``card.json`` (the figures) and ``loss_curve.png`` into the model
 directory. Every figure is measured here, on held-out standard-library modules.
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .generate import load
-from .train import evaluate, unigram_accuracy
+from ..engine import load
+from ..hooks import points
+from .objective import evaluate, unigram_accuracy
 
 
 @torch.no_grad()
@@ -31,7 +32,7 @@ def expert_usage(model, tokens: torch.Tensor, windows: int = 16, seq_len: int = 
         counts[event.layer] += torch.bincount(event.expert_ids.reshape(-1).cpu(), minlength=E).float()
 
     gen = torch.Generator().manual_seed(7)
-    with model.hooks.scoped({"layers.*.moe.route": count}):
+    with model.hooks.scoped({points.every_layer(points.MOE_ROUTE): count}):
         for s in torch.randint(0, len(tokens) - seq_len, (windows,), generator=gen).tolist():
             model.logits(tokens[s:s + seq_len].long()[None])
     rows = []
@@ -143,7 +144,7 @@ def render_distillation(f: dict) -> str:
     if not d:
         return ""
     return (f"\n- Self-distillation from step {d['from_step']} on: {d['share']:.0%} of every batch were the "
-            f"model's own greedy continuations\n  of training prefixes (`python -m clover_lab.distill`), with "
+            f"model's own greedy continuations\n  of training prefixes (`python -m clover_lab.train.distill`), with "
             f"the confidence term at weight {d['confidence_weight']}, so that\n  it learns to be sure of "
             f"whole blocks and unmasks several tokens per pass.")
 
@@ -196,7 +197,7 @@ Reproduce (from the repository root):
 {command}
 ```
 
-## Held-out figures (measured by `python -m clover_lab.card`)
+## Held-out figures (measured by `python -m clover_lab.train.card`)
 
 Masked-token accuracy, each block of 16 masked at exactly the given ratio, previewed against the clean prefix:
 

@@ -5,10 +5,10 @@ was trained on is far less predictable than the model is sure of. Its own greedy
 are different: every token of one is a deterministic function of the prefix, so a block of them
 can be learned with high confidence and unmasked in few passes. Following the self-distillation
 recipes of dParallel / d3LLM ("certainty forcing"), this module writes a corpus of the model's
-own continuations of real training prefixes; ``clover_lab.train --distill FILE`` then mixes it
+own continuations of real training prefixes; ``python -m clover_lab.train --distill FILE`` then mixes it
 into the block-diffusion objective (with the confidence term) alongside real text.
 
-    python -m clover_lab.distill --run runs/stdlib --sequences 2048
+    python -m clover_lab.train.distill --run runs/stdlib --sequences 2048
 
 Continuations are greedy causal decoding (the model's strongest predictor) with a repetition
 penalty over the continuation so far, so that the corpus does not teach the model to loop.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .model import CloverModel
-from .sampling import SamplerSettings, apply_penalties
+from ..model import CloverModel
+from ..sampling import SamplerSettings, apply_penalties
 
 
 @torch.no_grad()
@@ -101,7 +101,7 @@ def make_corpus(model: CloverModel, tokens: torch.Tensor, sequences: int, seq_le
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m clover_lab.distill",
+    ap = argparse.ArgumentParser(prog="python -m clover_lab.train.distill",
                                  description="Write a run's self-distillation corpus: its own greedy continuations")
     ap.add_argument("--run", required=True, help="training run directory (its checkpoint and data.pt)")
     ap.add_argument("--out", help="corpus file (default RUN/distill.pt)")

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .generate import Engine
+from . import points as P
+from .registry import HookRegistry
 
 
 @dataclass
@@ -46,22 +46,21 @@ class Record:
 
 
 class Capture:
-    def __init__(self, engine: "Engine", points: str | Iterable[str], to: str | torch.device | None = None):
-        self.engine = engine
+    """Records the points matching ``points`` on ``hooks`` (an engine's registry) while entered."""
+
+    def __init__(self, hooks: HookRegistry, points: str | Iterable[str], to: str | torch.device | None = None):
+        self.hooks = hooks
         self.patterns = [points] if isinstance(points, str) else list(points)
         if not self.patterns:
             raise ValueError("capture: name at least one hook point or pattern")
         self.to = None if to is None else torch.device(to)
         self.records: list[Record] = []
         self._handle = None
-        hooks = engine.model.hooks
         self._names = sorted({name for p in self.patterns for name in hooks.resolve(p)}, key=hooks.points.index)
 
     # ---------------------------------------------------------------- registration
     def __enter__(self) -> "Capture":
-        hooks = self.engine.model.hooks
-        mapping = {name: self._recorder(name) for name in self._names}
-        self._handle = hooks.add_many(mapping)
+        self._handle = self.hooks.add_many({name: self._recorder(name) for name in self._names})
         return self
 
     def __exit__(self, *exc) -> None:
@@ -78,45 +77,27 @@ class Capture:
         return x.clone() if clone else x
 
     def _recorder(self, name: str):
-        where = self.engine._where
-        kind = name.rsplit(".", 2)[-2:]
-        t = self._t
+        """A hook that records one event of point ``name``: what it keeps, per kind of point."""
+        fields = _FIELDS.get(P.parse(name)[1])
 
-        def add(block, step, data):
-            self.records.append(Record(name, where.run, where.phase, block, step, data))
+        def record(ev):
+            data = self._fields(ev, fields)
+            self.records.append(Record(name, ev.where.run, ev.where.phase, ev.block, ev.step, data))
 
-        if name == "denoise.step":
-            def record(ev):
-                add(ev.block, ev.step, dict(canvas=t(ev.canvas, clone=True), masked=list(ev.masked),
-                                            candidates=t(ev.candidates), confidences=t(ev.confidences),
-                                            unmask=list(ev.unmask), time=ev.time))
-        elif name == "block.commit":
-            def record(ev):
-                add(ev.block, None, dict(tokens=list(ev.tokens), steps=ev.steps, start=ev.start, time=ev.time))
-        elif kind == ["moe", "route"]:
-            def record(ev):
-                if ev.mode == "commit":
-                    block, step = where.commit_block, None
-                else:
-                    block, step = where.block, where.step
-                add(block, step, dict(layer=ev.layer, mode=ev.mode, positions=t(ev.positions),
-                                      router_probs=t(ev.router_probs), expert_ids=t(ev.expert_ids),
-                                      weights=t(ev.weights)))
-        elif kind == ["gdn", "preview"]:
-            def record(ev):
-                add(where.block, where.step, dict(layer=ev.layer, positions=t(ev.positions),
-                                                  history_weights=t(ev.history_weights),
-                                                  history_reads=t(ev.history_reads)))
-        elif kind == ["gdn", "state"]:
-            def record(ev):
-                add(where.commit_block, None, dict(layer=ev.layer, state=t(ev.state, clone=True),
-                                                   ring=t(ev.ring, clone=True), length=ev.length))
-        else:  # a point added later: keep the event's public fields
-            def record(ev):
-                data = {k: (t(v) if isinstance(v, torch.Tensor) else v) for k, v in vars(ev).items()
-                        if not k.startswith("_")}
-                add(where.block, where.step, data)
         return record
+
+    def _fields(self, ev, fields) -> dict:
+        if fields is None:  # a point added later: keep the event's public fields
+            fields = {k: False for k in vars(ev) if not k.startswith("_") and k != "where"}
+        out = {}
+        for key, clone in fields.items():
+            value = getattr(ev, key)
+            if isinstance(value, torch.Tensor):
+                value = self._t(value, clone)
+            elif isinstance(value, list):
+                value = list(value)
+            out[key] = value
+        return out
 
     # ---------------------------------------------------------------- reading
     @property
@@ -149,3 +130,14 @@ class Capture:
 
     def clear(self) -> None:
         self.records.clear()
+
+
+# point kind -> the event fields a record keeps, True where the tensor must be cloned: the engine
+# or a later hook may change it in place (the GDN state and ring, the canvas)
+_FIELDS = {
+    P.DENOISE_STEP: dict(canvas=True, masked=False, candidates=False, confidences=False, unmask=False, time=False),
+    P.BLOCK_COMMIT: dict(tokens=False, steps=False, start=False, time=False),
+    P.MOE_ROUTE: dict(layer=False, mode=False, positions=False, router_probs=False, expert_ids=False, weights=False),
+    P.GDN_PREVIEW: dict(layer=False, positions=False, history_weights=False, history_reads=False),
+    P.GDN_STATE: dict(layer=False, state=True, ring=True, length=False),
+}

@@ -1,0 +1,89 @@
+"""The forward's layout: which rows a forward commits and previews, at which positions, against
+which cache, and the per-block expert coreset. Three layouts, one named constructor each:
+
+- ``cached``: the engine's forward. Rows [0, c) are committed at the cache's length n, rows
+  [c, c + m) are a block previewed after them. The cache advances only when the forward succeeds.
+- ``static``: the same with static shapes for CUDA graphs and torch.compile: the committed
+  length is a 0-d device tensor and attention runs over the cache's whole buffer with a mask.
+- ``training``: no cache. Rows [0, L) are a clean sequence from position 0, run causally; rows
+  [L, 2L) a noisy copy, each block of ``block_size`` rows previewed against the clean prefix
+  before it, exactly as the engine previews it against its cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import CloverCache
+from .hooks.events import NOWHERE, Where
+
+
+@dataclass
+class Coreset:
+    """Per-block expert coreset (spec 3.3): the first preview of a block records, per MoE layer,
+    the ``size`` experts with the largest router probability summed over the block's tokens;
+    later previews of the block route only among them. Commit always routes over all experts.
+
+    ``experts`` holds the recorded layers of the current block. Once recorded, a layer's tensor
+    is reused (written in place) by later blocks, so that a CUDA graph can read it."""
+
+    size: int
+    experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [size] expert ids
+    _buffers: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def reset(self) -> None:
+        self.experts.clear()
+
+    def record(self, layer: int, ids: torch.Tensor) -> None:
+        buf = self._buffers.get(layer)
+        if buf is None or buf.shape != ids.shape or buf.device != ids.device:
+            buf = self._buffers[layer] = ids.clone()
+        else:
+            buf.copy_(ids)
+        self.experts[layer] = buf
+
+
+@dataclass
+class ForwardContext:
+    """What one forward does; build it with :meth:`cached`, :meth:`static` or :meth:`training`."""
+
+    c: int  # commit rows (training: the clean sequence's length)
+    m: int  # preview rows
+    positions: torch.Tensor  # [c + m] absolute positions of the rows
+    cache: CloverCache | None = None
+    n: int | None = None  # committed length before the forward (cached layout)
+    n_dev: torch.Tensor | None = None  # the same as a 0-d device tensor (static layout)
+    block_size: int | None = None  # training layout: the block size the noisy copy is split into
+    coreset: Coreset | None = None
+    router_stats: list | None = None  # training: (router probs [T, E], expert ids [T, k]) per MoE part
+    hooks: bool = True  # False: hook points are not even looked up (static steps refuse hooks)
+    where: Where = NOWHERE  # where the generation stands, for the events the forward fires
+    rope: tuple | None = None  # (cos, sin) [c + m, rotary_dim], shared by every attention layer
+    pending: list = field(default_factory=list)  # (destination, source) cache writes, applied on success
+
+    @classmethod
+    def cached(cls, cache: CloverCache, c: int, m: int, device, coreset: Coreset | None = None,
+               where: Where = NOWHERE) -> "ForwardContext":
+        n = cache.length
+        return cls(c, m, torch.arange(n, n + c + m, device=device), cache=cache, n=n, coreset=coreset, where=where)
+
+    @classmethod
+    def static(cls, cache: CloverCache, n: torch.Tensor, c: int, m: int,
+               coreset: Coreset | None = None) -> "ForwardContext":
+        return cls(c, m, n + torch.arange(c + m, device=n.device), cache=cache, n_dev=n, coreset=coreset,
+                   hooks=False)
+
+    @classmethod
+    def training(cls, length: int, block_size: int, device, router_stats: list | None = None) -> "ForwardContext":
+        clean = torch.arange(length, device=device)
+        return cls(length, length, torch.cat([clean, clean]), block_size=block_size,  # noisy rows at clean positions
+                   router_stats=router_stats)
+
+    @property
+    def is_training(self) -> bool:
+        return self.block_size is not None
+
+    @property
+    def is_static(self) -> bool:
+        return self.n_dev is not None

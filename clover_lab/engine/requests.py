@@ -1,0 +1,143 @@
+"""A request, checked before anything runs: the prompt as token ids, stop strings, the mode,
+the context and the memory its cache needs."""
+from __future__ import annotations
+
+import torch
+
+from ..cache import cache_bytes
+
+MODES = ("diffusion", "ar")
+
+
+class GenerationError(ValueError):
+    """A request the engine refuses up front (context overflow, bad prompt, missing mask token)."""
+
+
+def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = None) -> list[int]:
+    """A prompt as token ids: a string (needs a tokenizer), token ids, or chat messages."""
+    V = vocab_size
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise GenerationError("a text prompt needs a tokenizer, and this engine has none; "
+                                  "pass token ids instead (a list of ints)")
+        ids = list(tokenizer(prompt)["input_ids"])
+    elif isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1 or prompt.dtype not in (torch.int64, torch.int32):
+            raise GenerationError(f"prompt tensor: expected integer token ids of shape [T], got "
+                                  f"{tuple(prompt.shape)} {prompt.dtype}")
+        ids = prompt.tolist()
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        if tokenizer is None:
+            raise GenerationError("chat messages need a tokenizer with a chat template; this engine has none")
+        for i, msg in enumerate(prompt):
+            if "role" not in msg or "content" not in msg:
+                raise GenerationError(f"chat message {i}: expected keys 'role' and 'content', got {sorted(msg)}")
+        kwargs = {} if thinking is None else {"enable_thinking": bool(thinking)}
+        try:
+            out = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
+                                                     **kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised with what was asked
+            raise GenerationError(f"the tokenizer cannot apply a chat template to these messages ({e})") from e
+        if hasattr(out, "keys") and "input_ids" in out:
+            out = out["input_ids"]
+        if isinstance(out, torch.Tensor):
+            out = out.reshape(-1).tolist()
+        if out and isinstance(out[0], (list, tuple)):
+            out = out[0]
+        ids = list(out)
+    elif isinstance(prompt, (list, tuple)):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise GenerationError("prompt: expected a string, a list of token ids (ints) or chat messages "
+                                  "(dicts with 'role' and 'content')")
+        ids = list(prompt)
+    else:
+        raise GenerationError(f"prompt: expected a string, token ids or chat messages, got {type(prompt).__name__}")
+    if not ids:
+        raise GenerationError("prompt is empty; give at least one token")
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {V})")
+    return [int(t) for t in ids]
+
+
+def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tokens: int, mode: str) -> None:
+    """Refuse up front what cannot run: unknown mode, no mask token, context or memory overflow."""
+    if mode not in MODES:
+        raise GenerationError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
+    if mode == "diffusion" and mask_token_id is None:
+        raise GenerationError("block diffusion needs a mask token, but the model config has no mask_token_id; "
+                              "set engine.mask_token_id or use mode='ar'")
+    ctx = model.config.max_position_embeddings
+    if prompt_len + max_new_tokens > ctx:
+        raise GenerationError(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) is "
+                              f"{prompt_len + max_new_tokens} positions, over the context length "
+                              f"max_position_embeddings={ctx}; shorten the prompt or lower max_new_tokens")
+    need = cache_bytes(model.config, prompt_len + max_new_tokens, dtype=model.dtype)
+    free = available_bytes(model.device)
+    if free is not None and need > free:
+        raise GenerationError(f"the cache for {prompt_len + max_new_tokens} positions needs "
+                              f"{need / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB is free on "
+                              f"{model.device}; lower max_new_tokens or shorten the prompt")
+
+
+def stop_list(stop, tokenizer) -> list[str]:
+    """``stop`` (None, a string or strings) as a list of non-empty strings; they need a tokenizer."""
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if stop:
+        if not all(isinstance(x, str) and x for x in stop):
+            raise GenerationError(f"stop: expected non-empty strings, got {stop!r}")
+        if tokenizer is None:
+            raise GenerationError("stop strings need a tokenizer, and this engine has none; "
+                                  "use eos token ids (engine.eos_token_ids) instead")
+    return stop
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` for a new cache, or None when unknown."""
+    try:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free)
+        if device.type == "cpu":
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return None
+
+
+class StopStrings:
+    """Finds the first stop string in the decoded response; knows how many tokens it takes."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.longest = max(len(s) for s in stops)
+        self.clean = 0  # this many leading tokens are known to decode to stop-free text
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def find(self, ids: list[int]) -> int | None:
+        """Smallest k such that decode(ids[:k]) contains a stop string, or None."""
+        if len(ids) <= self.clean:
+            return None
+        text = self.decode(ids)
+        if not any(s in text for s in self.stops):
+            self.clean = len(ids)
+            return None
+        for k in range(self.clean + 1, len(ids) + 1):
+            t = self.decode(ids[:k])
+            if any(s in t for s in self.stops):
+                return k
+        return len(ids)
+
+    def cut(self, text: str) -> str:
+        hits = [text.find(s) for s in self.stops if s in text]
+        return text[:min(hits)] if hits else text

@@ -1,0 +1,158 @@
+"""What a generation returns: its figures (``GenerationStats``, timed by ``Clock``), the
+result, and the updates ``Engine.stream`` yields."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class GenerationStats:
+    """Figures of one generation. Forwards and times exclude the prompt prefill unless named
+    ``prefill_*``; ``tokens_per_second`` is new tokens over ``decode_seconds`` (wall time after
+    the prefill). ``preview_seconds`` covers every forward with a preview part (fused ones
+    included), ``commit_seconds`` the commit-only forwards after the prefill."""
+
+    mode: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    blocks: int = 0
+    forwards: int = 0
+    preview_forwards: int = 0
+    fused_forwards: int = 0
+    commit_forwards: int = 0
+    prefill_forwards: int = 0
+    tokens_per_forward: float = 0.0
+    steps_per_block: list[int] = field(default_factory=list)
+    mean_steps_per_block: float | None = None
+    prefill_seconds: float = 0.0
+    preview_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    seconds_per_preview: float | None = None
+    seconds_per_commit: float | None = None
+    decode_seconds: float = 0.0
+    total_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    stop_reason: str = "length"  # "length" | "eos" | "stop_string" | "hook"
+    seed: int | None = None
+    block_size: int | None = None
+    coreset_size: int | None = None
+    cache_complete: bool = True  # the cache holds prompt + every returned token
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __getitem__(self, key: str):
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def keys(self):
+        return self.__dataclass_fields__.keys()
+
+
+@dataclass
+class GenerationResult:
+    """``token_ids`` the response (an EOS that ended it included; a stop string's tokens
+    included), ``text`` its decoding without special tokens and cut before a stop string (None
+    without a tokenizer), ``prompt_ids`` the prompt as tokens, ``stats`` the run's figures."""
+
+    token_ids: list[int]
+    text: str | None
+    prompt_ids: list[int]
+    stats: GenerationStats
+
+    @property
+    def stop_reason(self) -> str:
+        return self.stats.stop_reason
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
+                "stats": self.stats.to_dict()}
+
+
+@dataclass
+class StreamUpdate:
+    """One update of :meth:`Engine.stream`.
+
+    ``kind``: "step" (provisional tokens of the current block changed), "commit" (a block became
+    final and is in the cache) or "done" (``result`` holds the GenerationResult).
+    ``committed`` the final response tokens so far; ``block_tokens`` the current block, None where
+    still masked. Its tokens are provisional: an unmasked position keeps its token, but the block
+    may still be cut after an EOS or a stop string before it is committed. ``unmasked`` the block
+    positions unmasked by this step.
+    """
+
+    kind: str
+    block: int
+    step: int | None
+    committed: list[int]
+    block_tokens: list[int | None]
+    unmasked: list[int] = field(default_factory=list)
+    time: float = 0.0
+    result: "GenerationResult | None" = None
+    tokenizer: object = field(default=None, repr=False)
+
+    @property
+    def committed_text(self) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(self.committed, skip_special_tokens=True)
+
+    def block_pieces(self) -> list[str | None]:
+        """The current block as one string per position (None where masked); ids without a tokenizer."""
+        if self.tokenizer is None:
+            return [None if t is None else str(t) for t in self.block_tokens]
+        return [None if t is None else self.tokenizer.decode([t], skip_special_tokens=False)
+                for t in self.block_tokens]
+
+
+class Clock:
+    """Forward timing without host syncs: CUDA events on GPUs (read once at the end), wall time
+    on the CPU (where a forward is synchronous anyway)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {"prefill": [], "preview": [], "commit": []}
+        self._open = None
+
+    def start(self, kind: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._open = (kind, ev)
+        else:
+            self._open = (kind, time.perf_counter())
+
+    def stop(self) -> None:
+        kind, begin = self._open
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans[kind].append((begin, end))
+        else:
+            self.spans[kind].append(time.perf_counter() - begin)
+        self._open = None
+
+    def total(self, kind: str) -> float:
+        if self.cuda:
+            return sum(b.elapsed_time(e) for b, e in self.spans[kind]) / 1000.0
+        return float(sum(self.spans[kind]))
+
+    def fill(self, st: GenerationStats, t0: float, t_decode: float) -> None:
+        """The stats' forward counts and times, once the run has ended (``new_tokens`` set)."""
+        end = time.perf_counter()
+        st.forwards = st.preview_forwards + st.commit_forwards
+        st.tokens_per_forward = st.new_tokens / st.forwards if st.forwards else 0.0
+        st.prefill_seconds = self.total("prefill")
+        st.preview_seconds = self.total("preview")
+        st.commit_seconds = self.total("commit")
+        st.seconds_per_preview = st.preview_seconds / st.preview_forwards if st.preview_forwards else None
+        st.seconds_per_commit = st.commit_seconds / st.commit_forwards if st.commit_forwards else None
+        st.decode_seconds = end - t_decode
+        st.total_seconds = end - t0
+        st.tokens_per_second = st.new_tokens / st.decode_seconds if st.decode_seconds > 0 else 0.0
+        if st.steps_per_block:
+            st.mean_steps_per_block = sum(st.steps_per_block) / len(st.steps_per_block)

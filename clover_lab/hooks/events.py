@@ -1,0 +1,265 @@
+"""The events hooks receive: model events (inside a forward: ``layers.{i}.moe.route``,
+``layers.{i}.gdn.preview``, ``layers.{i}.gdn.state``) and engine events (between forwards:
+``denoise.step``, ``block.commit``).
+
+Every event carries ``where``: the generation, phase, block and step it fired at, so a
+recording or a widget never needs to ask the engine. Events are built only when a hook is
+attached to their point. Their tensors live on the model's device; positions and tokens the
+engine already holds on the host are plain lists, so reading them costs no synchronisation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a generation stands when an event fires. ``run`` counts generations on the engine
+    (0: a forward called directly, outside any generation); ``phase`` "prefill" or "decode";
+    ``block`` / ``step`` the block being previewed and its denoising step; ``commit_block`` the
+    block being committed by this forward (fused with a preview, or alone)."""
+
+    run: int = 0
+    phase: str | None = None
+    block: int | None = None
+    step: int | None = None
+    commit_block: int | None = None
+
+    def at(self, mode: str) -> tuple[int | None, int | None]:
+        """(block, step) of the rows of one mode: a commit's rows belong to ``commit_block`` at no
+        step; a preview's to ``block`` at ``step``."""
+        return (self.commit_block, None) if mode == "commit" else (self.block, self.step)
+
+    def label(self) -> str:
+        if self.phase == "prefill":
+            return "prefill"
+        if self.step is None:
+            return f"commit of block {self.commit_block}"
+        fused = "" if self.commit_block is None else f" (+ commit of block {self.commit_block})"
+        return f"block {self.block} · step {self.step}{fused}"
+
+
+NOWHERE = Where()
+
+
+@dataclass(kw_only=True)
+class Event:
+    where: Where = NOWHERE
+
+    @property
+    def run(self) -> int:
+        return self.where.run
+
+    @property
+    def phase(self) -> str | None:
+        return self.where.phase
+
+
+# --------------------------------------------------------------------------- model events
+@dataclass
+class RouteEvent(Event):
+    """After the router of one MoE layer, for one part (commit or preview) of a forward.
+
+    ``router_probs`` [T, E] fp32 (softmax over all experts), ``expert_ids`` [T, k] and ``weights``
+    [T, k] (renormalised over the top-k). ``ban`` and ``force`` change what the layer computes.
+    ``block`` / ``step``: the block and step of the routed rows (commit rows: no step).
+    """
+
+    layer: int
+    mode: str  # "commit" | "preview"
+    positions: torch.Tensor  # [T] absolute positions of the routed tokens (flattened over the batch)
+    router_probs: torch.Tensor
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+    selectable: torch.Tensor | None = field(default=None, repr=False)  # [E] bool (coreset), None = all
+    # the layer's routing rule, (probs, allowed) -> (expert ids, weights): ``Router.select``
+    select: Callable | None = field(default=None, repr=False, kw_only=True)
+
+    @property
+    def top_k(self) -> int:
+        return self.expert_ids.shape[-1]
+
+    @property
+    def block(self) -> int | None:
+        return self.where.at(self.mode)[0]
+
+    @property
+    def step(self) -> int | None:
+        return self.where.at(self.mode)[1]
+
+    def _reroute(self, allowed: torch.Tensor) -> None:
+        if int(allowed.sum()) < self.top_k:
+            raise ValueError(f"layer {self.layer}: fewer than top_k={self.top_k} experts left to route to")
+        if self.select is None:
+            raise ValueError(f"layer {self.layer}: this route event has no routing rule to re-route with")
+        ids, weights = self.select(self.router_probs, allowed)
+        self.expert_ids = ids
+        self.weights = weights.to(self.weights.dtype)
+
+    def ban(self, expert_ids) -> None:
+        """Route around these experts: each token takes its top-k among the others, renormalised."""
+        E = self.router_probs.shape[-1]
+        ids = torch.as_tensor(expert_ids, dtype=torch.long, device=self.router_probs.device).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
+            raise ValueError(f"ban: expert ids must be in [0, {E}), got {ids.tolist()}")
+        allowed = torch.ones(E, dtype=torch.bool, device=ids.device) if self.selectable is None else self.selectable.clone()
+        allowed[ids] = False
+        self.selectable = allowed
+        self._reroute(allowed)
+
+    def force(self, expert_ids, weights=None) -> None:
+        """Use exactly these experts: ids [k] (every token) or [T, k]; weights default to the
+        router's probabilities of those experts, renormalised."""
+        T, E = self.router_probs.shape
+        ids = torch.as_tensor(expert_ids, dtype=torch.long, device=self.router_probs.device)
+        ids = ids.expand(T, -1) if ids.dim() == 1 else ids
+        if ids.shape[0] != T or (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E)):
+            raise ValueError(f"force: expected expert ids [k] or [{T}, k] in [0, {E}), got shape {tuple(ids.shape)}")
+        if weights is None:
+            w = self.router_probs.gather(-1, ids)
+            w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+        else:
+            w = torch.as_tensor(weights, dtype=torch.float32, device=ids.device).expand(ids.shape)
+        self.expert_ids = ids.contiguous()
+        self.weights = w.to(self.weights.dtype).contiguous()
+
+
+@dataclass
+class GDNPreviewEvent(Event):
+    """In a preview of one GDN layer: how much each block token leans on the compressed memory."""
+
+    layer: int
+    positions: torch.Tensor  # [m] absolute positions of the block
+    history_weights: torch.Tensor  # [B, m, H_v] p_tH, fp32
+    history_reads: torch.Tensor  # [B, m, H_v, d_v] h_t = (q_t / sqrt(d_k)) @ S0, fp32
+
+    @property
+    def block(self) -> int | None:
+        return self.where.block
+
+    @property
+    def step(self) -> int | None:
+        return self.where.step
+
+
+@dataclass
+class GDNStateEvent(Event):
+    """After a commit advanced one GDN layer. Edit ``state`` in place or assign a new tensor
+    of the same shape; what it holds afterwards is what the cache keeps."""
+
+    layer: int
+    state: torch.Tensor  # [B, H_v, d_k, d_v] fp32
+    ring: torch.Tensor  # [B, conv_dim, K-1]
+    length: int  # committed length after this commit
+
+    @property
+    def block(self) -> int | None:
+        return self.where.commit_block
+
+    @property
+    def step(self) -> None:
+        return None
+
+
+# --------------------------------------------------------------------------- engine events
+
+class _Stoppable:
+    stopped: bool
+
+    def stop(self) -> None:
+        """End the generation cleanly after this event (same as raising StopGeneration)."""
+        self.stopped = True
+
+
+@dataclass
+class StepEvent(Event, _Stoppable):
+    """After one preview's unmask decision (``denoise.step``), before it is applied.
+
+    ``canvas`` [m] (a copy of the block before this step: mask tokens where still masked),
+    ``masked`` the block positions still masked before this step, ``candidates`` [N] and
+    ``confidences`` [N] aligned with ``masked`` (device tensors), ``unmask`` the positions the
+    rule chose to unmask now, ``time`` seconds since the generation started.
+
+    Change the decision by editing ``unmask`` (or :meth:`veto` / :meth:`add`), and the token
+    placed at a position with :meth:`set_token`; stop with :meth:`stop`.
+    """
+
+    block: int
+    step: int
+    canvas: torch.Tensor
+    masked: list[int]
+    candidates: torch.Tensor
+    confidences: torch.Tensor
+    unmask: list[int]
+    time: float
+    tokens: dict[int, int] = field(default_factory=dict)  # position -> token overriding the candidate
+    stopped: bool = False
+    logits: torch.Tensor | None = field(default=None, repr=False)  # [N, V] this preview's, aligned with masked
+
+    def top_candidates(self, k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most probable tokens of this step's distribution at each masked position:
+        (ids [N, k], probabilities [N, k]), computed only when asked."""
+        if self.logits is None:
+            raise ValueError("this step event carries no logits")
+        probs, ids = self.logits.float().softmax(-1).topk(min(k, self.logits.shape[-1]), dim=-1)
+        return ids, probs
+
+    def veto(self, *positions: int | Iterable[int]) -> None:
+        """Keep these block positions masked this step."""
+        drop = set(_flatten(positions))
+        self.unmask = [p for p in self.unmask if p not in drop]
+
+    def add(self, *positions: int | Iterable[int]) -> None:
+        """Unmask these (still masked) block positions too, with their candidates."""
+        have = set(self.unmask)
+        for p in _flatten(positions):
+            if p not in have:
+                self.unmask.append(p)
+                have.add(p)
+
+    def set_token(self, position: int, token: int) -> None:
+        """Unmask ``position`` now with ``token`` instead of its candidate."""
+        self.tokens[int(position)] = int(token)
+        self.add(int(position))
+
+    def candidate(self, position: int) -> int:
+        """The candidate token at a block position (reads one value from the device)."""
+        return int(self.candidates[self.masked.index(position)])
+
+    def confidence(self, position: int) -> float:
+        return float(self.confidences[self.masked.index(position)])
+
+
+@dataclass
+class CommitEvent(Event, _Stoppable):
+    """After a block is committed to the cache (``block.commit``).
+
+    ``tokens`` the block's final tokens (after EOS / stop-string truncation), ``steps`` the
+    previews it took, ``start`` its first position in the sequence, ``time`` seconds since the
+    generation started. In AR mode every token is a block of one (``steps`` = 1)."""
+
+    block: int
+    tokens: list[int]
+    steps: int
+    start: int
+    time: float
+    stopped: bool = False
+
+    @property
+    def step(self) -> None:
+        return None
+
+
+def _flatten(items) -> list[int]:
+    out = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            out += [int(x) for x in item.reshape(-1).tolist()]
+        elif isinstance(item, (list, tuple, set, frozenset, range)):
+            out += [int(x) for x in item]
+        else:
+            out.append(int(item))
+    return out

@@ -1,0 +1,97 @@
+"""Gated attention (the full-attention layers): committed rows causally against the cache, block
+rows in both directions, the static layout for graphs and the training layout."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..cache import AttentionCache
+from ..config import CloverConfig
+from ..context import ForwardContext
+from .linear import Linear
+from .norm import RMSNorm
+from .rotary import apply_rotary
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a sigmoid output gate per head, q/k norms and partial RoPE."""
+
+    def __init__(self, config: CloverConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        H, D, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = Linear(H, self.num_heads * D * 2, bias=bias)  # query and gate, interleaved per head
+        self.k_proj = Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = Linear(self.num_heads * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        D = self.head_dim
+        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)
+        gate = gate.reshape(B, T, -1)
+        q = self.q_norm(q).transpose(1, 2)  # [B, Hq, T, D]
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, D)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        cos, sin = ctx.rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if ctx.is_training:
+            o = self._attend_blocks(q, k, v, ctx.c, ctx.block_size)
+            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
+
+        cache: AttentionCache = ctx.cache.layers[self.layer]
+        if ctx.is_static:
+            o = self._attend_static(q, k, v, cache, ctx)
+            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
+        n, c, m = ctx.n, ctx.c, ctx.m
+        outs = []
+        if c:
+            # rows past the committed length are invisible until the pass succeeds: safe to write now
+            cache.k[:, :, n:n + c] = k[:, :, :c]
+            cache.v[:, :, n:n + c] = v[:, :, :c]
+            keys, values = cache.k[:, :, :n + c], cache.v[:, :, :n + c]
+            if n == 0:
+                o = F.scaled_dot_product_attention(q[:, :, :c], keys, values, is_causal=True, enable_gqa=True)
+            else:
+                allowed = torch.ones(c, n + c, dtype=torch.bool, device=x.device).tril(diagonal=n)
+                o = F.scaled_dot_product_attention(q[:, :, :c], keys, values, attn_mask=allowed, enable_gqa=True)
+            outs.append(o)
+        if m:
+            # the block sees the whole committed prefix and the whole block; its K,V are not cached
+            keys = torch.cat([cache.k[:, :, :n + c], k[:, :, c:]], dim=2)
+            values = torch.cat([cache.v[:, :, :n + c], v[:, :, c:]], dim=2)
+            outs.append(F.scaled_dot_product_attention(q[:, :, c:], keys, values, enable_gqa=True))
+        o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+    @staticmethod
+    def _attend_static(q, k, v, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:
+        """Static shapes for CUDA graphs: every row's K,V is written at its position (rows past the
+        committed length are scratch until a commit publishes them), then one attention over the
+        whole buffer. Commit rows see the prefix causally; block rows see the prefix and the block."""
+        pos = ctx.positions  # [c + m] = n + arange
+        cache.k.index_copy_(2, pos, k)
+        cache.v.index_copy_(2, pos, v)
+        last = pos[:ctx.c] if not ctx.m else torch.cat([pos[:ctx.c], pos[-1:].expand(ctx.m)])
+        allowed = torch.arange(cache.k.shape[2], device=q.device)[None, :] <= last[:, None]  # [T, max_len]
+        return F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=allowed, enable_gqa=True)
+
+    @staticmethod
+    def _attend_blocks(q, k, v, L: int, bs: int) -> torch.Tensor:
+        """Training layout: clean rows attend causally; noisy block b attends to the clean rows
+        before it and to its own block, both directions (spec 3.1)."""
+        clean = F.scaled_dot_product_attention(q[:, :, :L], k[:, :, :L], v[:, :, :L], is_causal=True,
+                                               enable_gqa=True)
+        block_of = torch.arange(L, device=q.device) // bs
+        sees_clean = torch.arange(L, device=q.device)[None, :] < (block_of[:, None] * bs)
+        sees_block = block_of[:, None] == block_of[None, :]
+        allowed = torch.cat([sees_clean, sees_block], dim=1)  # [L noisy queries, L clean + L noisy keys]
+        noisy = F.scaled_dot_product_attention(q[:, :, L:], k, v, attn_mask=allowed, enable_gqa=True)
+        return torch.cat([clean, noisy], dim=2)

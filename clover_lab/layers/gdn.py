@@ -1,0 +1,122 @@
+"""Gated DeltaNet: the chunked gated delta rule in commit, Clover's preview operator in preview
+(spec 3.2), and both over the training layout."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import clover_kernels as ops
+from clover_kernels.gdn.torch import gdn_commit_blocks
+
+from ..cache import GDNCache
+from ..config import CloverConfig
+from ..context import ForwardContext
+from ..hooks import points
+from ..hooks.events import GDNPreviewEvent, GDNStateEvent
+from ..hooks.registry import HookRegistry
+from .linear import Linear
+from .norm import GatedRMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    """GDN token mixer: the chunked gated delta rule in commit, Clover's preview operator in preview."""
+
+    def __init__(self, config: CloverConfig, layer: int, hooks: HookRegistry):
+        super().__init__()
+        self.layer = layer
+        self.hooks = hooks
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        H, C, K = config.hidden_size, config.conv_dim, config.linear_conv_kernel_dim
+        Hv = self.num_v_heads
+        self.in_proj_qkv = Linear(H, C, bias=False)
+        self.in_proj_z = Linear(H, Hv * self.head_v_dim, bias=False)
+        self.in_proj_b = Linear(H, Hv, bias=False)
+        self.in_proj_a = Linear(H, Hv, bias=False)
+        self.conv1d = nn.Conv1d(C, C, K, groups=C, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(Hv))
+        self.A_log = nn.Parameter(torch.zeros(Hv))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = Linear(Hv * self.head_v_dim, H, bias=False)
+        # Clover's preview operator (spec 3.2); defaults make an untrained but well-defined preview
+        self.conv1d_right = nn.Conv1d(C, C, K - 1, groups=C, bias=False)
+        self.block_scale = nn.Parameter(torch.empty(Hv))
+        self.history_bias = nn.Parameter(torch.empty(Hv))
+        self.history_log_n = nn.Parameter(torch.empty(Hv))
+        self.reset_preview_parameters()
+        self.state_point = points.layer_point(layer, points.GDN_STATE)
+        self.preview_point = points.layer_point(layer, points.GDN_PREVIEW)
+
+    @torch.no_grad()
+    def reset_preview_parameters(self) -> None:
+        self.conv1d_right.weight.zero_()
+        self.block_scale.fill_(math.log(math.sqrt(self.head_k_dim)))
+        self.history_bias.zero_()
+        self.history_log_n.fill_(1.0)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        c, m = ctx.c, ctx.m
+        mixed = self.in_proj_qkv(x)  # [B, T, C]
+        z = self.in_proj_z(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        if ctx.is_training:
+            o = self._mix_blocks(x, mixed, ctx.c, ctx.block_size)
+            o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+            return self.out_proj(o.reshape(B, T, -1))
+        cache: GDNCache = ctx.cache.layers[self.layer]
+        ring, state = cache.ring, cache.state
+        conv_w = self.conv1d.weight[:, 0]
+        outs = []
+        if c:
+            g, beta = self._gates(x[:, :c])
+            o, ring, state = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state,
+                                            self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            if ctx.hooks and self.hooks.active(self.state_point):
+                event = GDNStateEvent(self.layer, state, ring, ctx.n + c, where=ctx.where)
+                self.hooks.fire(self.state_point, event)
+                if event.state.shape != state.shape:
+                    raise ValueError(f"{self.state_point}: a hook set a state of shape {tuple(event.state.shape)}, "
+                                     f"expected {tuple(state.shape)}")
+                state = event.state.float()
+            ctx.pending += [(cache.ring, ring), (cache.state, state)]
+            outs.append(o)
+        if m:
+            want_history = ctx.hooks and self.hooks.active(self.preview_point)
+            o, p_hist, h = ops.gdn_preview(
+                mixed[:, c:], ring, conv_w, self.conv1d_right.weight[:, 0], state, self.block_scale,
+                self.history_bias, self.history_log_n, self.num_k_heads, self.head_k_dim, self.head_v_dim,
+                return_history=want_history)
+            if want_history:
+                self.hooks.fire(self.preview_point,
+                                GDNPreviewEvent(self.layer, ctx.positions[c:], p_hist, h, where=ctx.where))
+            outs.append(o)
+        o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B, T, Hv, dv]
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(B, T, -1))
+
+
+    def _gates(self, x):
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        return g, beta
+
+    def _mix_blocks(self, x, mixed, L: int, bs: int) -> torch.Tensor:
+        """Training layout: the clean rows in commit mode, every noisy block previewed against the
+        clean state and ring at its boundary, with the same preview op as inference."""
+        B = x.shape[0]
+        nb = L // bs
+        g, beta = self._gates(x[:, :L])
+        conv_w = self.conv1d.weight[:, 0]
+        o_clean, rings, states = gdn_commit_blocks(mixed[:, :L], conv_w, g, beta, self.num_k_heads,
+                                                   self.head_k_dim, self.head_v_dim, bs)
+        noisy = mixed[:, L:].reshape(B * nb, bs, -1)
+        o_noisy, _, _ = ops.gdn_preview(
+            noisy, rings.reshape(B * nb, *rings.shape[2:]), conv_w, self.conv1d_right.weight[:, 0],
+            states.reshape(B * nb, *states.shape[2:]), self.block_scale, self.history_bias, self.history_log_n,
+            self.num_k_heads, self.head_k_dim, self.head_v_dim)
+        return torch.cat([o_clean, o_noisy.reshape(B, L, *o_noisy.shape[2:])], dim=1)

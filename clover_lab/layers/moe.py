@@ -1,0 +1,110 @@
+"""The sparse MoE block: the router (softmax, coreset mask, top-k, renormalise: the one routing
+rule, which route events re-run), the routed experts and the sigmoid-gated shared expert."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import clover_kernels as ops
+
+from ..config import CloverConfig
+from ..context import ForwardContext
+from ..hooks import points
+from ..hooks.events import RouteEvent
+from ..hooks.registry import HookRegistry
+from .linear import Linear, SwiGLU
+
+
+class Router(nn.Module):
+    """Router probabilities (softmax over every expert, fp32) and the routing rule: the top-k
+    among the allowed experts, their probabilities renormalised to sum to 1."""
+
+    packed: ops.PackedWeight | None = None  # the weight in oneDNN's layout (CloverModel.pack_weights)
+
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.top_k = config.num_experts_per_tok
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> router probabilities [..., E] in fp32."""
+        return torch.softmax(ops.linear(x, self.weight, packed=self.packed), dim=-1, dtype=torch.float32)
+
+    def select(self, probs: torch.Tensor, allowed: torch.Tensor | None = None):
+        """probs [T, E], allowed [E] bool (None: every expert) -> (expert ids [T, k], weights [T, k]
+        fp32). Probabilities are >= 0, so a disallowed expert (-1) is never among the top k while
+        k experts are allowed."""
+        choice = probs if allowed is None else probs.masked_fill(~allowed, -1.0)
+        top, ids = choice.topk(self.top_k, dim=-1)
+        return ids, top / top.sum(-1, keepdim=True)
+
+
+class Experts(nn.Module):
+    """The routed experts as fused tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    # (gate_up, down): one PackedWeight per expert each (CloverModel.pack_weights), or None
+    packed: tuple[list[ops.PackedWeight], list[ops.PackedWeight]] | None = None
+
+
+class SparseMoE(nn.Module):
+    """Softmax router, renormalised top-k, routed experts plus a sigmoid-gated shared expert."""
+
+    def __init__(self, config: CloverConfig, layer: int, hooks: HookRegistry):
+        super().__init__()
+        self.layer = layer
+        self.hooks = hooks
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        self.route_point = points.layer_point(layer, points.MOE_ROUTE)
+
+    def route(self, probs: torch.Tensor, mode: str, ctx: ForwardContext, lo: int, hi: int, batch: int,
+              dtype: torch.dtype):
+        """Top-k routing of rows [lo, hi) of every batch row (probs [batch * (hi - lo), E]); a
+        preview with a coreset records it (the block's first preview) or routes within it.
+        Returns (expert_ids [T, k], weights [T, k] in ``dtype``)."""
+        coreset = ctx.coreset
+        allowed = None
+        if mode == "preview" and coreset is not None:
+            chosen = coreset.experts.get(self.layer)
+            if chosen is None:  # first preview of the block: route fully, remember the coreset
+                coreset.record(self.layer, probs.sum(0).topk(min(coreset.size, self.num_experts)).indices)
+            else:
+                allowed = torch.zeros(self.num_experts, dtype=torch.bool, device=probs.device)
+                allowed[chosen] = True
+        ids, weights = self.gate.select(probs, allowed)
+        weights = weights.to(dtype)
+        if ctx.router_stats is not None:
+            ctx.router_stats.append((probs, ids))
+        if ctx.hooks and self.hooks.active(self.route_point):
+            event = RouteEvent(self.layer, mode, ctx.positions[lo:hi].repeat(batch), probs, ids, weights, allowed,
+                               select=self.gate.select, where=ctx.where)
+            self.hooks.fire(self.route_point, event)
+            ids, weights = event.expert_ids, event.weights.to(dtype)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        B, T, H = x.shape
+        probs = self.gate(x)  # [B, T, E]
+        ids, weights = [], []
+        for mode, lo, hi in (("commit", 0, ctx.c), ("preview", ctx.c, ctx.c + ctx.m)):
+            if hi > lo:
+                i, w = self.route(probs[:, lo:hi].reshape(-1, self.num_experts), mode, ctx, lo, hi, B, x.dtype)
+                ids.append(i.view(B, hi - lo, -1))
+                weights.append(w.view(B, hi - lo, -1))
+        ids = torch.cat(ids, dim=1).reshape(B * T, -1) if len(ids) > 1 else ids[0].reshape(B * T, -1)
+        weights = torch.cat(weights, dim=1).reshape(B * T, -1) if len(weights) > 1 else weights[0].reshape(B * T, -1)
+        flat = x.reshape(B * T, H)
+        experts = self.experts
+        routed = ops.moe_experts(flat, ids, weights, experts.gate_up_proj, experts.down_proj, experts.packed)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).view(B, T, H)

@@ -1,0 +1,232 @@
+"""Training small Clover models: the loop (warmup + cosine schedule, checkpoints, resume), the
+export of a trained model directory and the command line.
+
+    python -m clover_lab.train --out runs/stdlib --minutes 90       # resumes if runs/stdlib exists
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..config import CloverConfig
+from ..model import CloverModel
+from .corpus import encode_files, split_corpus, train_tokenizer
+from .objective import TrainSettings, block_diffusion_loss
+
+
+def training_batch(tokens: torch.Tensor, distilled: torch.Tensor | None, s: TrainSettings,
+                   gen: torch.Generator) -> torch.Tensor:
+    """[batch_size, seq_len] rows: random windows of the corpus, and with a self-distillation
+    corpus, ``distill_share`` of the rows drawn from it instead."""
+    n_distill = 0 if distilled is None else round(s.distill_share * s.batch_size)
+    starts = torch.randint(0, len(tokens) - s.seq_len, (s.batch_size - n_distill,), generator=gen)
+    rows = [tokens[i:i + s.seq_len] for i in starts.tolist()]
+    if n_distill:
+        picks = torch.randint(0, len(distilled), (n_distill,), generator=gen)
+        rows += [distilled[i, :s.seq_len] for i in picks.tolist()]
+    return torch.stack(rows).long()
+
+
+def lr_at(step: int, s: TrainSettings) -> float:
+    step, total = step - s.schedule_start, s.max_steps - s.schedule_start
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    progress = min(1.0, (step - s.warmup_steps) / max(1, total - s.warmup_steps))
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def prepare(out: Path, preset: str, vocab_size: int, block_size: int, overrides: dict):
+    """Tokenizer, token streams and the initial model config, made once per run directory."""
+    data = out / "data.pt"
+    if not data.exists():
+        train_files, held_files = split_corpus()
+        print(f"corpus: {len(train_files)} training and {len(held_files)} held-out stdlib modules", flush=True)
+        tok = train_tokenizer(train_files, vocab_size, out / "tokenizer")
+        torch.save({"train": encode_files(tok, train_files), "heldout": encode_files(tok, held_files),
+                    "heldout_modules": [str(f.name) for f in held_files]}, data)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    config = CloverConfig.preset(
+        preset, vocab_size=len(tok), block_size=block_size, mask_token_id=tok.mask_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **overrides)
+    return tok, torch.load(data), config
+
+
+def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_size: int = 4096,
+          block_size: int = 16, settings: TrainSettings | None = None, overrides: dict | None = None,
+          threads: int | None = None, device: str | None = None, log_every: int = 10,
+          checkpoint_every: int = 100, extend_steps: int | None = None, extend_lr: float | None = None,
+          extend_overrides: dict | None = None) -> Path:
+    """Train (or resume) the run in ``out`` for at most ``minutes``. ``extend_steps`` continues a
+    finished run for that many more steps with a fresh warmup + cosine schedule (peak ``extend_lr``;
+    ``extend_overrides`` replaces other fields of its TrainSettings, e.g. ``distill_data``)."""
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if threads:
+        torch.set_num_threads(threads)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    state_file = out / "train_state.pt"
+    tok, data, config = prepare(out, preset, vocab_size, block_size, overrides or {})
+    if state_file.exists():
+        state = torch.load(state_file, weights_only=False)
+        model, settings, step = _resume(out, state, device, extend_steps, extend_lr, extend_overrides)
+    else:
+        settings = settings or TrainSettings()
+        model = CloverModel.random(config, device=device, seed=settings.seed)
+        state, step = None, 0
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    opt = _optimizer(model, settings)
+    gen = torch.Generator().manual_seed(settings.seed)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+    tokens = data["train"]
+    distilled = _distilled(settings)
+    log = open(out / "loss_log.jsonl", "a")
+
+    def checkpoint():
+        model.save_pretrained(out / "checkpoint")
+        torch.save({"step": step, "settings": asdict(settings), "optimizer": opt.state_dict(),
+                    "generator": gen.get_state()}, state_file.with_suffix(".tmp"))
+        os.replace(state_file.with_suffix(".tmp"), state_file)
+
+    deadline = time.monotonic() + minutes * 60
+    bar = tqdm(desc="training", unit="step", initial=step)
+    try:
+        while time.monotonic() < deadline and step < settings.max_steps:
+            clean = training_batch(tokens, distilled, settings, gen).to(device)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, settings)
+            loss, parts = block_diffusion_loss(model, clean, settings, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            bar.update(1)
+            if step % log_every == 0:
+                bar.set_postfix(loss=f"{parts['loss']:.3f}", acc=f"{parts['mask_acc']:.3f}")
+                log.write(json.dumps({"step": step, "time": time.time(), "lr": lr_at(step, settings), **parts}) + "\n")
+                log.flush()
+            if step % checkpoint_every == 0:
+                checkpoint()
+    except KeyboardInterrupt:
+        print("\ninterrupted: saving a checkpoint to resume from", file=sys.stderr)
+    finally:
+        bar.close()
+        checkpoint()
+        log.close()
+    return out
+
+
+def _resume(out: Path, state: dict, device, extend_steps, extend_lr, extend_overrides):
+    """(model, settings, step) of the run in ``out``; ``extend_steps`` starts a fresh schedule."""
+    settings = TrainSettings(**state["settings"])
+    model = CloverModel.from_pretrained(out / "checkpoint", device=device, dtype=torch.float32)
+    step = state["step"]
+    if extend_steps:
+        settings.schedule_start, settings.max_steps = step, step + extend_steps
+        settings.lr = extend_lr or settings.lr
+        for field, value in (extend_overrides or {}).items():
+            setattr(settings, field, value)
+    print(f"resuming {out} at step {step} (schedule to step {settings.max_steps})", flush=True)
+    return model, settings, step
+
+
+def _optimizer(model: CloverModel, settings: TrainSettings) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices except the embedding."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
+
+
+def _distilled(settings: TrainSettings) -> torch.Tensor | None:
+    """The self-distillation corpus' sequences, when the settings name one."""
+    if not settings.distill_data:
+        return None
+    distilled = torch.load(settings.distill_data)["sequences"]
+    if distilled.shape[1] < settings.seq_len:
+        raise ValueError(f"{settings.distill_data}: sequences of {distilled.shape[1]} tokens, "
+                         f"shorter than seq_len {settings.seq_len}")
+    print(f"mixing {len(distilled)} self-distilled sequences into {settings.distill_share:.0%} "
+          f"of each batch", flush=True)
+    return distilled
+
+
+def export(run: str | Path, dest: str | Path, generation_defaults: dict | None = None,
+           dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Copy a run's checkpoint (in ``dtype``: bf16 halves the shipped size) and tokenizer into a
+    self-contained model directory."""
+    import shutil
+
+    run, dest = Path(run), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    model = CloverModel.from_pretrained(run / "checkpoint", dtype=dtype)
+    model.save_pretrained(dest)
+    for f in (run / "tokenizer").iterdir():
+        shutil.copy(f, dest / f.name)
+    defaults = {"threshold": 0.9, "max_new_tokens": 128, **(generation_defaults or {})}
+    (dest / "generation_config.json").write_text(json.dumps(defaults, indent=2) + "\n")
+    return dest
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="clover-lab train", description="Train a small Clover on the Python stdlib")
+    ap.add_argument("--out", required=True, help="run directory (resumed when it exists)")
+    ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget of this invocation")
+    ap.add_argument("--preset", default="clover-stdlib")
+    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--max-steps", type=int, default=20000)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a config field of the preset, e.g. --set num_hidden_layers=4")
+    ap.add_argument("--extend-steps", type=int, default=None,
+                    help="continue a finished run for N more steps, restarting the schedule at --lr")
+    ap.add_argument("--confidence-weight", type=float, default=None,
+                    help=f"weight of the confidence term (default {TrainSettings.confidence_weight}; "
+                         f"with --extend-steps, the run's own unless given)")
+    ap.add_argument("--distill", metavar="FILE", help="mix this self-distillation corpus (python -m "
+                    "clover_lab.distill) into each batch; with --extend-steps, from the continuation on")
+    ap.add_argument("--distill-share", type=float, default=TrainSettings.distill_share)
+    ap.add_argument("--export", metavar="DIR", help="after training, write a model directory here")
+    args = ap.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value)
+    if not 0 <= args.distill_share <= 1:
+        ap.error("--distill-share must be in [0, 1]")
+    if args.distill and not Path(args.distill).is_file():
+        ap.error(f"--distill: {args.distill} is not a file")
+    settings = TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                             max_steps=args.max_steps, seed=args.seed, distill_data=args.distill,
+                             distill_share=args.distill_share)
+    extend_overrides = {}
+    if args.confidence_weight is not None:
+        settings.confidence_weight = extend_overrides["confidence_weight"] = args.confidence_weight
+    if args.distill:
+        extend_overrides.update(distill_data=args.distill, distill_share=args.distill_share)
+    run = train(args.out, args.minutes, args.preset, args.vocab_size, args.block_size, settings, overrides,
+                threads=args.threads, extend_steps=args.extend_steps,
+                extend_lr=args.lr if args.extend_steps else None, extend_overrides=extend_overrides)
+    if args.export:
+        export(run, args.export)

@@ -1,0 +1,124 @@
+"""The block-diffusion objective on the model's own operators (``CloverModel.training_forward``):
+a training sequence is split into blocks; the clean stream runs in commit mode and a noisy copy
+(each block masked at its own random ratio) runs in preview mode against the clean prefix, in one
+forward. Loss: cross-entropy on the masked positions, next-token loss on the clean stream, a router
+load-balancing loss, and a confidence term that sharpens the distribution where the prediction is
+already right (as LLaDA2's CAP training does), so that generation can unmask many tokens per step.
+Also the held-out evaluation the model card reports."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..model import CloverModel
+
+
+@dataclass
+class TrainSettings:
+    seq_len: int = 256
+    batch_size: int = 8
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.05
+    max_steps: int = 20000  # the cosine schedule's length; the time budget usually ends a run first
+    ar_weight: float = 0.5
+    balance_weight: float = 0.01
+    confidence_weight: float = 0.2
+    min_mask_ratio: float = 0.05
+    seed: int = 0
+    schedule_start: int = 0  # the step a (re)started warmup + cosine schedule begins at
+    distill_data: str | None = None  # a self-distillation corpus (clover_lab.distill) mixed into each batch
+    distill_share: float = 0.5  # the share of each batch's rows drawn from it
+
+
+def mask_blocks(clean: torch.Tensor, block_size: int, mask_id: int, gen: torch.Generator, min_ratio: float):
+    """Each block of each row masked at its own ratio ~ U(min_ratio, 1); at least one mask per block."""
+    B, L = clean.shape
+    nb = L // block_size
+    ratio = min_ratio + (1 - min_ratio) * torch.rand(B, nb, 1, generator=gen)
+    masked = torch.rand(B, nb, block_size, generator=gen) < ratio
+    force = torch.randint(0, block_size, (B, nb), generator=gen)
+    masked.scatter_(2, force[..., None], True)
+    masked = masked.reshape(B, L)
+    return clean.masked_fill(masked, mask_id), masked
+
+
+def load_balance_loss(router_stats: list, num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-style: E * sum_e (fraction of routed slots to e) * (mean router probability of e)."""
+    losses = []
+    for probs, ids in router_stats:
+        frac = torch.zeros(num_experts, device=probs.device).index_add_(
+            0, ids.reshape(-1), torch.ones(ids.numel(), device=probs.device)) / ids.numel()
+        losses.append(num_experts * (frac * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
+def block_diffusion_loss(model: CloverModel, clean: torch.Tensor, settings: TrainSettings, gen: torch.Generator):
+    cfg = model.config
+    noisy, masked = mask_blocks(clean, cfg.block_size, cfg.mask_token_id, gen, settings.min_mask_ratio)
+    stats: list = []
+    clean_logits, noisy_logits = model.training_forward(clean, noisy, router_stats=stats)
+    target = clean[masked]
+    logits = noisy_logits[masked].float()
+    mask_ce = F.cross_entropy(logits, target)
+    ar_ce = F.cross_entropy(clean_logits[:, :-1].reshape(-1, cfg.vocab_size).float(), clean[:, 1:].reshape(-1))
+    balance = load_balance_loss(stats, cfg.num_experts, cfg.num_experts_per_tok)
+    # confidence-aware term: lower the entropy where the argmax is already the right token
+    logp = logits.log_softmax(-1)
+    right = logp.argmax(-1) == target
+    entropy = -(logp.exp() * logp).sum(-1)
+    confidence = (entropy * right).sum() / right.sum().clamp_min(1)
+    loss = (mask_ce + settings.ar_weight * ar_ce + settings.balance_weight * balance
+            + settings.confidence_weight * confidence)
+    with torch.no_grad():
+        acc = right.float().mean()
+    return loss, {"loss": loss.item(), "mask_ce": mask_ce.item(), "ar_ce": ar_ce.item(), "balance": balance.item(),
+                  "confidence": confidence.item(), "mask_acc": acc.item()}
+
+
+@torch.no_grad()
+def evaluate(model: CloverModel, tokens: torch.Tensor, ratios=(0.25, 0.5, 0.75, 1.0), windows: int = 32,
+             seq_len: int = 256, seed: int = 1234) -> dict:
+    """Held-out figures: masked-token accuracy per mask ratio (each block masked at exactly that
+    ratio), next-token perplexity, and the share of masked predictions with confidence >= 0.9."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (windows,), generator=gen)
+    clean = torch.stack([tokens[s:s + seq_len] for s in starts.tolist()]).long()
+    out = {}
+    for r in ratios:
+        B, L = clean.shape
+        nb, bs = L // cfg.block_size, cfg.block_size
+        n_mask = max(1, round(r * bs))
+        order = torch.rand(B, nb, bs, generator=gen).argsort(-1)
+        masked = (order < n_mask).reshape(B, L)
+        noisy = clean.masked_fill(masked, cfg.mask_token_id)
+        correct, confident, total = 0, 0, 0
+        for i in range(0, B, 8):
+            _, logits = model.training_forward(clean[i:i + 8], noisy[i:i + 8])
+            m = masked[i:i + 8]
+            probs = logits[m].float().softmax(-1)
+            p, pred = probs.max(-1)
+            correct += int((pred == clean[i:i + 8][m]).sum())
+            confident += int((p >= 0.9).sum())
+            total += int(m.sum())
+        out[f"mask_acc@{r}"] = correct / total
+        out[f"confident@{r}"] = confident / total
+    nll, count = 0.0, 0
+    for i in range(0, clean.shape[0], 8):
+        logits = model.logits(clean[i:i + 8])
+        nll += F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size).float(), clean[i:i + 8, 1:].reshape(-1),
+                               reduction="sum").item()
+        count += clean[i:i + 8, 1:].numel()
+    out["ar_perplexity"] = math.exp(nll / count)
+    return out
+
+
+def unigram_accuracy(train_tokens: torch.Tensor, heldout: torch.Tensor) -> float:
+    """The baseline: always predict the most frequent training token."""
+    top = torch.bincount(train_tokens.long()).argmax()
+    return float((heldout.long() == top).float().mean())

@@ -1,0 +1,71 @@
+"""The layout the code keeps: no import cycle among clover_lab's modules (imports inside
+functions included), and hook point names spelled in one module only."""
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "clover_lab"
+POINT_NAME = re.compile(r"^(layers\.(\d+|\*)\.)?(moe\.route|gdn\.preview|gdn\.state)$|^(denoise\.step|block\.commit)$")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The clover_lab modules ``path`` imports, anywhere in it (TYPE_CHECKING blocks too)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:  # "from . import loading" names a module; "from .x import y" its module
+                full = f"{base}.{alias.name}"
+                out.add(full if full in modules else base)
+    return {m for m in out if m in modules and m != name}
+
+
+def test_no_import_cycles():
+    files = [p for p in PACKAGE.rglob("*.py")]
+    modules = {module_name(p) for p in files}
+    # a package's __init__ re-exports its submodules: it is not a cycle for a submodule to import a sibling
+    graph = {module_name(p): {m for m in imports_of(p, modules)
+                              if not (p.name != "__init__.py" and module_name(p).startswith(m + "."))}
+             for p in files if p.name != "__init__.py"}
+    graph = {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+    seen, on_path, cycles = set(), [], []
+
+    def visit(m):
+        if m in on_path:
+            cycles.append(on_path[on_path.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        on_path.append(m)
+        for d in sorted(graph[m]):
+            visit(d)
+        on_path.pop()
+
+    for m in sorted(graph):
+        visit(m)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_hook_point_names_are_spelled_in_one_module():
+    spelled = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).as_posix() == "hooks/points.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and POINT_NAME.match(node.value):
+                spelled.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}")
+    assert not spelled, "hook point names outside clover_lab/hooks/points.py:\n" + "\n".join(spelled)
