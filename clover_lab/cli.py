@@ -64,6 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-live", action="store_true", help="no live view; print the result at the end")
     g.set_defaults(func=cmd_generate)
 
+    r = sub.add_parser("routes", help="routing statistics of a corpus, saved as .npz",
+                       description="Expert counts, co-activation, routing entropy, load balance and counts by "
+                                   "token id over a corpus. Under torchrun the corpus is split across ranks "
+                                   "and the sums are all-reduced; rank 0 writes the file.")
+    r.add_argument("--model", metavar="DIR", help="Hugging Face model directory (default: the embedded model)")
+    r.add_argument("--data", nargs="+", required=True, metavar="DIR_OR_FILE", help="files or folders of text")
+    r.add_argument("--out", required=True, metavar="FILE.npz")
+    r.add_argument("--mode", choices=("commit", "preview"), default="commit",
+                   help="commit: the corpus run causally; preview: every block previewed fully masked")
+    r.add_argument("--batch-size", type=int, default=8, help="windows per forward")
+    r.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 512)")
+    r.add_argument("--device", default=None, help="cpu, cuda ... (under torchrun: cuda means cuda:LOCAL_RANK)")
+    r.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    r.set_defaults(func=cmd_routes)
+
     t = sub.add_parser("train", help="train a small Clover on the Python standard library",
                        add_help=False, description="See `clover-lab train --help`.")
     t.set_defaults(func=None)  # handled in main(): its own parser takes every argument after "train"
@@ -198,6 +213,38 @@ def _run_stream(engine, args, stream) -> int:
         print(json.dumps(last.result.to_dict()))
     else:
         _print_result(engine, last.result)
+    return EXIT_OK
+
+
+def cmd_routes(args) -> int:
+    """``clover-lab routes``: one process, or one rank of a torchrun job (gloo on CPUs, NCCL on GPUs)."""
+    import os
+
+    import torch.distributed as dist
+
+    from .analysis import route_stats
+    from .loading import CheckpointError
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        gpu = (args.device or "cpu").startswith("cuda")
+        if gpu:
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        dist.init_process_group("nccl" if gpu else "gloo")
+    try:
+        engine = load_engine(args)
+        stats = route_stats(engine, args.data, mode=args.mode, batch_size=args.batch_size, seq_len=args.seq_len)
+    except (CheckpointError, FileNotFoundError, ValueError, TypeError, OSError) as e:
+        return _fail(str(e))
+    finally:
+        if world > 1 and dist.is_initialized():
+            rank = dist.get_rank()
+            dist.destroy_process_group()
+    if world == 1 or rank == 0:
+        path = stats.save(args.out)
+        print(f"{stats.tokens} tokens routed ({args.mode}) over {stats.num_layers} layers x {stats.num_experts} "
+              f"experts; mean load entropy {stats.load_entropy().mean():.3f}, max/mean load "
+              f"{stats.load_balance().max():.2f}: {path}")
     return EXIT_OK
 
 

@@ -37,6 +37,25 @@ class ExpertView(View):
         self._pieces: dict[int, str] = {}
         super().__init__(engine, fps=fps)
 
+    @classmethod
+    def from_stats(cls, stats, **kwargs) -> "ExpertView":
+        """A view of routing statistics over a corpus: a ``RouteStats`` or the ``.npz`` that
+        ``clover_lab.analysis`` / ``clover-lab routes`` saved. Usage, router mass, load and
+        co-activation show the whole corpus in one frame (no per-token routing)."""
+        from ..analysis import RouteStats
+
+        if not isinstance(stats, RouteStats):
+            stats = RouteStats.load(stats)
+        view = cls(phase=stats.mode, **kwargs)
+        view._dims = (stats.num_layers, stats.num_experts, stats.top_k)
+        view._new_run()
+        view._setup_controls()
+        view._push(dict(kind="corpus", phase=stats.mode, counts=stats.counts.astype(float), mass=stats.mass,
+                        coactivation=stats.coactivation.astype(float), tokens=stats.tokens),
+                   None, f"corpus: {stats.tokens} tokens ({stats.mode})")
+        view.flush()
+        return view
+
     def hook_methods(self):
         return {points.every_layer(points.MOE_ROUTE): "_on_route", points.BLOCK_COMMIT: "_on_commit"}
 
@@ -116,6 +135,12 @@ class ExpertView(View):
                 "distinct": [], "routes": {}, "names": {}, "first_response": None, "forwards": 0}
 
     def _apply_part(self, s, part):
+        if part["kind"] == "corpus":  # routing statistics of a corpus (from_stats)
+            for key in ("counts", "full"):
+                s[key][part["phase"]] += part["counts"]
+            s["mass"][part["phase"]] += part["mass"]
+            s["tokens_routed"][part["phase"]] += part["tokens"]
+            return
         if part["kind"] == "tokens":
             for i, t in enumerate(part["tokens"]):
                 s["names"][part["start"] + i] = t
@@ -181,7 +206,9 @@ class ExpertView(View):
         frames = self.frames if frame is None or frame < 0 else self.frames[:frame + 1]
         for parts in frames:
             for part in parts:
-                if part["kind"] == "route" and part["layer"] == layer and part["phase"] in phases:
+                if part["kind"] == "corpus" and part["phase"] in phases:
+                    m += part["coactivation"][layer]
+                elif part["kind"] == "route" and part["layer"] == layer and part["phase"] in phases:
                     ids = part["full"] if routing == "without coreset" and part["full"] is not None else part["ids"]
                     onehot = np.zeros((ids.shape[0], E))
                     np.put_along_axis(onehot, ids, 1.0, axis=1)
