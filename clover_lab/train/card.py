@@ -239,7 +239,7 @@ Expert usage on held-out text (entropy of the routed-slot distribution; uniform 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m clover_lab.train.card", description=__doc__.splitlines()[0])
     ap.add_argument("--run", required=True, help="the training run directory")
     ap.add_argument("--model", required=True, help="the exported model directory")
     ap.add_argument("--command", default="bash assets/make_default_model.sh", help="the command that reproduces it")
