@@ -30,7 +30,11 @@ import triton.language as tl
 
 from .common import check_gdn_shapes, conv_tile, dot_precision, l2norm_rows, last_dim_contiguous
 
-CHUNK_SIZE = 64  # rows per chunk of the chunked rule (a block of Clover is 32)
+# rows per chunk of the chunked rule (a block of Clover is 32): at dk = dv = 128 the chunk kernels
+# hold q, k, w of a chunk in registers, and sm_90's 255 per thread fit 32 rows (16 with fp32 tiles)
+# without spilling (tests/kernels/test_compile_sm90.py)
+CHUNK_SIZE = 32
+CHUNK_SIZE_FP32 = 16
 RECURRENT_MAX_T = 1  # T at or below which the token-by-token kernel is used
 
 
@@ -208,14 +212,17 @@ def conv_silu(mixed, ring, conv_weight):
 
 
 def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim,
-               chunk_size: int = CHUNK_SIZE):
+               chunk_size: int | None = None):
     """Same contract as ``gdn.naive.gdn_commit``: (o [B, T, Hv, dv] in mixed's dtype,
-    new ring in ring's dtype, new state fp32). The input state is not modified."""
+    new ring in ring's dtype, new state fp32). The input state is not modified.
+    ``chunk_size`` None: CHUNK_SIZE, or CHUNK_SIZE_FP32 for fp32 inputs."""
     B, T, C, K, Hv = check_gdn_shapes("gdn_commit", mixed, ring, conv_weight, state,
                                       num_k_heads, head_k_dim, head_v_dim)
     for name, t in (("g", g), ("beta", beta)):
         if tuple(t.shape) != (B, T, Hv):
             raise ValueError(f"gdn_commit: {name} must be [{B}, {T}, {Hv}], got {tuple(t.shape)}")
+    if chunk_size is None:
+        chunk_size = CHUNK_SIZE_FP32 if mixed.dtype == torch.float32 else CHUNK_SIZE
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"gdn_commit: chunk_size {chunk_size} must be a power of two >= 16")
     dk, dv = head_k_dim, head_v_dim
@@ -232,8 +239,9 @@ def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim
     BK = max(16, triton.next_power_of_2(dk))
     BDV = max(16, triton.next_power_of_2(dv))
     # dv tile of the sequential kernels: small enough to keep S [dk, BV] and the chunk's
-    # q, k, w tiles in registers, and to give B * Hv * dv/BV programs (128 for Hv=32, dv=128)
-    BV = min(BDV, 32 if BK >= 128 else 64)
+    # q, k, w tiles in registers, and to give B * Hv * dv/BV programs (256 for Hv=32, dv=128:
+    # about two per SM of an H200)
+    BV = min(BDV, 16 if BK >= 128 else 64)
     grid_v = (triton.cdiv(dv, BV), B * Hv)
     prec = dot_precision(mixed.dtype)
     if T <= RECURRENT_MAX_T:
@@ -255,12 +263,12 @@ def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim
         act.stride(0), act.stride(1), g.stride(0), g.stride(1), g.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2),
         Hv, rep, key_dim,
-        DK=dk, DV=dv, BK=BK, BDV=BDV, BT=BT, PREC=prec, num_warps=8 if BK * BT >= 8192 else 4,
+        DK=dk, DV=dv, BK=BK, BDV=BDV, BT=BT, PREC=prec, num_warps=8 if BK * BT >= 2048 else 4,
     )
     _chunk_fwd_kernel[grid_v](
         act, w, u, G, s0, o, s_final, T,
         act.stride(0), act.stride(1), o.stride(0), o.stride(1), o.stride(2),
         Hv, rep, key_dim, dk ** -0.5,
-        DK=dk, DV=dv, BK=BK, BV=BV, BT=BT, PREC=prec, num_warps=8 if BK * BT >= 8192 else 4,
+        DK=dk, DV=dv, BK=BK, BV=BV, BT=BT, PREC=prec, num_warps=8 if BK * BT >= 2048 else 4,
     )
     return o, new_ring, s_final

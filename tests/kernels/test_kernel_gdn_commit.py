@@ -55,7 +55,7 @@ def test_commit_chunk16(shape, dtype, device, close):
 
 @pytest.mark.parametrize("T", [33, 70])
 def test_commit_default_chunk(T, dtype, device, close):
-    """The production chunk size (64): one partial chunk, and two chunks with a tail."""
+    """The default chunk size (32; 16 for fp32 inputs): several chunks and a partial one."""
     check(make_inputs(1, T, 1, 2, 16, 16, dtype, device, seed=T), 1, 16, 16, dtype, close)
 
 
