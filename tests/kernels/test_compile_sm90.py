@@ -1,0 +1,196 @@
+"""Every Triton kernel compiled for the H200 (sm_90) at the Clover-35B-A3B shapes, on a CPU.
+
+Triton's interpreter (what the other kernel tests run on a CPU) hides compile errors, register
+spills, shared-memory overflows and the bf16 code paths. ``clover_kernels.compile_check``
+compiles every kernel with Triton's own compiler and ptxas for sm_90, in every dtype and launch
+config the dispatch's ops choose at the 35B shapes. It runs in a subprocess: this process has
+TRITON_INTERPRET=1 (tests/kernels/conftest.py), under which triton.jit makes no compilable
+kernels. Skips only where Triton has no CUDA backend.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+from clover_kernels import compile_check  # noqa: E402
+
+DTYPES = {"bf16", "fp16", "fp32"}
+DISCOVERY = compile_check.discover()  # in this process: what the package holds, helpers and kernels
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_backend(monkeypatch):
+    """Replaces the kernel conftest's fixture of this name: these tests need no interpreter."""
+    monkeypatch.delenv("CLOVER_KERNELS", raising=False)
+
+
+def _env():
+    env = dict(os.environ)
+    for key in ("TRITON_INTERPRET", "CLOVER_KERNELS", "TRITON_CACHE_DIR"):
+        env.pop(key, None)
+    return env
+
+
+def _run(args, timeout):
+    proc = subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode == 77:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
+    return proc
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sm90") / "compile.json"
+    jobs = str(max(1, min(8, os.cpu_count() or 1)))
+    proc = _run(["-m", "clover_kernels.compile_check", "--json", str(path), "--quiet", "--jobs", jobs], timeout=1500)
+    assert proc.returncode in (0, 1) and path.exists(), f"compile_check crashed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(path.read_text())
+
+
+def _label(row):
+    return compile_check.case_label(row)
+
+
+@pytest.mark.parametrize("name", DISCOVERY.kernels)
+def test_kernel_compiles_for_sm90_without_spills(name, report):
+    cases = [row for row in report["cases"] if row["kernel"] == name]
+    assert cases, (f"{name}: no op of the dispatch launches it at the 35B shapes; add its op to "
+                   f"clover_kernels.compile_check.clover_35b_calls")
+    assert {row["dtype"] for row in cases} == DTYPES, f"{name}: compiled only in {sorted({r['dtype'] for r in cases})}"
+    bad = [f"{_label(row)}: {'; '.join(row['failures'])}" for row in cases if row["failures"]]
+    assert not bad, f"{name} on sm_90 ({report['triton']}):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", DISCOVERY.helpers)
+def test_helper_is_compiled_inside_a_kernel(name, report):
+    callers = [k for k in DISCOVERY.kernels if name in DISCOVERY.reachable([k])]
+    compiled = [row for row in report["cases"] if row["kernel"] in callers]
+    assert compiled, f"{name}: no compiled kernel calls it (callers: {callers})"
+    assert not any(row["failures"] for row in compiled)
+
+
+def test_the_subprocess_saw_the_same_kernels(report):
+    assert sorted(report["discovered"]) == sorted(DISCOVERY.functions)
+    assert report["kernels"] == DISCOVERY.kernels and report["helpers"] == DISCOVERY.helpers
+
+
+def test_every_op_kernel_and_helper_is_covered(report):
+    assert report["ops_missing"] == [], "dispatch ops with no row in the 35B call table"
+    assert report["uncovered_kernels"] == [] and report["uncovered_helpers"] == []
+    assert report["ok"]
+
+
+def test_dims_are_the_35b_preset():
+    from clover_lab.config import CloverConfig
+
+    c = CloverConfig.preset("clover-35b-a3b")
+    want = dict(hidden=c.hidden_size, gdn_key_heads=c.linear_num_key_heads, gdn_value_heads=c.linear_num_value_heads,
+                gdn_head_k=c.linear_key_head_dim, gdn_head_v=c.linear_value_head_dim, conv=c.linear_conv_kernel_dim,
+                attn_heads=c.num_attention_heads, attn_kv_heads=c.num_key_value_heads, attn_head_dim=c.head_dim,
+                experts=c.num_experts, top_k=c.num_experts_per_tok, expert_width=c.moe_intermediate_size,
+                shared_width=c.shared_expert_intermediate_size, block=c.block_size)
+    assert {k: compile_check.DIMS_35B[k] for k in want} == want
+
+
+# ----------------------------------------------------------------- the check itself can fail
+SYNTHETIC = '''
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _orphan_kernel(x_ptr, n, BLOCK: tl.constexpr):  # launched by no op of the dispatch
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+
+@triton.jit
+def _spilling_kernel(a_ptr, b_ptr, c_ptr):  # an fp32 ieee dot of 64 x 64 x 64 on one warp
+    r = tl.arange(0, 64)
+    a = tl.load(a_ptr + r[:, None] * 64 + r[None, :])
+    b = tl.load(b_ptr + r[:, None] * 64 + r[None, :])
+    tl.store(c_ptr + r[:, None] * 64 + r[None, :], tl.dot(a, b, input_precision="ieee"))
+
+
+@triton.jit
+def _big_smem_kernel(a_ptr, b_ptr, c_ptr, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    m = tl.arange(0, BM)
+    n = tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + m[:, None] * K + k[None, :])
+        b = tl.load(b_ptr + k[:, None] * BN + n[None, :])
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + m[:, None] * BN + n[None, :], acc)
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 64}, num_warps=1), triton.Config({"BLOCK": 128}, num_warps=2),
+                          triton.Config({"BLOCK": 256}, num_warps=4)], key=["n"])
+@triton.jit
+def _tuned_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+
+def launch_tuned(x):
+    _tuned_kernel[lambda meta: (triton.cdiv(x.numel(), meta["BLOCK"]),)](x, x.numel())
+'''
+
+PROBE = '''
+import json, sys
+from clover_kernels import compile_check as cc
+
+path = sys.argv[1]
+d = cc.discover(extra_modules=[path])
+mod = sys.modules[d.modules["_tuned_kernel"]]
+import torch
+with cc.capturing(d) as (launches, label):
+    mod.launch_tuned(torch.empty(1000, device="meta"))
+tuned = sorted(l.constexprs[(2,)] for l in launches if l.kernel == "_tuned_kernel")
+module = d.modules["_spilling_kernel"]
+spill = cc.compile_case(module, "_spilling_kernel", {"a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32"}, [], [],
+                        {"num_warps": 1})
+div16 = [["tt.divisibility", 16]]  # aligned pointers and K, as a launch would specialise them: pipelined loads
+smem = cc.compile_case(module, "_big_smem_kernel",
+                       {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "K": "i32", "BM": "constexpr",
+                        "BN": "constexpr", "BK": "constexpr"},
+                       [[[4], 128], [[5], 128], [[6], 64]], [[[i], div16] for i in range(4)],
+                       {"num_warps": 4, "num_stages": 8})  # 8 stages x 32 KB of a and b tiles
+broken = cc.compile_case(module, "_orphan_kernel", {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                         [[[2], 100]], [], {"num_warps": 1})  # tl.arange needs a power of two
+print(json.dumps(dict(tuned=tuned, spill=cc.failures_of(spill), smem=cc.failures_of(smem),
+                      smem_bytes=smem.get("shared_bytes"), broken=cc.failures_of(broken))))
+'''
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    path = tmp_path_factory.mktemp("synthetic") / "synthetic_kernels.py"
+    path.write_text(SYNTHETIC)
+    return path
+
+
+def test_a_kernel_no_op_launches_fails_the_check(synthetic):
+    proc = _run(["-m", "clover_kernels.compile_check", "--no-compile", "--extra-module", str(synthetic),
+                 "--json", str(synthetic.with_suffix(".json"))], timeout=300)
+    out = json.loads(synthetic.with_suffix(".json").read_text())
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert {"_orphan_kernel", "_spilling_kernel", "_big_smem_kernel", "_tuned_kernel"} <= set(out["uncovered_kernels"])
+
+
+def test_spills_shared_memory_and_compile_errors_fail_and_autotune_lists_are_enumerated(synthetic):
+    proc = _run(["-c", textwrap.dedent(PROBE), str(synthetic)], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["tuned"] == [64, 128, 256], "every autotune config is a config the launcher can choose"
+    assert any("spill" in f for f in got["spill"]), got["spill"]
+    assert got["smem_bytes"] > compile_check.SMEM_PER_BLOCK_SM90
+    assert got["smem"] and all("shared memory" in f for f in got["smem"]), got["smem"]
+    assert any("compile error" in f for f in got["broken"]), got["broken"]
