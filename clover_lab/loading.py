@@ -2,9 +2,11 @@
 the tokenizer, generation_config.json and where the embedded default model lives.
 
 Loading is memory-mapped and tensor by tensor onto a model built on the ``meta`` device, so a
-checkpoint never exists twice in memory. Per-expert and fused expert tensors are both accepted,
-as is the multimodal ``model.language_model.`` prefix (``model.visual.*`` and ``mtp.*`` are
-skipped). Every failure names the file and the tensor; a failed load returns nothing.
+checkpoint never exists twice in memory; onto a GPU each tensor goes from the map to the device
+as it is read, and the host keeps about one read window (RELEASE_BYTES) of mapped pages.
+Per-expert and fused expert tensors are both accepted, as is the multimodal
+``model.language_model.`` prefix (``model.visual.*`` and ``mtp.*`` are skipped). Every failure
+names the file and the tensor; a failed load returns nothing.
 """
 from __future__ import annotations
 
@@ -91,11 +93,21 @@ def _read_keys(file: Path) -> list[str]:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-class _Reader:
-    """Opens each shard once; yields tensors memory-mapped. Read failures name file and tensor."""
+# Pages read through a shard's memory map stay resident (and count in the process's RSS) for as
+# long as the shard is open, so the reader closes its shards after every this many bytes: a load
+# that copies each tensor elsewhere (onto a GPU, into another dtype) then keeps about one window
+# of the checkpoint on the host instead of all of it. Reopening costs one header parse.
+RELEASE_BYTES = 64 << 20
 
-    def __init__(self):
+
+class _Reader:
+    """Opens shards as needed; yields tensors memory-mapped. Read failures name file and tensor.
+    Tensors already returned keep their own mapping when the shards are closed."""
+
+    def __init__(self, release_bytes: int = RELEASE_BYTES):
         self._open = {}
+        self._release_bytes = release_bytes
+        self._since_release = 0
 
     def _read(self, file: Path, name: str, what):
         try:
@@ -106,7 +118,12 @@ class _Reader:
             raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
 
     def get(self, file: Path, name: str) -> torch.Tensor:
-        return self._read(file, name, lambda f: f.get_tensor(name))
+        if self._since_release >= self._release_bytes:
+            self._open.clear()  # unmaps what no returned tensor still holds
+            self._since_release = 0
+        tensor = self._read(file, name, lambda f: f.get_tensor(name))
+        self._since_release += tensor.numel() * tensor.element_size()
+        return tensor
 
     def shape_dtype(self, file: Path, name: str):
         def read(f):
