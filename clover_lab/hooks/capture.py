@@ -9,7 +9,7 @@ counterpart of TransformerLens' ``run_with_cache``).
 
 Tensors stay on the model's device (no copies to the host, no synchronisation) unless
 ``to="cpu"`` is given. Tensors that the engine or a later hook may change in place (the GDN
-state and ring, the canvas) are cloned; the rest are fresh per event and kept by reference.
+state and ring, the canvas, residual-stream values) are cloned; the rest are fresh per event and kept by reference.
 The hooks are removed when the ``with`` block ends, also on an exception.
 """
 from __future__ import annotations
@@ -140,4 +140,6 @@ _FIELDS = {
     P.MOE_ROUTE: dict(layer=False, mode=False, positions=False, router_probs=False, expert_ids=False, weights=False),
     P.GDN_PREVIEW: dict(layer=False, positions=False, history_weights=False, history_reads=False),
     P.GDN_STATE: dict(layer=False, state=True, ring=True, length=False),
+    # a residual value is a view of the forward's stream, which a later hook may edit in place
+    **{kind: dict(layer=False, mode=False, positions=False, value=True) for kind in P.RESIDUAL_KINDS + (P.FINAL_NORM_OUTPUT,)},
 }
