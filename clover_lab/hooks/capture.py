@@ -14,38 +14,17 @@ The hooks are removed when the ``with`` block ends, also on an exception.
 """
 from __future__ import annotations
 
-import fnmatch
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
 from . import points as P
+from .records import Record, RecordSet
 from .registry import HookRegistry
+from .trace import save_trace
 
 
-@dataclass
-class Record:
-    """One firing of a point. ``phase``: "prefill" or "decode"; ``block`` / ``step`` where the
-    engine was (commit-mode model events carry the block being committed and ``step`` None;
-    prefill events carry neither); ``run`` counts generations on the engine."""
-
-    point: str
-    run: int
-    phase: str | None
-    block: int | None
-    step: int | None
-    data: dict = field(repr=False)
-
-    def __getitem__(self, key):
-        return self.data[key]
-
-    def __repr__(self):
-        keys = ", ".join(self.data)
-        return f"Record({self.point!r}, run={self.run}, phase={self.phase!r}, block={self.block}, step={self.step}, [{keys}])"
-
-
-class Capture:
+class Capture(RecordSet):
     """Records the points matching ``points`` on ``hooks`` (an engine's registry) while entered."""
 
     def __init__(self, hooks: HookRegistry, points: str | Iterable[str], to: str | torch.device | None = None):
@@ -99,37 +78,18 @@ class Capture:
             out[key] = value
         return out
 
-    # ---------------------------------------------------------------- reading
     @property
     def points(self) -> list[str]:
         """The concrete points being recorded."""
         return list(self._names)
 
-    def __getitem__(self, name: str) -> list[Record]:
-        if name in self._names:
-            return [r for r in self.records if r.point == name]
-        names = set(fnmatch.filter(self._names, name))
-        if not names:
-            raise KeyError(f"capture has no point matching {name!r}; it records {', '.join(self._names)}")
-        return [r for r in self.records if r.point in names]
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def by_block(self, name: str) -> dict[int | None, list[Record]]:
-        out: dict[int | None, list[Record]] = {}
-        for r in self[name]:
-            out.setdefault(r.block, []).append(r)
-        return out
-
-    def by_step(self, name: str) -> dict[tuple[int | None, int | None], list[Record]]:
-        out: dict[tuple, list[Record]] = {}
-        for r in self[name]:
-            out.setdefault((r.block, r.step), []).append(r)
-        return out
-
     def clear(self) -> None:
         self.records.clear()
+
+    def save(self, path, meta: dict | None = None) -> None:
+        """Write the records to the directory ``path`` (tensors in safetensors, the rest in JSON):
+        ``clover_lab.load_trace(path)`` reads them back, with no model."""
+        save_trace(path, self.records, self.points, meta)
 
 
 # point kind -> the event fields a record keeps, True where the tensor must be cloned: the engine
