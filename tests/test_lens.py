@@ -51,3 +51,49 @@ def test_logit_lens_of_an_ar_run(tiny_engine):
     layer = s.decided_layer()[0]
     assert all(s.ids[i, 0, 0] == s.ids[-1, 0, 0] for i in range(layer, s.ids.shape[0]))
     assert layer == 0 or s.ids[layer - 1, 0, 0] != s.ids[-1, 0, 0]
+
+
+def test_routing_lens_counts_flips_between_steps_and_at_commit(tiny_engine):
+    def force_previews(ev):
+        if ev.mode == "preview":
+            ev.force([0, 1])
+
+    # the forcing hook first: a capture records what the hooks before it left
+    with tiny_engine.hooks({"layers.*.moe.route": force_previews}), tiny_engine.capture("layers.*.moe.route") as cap:
+        r = tiny_engine.generate(PROMPT, **KW)
+    rl = lens.routing_lens(cap)
+    L = tiny_engine.model.config.num_hidden_layers
+    assert len(rl.rows) == L * r.stats.preview_forwards
+    # a recording keeps the routing the hook set: every preview routes to {0, 1}, so nothing flips
+    assert all(row["flip_rate"] in (None, 0.0) for row in rl.rows)
+    assert {(c["layer"], c["block"]) for c in rl.commits} == {(i, b) for i in range(L) for b in range(2)}
+    for c in rl.commits:
+        commit = next(rec for rec in cap["layers.*.moe.route"]
+                      if rec["layer"] == c["layer"] and rec["mode"] == "commit" and rec.block == c["block"])
+        kept = torch.isin(commit["expert_ids"], torch.tensor([0, 1])).float().mean()
+        assert c["overlap"] == pytest.approx(float(kept)) and c["flip_rate"] == pytest.approx(1 - float(kept))
+    row = rl.rows[0]
+    rec = next(x for x in cap["layers.0.moe.route"] if x["mode"] == "preview")
+    p = rec["router_probs"]
+    assert row["entropy"] == pytest.approx(float(-(p * p.log()).sum(-1).mean()), rel=1e-5)
+    summary = rl.by_layer()
+    assert [s["layer"] for s in summary] == list(range(L)) and all(s["step_flip_rate"] in (0.0, None) for s in summary)
+
+
+def test_routing_lens_of_a_free_run(tiny_engine):
+    rl = lens.routing_lens(tiny_engine, PROMPT, **KW)
+    flips = [row["flip_rate"] for row in rl.rows if row["flip_rate"] is not None]
+    assert flips and all(0 <= f <= 1 for f in flips)
+    assert lens.overlap(torch.tensor([[1, 2]]), torch.tensor([[2, 5]])).tolist() == [0.5]
+
+
+def test_coreset_sweep(tiny_engine):
+    E = tiny_engine.model.config.num_experts
+    rows = lens.coreset_sweep(tiny_engine, [PROMPT, PROMPT[::-1]], sizes=[2, E], **KW)
+    assert [row["coreset_size"] for row in rows] == [None, 2, E]
+    assert rows[0]["tokens_equal"] == 1.0
+    assert rows[2]["tokens_equal"] == 1.0  # a coreset of every expert routes as without one
+    assert 0 <= rows[1]["tokens_equal"] <= 1
+    assert all(row["tokens_per_forward"] > 0 and row["seconds_per_step"] > 0 for row in rows)
+    with pytest.raises(ValueError, match="coreset sizes"):
+        lens.coreset_sweep(tiny_engine, [PROMPT], sizes=[E + 1], **KW)
