@@ -25,9 +25,10 @@ def test_save_and_load_round_trip(tiny_engine, tmp_path):
     cap.save(tmp_path / "a", meta={"prompt": PROMPT})
     trace = clover_lab.load_trace(tmp_path / "a")
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["tensors.safetensors", "trace.json"]
-    assert trace.points == cap.points and len(trace) == len(cap) and trace.meta == {"prompt": PROMPT}
+    assert trace.points == cap.points and len(trace) == len(cap) and trace.meta["prompt"] == PROMPT
+    assert trace.config == tiny_engine.model.config
     for a, b in zip(cap.records, trace.records):
-        assert (a.point, a.run, a.phase, a.block, a.step) == (b.point, b.run, b.phase, b.block, b.step)
+        assert (a.point, a.run, a.phase, a.block, a.step, a.where) == (b.point, b.run, b.phase, b.block, b.step, b.where)
         assert a.data.keys() == b.data.keys()
         for k, v in a.data.items():
             if isinstance(v, torch.Tensor):
@@ -38,7 +39,8 @@ def test_save_and_load_round_trip(tiny_engine, tmp_path):
     assert trace.diff(trace) is None and trace.diff(clover_lab.load_trace(tmp_path / "a")) is None
     # saving again over it replaces it whole
     trace.save(tmp_path / "a", meta={"again": True})
-    assert clover_lab.load_trace(tmp_path / "a").meta == {"prompt": PROMPT, "again": True}
+    meta = clover_lab.load_trace(tmp_path / "a").meta
+    assert meta["prompt"] == PROMPT and meta["again"] is True
 
 
 def test_diff_names_the_first_place_two_runs_part(tiny_engine, tmp_path):

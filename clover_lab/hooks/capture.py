@@ -27,13 +27,15 @@ from .trace import save_trace
 class Capture(RecordSet):
     """Records the points matching ``points`` on ``hooks`` (an engine's registry) while entered."""
 
-    def __init__(self, hooks: HookRegistry, points: str | Iterable[str], to: str | torch.device | None = None):
+    def __init__(self, hooks: HookRegistry, points: str | Iterable[str], to: str | torch.device | None = None,
+                 config=None):
         self.hooks = hooks
         self.patterns = [points] if isinstance(points, str) else list(points)
         if not self.patterns:
             raise ValueError("capture: name at least one hook point or pattern")
         self.to = None if to is None else torch.device(to)
         self.records: list[Record] = []
+        self.config = config  # the model's CloverConfig: saved with a trace, so views replay without the model
         self._handle = None
         self._names = sorted({name for p in self.patterns for name in hooks.resolve(p)}, key=hooks.points.index)
 
@@ -61,7 +63,7 @@ class Capture(RecordSet):
 
         def record(ev):
             data = self._fields(ev, fields)
-            self.records.append(Record(name, ev.where.run, ev.where.phase, ev.block, ev.step, data))
+            self.records.append(Record(name, ev.where.run, ev.where.phase, ev.block, ev.step, data, ev.where))
 
         return record
 
@@ -73,8 +75,8 @@ class Capture(RecordSet):
             value = getattr(ev, key)
             if isinstance(value, torch.Tensor):
                 value = self._t(value, clone)
-            elif isinstance(value, list):
-                value = list(value)
+            elif isinstance(value, (list, dict)):
+                value = type(value)(value)
             out[key] = value
         return out
 
@@ -89,15 +91,18 @@ class Capture(RecordSet):
     def save(self, path, meta: dict | None = None) -> None:
         """Write the records to the directory ``path`` (tensors in safetensors, the rest in JSON):
         ``clover_lab.load_trace(path)`` reads them back, with no model."""
-        save_trace(path, self.records, self.points, meta)
+        config = {} if self.config is None else {"config": self.config.to_dict()}
+        save_trace(path, self.records, self.points, {**config, **(meta or {})})
 
 
 # point kind -> the event fields a record keeps, True where the tensor must be cloned: the engine
 # or a later hook may change it in place (the GDN state and ring, the canvas)
 _FIELDS = {
-    P.DENOISE_STEP: dict(canvas=True, masked=False, candidates=False, confidences=False, unmask=False, time=False),
+    P.DENOISE_STEP: dict(canvas=True, masked=False, candidates=False, confidences=False, unmask=False, time=False,
+                         tokens=False),
     P.BLOCK_COMMIT: dict(tokens=False, steps=False, start=False, time=False),
-    P.MOE_ROUTE: dict(layer=False, mode=False, positions=False, router_probs=False, expert_ids=False, weights=False),
+    P.MOE_ROUTE: dict(layer=False, mode=False, positions=False, router_probs=False, expert_ids=False, weights=False,
+                      selectable=False),
     P.GDN_PREVIEW: dict(layer=False, positions=False, history_weights=False, history_reads=False),
     P.GDN_STATE: dict(layer=False, state=True, ring=True, length=False),
     # a residual value is a view of the forward's stream, which a later hook may edit in place

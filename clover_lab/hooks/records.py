@@ -4,6 +4,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+from .events import Where
+
 
 @dataclass
 class Record:
@@ -17,6 +19,7 @@ class Record:
     block: int | None
     step: int | None
     data: dict = field(repr=False)
+    where: Where | None = field(default=None, repr=False)  # the whole forward's (a fused one: both blocks)
 
     def __getitem__(self, key):
         return self.data[key]

@@ -13,13 +13,14 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from . import points as P
+from .events import Where
 from .records import Record, RecordSet
 
 FORMAT = "clover-lab-trace"
@@ -40,6 +41,8 @@ def _encode(value, name: str, tensors: dict):
         return [_encode(v, f"{name}.{i}", tensors) for i, v in enumerate(value)]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {"dict": {k: _encode(v, f"{name}.{k}", tensors) for k, v in value.items()}}
+    if isinstance(value, dict) and all(isinstance(k, int) for k in value):  # e.g. position -> token
+        return {"int_dict": [[k, _encode(v, f"{name}.{k}", tensors)] for k, v in value.items()]}
     raise TypeError(f"{name}: cannot save a {type(value).__name__} in a trace")
 
 
@@ -53,6 +56,8 @@ def _decode(value, tensors: dict, where: str):
             return tensors[value["tensor"]]
         if "float" in value:
             return float(value["float"])
+        if "int_dict" in value:
+            return {int(k): _decode(v, tensors, where) for k, v in value["int_dict"]}
         return {k: _decode(v, tensors, where) for k, v in value["dict"].items()}
     return value
 
@@ -65,7 +70,8 @@ def save_trace(path, records: list[Record], points: list[str], meta: dict | None
     rows = []
     for i, r in enumerate(records):
         data = {k: _encode(v, f"{i}.{k}", tensors) for k, v in r.data.items()}
-        rows.append(dict(point=r.point, run=r.run, phase=r.phase, block=r.block, step=r.step, data=data))
+        where = None if r.where is None else list(astuple(r.where))
+        rows.append(dict(point=r.point, run=r.run, phase=r.phase, block=r.block, step=r.step, where=where, data=data))
     doc = dict(format=FORMAT, version=VERSION, points=list(points), meta=meta or {}, records=rows)
     text = json.dumps(doc)  # fails here, before anything is written, on what JSON cannot hold
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +113,14 @@ class Trace(RecordSet):
 
     def __repr__(self):
         return f"Trace({len(self.records)} records of {len(self.points)} points, runs {self.runs})"
+
+    @property
+    def config(self):
+        """The recorded model's CloverConfig (None when the trace was saved without one)."""
+        from ..config import CloverConfig
+
+        d = self.meta.get("config")
+        return None if d is None else CloverConfig.from_dict(d, source=f"{self.path}/{META_FILE}")
 
     def save(self, path, meta: dict | None = None) -> None:
         save_trace(path, self.records, self.points, {**self.meta, **(meta or {})})
@@ -192,5 +206,6 @@ def load_trace(path) -> Trace:
     for i, row in enumerate(doc["records"]):
         where = f"{meta_file}: record {i} ({row.get('point')})"
         data = {k: _decode(v, tensors, where) for k, v in row["data"].items()}
-        records.append(Record(row["point"], row["run"], row["phase"], row["block"], row["step"], data))
+        where = None if row.get("where") is None else Where(*row["where"])
+        records.append(Record(row["point"], row["run"], row["phase"], row["block"], row["step"], data, where))
     return Trace(records, doc["points"], doc.get("meta"), path)

@@ -1,0 +1,69 @@
+"""Views replayed from a saved trace with no model, and exported with every frame (issue 17)."""
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("plotly")
+
+import clover_lab  # noqa: E402
+from clover_lab.widgets import DenoiseView, ExpertView, MemoryView, SpeedView  # noqa: E402
+
+PROMPT = [5, 17, 99, 3, 42, 8, 8, 123]
+GEN = dict(max_new_tokens=40, threshold=0.3, temperature=0.0)
+
+
+@pytest.fixture
+def engine(tiny_text_engine, gen_one_thread):
+    return tiny_text_engine
+
+
+def same(a, b, skip=("top",)) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(k in skip or same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("cls", [DenoiseView, ExpertView, MemoryView, SpeedView])
+def test_a_saved_trace_replays_as_the_live_run(engine, tmp_path, cls):
+    live = cls(engine, fps=1000)
+    try:
+        with engine.capture(list(live.hook_methods())) as cap:
+            engine.generate(PROMPT, coreset_size=3, **GEN)
+        live.flush()
+        cap.save(tmp_path / "run")
+    finally:
+        live.detach()
+    trace = clover_lab.load_trace(tmp_path / "run")
+    replayed = cls(fps=1000).replay(trace)  # no engine, no model
+    assert replayed.engine is None and len(replayed.frames) == len(live.frames) > 0
+    assert replayed.frame_labels == live.frame_labels
+    assert all(same(a, b) for a, b in zip(live.frames, replayed.frames))
+    if cls is DenoiseView:
+        assert replayed.tokens() == live.tokens()
+    with pytest.raises(ValueError, match="nothing to replay"):
+        cls(fps=1000).replay(clover_lab.Trace([], ["layers.0.output"]))
+    live.close()
+    replayed.close()
+
+
+def test_export_html_writes_every_frame_with_a_slider(engine, tmp_path):
+    view = DenoiseView(engine, fps=1000)
+    try:
+        r = engine.generate(PROMPT, **GEN)
+    finally:
+        view.detach()
+    text = view.export_html(tmp_path / "d.html").read_text()
+    n = len(view.frames)
+    assert n == r.stats.preview_forwards + r.stats.blocks
+    assert text.count("class='clover-frame'") == n and "clover-frame-slider" in text
+    assert f"max='{n - 1}'" in text
+    assert not re.search(r"<script[^>]*\bsrc\s*=", text, re.I)  # nothing loads from the network
+    one = view.export_html(tmp_path / "one.html", frame=0).read_text()
+    assert "clover-frame-slider" not in one
+    view.close()
