@@ -67,3 +67,42 @@ def test_export_html_writes_every_frame_with_a_slider(engine, tmp_path):
     one = view.export_html(tmp_path / "one.html", frame=0).read_text()
     assert "clover-frame-slider" not in one
     view.close()
+
+
+def test_patching_view_shows_a_sweep_row_by_row(engine, tmp_path):
+    from clover_lab import patching
+    from clover_lab.widgets import PatchingView
+
+    clean, corrupt = [5, 17, 99, 3, 42, 8, 8, 123], [5, 17, 99, 7, 42, 8, 8, 123]
+    metric = patching.logit_diff(len(clean) + 2, 10, 11)
+    sweep = patching.sweep_layers_positions(engine, clean, corrupt, metric, block=0, step=0,
+                                            positions=[9, 10, 11], max_new_tokens=16, threshold=0.3)
+    view = PatchingView(sweep)
+    want = sweep.normalized().numpy()
+    np.testing.assert_allclose(view.matrix(), want)
+    assert len(view.frames) == 4  # a frame per layer
+    assert np.isnan(view.matrix(view.state_at(0))[1:]).all()
+    text = view.export_html(tmp_path / "p.html").read_text()
+    assert text.count("class='clover-frame'") == 4 and "plotly-graph-div" in text
+    view.close()
+
+
+def test_lens_view_live_and_from_a_lens(engine):
+    from clover_lab import lens
+    from clover_lab.widgets import LensView
+
+    view = LensView(engine, k=3, fps=1000)
+    try:
+        lz = lens.logit_lens(engine, PROMPT, k=3, **GEN)
+    finally:
+        view.detach()
+    assert len(view.frames) == len(lz.steps) == lz.result.stats.preview_forwards
+    for frame, s in zip(view.frames, lz.steps):
+        part = frame[-1]
+        assert part["positions"] == s.positions and part["unmasked"] == s.unmasked
+        np.testing.assert_array_equal(part["ids"], s.ids.numpy())
+    offline = LensView.from_lens(lz, engine.tokenizer, fps=1000)
+    assert offline.engine is None and len(offline.frames) == len(view.frames)
+    assert list(offline.fig.data[0].y) == list(range(engine.model.config.num_hidden_layers))
+    view.close()
+    offline.close()
