@@ -79,6 +79,10 @@ def test_steps_by_layers_sweep_for_one_position(tiny_engine):
     steps = sweep.rows
     assert steps[0] == 0 and sweep.cols == [0, 1, 2, 3] and sweep.values.shape == (len(steps), 4)
     assert sweep.values[0, 3].item() == pytest.approx(sweep.clean, abs=1e-6)
+    assert len(sweep.clean_rows) == len(steps) and sweep.clean_rows[0] == sweep.clean
+    # every row normalised against its own step's clean and corrupted values
+    if sweep.clean_rows[0] != sweep.corrupt_rows[0]:
+        assert sweep.normalized()[0, 3].item() == pytest.approx(1.0, abs=1e-4)
     assert 0 <= sweep.values[0, 0].item() <= 1
 
 

@@ -27,15 +27,21 @@ class Sweep:
     metric: str
     title: str = ""
     applied: list = field(default_factory=list, repr=False)
+    # per row, where the metric is read at a different forward in each row (steps x layers)
+    clean_rows: list | None = None
+    corrupt_rows: list | None = None
 
     def normalized(self) -> torch.Tensor:
         """(value - corrupt) / (clean - corrupt): 1 where the patch restores the clean run."""
-        return (self.values - self.corrupt) / (self.clean - self.corrupt)
+        if self.clean_rows is None:
+            return (self.values - self.corrupt) / (self.clean - self.corrupt)
+        clean, corrupt = torch.tensor(self.clean_rows)[:, None], torch.tensor(self.corrupt_rows)[:, None]
+        return (self.values - corrupt) / (clean - corrupt)
 
     def to_dict(self) -> dict:
         return dict(values=self.values.tolist(), rows=list(self.rows), cols=list(self.cols), row_name=self.row_name,
                     col_name=self.col_name, clean=self.clean, corrupt=self.corrupt, metric=self.metric,
-                    title=self.title)
+                    title=self.title, clean_rows=self.clean_rows, corrupt_rows=self.corrupt_rows)
 
 
 def _layers_with(engine, kind: str) -> list[int]:
@@ -106,4 +112,5 @@ def sweep_steps_layers(engine, clean, corrupt, metric: Metric, block: int, kind:
             site = Site(P.layer_point(layer, kind), block, s, positions=(position,))
             values[r, c] = _cell(engine, corrupt, source, site, metric, (block, s), applied, generate)
     return Sweep(values, list(steps), layers, "step", "layer", clean_v[0], corrupt_v[0], metric.name,
-                 f"{kind} at position {position} patched at each step of block {block}; read at that step", applied)
+                 f"{kind} at position {position} patched at each step of block {block}; read at that step", applied,
+                 clean_v, corrupt_v)

@@ -8,8 +8,6 @@ metric with one site patched per cell, normalised so that 1 means "restores the 
 from __future__ import annotations
 
 import html
-import math
-
 import numpy as np
 
 from .base import View, figure_html
@@ -46,8 +44,11 @@ class PatchingView(View):
             self._live = self._empty()
             self._axes = d
             values = np.asarray(d["values"], dtype=float)
-            if self.normalized and math.isfinite(d["clean"] - d["corrupt"]) and d["clean"] != d["corrupt"]:
-                values = (values - d["corrupt"]) / (d["clean"] - d["corrupt"])
+            if self.normalized:
+                clean = np.asarray(d.get("clean_rows") or [d["clean"]] * len(values), dtype=float)[:, None]
+                corrupt = np.asarray(d.get("corrupt_rows") or [d["corrupt"]] * len(values), dtype=float)[:, None]
+                with np.errstate(divide="ignore", invalid="ignore"):  # NaN where clean == corrupt
+                    values = (values - corrupt) / (clean - corrupt)
             for i, row in enumerate(values):
                 self._push(dict(row=i, values=row), None, f"{d['row_name']} {d['rows'][i]}")
         self.flush()
