@@ -2,7 +2,6 @@
 import math
 
 import pytest
-import torch
 
 from clover_lab import patching
 from clover_lab.hooks import points as P

@@ -38,7 +38,7 @@ def test_residual_values_compose_the_stream(tiny_model):
         out = model.commit_and_preview(cache, [1, 2, 3], torch.tensor([[7] * 5]), commit_logits="last")
     mixer = P.mixer_output(model.config.layer_types[1])
     for mode, n in (("commit", 3), ("preview", 5)):
-        x, pos = seen[(f"layers.1.input", mode)]
+        x, pos = seen[("layers.1.input", mode)]
         assert x.shape == (1, n, model.config.hidden_size)
         lo = 10 if mode == "commit" else 13
         assert pos.tolist() == list(range(lo, lo + n))
