@@ -3,7 +3,7 @@ from .cache import CacheFullError, CloverCache
 from .config import PRESETS, CloverConfig, ConfigError
 from .context import Coreset
 from .engine import Engine, GenerationError, GenerationResult, GenerationStats, StreamUpdate, load
-from .hooks import Capture, CommitEvent, HookError, Record, StepEvent, StopGeneration
+from .hooks import Capture, CommitEvent, HookError, Record, StepEvent, StopGeneration, Trace, load_trace
 from .loading import CheckpointError
 from .model import CloverModel, StepOutput
 from .sampling import SamplerSettings
@@ -13,5 +13,5 @@ __all__ = [
     "CloverConfig", "ConfigError", "PRESETS", "CloverModel", "CloverCache", "CacheFullError", "Coreset",
     "StepOutput", "CheckpointError", "HookError", "StopGeneration",
     "Engine", "load", "GenerationResult", "GenerationStats", "GenerationError", "SamplerSettings",
-    "StepEvent", "CommitEvent", "StreamUpdate", "Capture", "Record",
+    "StepEvent", "CommitEvent", "StreamUpdate", "Capture", "Record", "Trace", "load_trace",
 ]

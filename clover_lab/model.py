@@ -32,6 +32,7 @@ from .layers.gdn import GatedDeltaNet
 from .layers.linear import Linear
 from .layers.moe import Experts, Router, SparseMoE
 from .layers.norm import RMSNorm
+from .layers.residual import fire_head_rows, fire_residual
 from .layers.rotary import Rotary
 
 __all__ = ["CloverModel", "Coreset", "StepOutput", "DecoderLayer", "TextModel"]
@@ -54,15 +55,29 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(config, layer, hooks)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layer = layer
+        self.hooks = hooks
+        self.input_point = points.layer_point(layer, points.INPUT)
+        self.mixer_point = points.layer_point(layer, points.mixer_output(self.layer_type))
+        self.moe_point = points.layer_point(layer, points.MOE_OUTPUT)
+        self.output_point = points.layer_point(layer, points.OUTPUT)
+
+    def _observe(self, name: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """A residual-stream point: one dict lookup with nothing attached."""
+        if ctx.hooks and self.hooks.active(name):
+            return fire_residual(self.hooks, name, self.layer, x, ctx)
+        return x
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self._observe(self.input_point, x, ctx)
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(h, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+        x = x + self._observe(self.mixer_point, h, ctx)
+        x = x + self._observe(self.moe_point, self.mlp(self.post_attention_layernorm(x), ctx), ctx)
+        return self._observe(self.output_point, x, ctx)
 
 
 class TextModel(nn.Module):
@@ -241,13 +256,14 @@ class CloverModel(nn.Module):
 
         out_commit = out_preview = None
         if c and commit_logits is not None:
-            rows = x[:, c - 1:c] if commit_logits == "last" else x[:, :c]
-            out_commit = self.head(rows)
+            lo = c - 1 if commit_logits == "last" else 0
+            out_commit = self.head(x[:, lo:c], ctx, "commit", ctx.positions[lo:c])
         if m:
-            rows = x[:, c:]
+            rows, positions = x[:, c:], ctx.positions[c:]
             if preview_positions is not None:
-                rows = rows[:, torch.as_tensor(preview_positions, device=x.device, dtype=torch.long)]
-            out_preview = self.head(rows)
+                idx = torch.as_tensor(preview_positions, device=x.device, dtype=torch.long)
+                rows, positions = rows[:, idx], positions[idx]
+            out_preview = self.head(rows, ctx, "preview", positions)
         return StepOutput(out_commit, out_preview)
 
     def hidden_states(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -259,9 +275,14 @@ class CloverModel(nn.Module):
             x = layer(x, ctx)
         return x
 
-    def head(self, rows: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: hidden rows [..., H] -> logits [..., V]."""
-        return self.lm_head(self.model.norm(rows))
+    def head(self, rows: torch.Tensor, ctx: ForwardContext | None = None, mode: str | None = None,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and LM head: hidden rows [..., H] -> logits [..., V]. Given the forward's
+        ``ctx``, the rows' ``mode`` and ``positions``, ``final_norm.output`` fires between the two."""
+        h = self.model.norm(rows)
+        if ctx is not None and ctx.hooks and self.hooks.active(points.FINAL_NORM_OUTPUT):
+            h = fire_head_rows(self.hooks, points.FINAL_NORM_OUTPUT, h, mode, positions, ctx)
+        return self.lm_head(h)
 
     def training_forward(self, clean_ids: torch.Tensor, noisy_ids: torch.Tensor, block_size: int | None = None,
                          router_stats: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:

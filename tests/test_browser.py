@@ -1,7 +1,9 @@
 """A real browser: JupyterLab started headless, notebooks/01_quickstart.ipynb opened and run in
 Debian's chromium (driven by the Python playwright package, no browser download), the dashboard's
 plotly figures and token grid checked in the DOM after generation, the Generate button pressed,
-and a screenshot saved to assets/dashboard.png for the README."""
+and a screenshot saved to assets/dashboard.png for the README; then
+notebooks/06_patching_and_lens.ipynb, its patching heatmaps and logit lens checked and
+photographed (assets/patching.png, assets/logit_lens.png)."""
 import os
 import shutil
 import socket
@@ -20,6 +22,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
          "--disable-sync", "--no-first-run"]
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
+PATCHING_NOTEBOOK = ROOT / "notebooks" / "06_patching_and_lens.ipynb"
 SCREENSHOT = ROOT / "assets" / "dashboard.png"
 
 pytestmark = [
@@ -47,7 +50,8 @@ def lab(tmp_path):
     browser's autosave never writes into notebooks/), with its settings in tmp_path."""
     root = tmp_path / "lab"
     root.mkdir()
-    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    for notebook in (NOTEBOOK, PATCHING_NOTEBOOK):
+        shutil.copy(notebook, root / notebook.name)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
                JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"))
@@ -95,19 +99,47 @@ ALL_RUN = """() => {
 }"""
 
 
+def run_all(page, lab, notebook: Path) -> None:
+    """Open ``notebook`` in JupyterLab, Run All, wait for every cell, and fail on any traceback."""
+    page.goto(f"{lab}/lab/tree/{notebook.name}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    page.wait_for_function(KERNEL_IDLE, timeout=90_000)
+    page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    page.wait_for_function(ALL_RUN, timeout=240_000, polling=500)
+    tracebacks = [t for t in page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']")
+                  .all_inner_texts()]
+    assert not tracebacks, tracebacks[0][-2000:]
+
+
+def test_patching_and_lens_in_jupyterlab(lab):
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 3400})
+            run_all(page, lab, PATCHING_NOTEBOOK)
+            # after Run All every view is still on screen with its figure (detaching closes nothing)
+            page.wait_for_function("() => document.querySelectorAll('.clover-patchingview .js-plotly-plot').length >= 2"
+                                   " && document.querySelectorAll('.clover-lensview .js-plotly-plot').length >= 1"
+                                   " && document.querySelectorAll('.clover-denoiseview .clover-grid').length >= 1",
+                                   timeout=120_000)
+            for selector, name in ((".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")):
+                view = page.locator(selector).first
+                assert view.locator(".js-plotly-plot .main-svg").count() >= 1
+                view.scroll_into_view_if_needed()
+                page.wait_for_timeout(500)  # let plotly finish its last redraw
+                shot = ROOT / "assets" / name
+                view.screenshot(path=str(shot))
+                assert shot.stat().st_size > 10_000
+        finally:
+            browser.close()
+
+
 def test_dashboard_in_jupyterlab(lab):
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1500, "height": 3400})
-            page.goto(f"{lab}/lab/tree/{NOTEBOOK.name}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            page.wait_for_function(KERNEL_IDLE, timeout=90_000)
-            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-            page.wait_for_function(ALL_RUN, timeout=240_000, polling=500)
-            tracebacks = [t for t in page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']")
-                          .all_inner_texts()]
-            assert not tracebacks, tracebacks[0][-2000:]
+            run_all(page, lab, NOTEBOOK)
 
             dash = page.locator(".clover-dashboard").first
             dash.wait_for(timeout=60_000)

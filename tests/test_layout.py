@@ -5,7 +5,8 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "clover_lab"
-POINT_NAME = re.compile(r"^(layers\.(\d+|\*)\.)?(moe\.route|gdn\.preview|gdn\.state)$|^(denoise\.step|block\.commit)$")
+POINT_NAME = re.compile(r"^(layers\.(\d+|\*)\.)?(moe\.route|gdn\.preview|gdn\.state|attn\.output|gdn\.output|moe\.output)$"
+                        r"|^layers\.(\d+|\*)\.(input|output)$|^(denoise\.step|block\.commit|final_norm\.output)$")
 
 
 def module_name(path: Path) -> str:

@@ -20,13 +20,17 @@ needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="no model: the embedded 
 
 def test_notebooks_exist_with_a_kernelspec():
     names = [p.name for p in NOTEBOOKS]
-    for want in ("01_quickstart", "02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed"):
+    for want in ("01_quickstart", "02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed",
+                 "06_patching_and_lens", "07_routing_lens_and_coreset"):
         assert f"{want}.ipynb" in names
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         assert nb.metadata["kernelspec"]["name"] == "python3", path.name
         assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{path.name} is stored with outputs"
         assert "MODEL_DIR = None" in nb.cells[1].source, f"{path.name}: the model is set in its first code cell"
+        assert "widgets" not in nb.metadata, f"{path.name} is stored with widget state"
+        # views stay on screen after "Run All": a notebook detaches its views, it never closes them
+        assert not any(".close()" in c.source for c in nb.cells if c.cell_type == "code"), f"{path.name} closes a view"
 
 
 @needs_model

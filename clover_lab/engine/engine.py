@@ -106,7 +106,7 @@ class Engine:
     def capture(self, points, to: str | torch.device | None = None) -> Capture:
         """``with engine.capture(["layers.*.moe.route", "denoise.step"]) as cap:`` records those
         points over every generation inside the block, tagged with block and step."""
-        return Capture(self.model.hooks, points, to=to)
+        return Capture(self.model.hooks, points, to=to, config=self.model.config)
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt, thinking: bool | None = None) -> list[int]:

@@ -9,52 +9,33 @@ counterpart of TransformerLens' ``run_with_cache``).
 
 Tensors stay on the model's device (no copies to the host, no synchronisation) unless
 ``to="cpu"`` is given. Tensors that the engine or a later hook may change in place (the GDN
-state and ring, the canvas) are cloned; the rest are fresh per event and kept by reference.
+state and ring, the canvas, residual-stream values) are cloned; the rest are fresh per event and kept by reference.
 The hooks are removed when the ``with`` block ends, also on an exception.
 """
 from __future__ import annotations
 
-import fnmatch
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
 from . import points as P
+from .records import Record, RecordSet
 from .registry import HookRegistry
+from .trace import save_trace
 
 
-@dataclass
-class Record:
-    """One firing of a point. ``phase``: "prefill" or "decode"; ``block`` / ``step`` where the
-    engine was (commit-mode model events carry the block being committed and ``step`` None;
-    prefill events carry neither); ``run`` counts generations on the engine."""
-
-    point: str
-    run: int
-    phase: str | None
-    block: int | None
-    step: int | None
-    data: dict = field(repr=False)
-
-    def __getitem__(self, key):
-        return self.data[key]
-
-    def __repr__(self):
-        keys = ", ".join(self.data)
-        return f"Record({self.point!r}, run={self.run}, phase={self.phase!r}, block={self.block}, step={self.step}, [{keys}])"
-
-
-class Capture:
+class Capture(RecordSet):
     """Records the points matching ``points`` on ``hooks`` (an engine's registry) while entered."""
 
-    def __init__(self, hooks: HookRegistry, points: str | Iterable[str], to: str | torch.device | None = None):
+    def __init__(self, hooks: HookRegistry, points: str | Iterable[str], to: str | torch.device | None = None,
+                 config=None):
         self.hooks = hooks
         self.patterns = [points] if isinstance(points, str) else list(points)
         if not self.patterns:
             raise ValueError("capture: name at least one hook point or pattern")
         self.to = None if to is None else torch.device(to)
         self.records: list[Record] = []
+        self.config = config  # the model's CloverConfig: saved with a trace, so views replay without the model
         self._handle = None
         self._names = sorted({name for p in self.patterns for name in hooks.resolve(p)}, key=hooks.points.index)
 
@@ -82,7 +63,7 @@ class Capture:
 
         def record(ev):
             data = self._fields(ev, fields)
-            self.records.append(Record(name, ev.where.run, ev.where.phase, ev.block, ev.step, data))
+            self.records.append(Record(name, ev.where.run, ev.where.phase, ev.block, ev.step, data, ev.where))
 
         return record
 
@@ -94,50 +75,36 @@ class Capture:
             value = getattr(ev, key)
             if isinstance(value, torch.Tensor):
                 value = self._t(value, clone)
-            elif isinstance(value, list):
-                value = list(value)
+            elif isinstance(value, (list, dict)):
+                value = type(value)(value)
             out[key] = value
         return out
 
-    # ---------------------------------------------------------------- reading
     @property
     def points(self) -> list[str]:
         """The concrete points being recorded."""
         return list(self._names)
 
-    def __getitem__(self, name: str) -> list[Record]:
-        if name in self._names:
-            return [r for r in self.records if r.point == name]
-        names = set(fnmatch.filter(self._names, name))
-        if not names:
-            raise KeyError(f"capture has no point matching {name!r}; it records {', '.join(self._names)}")
-        return [r for r in self.records if r.point in names]
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def by_block(self, name: str) -> dict[int | None, list[Record]]:
-        out: dict[int | None, list[Record]] = {}
-        for r in self[name]:
-            out.setdefault(r.block, []).append(r)
-        return out
-
-    def by_step(self, name: str) -> dict[tuple[int | None, int | None], list[Record]]:
-        out: dict[tuple, list[Record]] = {}
-        for r in self[name]:
-            out.setdefault((r.block, r.step), []).append(r)
-        return out
-
     def clear(self) -> None:
         self.records.clear()
+
+    def save(self, path, meta: dict | None = None) -> None:
+        """Write the records to the directory ``path`` (tensors in safetensors, the rest in JSON):
+        ``clover_lab.load_trace(path)`` reads them back, with no model."""
+        config = {} if self.config is None else {"config": self.config.to_dict()}
+        save_trace(path, self.records, self.points, {**config, **(meta or {})})
 
 
 # point kind -> the event fields a record keeps, True where the tensor must be cloned: the engine
 # or a later hook may change it in place (the GDN state and ring, the canvas)
 _FIELDS = {
-    P.DENOISE_STEP: dict(canvas=True, masked=False, candidates=False, confidences=False, unmask=False, time=False),
+    P.DENOISE_STEP: dict(canvas=True, masked=False, candidates=False, confidences=False, unmask=False, time=False,
+                         tokens=False),
     P.BLOCK_COMMIT: dict(tokens=False, steps=False, start=False, time=False),
-    P.MOE_ROUTE: dict(layer=False, mode=False, positions=False, router_probs=False, expert_ids=False, weights=False),
+    P.MOE_ROUTE: dict(layer=False, mode=False, positions=False, router_probs=False, expert_ids=False, weights=False,
+                      selectable=False),
     P.GDN_PREVIEW: dict(layer=False, positions=False, history_weights=False, history_reads=False),
     P.GDN_STATE: dict(layer=False, state=True, ring=True, length=False),
+    # a residual value is a view of the forward's stream, which a later hook may edit in place
+    **{kind: dict(layer=False, mode=False, positions=False, value=True) for kind in P.RESIDUAL_KINDS + (P.FINAL_NORM_OUTPUT,)},
 }

@@ -164,6 +164,52 @@ class GDNStateEvent(Event):
         return None
 
 
+class ResidualEvent(Event):
+    """A residual-stream tensor (``layers.{i}.input``, ``.attn.output`` / ``.gdn.output``,
+    ``.moe.output``, ``.output``, or ``final_norm.output``) for one part (commit or preview) of a
+    forward.
+
+    ``value`` [B, T, H] the part's rows, ``positions`` [T] their absolute positions, ``layer``
+    None for ``final_norm.output`` (whose rows are only those the LM head reads: the last commit
+    row, or the requested preview positions). Edit ``value`` in place or assign a tensor of the
+    same shape, dtype and device: what it holds afterwards is what the forward goes on with.
+    """
+
+    def __init__(self, point: str, layer: int | None, mode: str, positions: torch.Tensor, value: torch.Tensor,
+                 where: Where = NOWHERE):
+        self.where, self.point, self.layer, self.mode, self.positions = where, point, layer, mode, positions
+        self._value = value
+        self.replaced = False
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self._value
+
+    @value.setter
+    def value(self, new) -> None:
+        old = self._value
+        if not isinstance(new, torch.Tensor):
+            raise TypeError(f"{self.point}: event.value must be a tensor, got {type(new).__name__}")
+        if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
+            raise ValueError(f"{self.point} ({self.mode} rows): event.value must keep shape {tuple(old.shape)}, "
+                             f"dtype {old.dtype} and device {old.device}; got shape {tuple(new.shape)}, "
+                             f"dtype {new.dtype}, device {new.device}")
+        self._value = new
+        self.replaced = True
+
+    @property
+    def block(self) -> int | None:
+        return self.where.at(self.mode)[0]
+
+    @property
+    def step(self) -> int | None:
+        return self.where.at(self.mode)[1]
+
+    def __repr__(self):
+        return (f"ResidualEvent({self.point!r}, mode={self.mode!r}, block={self.block}, step={self.step}, "
+                f"value={tuple(self._value.shape)})")
+
+
 # --------------------------------------------------------------------------- engine events
 
 class _Stoppable:

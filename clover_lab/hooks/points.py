@@ -2,7 +2,9 @@
 
 Names follow one scheme (section 5 of the architecture spec): ``<stage>.<point>`` for the
 engine, between forwards (``denoise.step``, ``block.commit``), and ``layers.{i}.<module>.<point>``
-inside a forward (``layers.3.moe.route``, ``layers.0.gdn.preview``, ``layers.0.gdn.state``).
+inside a forward (``layers.3.moe.route``, ``layers.0.gdn.preview``, ``layers.0.gdn.state``), the
+residual stream per layer (``layers.2.input``, ``layers.2.attn.output`` / ``layers.2.gdn.output``,
+``layers.2.moe.output``, ``layers.2.output``) and the final norm's output (``final_norm.output``).
 Everything else (the model, the engine, capture, the widgets) builds and parses names here.
 """
 from __future__ import annotations
@@ -14,11 +16,26 @@ ENGINE_POINTS = (DENOISE_STEP, BLOCK_COMMIT)
 MOE_ROUTE = "moe.route"
 GDN_PREVIEW = "gdn.preview"
 GDN_STATE = "gdn.state"
-# per-layer points and the layer types that have them
+# the residual stream: entering a layer, the token mixer's and the MoE block's outputs (what each
+# adds to the stream), leaving the layer
+INPUT = "input"
+ATTN_OUTPUT = "attn.output"
+GDN_OUTPUT = "gdn.output"
+MOE_OUTPUT = "moe.output"
+OUTPUT = "output"
+RESIDUAL_KINDS = (INPUT, ATTN_OUTPUT, GDN_OUTPUT, MOE_OUTPUT, OUTPUT)
+FINAL_NORM_OUTPUT = "final_norm.output"  # after the last layer: the rows the LM head reads
+_BOTH = ("linear_attention", "full_attention")
+# per-layer points and the layer types that have them, in the order they fire within a layer
 LAYER_POINTS = {
-    MOE_ROUTE: ("linear_attention", "full_attention"),
-    GDN_PREVIEW: ("linear_attention",),
+    INPUT: _BOTH,
     GDN_STATE: ("linear_attention",),
+    GDN_PREVIEW: ("linear_attention",),
+    ATTN_OUTPUT: ("full_attention",),
+    GDN_OUTPUT: ("linear_attention",),
+    MOE_ROUTE: _BOTH,
+    MOE_OUTPUT: _BOTH,
+    OUTPUT: _BOTH,
 }
 
 
@@ -30,14 +47,22 @@ def layer_point(layer: int, kind: str) -> str:
 
 
 def every_layer(kind: str) -> str:
-    """``every_layer("moe.route")`` -> ``"layers.*.moe.route"``: the pattern of a point on every layer."""
+    """``every_layer("moe.route")`` -> ``"layers.*.moe.route"``: the pattern of a point on every layer.
+    fnmatch's ``*`` also matches dots, so ``"layers.*.output"`` would match ``moe.output`` too: the
+    patterns of ``input`` and ``output`` end the layer number with a digit (``"layers.*[0-9].output"``)."""
     if kind not in LAYER_POINTS:
         raise KeyError(f"unknown layer point kind {kind!r}; known: {', '.join(LAYER_POINTS)}")
-    return f"layers.*.{kind}"
+    return f"layers.*[0-9].{kind}" if kind in (INPUT, OUTPUT) else f"layers.*.{kind}"
+
+
+def mixer_output(layer_type: str) -> str:
+    """The kind of a layer's token-mixer output point: ``attn.output`` or ``gdn.output``."""
+    return GDN_OUTPUT if layer_type == "linear_attention" else ATTN_OUTPUT
 
 
 def parse(name: str) -> tuple[int | None, str]:
-    """``"layers.3.moe.route"`` -> ``(3, "moe.route")``; an engine point -> ``(None, name)``."""
+    """``"layers.3.moe.route"`` -> ``(3, "moe.route")``; an engine point or ``final_norm.output``
+    -> ``(None, name)``."""
     if name.startswith("layers."):
         _, layer, kind = name.split(".", 2)
         return int(layer), kind
@@ -49,12 +74,19 @@ def is_model_point(name: str) -> bool:
     return name not in ENGINE_POINTS
 
 
+def is_residual(name: str) -> bool:
+    """True for the residual-stream points (per layer and ``final_norm.output``): events whose
+    ``value`` a hook may replace."""
+    return name == FINAL_NORM_OUTPUT or parse(name)[1] in RESIDUAL_KINDS
+
+
 def hook_points(layer_types) -> list[str]:
     """Every point of a model with these layer types (``config.layer_types``): the engine's, then
-    per layer its route, preview and state points."""
+    per layer its points in firing order, then ``final_norm.output``."""
     points = list(ENGINE_POINTS)
     for i, layer_type in enumerate(layer_types):
-        for kind in (MOE_ROUTE, GDN_PREVIEW, GDN_STATE):
-            if layer_type in LAYER_POINTS[kind]:
+        for kind, types in LAYER_POINTS.items():
+            if layer_type in types:
                 points.append(layer_point(i, kind))
+    points.append(FINAL_NORM_OUTPUT)
     return points

@@ -1,6 +1,7 @@
 """Live notebook views of a running Clover engine, fed by its hook points.
 
     from clover_lab.widgets import Dashboard, DenoiseView, ExpertView, MemoryView, SpeedView
+    from clover_lab.widgets import LensView, PatchingView        # the logit lens, a patching sweep
 
     view = DenoiseView(engine)            # attached until view.close()
     view                                  # display it, then generate in this or a later cell
@@ -20,8 +21,10 @@ from .base import Attachment, Throttle, View, export_html
 from .dashboard import Dashboard
 from .denoise import DenoiseView
 from .experts import ExpertView
+from .lens import LensView
 from .memory import MemoryView
+from .patching import PatchingView
 from .speed import SpeedView
 
-__all__ = ["Attachment", "Dashboard", "DenoiseView", "ExpertView", "MemoryView", "SpeedView", "Throttle", "View",
-           "export_html"]
+__all__ = ["Attachment", "Dashboard", "DenoiseView", "ExpertView", "LensView", "MemoryView", "PatchingView",
+           "SpeedView", "Throttle", "View", "export_html"]

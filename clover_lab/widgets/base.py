@@ -395,20 +395,35 @@ class View:
 
         display(self.widget)
 
-    def to_html(self, frame: int | None = None, *, full_html: bool = True) -> str:
-        """This view as HTML (the shown frame, or ``frame``), plotly.js inline: works offline."""
+    def to_html(self, frame: int | str | None = None, *, full_html: bool = True) -> str:
+        """This view as HTML, plotly.js inline: works offline. ``frame``: one frame's index, None
+        (the shown frame) or "all" (every frame under a slider: the whole run replayed)."""
+        from .replay import frames_html
+
         with self._lock:
-            frame = self._shown_frame() if frame is None else frame
-            state = self._live if frame in (-1, len(self.frames) - 1) else self.state_at(frame)
-            body = section(self.title, self._html_parts(state, frame))
+            if frame == "all":
+                body = section(self.title, frames_html(self))
+            else:
+                frame = self._shown_frame() if frame is None else frame
+                state = self._live if frame in (-1, len(self.frames) - 1) else self.state_at(frame)
+                body = section(self.title, self._html_parts(state, frame))
         return page(self.title, [body]) if full_html else body
+
+    def replay(self, trace) -> "View":
+        """Show a saved trace (``clover_lab.load_trace``) or a capture, no model needed: its
+        records of this view's points become frames, as if the run were live."""
+        from .replay import replay
+
+        replay(self, trace)
+        return self
 
     def _shown_frame(self) -> int:
         n = len(self.frames)
         return -1 if not n else (n - 1 if self._follow else self.slider.value)
 
-    def export_html(self, path, frame: int | None = None) -> Path:
-        """Write :meth:`to_html` to ``path`` (a self-contained file; nothing loads from the network)."""
+    def export_html(self, path, frame: int | str | None = "all") -> Path:
+        """Write :meth:`to_html` to ``path``: by default every frame with a slider (a
+        self-contained file; nothing loads from the network)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.to_html(frame), encoding="utf-8")

@@ -1,0 +1,211 @@
+"""Traces: a recording saved to disk and read back without a model (tensors in safetensors,
+everything else in JSON), and ``diff``: where two runs part.
+
+    cap.save("runs/a")                      # a directory: trace.json + tensors.safetensors
+    a = clover_lab.load_trace("runs/a")
+    a["layers.0.moe.route"][0]["expert_ids"]
+    a.diff(clover_lab.load_trace("runs/b")) # the first (block, step, point, layer) that differs
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import astuple, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import points as P
+from .events import Where
+from .records import Record, RecordSet
+
+FORMAT = "clover-lab-trace"
+VERSION = 1
+META_FILE, TENSOR_FILE = "trace.json", "tensors.safetensors"
+
+
+def _encode(value, name: str, tensors: dict):
+    """A record field as JSON, its tensors moved to ``tensors`` under ``name``."""
+    if isinstance(value, torch.Tensor):
+        tensors[name] = value.detach().to("cpu").contiguous().clone()
+        return {"tensor": name}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, f"{name}.{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: _encode(v, f"{name}.{k}", tensors) for k, v in value.items()}}
+    if isinstance(value, dict) and all(isinstance(k, int) for k in value):  # e.g. position -> token
+        return {"int_dict": [[k, _encode(v, f"{name}.{k}", tensors)] for k, v in value.items()]}
+    raise TypeError(f"{name}: cannot save a {type(value).__name__} in a trace")
+
+
+def _decode(value, tensors: dict, where: str):
+    if isinstance(value, list):
+        return [_decode(v, tensors, where) for v in value]
+    if isinstance(value, dict):
+        if "tensor" in value:
+            if value["tensor"] not in tensors:
+                raise ValueError(f"{where}: tensor {value['tensor']!r} is missing from {TENSOR_FILE}")
+            return tensors[value["tensor"]]
+        if "float" in value:
+            return float(value["float"])
+        if "int_dict" in value:
+            return {int(k): _decode(v, tensors, where) for k, v in value["int_dict"]}
+        return {k: _decode(v, tensors, where) for k, v in value["dict"].items()}
+    return value
+
+
+def save_trace(path, records: list[Record], points: list[str], meta: dict | None = None) -> None:
+    """Write ``records`` to the directory ``path``; written to a temporary directory first, so an
+    error leaves nothing half-written."""
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    rows = []
+    for i, r in enumerate(records):
+        data = {k: _encode(v, f"{i}.{k}", tensors) for k, v in r.data.items()}
+        where = None if r.where is None else list(astuple(r.where))
+        rows.append(dict(point=r.point, run=r.run, phase=r.phase, block=r.block, step=r.step, where=where, data=data))
+    doc = dict(format=FORMAT, version=VERSION, points=list(points), meta=meta or {}, records=rows)
+    text = json.dumps(doc)  # fails here, before anything is written, on what JSON cannot hold
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        (tmp / META_FILE).write_text(text)
+        save_file(tensors, str(tmp / TENSOR_FILE))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@dataclass
+class Divergence:
+    """Where two runs part: the first record (in firing order) whose ``field`` differs."""
+
+    block: int | None
+    step: int | None
+    point: str
+    layer: int | None
+    field: str
+    max_abs_diff: float | None = None
+    reason: str = "values differ"
+
+    def __str__(self):
+        at = f"block {self.block}, step {self.step}, {self.point}"
+        diff = "" if self.max_abs_diff is None else f" (max |diff| {self.max_abs_diff:.3g})"
+        return f"{at}: {self.field} {self.reason}{diff}"
+
+
+class Trace(RecordSet):
+    """A saved recording, read back on the CPU: the same reading API as ``Capture``."""
+
+    def __init__(self, records: list[Record], points: list[str], meta: dict | None = None, path=None):
+        self.records, self.points, self.meta, self.path = records, list(points), dict(meta or {}), path
+
+    def __repr__(self):
+        return f"Trace({len(self.records)} records of {len(self.points)} points, runs {self.runs})"
+
+    @property
+    def config(self):
+        """The recorded model's CloverConfig (None when the trace was saved without one)."""
+        from ..config import CloverConfig
+
+        d = self.meta.get("config")
+        return None if d is None else CloverConfig.from_dict(d, source=f"{self.path}/{META_FILE}")
+
+    def save(self, path, meta: dict | None = None) -> None:
+        save_trace(path, self.records, self.points, {**self.meta, **(meta or {})})
+
+    def diff(self, other: "Trace", atol: float = 1e-5, rtol: float = 1e-4,
+             ignore: tuple[str, ...] = ("time",)) -> Divergence | None:
+        """The first (block, step, point, layer) where ``other`` differs from this trace beyond the
+        tolerance (records matched by point, phase, block, step, mode and order), or None.
+        ``ignore``: fields never compared (wall-clock times by default)."""
+        theirs = _keyed(other.records)
+        seen: dict[tuple, int] = {}
+        for r in self.records:
+            key = _key(r)
+            n = seen[key] = seen.get(key, -1) + 1
+            layer = P.parse(r.point)[0]
+            match = theirs.get(key, [])
+            if n >= len(match):
+                return Divergence(r.block, r.step, r.point, layer, "record", reason="is missing from the other run")
+            for name, value in r.data.items():
+                if name in ignore:
+                    continue
+                found = _differs(value, match[n].data.get(name), atol, rtol)
+                if found is not None:
+                    return Divergence(r.block, r.step, r.point, layer, name, found[1], found[0])
+        extra = sum(len(v) for v in theirs.values()) - len(self.records)
+        if extra > 0:
+            return Divergence(None, None, "*", None, "record", reason=f"the other run has {extra} more records")
+        return None
+
+
+def _key(r: Record) -> tuple:
+    return (r.point, r.phase, r.block, r.step, r.data.get("mode"))
+
+
+def _keyed(records) -> dict[tuple, list[Record]]:
+    out: dict[tuple, list[Record]] = {}
+    for r in records:
+        out.setdefault(_key(r), []).append(r)
+    return out
+
+
+def _differs(a, b, atol: float, rtol: float) -> tuple[str, float | None] | None:
+    """None when equal within tolerance, else (reason, max |difference| for tensors)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return "is a tensor in one run only", None
+        if a.shape != b.shape:
+            return f"has shape {tuple(a.shape)} vs {tuple(b.shape)}", None
+        if a.is_floating_point() or b.is_floating_point():
+            x, y = a.double().cpu(), b.double().cpu()
+            if torch.allclose(x, y, atol=atol, rtol=rtol, equal_nan=True):
+                return None
+            return "values differ", float((x - y).abs().nan_to_num(nan=math.inf).max()) if x.numel() else 0.0
+        return None if torch.equal(a.cpu(), b.cpu()) else ("values differ", float((a.cpu() - b.cpu()).abs().max()))
+    if isinstance(a, float) and isinstance(b, float) and not isinstance(a, bool):
+        return None if math.isclose(a, b, rel_tol=rtol, abs_tol=atol) or a == b else ("values differ", abs(a - b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for x, y in zip(a, b):
+            found = _differs(x, y, atol, rtol)
+            if found is not None:
+                return found
+        return None
+    return None if a == b else (f"is {a!r} vs {b!r}", None)
+
+
+def load_trace(path) -> Trace:
+    """Read a trace written by ``Capture.save`` (a directory); errors name the file at fault."""
+    path = Path(path)
+    meta_file, tensor_file = path / META_FILE, path / TENSOR_FILE
+    for f in (meta_file, tensor_file):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: not found; a trace is a directory written by Capture.save")
+    try:
+        doc = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{meta_file}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{meta_file}: not a clover_lab trace (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"{meta_file}: trace version {doc.get('version')!r}; this clover_lab reads version {VERSION}")
+    tensors = load_file(str(tensor_file))
+    records = []
+    for i, row in enumerate(doc["records"]):
+        where = f"{meta_file}: record {i} ({row.get('point')})"
+        data = {k: _decode(v, tensors, where) for k, v in row["data"].items()}
+        where = None if row.get("where") is None else Where(*row["where"])
+        records.append(Record(row["point"], row["run"], row["phase"], row["block"], row["step"], data, where))
+    return Trace(records, doc["points"], doc.get("meta"), path)

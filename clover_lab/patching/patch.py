@@ -1,0 +1,154 @@
+"""Recording a run's residual stream (``Source``) and running another with values taken from it
+at chosen sites (``patch``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from ..hooks import points as P
+from ..hooks.events import ResidualEvent
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where to patch: one residual point (``"layers.2.output"``, ``"final_norm.output"``), the
+    rows of block ``block`` at denoising step ``step`` (``step`` None: the block's commit rows;
+    both None: the prompt's prefill), at these absolute ``positions`` (None: every row there)."""
+
+    point: str
+    block: int | None
+    step: int | None
+    positions: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if not P.is_residual(self.point):
+            raise ValueError(f"Site: {self.point!r} is not a residual-stream point (layers.{{i}}.input, "
+                             f".attn.output, .gdn.output, .moe.output, .output or final_norm.output)")
+        if self.positions is not None:
+            object.__setattr__(self, "positions", tuple(int(p) for p in self.positions))
+
+
+class Source:
+    """Run A's residual values by (point, block, step) and position; ``result`` its generation."""
+
+    def __init__(self, records, result=None, prompt_ids=None):
+        self.result = result
+        self.prompt_ids = prompt_ids
+        self._rows: dict[tuple, dict[int, tuple[torch.Tensor, int]]] = {}
+        for rec in records:
+            if "value" not in rec.data:
+                continue
+            rows = self._rows.setdefault((rec.point, rec.block, rec.step), {})
+            for i, p in enumerate(rec["positions"].tolist()):
+                rows[p] = (rec["value"], i)
+
+    def rows(self, point: str, block: int | None, step: int | None) -> dict[int, tuple[torch.Tensor, int]]:
+        """position -> (value [B, T, H], row) of one forward part; empty where A had none."""
+        return self._rows.get((point, block, step), {})
+
+    def value(self, point: str, block: int | None, step: int | None, position: int) -> torch.Tensor:
+        """A's value [B, H] at one site and position (KeyError naming it when A has none)."""
+        rows = self.rows(point, block, step)
+        if position not in rows:
+            raise KeyError(f"the source run has no {point} value at block {block}, step {step}, position {position}")
+        v, i = rows[position]
+        return v[:, i]
+
+    def keys(self) -> list[tuple]:
+        return list(self._rows)
+
+    @property
+    def points(self) -> list[str]:
+        return sorted({k[0] for k in self._rows})
+
+
+def residual_points(engine, pattern: str | Iterable[str] | None = None) -> list[str]:
+    """The residual points of an engine's model, all of them or those matching ``pattern``(s)."""
+    hooks = engine.model.hooks
+    names = [p for p in hooks.points if P.is_residual(p)]
+    if pattern is None:
+        return names
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    chosen = {n for pat in patterns for n in hooks.resolve(pat)}
+    bad = sorted(n for n in chosen if not P.is_residual(n))
+    if bad:
+        raise ValueError(f"patching records residual-stream points only; not: {', '.join(bad)}")
+    return [n for n in names if n in chosen]
+
+
+def record(engine, prompt, points: str | Iterable[str] | None = None, **generate) -> Source:
+    """Run A: generate ``prompt`` recording ``points`` (default: every residual point)."""
+    with engine.capture(residual_points(engine, points)) as cap:
+        result = engine.generate(prompt, **generate)
+    return Source(cap.records, result, engine.encode(prompt))
+
+
+@dataclass
+class PatchRun:
+    """Run B's result and the patches that took effect: (site, positions patched) per event."""
+
+    result: object
+    applied: list[tuple[Site, list[int]]] = field(default_factory=list)
+
+
+class _Patcher:
+    """The hook of one point: replaces the rows a site names with the source's values."""
+
+    def __init__(self, source: Source, sites: list[Site] | None, applied: list):
+        self.source, self.sites, self.applied = source, sites, applied
+
+    def __call__(self, ev: ResidualEvent) -> None:
+        src = self.source.rows(ev.point, ev.block, ev.step)
+        if self.sites is None:  # every row the source has
+            targets = [(None, None)] if src else []
+        else:
+            targets = [(s, s.positions) for s in self.sites if (s.block, s.step) == (ev.block, ev.step)]
+        if not targets:
+            return
+        positions = ev.positions.tolist()
+        rows, values = [], []
+        for site, wanted in targets:
+            if wanted is not None and (missing := [p for p in wanted if p in positions and p not in src]):
+                raise ValueError(f"patch {site}: the source run has no {ev.point} value at block {ev.block}, "
+                                 f"step {ev.step}, positions {missing}")
+            done = []
+            for i, p in enumerate(positions):
+                if p in src and (wanted is None or p in wanted):
+                    v, j = src[p]
+                    rows.append(i)
+                    values.append(v[:, j])
+                    done.append(p)
+            if done:
+                self.applied.append((site or Site(ev.point, ev.block, ev.step), done))
+        if rows:
+            new = ev.value.clone()
+            new[:, rows] = torch.stack(values, dim=1).to(new.dtype)
+            ev.value = new
+
+
+def patch_hooks(source: Source, sites: str | list[Site], applied: list) -> dict:
+    """The hooks that patch ``sites`` ("all": every value the source holds) from ``source``."""
+    if isinstance(sites, str):
+        if sites != "all":
+            raise ValueError(f"sites must be a list of Site or 'all', got {sites!r}")
+        return {point: _Patcher(source, None, applied) for point in source.points}
+    sites = list(sites)
+    for s in sites:
+        if not isinstance(s, Site):
+            raise TypeError(f"sites must be Site objects, got {type(s).__name__}")
+    by_point: dict[str, list[Site]] = {}
+    for s in sites:
+        by_point.setdefault(s.point, []).append(s)
+    return {point: _Patcher(source, group, applied) for point, group in by_point.items()}
+
+
+def patch(engine, prompt, source: Source, sites: str | list[Site] = "all", **generate) -> PatchRun:
+    """Run B: generate ``prompt`` with the values at ``sites`` taken from ``source`` (run A).
+    ``sites="all"`` patches every value A recorded: with A's own prompt and settings, every
+    token comes out identical (the null patch)."""
+    applied: list = []
+    with engine.hooks(patch_hooks(source, sites, applied)):
+        result = engine.generate(prompt, **generate)
+    return PatchRun(result, applied)

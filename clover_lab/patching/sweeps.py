@@ -1,0 +1,116 @@
+"""The standard patching sweeps: layers x positions at one forward, and denoising steps x layers
+for one position. Each cell is one run of the corrupted prompt with one value taken from the
+clean run, stopped as soon as the metric is read."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..hooks import points as P
+from .metrics import Metric, measure
+from .patch import Site, Source, patch_hooks, record
+
+
+@dataclass
+class Sweep:
+    """``values`` [rows, cols] of the metric with one site patched per cell; ``clean`` and
+    ``corrupt`` the metric of the two runs unpatched. NaN where the metric could not be read."""
+
+    values: torch.Tensor
+    rows: list
+    cols: list
+    row_name: str
+    col_name: str
+    clean: float
+    corrupt: float
+    metric: str
+    title: str = ""
+    applied: list = field(default_factory=list, repr=False)
+    # per row, where the metric is read at a different forward in each row (steps x layers)
+    clean_rows: list | None = None
+    corrupt_rows: list | None = None
+
+    def normalized(self) -> torch.Tensor:
+        """(value - corrupt) / (clean - corrupt): 1 where the patch restores the clean run."""
+        if self.clean_rows is None:
+            return (self.values - self.corrupt) / (self.clean - self.corrupt)
+        clean, corrupt = torch.tensor(self.clean_rows)[:, None], torch.tensor(self.corrupt_rows)[:, None]
+        return (self.values - corrupt) / (clean - corrupt)
+
+    def to_dict(self) -> dict:
+        return dict(values=self.values.tolist(), rows=list(self.rows), cols=list(self.cols), row_name=self.row_name,
+                    col_name=self.col_name, clean=self.clean, corrupt=self.corrupt, metric=self.metric,
+                    title=self.title, clean_rows=self.clean_rows, corrupt_rows=self.corrupt_rows)
+
+
+def _layers_with(engine, kind: str) -> list[int]:
+    names = set(engine.model.hooks.points)
+    return [i for i in range(engine.model.config.num_hidden_layers) if P.layer_point(i, kind) in names]
+
+
+def _check_prompts(engine, clean, corrupt) -> None:
+    a, b = engine.encode(clean), engine.encode(corrupt)
+    if len(a) != len(b):
+        raise ValueError(f"patching sweeps compare positions: the clean prompt has {len(a)} tokens and the "
+                         f"corrupted one {len(b)}; make them the same length")
+
+
+def _cell(engine, corrupt, source: Source, site: Site, metric: Metric, at: tuple, applied: list, generate) -> float:
+    return measure(engine, corrupt, metric, *at, hooks=patch_hooks(source, [site], applied), **generate)
+
+
+def sweep_layers_positions(engine, clean, corrupt, metric: Metric, block: int | None, step: int | None,
+                           kind: str = P.OUTPUT, patch_at: tuple | None = None, positions=None,
+                           **generate) -> Sweep:
+    """Layers x positions: the metric at (``block``, ``step``) of the corrupted run with layer i's
+    ``kind`` value at one position taken from the clean run. ``patch_at`` the (block, step) of the
+    patched forward: default the metric's; ``(None, None)`` patches the prompt's prefill.
+    ``positions`` default: every row the clean run has there."""
+    _check_prompts(engine, clean, corrupt)
+    layers = _layers_with(engine, kind)
+    at = (block, step)
+    patch_at = at if patch_at is None else tuple(patch_at)
+    source = record(engine, clean, [P.layer_point(i, kind) for i in layers], **generate)
+    if positions is None:
+        positions = sorted(source.rows(P.layer_point(layers[0], kind), *patch_at))
+        if not positions:
+            raise ValueError(f"the clean run has no forward at block {patch_at[0]}, step {patch_at[1]}")
+    values = torch.full((len(layers), len(positions)), float("nan"))
+    applied: list = []
+    for r, layer in enumerate(layers):
+        for c, p in enumerate(positions):
+            site = Site(P.layer_point(layer, kind), *patch_at, positions=(p,))
+            values[r, c] = _cell(engine, corrupt, source, site, metric, at, applied, generate)
+    return Sweep(values, layers, list(positions), "layer", "position", measure(engine, clean, metric, *at, **generate),
+                 measure(engine, corrupt, metric, *at, **generate), metric.name,
+                 f"{kind} patched at block {patch_at[0]}, step {patch_at[1]}; read at block {block}, step {step}",
+                 applied)
+
+
+def sweep_steps_layers(engine, clean, corrupt, metric: Metric, block: int, kind: str = P.OUTPUT, position=None,
+                       steps=None, **generate) -> Sweep:
+    """Denoising steps x layers for one position (default the metric's): the corrupted run with
+    layer i's ``kind`` value at ``position`` taken from the clean run at step s of ``block``, the
+    metric read at that same step. ``steps`` default: every step the clean run took on the block."""
+    _check_prompts(engine, clean, corrupt)
+    layers = _layers_with(engine, kind)
+    position = metric.position if position is None else int(position)
+    source = record(engine, clean, [P.layer_point(i, kind) for i in layers], **generate)
+    if steps is None:
+        point = P.layer_point(layers[0], kind)
+        steps = sorted(s for (name, b, s) in source.keys() if name == point and b == block and s is not None)
+        if not steps:
+            raise ValueError(f"the clean run has no denoising step on block {block}")
+    values = torch.full((len(steps), len(layers)), float("nan"))
+    clean_v, corrupt_v = [], []
+    applied: list = []
+    for r, s in enumerate(steps):
+        clean_v.append(measure(engine, clean, metric, block, s, **generate))
+        corrupt_v.append(measure(engine, corrupt, metric, block, s, **generate))
+        for c, layer in enumerate(layers):
+            site = Site(P.layer_point(layer, kind), block, s, positions=(position,))
+            values[r, c] = _cell(engine, corrupt, source, site, metric, (block, s), applied, generate)
+    return Sweep(values, list(steps), layers, "step", "layer", clean_v[0], corrupt_v[0], metric.name,
+                 f"{kind} at position {position} patched at each step of block {block}; read at that step", applied,
+                 clean_v, corrupt_v)

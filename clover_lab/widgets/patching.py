@@ -1,0 +1,94 @@
+"""PatchingView: a patching sweep as a heatmap (``clover_lab.patching``): rows x columns of the
+metric with one site patched per cell, normalised so that 1 means "restores the clean run" and 0
+"changes nothing". One frame per row of the sweep, so a replay shows it fill in.
+
+    sweep = patching.sweep_layers_positions(engine, clean, corrupt, metric, block=0, step=0)
+    PatchingView(sweep)
+"""
+from __future__ import annotations
+
+import html
+import numpy as np
+
+from .base import View, figure_html
+
+
+class PatchingView(View):
+    title = "Activation patching"
+
+    def __init__(self, sweep=None, *, normalized: bool = True, fps: float = 15.0):
+        self.normalized = normalized
+        self._axes = None
+        super().__init__(None, fps=fps)
+        if sweep is not None:
+            self.show_sweep(sweep)
+
+    def hook_methods(self):
+        return {}  # fed a finished sweep, not hooks
+
+    def _build(self):
+        import ipywidgets as W
+        import plotly.graph_objects as go
+
+        self.fig = go.FigureWidget(go.Heatmap(z=[[0.0]], colorscale="RdBu", zmid=0))
+        self.fig.update_layout(height=360, width=640, margin=dict(l=60, r=10, t=40, b=50))
+        self.caption = W.HTML()
+        return W.VBox([self.fig, self.caption])
+
+    def show_sweep(self, sweep) -> "PatchingView":
+        """Show ``sweep`` (a ``patching.Sweep`` or its ``to_dict()``), one frame per row."""
+        d = sweep.to_dict() if hasattr(sweep, "to_dict") else dict(sweep)
+        with self._lock:
+            self.frames.clear()
+            self.frame_labels.clear()
+            self._live = self._empty()
+            self._axes = d
+            values = np.asarray(d["values"], dtype=float)
+            if self.normalized:
+                clean = np.asarray(d.get("clean_rows") or [d["clean"]] * len(values), dtype=float)[:, None]
+                corrupt = np.asarray(d.get("corrupt_rows") or [d["corrupt"]] * len(values), dtype=float)[:, None]
+                with np.errstate(divide="ignore", invalid="ignore"):  # NaN where clean == corrupt
+                    values = (values - corrupt) / (clean - corrupt)
+            for i, row in enumerate(values):
+                self._push(dict(row=i, values=row), None, f"{d['row_name']} {d['rows'][i]}")
+        self.flush()
+        return self
+
+    def _empty(self):
+        return {"rows": {}}
+
+    def _apply_part(self, state, part):
+        state["rows"][part["row"]] = part["values"]
+
+    def matrix(self, state=None) -> np.ndarray:
+        """The heatmap's values (NaN where a row is not filled yet)."""
+        state = self._live if state is None else state
+        d = self._axes
+        if d is None:
+            return np.zeros((0, 0))
+        z = np.full((len(d["rows"]), len(d["cols"])), np.nan)
+        for i, row in state["rows"].items():
+            z[i] = row
+        return z
+
+    def _render(self, state, frame):
+        d = self._axes
+        if d is None:
+            self.caption.value = "<span style='color:#888'>no sweep yet</span>"
+            return
+        z = self.matrix(state)
+        with self.fig.batch_update():
+            hm = self.fig.data[0]
+            hm.z = z
+            hm.x = [str(c) for c in d["cols"]]
+            hm.y = [str(r) for r in d["rows"]]
+            hm.zmid = 0.5 if self.normalized else 0
+            self.fig.layout.xaxis.title = d["col_name"]
+            self.fig.layout.yaxis.title = d["row_name"]
+            self.fig.layout.title = ("restored share of " if self.normalized else "") + d["metric"]
+        self.caption.value = (f"{html.escape(d.get('title', ''))}<br>clean {d['clean']:.4g} · corrupted "
+                              f"{d['corrupt']:.4g}" + (" · 1 = clean, 0 = corrupted" if self.normalized else ""))
+
+    def _html_parts(self, state, frame):
+        self._render(state, frame)
+        return [figure_html(self.fig), self.caption.value]

@@ -1,0 +1,98 @@
+"""Views fed from a saved trace instead of a live engine, and the export of every frame.
+
+``replay(view, trace)`` hands each record of the points the view listens to back to the view as
+an event (``RecordedEvent``: the recorded fields, and ``where`` rebuilt from the record's run,
+phase, block and step), so a trace saved by ``Capture.save`` shows in any view with no model.
+``frames_html(view)`` renders every frame of a view into one page with a slider.
+"""
+from __future__ import annotations
+
+import fnmatch
+import html
+from types import SimpleNamespace
+
+from ..hooks.events import Where
+
+_NO_LOGITS = None  # a trace keeps no logits: views fall back to the recorded candidates
+
+
+class RecordedEvent:
+    """A record standing in for the event it was made from."""
+
+    logits = _NO_LOGITS
+
+    def __init__(self, record):
+        self.__dict__.update(record.data)
+        self.point = record.point
+        self.block, self.step = record.block, record.step
+        if record.where is not None:
+            self.where = record.where
+        elif record.step is None:  # a commit's rows (or the prefill's): the block being committed
+            self.where = Where(record.run, record.phase, commit_block=record.block)
+        else:
+            self.where = Where(record.run, record.phase, record.block, record.step)
+        self.selectable = record.data.get("selectable")
+        self.tokens = record.data.get("tokens", {})
+
+    @property
+    def run(self) -> int:
+        return self.where.run
+
+    @property
+    def phase(self):
+        return self.where.phase
+
+    def __repr__(self):
+        return f"RecordedEvent({self.point!r}, block={self.block}, step={self.step})"
+
+
+def replay(view, trace) -> int:
+    """Feed ``trace``'s records of the points ``view`` listens to into it, in firing order;
+    returns the number of records replayed. Raises when the trace holds none of them."""
+    methods = view.hook_methods()
+    chosen = []
+    for rec in trace.records:
+        for pattern, method in methods.items():
+            if rec.point == pattern or fnmatch.fnmatchcase(rec.point, pattern):
+                chosen.append((method, rec))
+                break
+    if not chosen:
+        raise ValueError(f"{type(view).__name__} listens to {', '.join(methods)}; the trace records "
+                         f"{', '.join(trace.points)}: nothing to replay")
+    config = getattr(trace, "config", None)
+    if config is not None:  # the views size their controls from the model's config, as when attached
+        view._on_attach(SimpleNamespace(model=SimpleNamespace(config=config)))
+    for method, rec in chosen:
+        view._dispatch(method, RecordedEvent(rec))
+    view.flush()
+    return len(chosen)
+
+
+_SLIDER_JS = """
+(function(){var root=document.currentScript.parentNode;var frames=root.querySelectorAll('.clover-frame');
+var slider=root.querySelector('input.clover-frame-slider');var label=root.querySelector('.clover-frame-label');
+function show(i){frames.forEach(function(f,j){f.style.display=(i==j)?'':'none';});
+label.textContent=frames[i].getAttribute('data-label');
+if(window.Plotly){frames[i].querySelectorAll('.plotly-graph-div').forEach(function(g){Plotly.Plots.resize(g);});}}
+slider.addEventListener('input',function(){show(+slider.value);});show(+slider.value);})();
+"""
+
+
+def frames_html(view) -> list[str]:
+    """Every frame of ``view`` as HTML fragments (each frame's state, one after another) under a
+    slider that shows one at a time: a static page that replays the whole run."""
+    n = len(view.frames)
+    if n == 0:
+        return view._html_parts(view.state, -1)
+    out = []
+    state = view._empty()
+    for i, parts in enumerate(view.frames):
+        for part in parts:
+            view._apply_part(state, part)
+        label = f"frame {i + 1}/{n} · {view.frame_labels[i]}"
+        body = "\n".join(view._html_parts(state, i))
+        out.append(f"<div class='clover-frame' data-frame='{i}' data-label='{html.escape(label, quote=True)}' "
+                   f"style='display:none'>{body}</div>")
+    slider = (f"<div><input type='range' class='clover-frame-slider' min='0' max='{n - 1}' value='{n - 1}' "
+              f"style='width:420px'> <span class='clover-frame-label'></span></div>")
+    return [f"<div class='clover-frames'>{slider}{''.join(out)}<script>{_SLIDER_JS}</script></div>"]

@@ -1,0 +1,99 @@
+"""The logit lens per denoising step and the routing lens (issue 17)."""
+import pytest
+import torch
+
+from clover_lab import lens
+
+pytestmark = pytest.mark.usefixtures("gen_one_thread")
+PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
+KW = dict(max_new_tokens=32, threshold=0.3)
+
+
+def test_logit_lens_per_step_ends_in_the_models_own_decision(tiny_engine):
+    steps = []
+    with tiny_engine.hooks({"denoise.step": lambda ev: steps.append(ev)}):
+        lz = lens.logit_lens(tiny_engine, PROMPT, k=3, **KW)
+    r = lz.result
+    assert r.token_ids == tiny_engine.generate(PROMPT, **KW).token_ids  # the lens changes nothing
+    assert len(lz.steps) == r.stats.preview_forwards == len(steps)
+    L = tiny_engine.model.config.num_hidden_layers
+    for s, ev in zip(lz.steps, steps):
+        assert (s.block, s.step, s.mode) == (ev.block, ev.step, "preview")
+        start = len(PROMPT) + 16 * ev.block
+        assert s.positions == [start + p for p in ev.masked]
+        assert s.ids.shape == (L, len(ev.masked), 3) and s.probs.shape == s.ids.shape
+        # the last layer's lens is the model's own distribution at this step
+        assert s.ids[-1, :, 0].tolist() == ev.candidates.tolist()
+        torch.testing.assert_close(s.probs[-1, :, 0], ev.logits.softmax(-1).max(-1).values)
+        assert s.unmasked == [start + p for p in ev.unmask]
+        assert (s.probs[:, :, :-1] >= s.probs[:, :, 1:]).all()
+    decided = lz.decided()
+    assert sorted(decided) == list(range(len(PROMPT), len(PROMPT) + 32))
+    for p, (step, layer) in decided.items():
+        assert 0 <= step < max(r.stats.steps_per_block) and 0 <= layer < L
+        assert lz.at((p - len(PROMPT)) // 16, step).top(L - 1, p)[0][0] == \
+            r.token_ids[p - len(PROMPT)]
+    with pytest.raises(KeyError):
+        lz.at(5, 0)
+
+
+def test_logit_lens_of_an_ar_run(tiny_engine):
+    lz = lens.logit_lens(tiny_engine, PROMPT, k=2, mode="ar", max_new_tokens=6)
+    r = lz.result
+    # the prefill reads the prompt's last row, each commit but the last its token's row
+    assert [(s.block, s.step, s.mode) for s in lz.steps] == [(None, None, "commit")] + [(i, None, "commit")
+                                                                                         for i in range(5)]
+    assert [s.ids[-1, 0, 0].item() for s in lz.steps] == r.token_ids
+    assert [s.positions for s in lz.steps] == [[len(PROMPT) - 1 + i] for i in range(6)]
+    assert sorted(lz.decided()) == list(range(len(PROMPT), len(PROMPT) + 6))
+    # a lens step's first layers need not agree with the last: decided_layer says from where they do
+    s = lz.steps[0]
+    layer = s.decided_layer()[0]
+    assert all(s.ids[i, 0, 0] == s.ids[-1, 0, 0] for i in range(layer, s.ids.shape[0]))
+    assert layer == 0 or s.ids[layer - 1, 0, 0] != s.ids[-1, 0, 0]
+
+
+def test_routing_lens_counts_flips_between_steps_and_at_commit(tiny_engine):
+    def force_previews(ev):
+        if ev.mode == "preview":
+            ev.force([0, 1])
+
+    # the forcing hook first: a capture records what the hooks before it left
+    with tiny_engine.hooks({"layers.*.moe.route": force_previews}), tiny_engine.capture("layers.*.moe.route") as cap:
+        r = tiny_engine.generate(PROMPT, **KW)
+    rl = lens.routing_lens(cap)
+    L = tiny_engine.model.config.num_hidden_layers
+    assert len(rl.rows) == L * r.stats.preview_forwards
+    # a recording keeps the routing the hook set: every preview routes to {0, 1}, so nothing flips
+    assert all(row["flip_rate"] in (None, 0.0) for row in rl.rows)
+    assert {(c["layer"], c["block"]) for c in rl.commits} == {(i, b) for i in range(L) for b in range(2)}
+    for c in rl.commits:
+        commit = next(rec for rec in cap["layers.*.moe.route"]
+                      if rec["layer"] == c["layer"] and rec["mode"] == "commit" and rec.block == c["block"])
+        kept = torch.isin(commit["expert_ids"], torch.tensor([0, 1])).float().mean()
+        assert c["overlap"] == pytest.approx(float(kept)) and c["flip_rate"] == pytest.approx(1 - float(kept))
+    row = rl.rows[0]
+    rec = next(x for x in cap["layers.0.moe.route"] if x["mode"] == "preview")
+    p = rec["router_probs"]
+    assert row["entropy"] == pytest.approx(float(-(p * p.log()).sum(-1).mean()), rel=1e-5)
+    summary = rl.by_layer()
+    assert [s["layer"] for s in summary] == list(range(L)) and all(s["step_flip_rate"] in (0.0, None) for s in summary)
+
+
+def test_routing_lens_of_a_free_run(tiny_engine):
+    rl = lens.routing_lens(tiny_engine, PROMPT, **KW)
+    flips = [row["flip_rate"] for row in rl.rows if row["flip_rate"] is not None]
+    assert flips and all(0 <= f <= 1 for f in flips)
+    assert lens.overlap(torch.tensor([[1, 2]]), torch.tensor([[2, 5]])).tolist() == [0.5]
+
+
+def test_coreset_sweep(tiny_engine):
+    E = tiny_engine.model.config.num_experts
+    rows = lens.coreset_sweep(tiny_engine, [PROMPT, PROMPT[::-1]], sizes=[2, E], **KW)
+    assert [row["coreset_size"] for row in rows] == [None, 2, E]
+    assert rows[0]["tokens_equal"] == 1.0
+    assert rows[2]["tokens_equal"] == 1.0  # a coreset of every expert routes as without one
+    assert 0 <= rows[1]["tokens_equal"] <= 1
+    assert all(row["tokens_per_forward"] > 0 and row["seconds_per_step"] > 0 for row in rows)
+    with pytest.raises(ValueError, match="coreset sizes"):
+        lens.coreset_sweep(tiny_engine, [PROMPT], sizes=[E + 1], **KW)

@@ -1,0 +1,108 @@
+"""Views replayed from a saved trace with no model, and exported with every frame (issue 17)."""
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("plotly")
+
+import clover_lab  # noqa: E402
+from clover_lab.widgets import DenoiseView, ExpertView, MemoryView, SpeedView  # noqa: E402
+
+PROMPT = [5, 17, 99, 3, 42, 8, 8, 123]
+GEN = dict(max_new_tokens=40, threshold=0.3, temperature=0.0)
+
+
+@pytest.fixture
+def engine(tiny_text_engine, gen_one_thread):
+    return tiny_text_engine
+
+
+def same(a, b, skip=("top",)) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(k in skip or same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("cls", [DenoiseView, ExpertView, MemoryView, SpeedView])
+def test_a_saved_trace_replays_as_the_live_run(engine, tmp_path, cls):
+    live = cls(engine, fps=1000)
+    try:
+        with engine.capture(list(live.hook_methods())) as cap:
+            engine.generate(PROMPT, coreset_size=3, **GEN)
+        live.flush()
+        cap.save(tmp_path / "run")
+    finally:
+        live.detach()
+    trace = clover_lab.load_trace(tmp_path / "run")
+    replayed = cls(fps=1000).replay(trace)  # no engine, no model
+    assert replayed.engine is None and len(replayed.frames) == len(live.frames) > 0
+    assert replayed.frame_labels == live.frame_labels
+    assert all(same(a, b) for a, b in zip(live.frames, replayed.frames))
+    if cls is DenoiseView:
+        assert replayed.tokens() == live.tokens()
+    with pytest.raises(ValueError, match="nothing to replay"):
+        cls(fps=1000).replay(clover_lab.Trace([], ["layers.0.output"]))
+    live.close()
+    replayed.close()
+
+
+def test_export_html_writes_every_frame_with_a_slider(engine, tmp_path):
+    view = DenoiseView(engine, fps=1000)
+    try:
+        r = engine.generate(PROMPT, **GEN)
+    finally:
+        view.detach()
+    text = view.export_html(tmp_path / "d.html").read_text()
+    n = len(view.frames)
+    assert n == r.stats.preview_forwards + r.stats.blocks
+    assert text.count("class='clover-frame'") == n and "clover-frame-slider" in text
+    assert f"max='{n - 1}'" in text
+    assert not re.search(r"<script[^>]*\bsrc\s*=", text, re.I)  # nothing loads from the network
+    one = view.export_html(tmp_path / "one.html", frame=0).read_text()
+    assert "clover-frame-slider" not in one
+    view.close()
+
+
+def test_patching_view_shows_a_sweep_row_by_row(engine, tmp_path):
+    from clover_lab import patching
+    from clover_lab.widgets import PatchingView
+
+    clean, corrupt = [5, 17, 99, 3, 42, 8, 8, 123], [5, 17, 99, 7, 42, 8, 8, 123]
+    metric = patching.logit_diff(len(clean) + 2, 10, 11)
+    sweep = patching.sweep_layers_positions(engine, clean, corrupt, metric, block=0, step=0,
+                                            positions=[9, 10, 11], max_new_tokens=16, threshold=0.3)
+    view = PatchingView(sweep)
+    want = sweep.normalized().numpy()
+    np.testing.assert_allclose(view.matrix(), want)
+    assert len(view.frames) == 4  # a frame per layer
+    assert np.isnan(view.matrix(view.state_at(0))[1:]).all()
+    text = view.export_html(tmp_path / "p.html").read_text()
+    assert text.count("class='clover-frame'") == 4 and "plotly-graph-div" in text
+    view.close()
+
+
+def test_lens_view_live_and_from_a_lens(engine):
+    from clover_lab import lens
+    from clover_lab.widgets import LensView
+
+    view = LensView(engine, k=3, fps=1000)
+    try:
+        lz = lens.logit_lens(engine, PROMPT, k=3, **GEN)
+    finally:
+        view.detach()
+    assert len(view.frames) == len(lz.steps) == lz.result.stats.preview_forwards
+    for frame, s in zip(view.frames, lz.steps):
+        part = frame[-1]
+        assert part["positions"] == s.positions and part["unmasked"] == s.unmasked
+        np.testing.assert_array_equal(part["ids"], s.ids.numpy())
+    offline = LensView.from_lens(lz, engine.tokenizer, fps=1000)
+    assert offline.engine is None and len(offline.frames) == len(view.frames)
+    assert list(offline.fig.data[0].y) == list(range(engine.model.config.num_hidden_layers))
+    view.close()
+    offline.close()
