@@ -127,9 +127,12 @@ class CloverModel(nn.Module):
                 module.reset_preview_parameters()
 
     @classmethod
-    def from_pretrained(cls, path, device=None, dtype=None, progress: bool | None = None) -> "CloverModel":
-        """The model in the Hugging Face directory ``path`` (see ``clover_lab.loading``)."""
-        return loading.load_model(cls, path, device=device, dtype=dtype, progress=progress)
+    def from_pretrained(cls, path, device=None, dtype=None, progress: bool | None = None, keep_fp8: bool | None = None,
+                        placement=None) -> "CloverModel":
+        """The model in the Hugging Face directory ``path`` (see ``clover_lab.loading``; ``keep_fp8``
+        and ``placement`` there)."""
+        return loading.load_model(cls, path, device=device, dtype=dtype, progress=progress, keep_fp8=keep_fp8,
+                                  placement=placement)
 
     def save_pretrained(self, path, max_shard_bytes: int | None = None) -> None:
         loading.save_model(self, path, max_shard_bytes=max_shard_bytes)
@@ -147,7 +150,8 @@ class CloverModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' dtype: the embedding's (FP8 checkpoints keep their linears in FP8)."""
+        return self.model.embed_tokens.weight.dtype
 
     def pack_weights(self, enabled: bool = True) -> int:
         """CPU inference: keep every GEMM weight (projections, router, each expert, LM head) also in
@@ -156,7 +160,7 @@ class CloverModel(nn.Module):
         the weights in memory. A weight changed in place or replaced is repacked on its next use;
         writes through ``.data`` are not seen (call ``pack_weights()`` again). Returns the bytes
         packed; ``pack_weights(False)`` drops the copies."""
-        if enabled and not ops.can_pack(self.lm_head.weight):
+        if enabled and not ops.can_pack(self.model.embed_tokens.weight):
             raise ValueError(f"pack_weights: packed weights are for fp32/bf16 models on an x86 CPU with oneDNN; "
                              f"this model is {str(self.dtype).removeprefix('torch.')} on {self.device}")
 
@@ -165,10 +169,10 @@ class CloverModel(nn.Module):
             packed.get(weight)
             return packed
 
-        for module in self.modules():
-            if isinstance(module, (Linear, Router)):
+        for module in self.modules():  # FP8 weights and offloaded experts are not packed
+            if isinstance(module, (Linear, Router)) and ops.can_pack(module.weight):
                 module.packed = pack(module.weight) if enabled else None
-            elif isinstance(module, Experts):
+            elif isinstance(module, Experts) and module.store is None and ops.can_pack(module.gate_up_proj):
                 module.packed = ([pack(w) for w in module.gate_up_proj],
                                  [pack(w) for w in module.down_proj]) if enabled else None
         return sum(p.nbytes for p in self._packs())

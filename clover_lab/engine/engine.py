@@ -161,7 +161,7 @@ class Engine:
         return run.result
 
 
-def load(path=None, device=None, dtype=None) -> Engine:
+def load(path=None, device=None, dtype=None, *, keep_fp8: bool | None = None, progress: bool | None = None) -> Engine:
     """An Engine over the model (and tokenizer, when present) in the Hugging Face directory ``path``,
     with the defaults of its generation_config.json.
 
@@ -175,7 +175,7 @@ def load(path=None, device=None, dtype=None) -> Engine:
                 "no default model found (looked for a model directory in "
                 + ", ".join(str(d) for d in loading.DEFAULT_MODEL_ROOTS)
                 + "); pass a model directory: clover_lab.load('path/to/model'), or set CLOVER_LAB_MODEL")
-    model = CloverModel.from_pretrained(path, device=device, dtype=dtype)
+    model = CloverModel.from_pretrained(path, device=device, dtype=dtype, keep_fp8=keep_fp8, progress=progress)
     defaults = loading.load_generation_config(path, SamplerSettings.names())
     engine = Engine(model, loading.load_tokenizer(path),
                     max_new_tokens=defaults.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))

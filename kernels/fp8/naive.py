@@ -39,16 +39,17 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block, dtype=torch.float32)
     return (q.float() * expand_scale(scale, block, n, k)).to(dtype)
 
 
-def quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [..., N, K] -> (Q fp8 [..., N, K], scales fp32 [..., ceil(N/bn), ceil(K/bk)]): each block's
-    absolute maximum maps to 448; an all-zero block gets scale 1."""
+def quantize(w: torch.Tensor, block, scale_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [..., N, K] -> (Q fp8 [..., N, K], scales [..., ceil(N/bn), ceil(K/bk)] in ``scale_dtype``):
+    each block's absolute maximum maps to 448 (scales are rounded to their dtype first, so Q is
+    exact for the scale stored); an all-zero block gets scale 1."""
     *lead, n, k = w.shape
     bn, bk = block
     nb, kb = -(-n // bn), -(-k // bk)
     padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
     blocks = padded.reshape(*lead, nb, bn, kb, bk)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., nb, kb]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(scale_dtype)
     q = (w.float() / expand_scale(scale, block, n, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 

@@ -113,3 +113,33 @@ def test_moe_kernel_rejects_bad_scales(device):
     x, ids, w, gu, dn, gs, ds = quantized_experts(4, 32, 16, (16, 16), torch.float32, device, 2, 3)
     with pytest.raises(ValueError, match="do not fit gate_up"):
         moe.moe_experts(x, ids, w, gu, dn, gs[:, :1], ds, (16, 16))
+
+
+def test_an_fp8_model_through_the_kernels_matches_the_dequantized_model(tmp_path, monkeypatch):
+    """A model loaded with keep_fp8 from an FP8 checkpoint, its FP8 linears and experts through
+    the Triton kernels (the other ops on their torch path, to keep the interpreter run short),
+    gives the logits of the same checkpoint loaded dequantized, in commit and preview rows."""
+    import clover_kernels
+    from clover_lab import CloverConfig, CloverModel
+    from clover_lab.fp8.quantize import quantize_checkpoint
+
+    config = CloverConfig.preset("clover-tiny", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    CloverModel.random(config, seed=3).save_pretrained(tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "fp8", block=(32, 32))
+    deq = CloverModel.from_pretrained(tmp_path / "fp8")
+    kept = CloverModel.from_pretrained(tmp_path / "fp8", keep_fp8=True)
+    calls = []
+
+    def fp8_ops_on_triton(name, *tensors):
+        calls.append(name)
+        return "triton" if name in ("linear_fp8", "moe_experts_fp8") else "torch"
+
+    monkeypatch.setattr(clover_kernels, "backend_for", fp8_ops_on_triton)
+    ids = torch.randint(0, 500, (1, 24), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for model in (deq, kept):  # one fused forward: 16 rows committed, 8 previewed
+        out = model.forward(model.new_cache(64), ids[:, :16], ids[:, 16:], commit_logits="all")
+        outs.append((out.commit_logits, out.preview_logits))
+    assert {"linear_fp8", "moe_experts_fp8"} <= set(calls)
+    for got, ref in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
