@@ -44,6 +44,8 @@ class StepOutput:
 
 
 class DecoderLayer(nn.Module):
+    device: torch.device | None = None  # where the layer runs, when placed over devices (placement/)
+
     def __init__(self, config: CloverConfig, layer: int, hooks: HookRegistry):
         super().__init__()
         self.layer_type = config.layer_types[layer]
@@ -75,7 +77,13 @@ class TextModel(nn.Module):
 
 
 class CloverModel(nn.Module):
-    """Clover: Qwen3.5-MoE's causal path plus the block preview operator. Untied LM head."""
+    """Clover: Qwen3.5-MoE's causal path plus the block preview operator. Untied LM head.
+
+    ``placement``: set when the model is placed over devices (``clover_lab.placement``): layers
+    then run where they lie, the activations moving between them; ``device`` is the LM head's
+    (where logits come out), ``input_device`` the embedding's."""
+
+    placement = None
 
     def __init__(self, config: CloverConfig):
         super().__init__()
@@ -149,6 +157,10 @@ class CloverModel(nn.Module):
         return self.lm_head.weight.device
 
     @property
+    def input_device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
     def dtype(self) -> torch.dtype:
         """The activations' dtype: the embedding's (FP8 checkpoints keep their linears in FP8)."""
         return self.model.embed_tokens.weight.dtype
@@ -191,7 +203,9 @@ class CloverModel(nn.Module):
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> CloverCache:
         """An empty cache for ``max_len`` positions on the model's device, in its dtype."""
-        return CloverCache.allocate(self.config, max_len, batch_size, device=self.device, dtype=self.dtype)
+        devices = (self.device if self.placement is None
+                   else {i: layer.device for i, layer in enumerate(self.model.layers)})  # each layer's own
+        return CloverCache.allocate(self.config, max_len, batch_size, device=devices, dtype=self.dtype)
 
     # ------------------------------------------------------------------ the forward
     def _check_ids(self, ids: torch.Tensor, name: str, cache: CloverCache) -> torch.Tensor:
@@ -207,7 +221,7 @@ class CloverModel(nn.Module):
         # come from the engine itself
         if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"{name}: token ids must be in [0, {self.config.vocab_size})")
-        return ids.to(self.device, torch.long)
+        return ids.to(self.input_device, torch.long)
 
     @torch.no_grad()
     def forward(self, cache: CloverCache, commit_ids=None, preview_ids=None, *, commit_logits: str | None = "last",
@@ -236,7 +250,7 @@ class CloverModel(nn.Module):
         if cache.length + c + m > self.config.max_position_embeddings:
             raise ValueError(f"positions up to {cache.length + c + m} exceed the context length "
                              f"{self.config.max_position_embeddings}")
-        ctx = ForwardContext.cached(cache, c, m, self.device, coreset, where)
+        ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where)
         x = self.hidden_states(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], ctx)
         # the forward succeeded: publish the commit
         for dst, src in ctx.pending:
@@ -260,11 +274,17 @@ class CloverModel(nn.Module):
         x = self.model.embed_tokens(ids)
         ctx.rope = self.model.rotary.cos_sin(ctx.positions, x.dtype)
         for layer in self.model.layers:
+            if layer.device is not None and x.device != layer.device:  # placed: the activations move
+                x = x.to(layer.device)
+                ctx.positions, ctx.rope = ctx.positions.to(layer.device), tuple(t.to(layer.device) for t in ctx.rope)
             x = layer(x, ctx)
         return x
 
     def head(self, rows: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden rows [..., H] -> logits [..., V]."""
+        if self.placement is not None:
+            h = self.model.norm(rows.to(self.model.norm.weight.device))
+            return self.lm_head(h.to(self.device))
         return self.lm_head(self.model.norm(rows))
 
     def training_forward(self, clean_ids: torch.Tensor, noisy_ids: torch.Tensor, block_size: int | None = None,

@@ -38,6 +38,9 @@ FP8_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"
 SCALE_DTYPES = ("F32", "BF16", "F16")
 CHUNK_ELEMENTS = 1 << 24  # fp32 temporaries of a dequantization stay ~64 MB
+# the linears Qwen's FP8 releases keep in bf16 (their modules_to_not_convert), by name fragment
+QWEN_UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "shared_expert_gate", "linear_attn.in_proj_a.",
+                    "linear_attn.in_proj_b.")
 
 
 def scale_name(weight_name: str) -> str:

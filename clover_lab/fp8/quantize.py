@@ -19,11 +19,9 @@ from safetensors.torch import save_file
 from clover_kernels.fp8 import naive
 
 from .. import loading
-from .checkpoint import scale_name
+from .checkpoint import QWEN_UNQUANTIZED, scale_name
 
-# linears Qwen's FP8 releases keep in bf16 (their modules_to_not_convert), by name fragment
-SKIPPED = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "shared_expert_gate", "linear_attn.in_proj_a.",
-           "linear_attn.in_proj_b.")
+SKIPPED = QWEN_UNQUANTIZED
 FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
 
 
