@@ -360,7 +360,7 @@ def default_model_dir() -> Path | None:
 
 def load_generation_config(path, sampler_fields) -> dict:
     """What ``path``/generation_config.json sets of a generation: the sampler settings named in
-    ``sampler_fields``, ``max_new_tokens`` and ``eos_token_ids``. transformers' fields map as it
+    ``sampler_fields``, ``max_new_tokens``, ``eos_token_ids``, ``block_size`` and ``mask_token_id``. transformers' fields map as it
     means them (``do_sample: false`` is greedy); fields it has that Clover does not use are
     ignored. No file: an empty dict."""
     file = Path(path) / "generation_config.json"
@@ -380,6 +380,12 @@ def load_generation_config(path, sampler_fields) -> dict:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{file}: max_new_tokens={value!r}: expected a positive integer")
         out["max_new_tokens"] = value
+    for key, least in (("block_size", 1), ("mask_token_id", 0)):  # Clover's own generation fields
+        value = raw.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise CheckpointError(f"{file}: {key}={value!r}: expected an integer >= {least}")
+            out[key] = value
     if raw.get("eos_token_id") is not None:
         eos = raw["eos_token_id"]
         eos = [eos] if isinstance(eos, int) else eos

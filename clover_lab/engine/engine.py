@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import defaults as checkpoint_defaults
 from .. import loading, malloc
 from ..hooks.capture import Capture
 from ..model import CloverModel
@@ -49,6 +50,8 @@ class Engine:
         self.prefill_chunk_size = 1024
         self._block_size = model.config.block_size
         self._mask_token_id = model.config.mask_token_id
+        # where the mask token came from (clover_lab/defaults.py): "config.json", the tokenizer, ...
+        self.mask_token_source = "config.json" if model.config.mask_token_id is not None else None
         eos = list(model.config.eos_token_ids)
         if not eos and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = [tokenizer.eos_token_id]
@@ -199,14 +202,10 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
             keep_fp8 = torch.cuda.is_available() and (device_map == "auto" or _names_a_gpu(device_map))
     model = CloverModel.from_pretrained(path, device=device, dtype=dtype, keep_fp8=keep_fp8, progress=progress,
                                         placement=placement)
-    defaults = loading.load_generation_config(path, SamplerSettings.names())
+    generation = loading.load_generation_config(path, SamplerSettings.names())
     engine = Engine(model, loading.load_tokenizer(path),
-                    max_new_tokens=defaults.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
-    eos = defaults.pop("eos_token_ids", None)
-    if eos and not model.config.eos_token_ids:
-        engine.eos_token_ids = eos
-    if coreset_size is not None:
-        defaults["coreset_size"] = coreset_size
+                    max_new_tokens=generation.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+    defaults = checkpoint_defaults.apply(engine, model.config, generation, SamplerSettings, coreset_size)
     try:
         engine.settings = SamplerSettings(**defaults)
     except (TypeError, ValueError) as e:
