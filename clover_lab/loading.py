@@ -342,8 +342,9 @@ def load_tokenizer(path):
 
 # --------------------------------------------------------------------------- around the weights
 # Where clover_lab.load() looks for the embedded default model: a model directory (one with a
-# config.json) in one of these folders, "clover-stdlib" first.
-DEFAULT_MODEL_ROOTS = (Path(__file__).resolve().parent.parent / "assets", Path(__file__).resolve().parent / "assets")
+# config.json) in one of these folders, "clover-stdlib" first: the installed package's data (a
+# wheel carries assets/clover-stdlib as clover_lab/assets), then the source tree's assets/.
+DEFAULT_MODEL_ROOTS = (Path(__file__).resolve().parent / "assets", Path(__file__).resolve().parent.parent / "assets")
 DEFAULT_MODEL_NAME = "clover-stdlib"
 
 
