@@ -244,15 +244,16 @@ def _budgets(max_memory: dict | None, get_max_memory) -> dict:
 
 
 def _staging_reserve(placement: Placement, sizes: dict, expert_bytes: int, coreset_size: int) -> dict:
-    """Per accelerate device key: room to stage one layer's experts and to hold every offloaded
-    layer's coreset, on each device that runs offloaded experts."""
+    """Per accelerate device key: room to stage one layer's experts (accelerate's own reserve on
+    GPU 0) and to hold every offloaded layer's coreset, on each device that runs offloaded experts."""
     reserve: dict = {}
     for name in placement.offloaded():
         device = placement.compute[name]
         key = device.index if device.type == "cuda" else "cpu"
         if key == "cpu":
             continue
-        reserve[key] = reserve.get(key, sizes[name]) + coreset_size * expert_bytes
+        # accelerate itself keeps the largest unit's room free on GPU 0 (its "main device")
+        reserve[key] = reserve.get(key, 0 if key == 0 else sizes[name]) + coreset_size * expert_bytes
     return reserve
 
 
