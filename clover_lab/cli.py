@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 512)")
     r.add_argument("--device", default=None, help="cpu, cuda ... (under torchrun: cuda means cuda:LOCAL_RANK)")
     r.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar while loading (default: for checkpoints over 1 GB)")
     r.set_defaults(func=cmd_routes)
 
     t = sub.add_parser("train", help="train a small Clover on the Python standard library",
@@ -130,9 +132,10 @@ def load_engine(args):
     """The engine for ``args`` (a seam for tests)."""
     from .engine import load
 
-    return load(args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
-                max_memory=args.max_memory, keep_fp8=args.keep_fp8, coreset_size=args.coreset_size,
-                pin_memory=args.pin_memory, progress=args.progress)
+    placed = {name: getattr(args, name, None) for name in ("device_map", "max_memory", "keep_fp8", "coreset_size",
+                                                            "progress")}  # commands without these options: defaults
+    return load(args.model, device=args.device, dtype=args.dtype, pin_memory=getattr(args, "pin_memory", False),
+                **placed)
 
 
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
