@@ -282,13 +282,13 @@ def _padded(batch: list[list[int]], multiple: int) -> tuple[torch.Tensor, torch.
 @torch.no_grad()
 def _route_forward(model, ids: torch.Tensor, mode: str, block: int, mask_id: int | None) -> None:
     """The layers only (no LM head): the routing is all that is read."""
-    ids = ids.to(model.device)
+    ids = ids.to(model.input_device)  # the embedding's device (a placed model's first)
     B, T = ids.shape
     if mode == "commit":
-        ctx = ForwardContext.cached(model.new_cache(T, B), T, 0, model.device)
+        ctx = ForwardContext.cached(model.new_cache(T, B), T, 0, model.input_device)
         model.hidden_states(ids, ctx)
     else:  # every block previewed fully masked against its clean prefix
-        ctx = ForwardContext.training(T, block, model.device)
+        ctx = ForwardContext.training(T, block, model.input_device)
         model.hidden_states(torch.cat([ids, torch.full_like(ids, mask_id)], dim=1), ctx)
 
 

@@ -58,12 +58,14 @@ class CloverCache:
     @classmethod
     def allocate(cls, config: CloverConfig, max_len: int, batch_size: int = 1, device=None,
                  dtype: torch.dtype = torch.float32) -> "CloverCache":
+        """``device``: one device, or a dict layer -> device (a model placed over devices)."""
         if max_len > config.max_position_embeddings:
             raise CacheFullError(f"cache length {max_len} exceeds the context length "
                                  f"max_position_embeddings={config.max_position_embeddings}")
         layers: dict[int, AttentionCache | GDNCache] = {}
         for i, kind, shapes in layer_shapes(config, max_len, batch_size, dtype):
-            tensors = [torch.zeros(shape, device=device, dtype=dt) for shape, dt in shapes]
+            where = device.get(i) if isinstance(device, dict) else device
+            tensors = [torch.zeros(shape, device=where, dtype=dt) for shape, dt in shapes]
             layers[i] = AttentionCache(*tensors) if kind == "full_attention" else GDNCache(*tensors)
         return cls(layers, max_len, batch_size)
 

@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="a stop string (repeatable)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cpu)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    add_placement_options(g)
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU (small models "
                    "often run fastest on 1)")
     g.add_argument("--compile", action="store_true",
@@ -77,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 512)")
     r.add_argument("--device", default=None, help="cpu, cuda ... (under torchrun: cuda means cuda:LOCAL_RANK)")
     r.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar while loading (default: for checkpoints over 1 GB)")
     r.set_defaults(func=cmd_routes)
 
     t = sub.add_parser("train", help="train a small Clover on the Python standard library",
@@ -129,7 +132,51 @@ def load_engine(args):
     """The engine for ``args`` (a seam for tests)."""
     from .engine import load
 
-    return load(args.model, device=args.device, dtype=args.dtype)
+    placed = {name: getattr(args, name, None) for name in ("device_map", "max_memory", "keep_fp8", "coreset_size",
+                                                            "progress")}  # commands without these options: defaults
+    return load(args.model, device=args.device, dtype=args.dtype, pin_memory=getattr(args, "pin_memory", False),
+                **placed)
+
+
+def add_placement_options(parser: argparse.ArgumentParser) -> None:
+    """Where the weights go: --device-map, --max-memory, --pin-memory, --keep-fp8, --progress."""
+    parser.add_argument("--device-map", type=_device_map, default=None, metavar="MAP",
+                        help="auto (planned by accelerate within --max-memory), or a JSON object / file of module "
+                             "name -> device, e.g. '{\"\": 0, \"model.layers.39.mlp.experts\": \"cpu\"}'; "
+                             "experts that do not fit a GPU stay in host memory and are staged when routed")
+    parser.add_argument("--max-memory", type=_max_memory, default=None, metavar="DEV=SIZE,...",
+                        help="memory per device for --device-map auto, e.g. 0=22GiB,1=22GiB,cpu=120GiB")
+    parser.add_argument("--pin-memory", action="store_true", help="offloaded experts in page-locked host memory "
+                        "(faster staging; pins their size in RAM)")
+    parser.add_argument("--keep-fp8", action=argparse.BooleanOptionalAction, default=None,
+                        help="an FP8 checkpoint's weights stay FP8 (default: on CUDA) or are dequantized")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar while loading (default: for checkpoints over 1 GB)")
+
+
+def _device_map(text: str):
+    if text == "auto":
+        return text
+    from pathlib import Path
+
+    source = Path(text).read_text() if not text.lstrip().startswith("{") and Path(text).is_file() else text
+    try:
+        value = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected 'auto', a JSON object or a JSON file, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of module name -> device, got {text!r}")
+    return value
+
+
+def _max_memory(text: str) -> dict:
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        device, sep, size = item.partition("=")
+        if not sep or not size:
+            raise argparse.ArgumentTypeError(f"expected DEVICE=SIZE pairs like 0=22GiB,cpu=100GiB, got {item!r}")
+        out[int(device) if device.isdigit() else device] = int(size) if size.isdigit() else size
+    return out
 
 
 class _UsageError(Exception):

@@ -22,6 +22,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import CloverConfig, ConfigError
+from .errors import CheckpointError  # noqa: F401 - re-exported; defined apart so that fp8/ can raise it
+from .fp8.checkpoint import FP8Checkpoint
 
 log = logging.getLogger("clover_lab")
 
@@ -38,10 +40,6 @@ NAME_TABLE = {
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.language_model.visual.")
 PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or file that cannot be loaded; the message names what and where."""
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:
@@ -133,7 +131,9 @@ class _Reader:
         return self._read(file, name, read)
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                       "F8_E4M3": torch.float8_e4m3fn}  # FP8 only with its scales (fp8/checkpoint.py checks)
+KEPT_DTYPES = (torch.float8_e4m3fn,)  # parameters loaded in their own dtype, not the load dtype
 
 
 def load_config(path) -> CloverConfig:
@@ -151,23 +151,39 @@ def load_config(path) -> CloverConfig:
         raise CheckpointError(str(e)) from None
 
 
-def load_model(model_cls, path, device=None, dtype=None, progress: bool | None = None):
+def load_model(model_cls, path, device=None, dtype=None, progress: bool | None = None, keep_fp8: bool | None = None,
+               placement=None):
     """A ``model_cls`` (CloverModel) built on the meta device from ``path``'s config.json, then
     filled tensor by tensor from the memory-mapped checkpoint, each tensor read straight onto
-    ``device`` in ``dtype``. Any failure names the file and tensor, and returns nothing."""
+    ``device`` in ``dtype``. Any failure names the file and tensor, and returns nothing.
+
+    FP8 checkpoints (``fp8/checkpoint.py``): ``keep_fp8`` keeps linears and experts stored in FP8
+    as FP8 modules (default: on CUDA), else they are dequantized as they are read. ``placement``:
+    a callable (meta model, dtype) -> placement (``clover_lab.placement``) that says where each
+    parameter goes and is applied once the weights are in."""
     path = Path(path)
     config = load_config(path)
     files = checkpoint_files(path)
     dtype = resolve_dtype(dtype) or resolve_dtype(config.dtype) or torch.float32
     device = torch.device(device or "cpu")
+    reader = _Reader()
+    fp8, files = FP8Checkpoint.inspect(path, files, reader, device.type == "cuda" if keep_fp8 is None else keep_fp8)
     names = _sort_names(path, files)
     with torch.device("meta"):
         model = model_cls(config)
+    if fp8 is not None:
+        fp8.convert(model, names, config)
+        reader = fp8.reader(reader, dtype)
     expected = dict(model.named_parameters())
-    reader = _Reader()
     _refuse_unexpected(path, names, expected, config.num_experts)
     plan, untrained = _plan(path, files, reader, names, expected, config)
-    _fill(model, path, files, reader, plan, expected, dtype, device, progress, config.moe_intermediate_size)
+    placed = placement(model, dtype) if placement is not None else None
+    _fill(model, path, files, reader, plan, expected, dtype, placed.device_of if placed else device, progress,
+          config.moe_intermediate_size)
+    if fp8 is not None:
+        fp8.fill_scales(model, plan, reader)
+    if placed is not None:
+        placed.apply(model)
     if untrained:
         model.reset_preview_parameters()
         warnings.warn(f"{path}: the checkpoint has no Clover preview weights ({len(untrained)} tensors); "
@@ -251,25 +267,30 @@ def _plan(path: Path, files, reader: "_Reader", names, expected: dict, config: C
 
 def _fill(model, path: Path, files, reader: "_Reader", plan: dict, expected: dict, dtype, device, progress,
           moe_width: int) -> None:
-    """Every parameter read onto ``device`` in ``dtype``, one tensor (or one expert) at a time."""
+    """Every parameter read onto ``device`` (or ``device(name)``: a placement) in ``dtype`` (FP8
+    parameters of FP8 modules stay FP8), one tensor (or one expert) at a time."""
     from tqdm.auto import tqdm
 
-    total = sum(p.numel() * dtype.itemsize for p in expected.values())
+    def dtype_of(param):
+        return param.dtype if param.dtype in KEPT_DTYPES else dtype
+
+    total = sum(p.numel() * dtype_of(p).itemsize for p in expected.values())
     show = progress if progress is not None else total > (1 << 30)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", disable=not show)
     for name, param in expected.items():
         source = plan.get(name)
+        dev, want = (device(name) if callable(device) else device), dtype_of(param)
         if source is None:  # an untrained preview weight: filled with defaults by the caller
-            tensor = torch.empty(param.shape, dtype=dtype, device=device)
+            tensor = torch.empty(param.shape, dtype=want, device=dev)
         elif isinstance(source, str):
-            tensor = reader.get(files[source], source).to(device=device, dtype=dtype)
+            tensor = reader.get(files[source], source).to(device=dev, dtype=want)
         else:  # per-expert tensors gathered into the fused [E, ...] parameter, one expert at a time
-            tensor = torch.empty(param.shape, dtype=dtype, device=device)
+            tensor = torch.empty(param.shape, dtype=want, device=dev)
             for (e, w), stored in source.items():
                 rows = {"gate": slice(0, moe_width), "up": slice(moe_width, None), "down": slice(None)}[w]
                 tensor[e, rows].copy_(reader.get(files[stored], stored))
         _set_parameter(model, name, tensor)
-        bar.update(tensor.numel() * dtype.itemsize)
+        bar.update(tensor.numel() * want.itemsize)
     bar.close()
 
 
@@ -281,6 +302,11 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 def save_model(model, path, max_shard_bytes: int | None = None) -> None:
     """Write config.json and the weights (fused experts) as one file or as shards with an index."""
+    kept = [name for name, p in model.named_parameters() if p.dtype in KEPT_DTYPES]
+    if kept:
+        raise CheckpointError(f"save_pretrained: the model keeps {len(kept)} weights in FP8 (e.g. {kept[0]!r}), which "
+                              f"this writer does not store; load it with keep_fp8=False to save it dequantized, or "
+                              f"write an FP8 checkpoint with clover_lab.fp8.quantize.quantize_checkpoint")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config.replace(dtype=str(model.dtype).removeprefix("torch."))
@@ -333,8 +359,9 @@ def load_tokenizer(path):
 
 # --------------------------------------------------------------------------- around the weights
 # Where clover_lab.load() looks for the embedded default model: a model directory (one with a
-# config.json) in one of these folders, "clover-stdlib" first.
-DEFAULT_MODEL_ROOTS = (Path(__file__).resolve().parent.parent / "assets", Path(__file__).resolve().parent / "assets")
+# config.json) in one of these folders, "clover-stdlib" first: the installed package's data (a
+# wheel carries assets/clover-stdlib as clover_lab/assets), then the source tree's assets/.
+DEFAULT_MODEL_ROOTS = (Path(__file__).resolve().parent / "assets", Path(__file__).resolve().parent.parent / "assets")
 DEFAULT_MODEL_NAME = "clover-stdlib"
 
 
@@ -351,7 +378,7 @@ def default_model_dir() -> Path | None:
 
 def load_generation_config(path, sampler_fields) -> dict:
     """What ``path``/generation_config.json sets of a generation: the sampler settings named in
-    ``sampler_fields``, ``max_new_tokens`` and ``eos_token_ids``. transformers' fields map as it
+    ``sampler_fields``, ``max_new_tokens``, ``eos_token_ids``, ``block_size`` and ``mask_token_id``. transformers' fields map as it
     means them (``do_sample: false`` is greedy); fields it has that Clover does not use are
     ignored. No file: an empty dict."""
     file = Path(path) / "generation_config.json"
@@ -371,6 +398,12 @@ def load_generation_config(path, sampler_fields) -> dict:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{file}: max_new_tokens={value!r}: expected a positive integer")
         out["max_new_tokens"] = value
+    for key, least in (("block_size", 1), ("mask_token_id", 0)):  # Clover's own generation fields
+        value = raw.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise CheckpointError(f"{file}: {key}={value!r}: expected an integer >= {least}")
+            out[key] = value
     if raw.get("eos_token_id") is not None:
         eos = raw["eos_token_id"]
         eos = [eos] if isinstance(eos, int) else eos

@@ -45,6 +45,8 @@ class StepOutput:
 
 
 class DecoderLayer(nn.Module):
+    device: torch.device | None = None  # where the layer runs, when placed over devices (placement/)
+
     def __init__(self, config: CloverConfig, layer: int, hooks: HookRegistry):
         super().__init__()
         self.layer_type = config.layer_types[layer]
@@ -90,7 +92,13 @@ class TextModel(nn.Module):
 
 
 class CloverModel(nn.Module):
-    """Clover: Qwen3.5-MoE's causal path plus the block preview operator. Untied LM head."""
+    """Clover: Qwen3.5-MoE's causal path plus the block preview operator. Untied LM head.
+
+    ``placement``: set when the model is placed over devices (``clover_lab.placement``): layers
+    then run where they lie, the activations moving between them; ``device`` is the LM head's
+    (where logits come out), ``input_device`` the embedding's."""
+
+    placement = None
 
     def __init__(self, config: CloverConfig):
         super().__init__()
@@ -142,9 +150,12 @@ class CloverModel(nn.Module):
                 module.reset_preview_parameters()
 
     @classmethod
-    def from_pretrained(cls, path, device=None, dtype=None, progress: bool | None = None) -> "CloverModel":
-        """The model in the Hugging Face directory ``path`` (see ``clover_lab.loading``)."""
-        return loading.load_model(cls, path, device=device, dtype=dtype, progress=progress)
+    def from_pretrained(cls, path, device=None, dtype=None, progress: bool | None = None, keep_fp8: bool | None = None,
+                        placement=None) -> "CloverModel":
+        """The model in the Hugging Face directory ``path`` (see ``clover_lab.loading``; ``keep_fp8``
+        and ``placement`` there)."""
+        return loading.load_model(cls, path, device=device, dtype=dtype, progress=progress, keep_fp8=keep_fp8,
+                                  placement=placement)
 
     def save_pretrained(self, path, max_shard_bytes: int | None = None) -> None:
         loading.save_model(self, path, max_shard_bytes=max_shard_bytes)
@@ -161,8 +172,13 @@ class CloverModel(nn.Module):
         return self.lm_head.weight.device
 
     @property
+    def input_device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' dtype: the embedding's (FP8 checkpoints keep their linears in FP8)."""
+        return self.model.embed_tokens.weight.dtype
 
     def pack_weights(self, enabled: bool = True) -> int:
         """CPU inference: keep every GEMM weight (projections, router, each expert, LM head) also in
@@ -171,7 +187,7 @@ class CloverModel(nn.Module):
         the weights in memory. A weight changed in place or replaced is repacked on its next use;
         writes through ``.data`` are not seen (call ``pack_weights()`` again). Returns the bytes
         packed; ``pack_weights(False)`` drops the copies."""
-        if enabled and not ops.can_pack(self.lm_head.weight):
+        if enabled and not ops.can_pack(self.model.embed_tokens.weight):
             raise ValueError(f"pack_weights: packed weights are for fp32/bf16 models on an x86 CPU with oneDNN; "
                              f"this model is {str(self.dtype).removeprefix('torch.')} on {self.device}")
 
@@ -180,10 +196,10 @@ class CloverModel(nn.Module):
             packed.get(weight)
             return packed
 
-        for module in self.modules():
-            if isinstance(module, (Linear, Router)):
+        for module in self.modules():  # FP8 weights and offloaded experts are not packed
+            if isinstance(module, (Linear, Router)) and ops.can_pack(module.weight):
                 module.packed = pack(module.weight) if enabled else None
-            elif isinstance(module, Experts):
+            elif isinstance(module, Experts) and module.store is None and ops.can_pack(module.gate_up_proj):
                 module.packed = ([pack(w) for w in module.gate_up_proj],
                                  [pack(w) for w in module.down_proj]) if enabled else None
         return sum(p.nbytes for p in self._packs())
@@ -202,7 +218,9 @@ class CloverModel(nn.Module):
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> CloverCache:
         """An empty cache for ``max_len`` positions on the model's device, in its dtype."""
-        return CloverCache.allocate(self.config, max_len, batch_size, device=self.device, dtype=self.dtype)
+        devices = (self.device if self.placement is None
+                   else {i: layer.device for i, layer in enumerate(self.model.layers)})  # each layer's own
+        return CloverCache.allocate(self.config, max_len, batch_size, device=devices, dtype=self.dtype)
 
     # ------------------------------------------------------------------ the forward
     def _check_ids(self, ids: torch.Tensor, name: str, cache: CloverCache) -> torch.Tensor:
@@ -218,7 +236,7 @@ class CloverModel(nn.Module):
         # come from the engine itself
         if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"{name}: token ids must be in [0, {self.config.vocab_size})")
-        return ids.to(self.device, torch.long)
+        return ids.to(self.input_device, torch.long)
 
     @torch.no_grad()
     def forward(self, cache: CloverCache, commit_ids=None, preview_ids=None, *, commit_logits: str | None = "last",
@@ -247,7 +265,7 @@ class CloverModel(nn.Module):
         if cache.length + c + m > self.config.max_position_embeddings:
             raise ValueError(f"positions up to {cache.length + c + m} exceed the context length "
                              f"{self.config.max_position_embeddings}")
-        ctx = ForwardContext.cached(cache, c, m, self.device, coreset, where)
+        ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where)
         x = self.hidden_states(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], ctx)
         # the forward succeeded: publish the commit
         for dst, src in ctx.pending:
@@ -272,17 +290,23 @@ class CloverModel(nn.Module):
         x = self.model.embed_tokens(ids)
         ctx.rope = self.model.rotary.cos_sin(ctx.positions, x.dtype)
         for layer in self.model.layers:
+            if layer.device is not None and x.device != layer.device:  # placed: the activations move
+                x = x.to(layer.device)
+                ctx.positions, ctx.rope = ctx.positions.to(layer.device), tuple(t.to(layer.device) for t in ctx.rope)
             x = layer(x, ctx)
         return x
 
     def head(self, rows: torch.Tensor, ctx: ForwardContext | None = None, mode: str | None = None,
              positions: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head: hidden rows [..., H] -> logits [..., V]. Given the forward's
-        ``ctx``, the rows' ``mode`` and ``positions``, ``final_norm.output`` fires between the two."""
+        ``ctx``, the rows' ``mode`` and ``positions``, ``final_norm.output`` fires between the two.
+        A placed model runs the norm on its device and the head on the model's."""
+        if self.placement is not None:
+            rows = rows.to(self.model.norm.weight.device)
         h = self.model.norm(rows)
         if ctx is not None and ctx.hooks and self.hooks.active(points.FINAL_NORM_OUTPUT):
             h = fire_head_rows(self.hooks, points.FINAL_NORM_OUTPUT, h, mode, positions, ctx)
-        return self.lm_head(h)
+        return self.lm_head(h.to(self.device) if self.placement is not None else h)
 
     def training_forward(self, clean_ids: torch.Tensor, noisy_ids: torch.Tensor, block_size: int | None = None,
                          router_stats: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,12 +8,13 @@ kernels; see ``dispatch.py``.
 """
 from .dense import PackedWeight, can_pack, linear
 from .dispatch import backend_for, forced_backend, kernel_table
+from .fp8 import torch as _fp8
 from .gdn import torch as _gdn
 from .moe import torch as _moe
 from .norm import naive as _norm
 
 __all__ = ["linear", "PackedWeight", "can_pack", "rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview",
-           "moe_experts", "backend_for", "forced_backend"]
+           "moe_experts", "linear_fp8", "moe_experts_fp8", "backend_for", "forced_backend"]
 
 
 def _dispatch(name, reference, *tensors):
@@ -48,3 +49,14 @@ def moe_experts(x, expert_ids, weights, gate_up, down, packed=None):
     if backend_for("moe_experts", x, weights, gate_up, down) == "triton":
         return kernel_table()["moe_experts"](x, expert_ids, weights, gate_up, down)
     return _moe.moe_experts(x, expert_ids, weights, gate_up, down, packed)
+
+
+def linear_fp8(x, weight, scale, block, bias=None):
+    """``x @ W^T (+ bias)`` with W block-scaled FP8 (weight fp8 [N, K], scale [ceil(N/bn), ceil(K/bk)])."""
+    return _dispatch("linear_fp8", _fp8.linear, x, bias)(x, weight, scale, block, bias)
+
+
+def moe_experts_fp8(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale, block):
+    """``moe_experts`` over block-scaled FP8 expert weights (scales as in ``fp8/naive.py``)."""
+    fn = _dispatch("moe_experts_fp8", _fp8.moe_experts, x, weights)
+    return fn(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale, block)

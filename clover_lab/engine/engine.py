@@ -13,9 +13,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import defaults as checkpoint_defaults
 from .. import loading, malloc
 from ..hooks.capture import Capture
 from ..model import CloverModel
+from ..placement import plan_placement
 from ..sampling import SamplerSettings
 from .ar import run_ar
 from .diffusion import run_diffusion
@@ -48,6 +50,8 @@ class Engine:
         self.prefill_chunk_size = 1024
         self._block_size = model.config.block_size
         self._mask_token_id = model.config.mask_token_id
+        # where the mask token came from (clover_lab/defaults.py): "config.json", the tokenizer, ...
+        self.mask_token_source = "config.json" if model.config.mask_token_id is not None else None
         eos = list(model.config.eos_token_ids)
         if not eos and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = [tokenizer.eos_token_id]
@@ -62,6 +66,9 @@ class Engine:
         self._fast_path = FastPath()
 
     def _uses_fast_path(self) -> bool:
+        placement = self.model.placement
+        if placement is not None and not placement.graph_safe:  # several devices, or experts staged
+            return False
         if self.step_graphs is not None:
             return self.step_graphs
         return self.model.device.type == "cuda" or self.compile_steps
@@ -161,13 +168,24 @@ class Engine:
         return run.result
 
 
-def load(path=None, device=None, dtype=None) -> Engine:
+def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dict | None = None,
+         keep_fp8: bool | None = None, coreset_size: int | None = None, pin_memory: bool = False,
+         progress: bool | None = None) -> Engine:
     """An Engine over the model (and tokenizer, when present) in the Hugging Face directory ``path``,
     with the defaults of its generation_config.json.
 
     With no path: ``$CLOVER_LAB_MODEL`` when set, else the embedded default model
     (``assets/clover-stdlib``). Without one that is a FileNotFoundError saying so; there is
-    deliberately no random-weights fallback, whose output would look like a broken model."""
+    deliberately no random-weights fallback, whose output would look like a broken model.
+
+    ``device``: one device for the whole model. ``device_map``: "auto" (planned by accelerate
+    within ``max_memory``, e.g. ``{0: "22GiB", 1: "22GiB", "cpu": "120GiB"}``) or a dict of
+    module name -> device; routed experts that do not fit stay in host memory and are staged onto
+    their layer's GPU when routed (``clover_lab/placement``). ``coreset_size``: the engine's
+    default expert coreset, and the staging room the plan reserves for it. ``pin_memory``:
+    offloaded experts in page-locked memory. ``keep_fp8``: an FP8 checkpoint's linears and experts
+    stay FP8 (default: when they run on CUDA) or are dequantized as they load. ``progress``: a
+    progress bar (default: for checkpoints over 1 GB)."""
     if path is None:
         path = os.environ.get("CLOVER_LAB_MODEL") or loading.default_model_dir()
         if path is None:
@@ -175,15 +193,36 @@ def load(path=None, device=None, dtype=None) -> Engine:
                 "no default model found (looked for a model directory in "
                 + ", ".join(str(d) for d in loading.DEFAULT_MODEL_ROOTS)
                 + "); pass a model directory: clover_lab.load('path/to/model'), or set CLOVER_LAB_MODEL")
-    model = CloverModel.from_pretrained(path, device=device, dtype=dtype)
-    defaults = loading.load_generation_config(path, SamplerSettings.names())
+    placement = None
+    if device_map is not None:
+        if device is not None:
+            raise ValueError("load: pass device (one device) or device_map (placed over devices), not both")
+        placement = _planner(device_map, max_memory, coreset_size, pin_memory)
+        if keep_fp8 is None:
+            keep_fp8 = torch.cuda.is_available() and (device_map == "auto" or _names_a_gpu(device_map))
+    model = CloverModel.from_pretrained(path, device=device, dtype=dtype, keep_fp8=keep_fp8, progress=progress,
+                                        placement=placement)
+    generation = loading.load_generation_config(path, SamplerSettings.names())
     engine = Engine(model, loading.load_tokenizer(path),
-                    max_new_tokens=defaults.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
-    eos = defaults.pop("eos_token_ids", None)
-    if eos and not model.config.eos_token_ids:
-        engine.eos_token_ids = eos
+                    max_new_tokens=generation.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+    defaults = checkpoint_defaults.apply(engine, model.config, generation, SamplerSettings, coreset_size)
     try:
         engine.settings = SamplerSettings(**defaults)
     except (TypeError, ValueError) as e:
         raise loading.CheckpointError(f"{path}/generation_config.json: {e}") from None
     return engine
+
+
+def _planner(device_map, max_memory, coreset_size, pin_memory):
+    """The loader's placement callable: (meta model, dtype) -> Placement."""
+    def plan(model, dtype):
+        placed = plan_placement(model, device_map, max_memory, dtype, coreset_size or 0)
+        placed.pin_memory = pin_memory
+        return placed
+
+    return plan
+
+
+def _names_a_gpu(device_map) -> bool:
+    return isinstance(device_map, dict) and any(
+        (isinstance(v, int) and not isinstance(v, bool)) or str(v).startswith("cuda") for v in device_map.values())

@@ -69,8 +69,10 @@ def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tok
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
     if mode == "diffusion" and mask_token_id is None:
-        raise GenerationError("block diffusion needs a mask token, but the model config has no mask_token_id; "
-                              "set engine.mask_token_id or use mode='ar'")
+        raise GenerationError("block diffusion needs a mask token, and none was found: not in config.json or "
+                              "generation_config.json (mask_token_id), not in the tokenizer, and the embedding has "
+                              "no row past the tokenizer's vocabulary; set engine.mask_token_id, add mask_token_id "
+                              "to generation_config.json, or use mode='ar'")
     ctx = model.config.max_position_embeddings
     if prompt_len + max_new_tokens > ctx:
         raise GenerationError(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) is "

@@ -40,7 +40,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts as fused tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """The routed experts as fused tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+
+    ``store``: where the weights live when they are not on the compute device (an offload store,
+    ``clover_lab.placement``); it stages the experts a forward routes to and calls :meth:`compute`
+    on them. FP8 weights: ``layers/fp8.py``."""
+
+    # (gate_up, down): one PackedWeight per expert each (CloverModel.pack_weights), or None
+    packed: tuple[list[ops.PackedWeight], list[ops.PackedWeight]] | None = None
+    store = None
 
     def __init__(self, config: CloverConfig):
         super().__init__()
@@ -48,8 +56,21 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
-    # (gate_up, down): one PackedWeight per expert each (CloverModel.pack_weights), or None
-    packed: tuple[list[ops.PackedWeight], list[ops.PackedWeight]] | None = None
+    def expert_tensors(self) -> dict[str, torch.Tensor]:
+        """Every per-expert tensor, by name, each indexed by expert along dim 0."""
+        return {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}
+
+    def compute(self, x, expert_ids, weights, tensors: dict[str, torch.Tensor], packed=None) -> torch.Tensor:
+        """The routed experts' output [T, H] over ``tensors`` (this module's own, or a staged subset
+        with ``expert_ids`` renumbered into it)."""
+        return ops.moe_experts(x, expert_ids, weights, tensors["gate_up_proj"], tensors["down_proj"], packed)
+
+    def forward(self, x, expert_ids, weights, coreset: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H], expert_ids and weights [T, k]; ``coreset``: this layer's recorded coreset of the
+        current block, if any (an offload store keeps those experts staged for the block)."""
+        if self.store is not None:
+            return self.store.run(self, x, expert_ids, weights, coreset)
+        return self.compute(x, expert_ids, weights, self.expert_tensors(), self.packed)
 
 
 class SparseMoE(nn.Module):
@@ -104,7 +125,7 @@ class SparseMoE(nn.Module):
         ids = torch.cat(ids, dim=1).reshape(B * T, -1) if len(ids) > 1 else ids[0].reshape(B * T, -1)
         weights = torch.cat(weights, dim=1).reshape(B * T, -1) if len(weights) > 1 else weights[0].reshape(B * T, -1)
         flat = x.reshape(B * T, H)
-        experts = self.experts
-        routed = ops.moe_experts(flat, ids, weights, experts.gate_up_proj, experts.down_proj, experts.packed)
+        coreset = None if ctx.coreset is None else ctx.coreset.experts.get(self.layer)
+        routed = self.experts(flat, ids, weights, coreset)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).view(B, T, H)
