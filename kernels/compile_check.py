@@ -330,11 +330,18 @@ def _meta(*shape, dtype):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def clover_35b_calls(dtypes=tuple(DTYPES), dims=None):
-    """(op, dtype label, rows, thunk) for every dispatched op at the 35B shapes, with the
-    tensors' dtypes as the model passes them (GDN state and log-decay fp32, the rest the
-    model's dtype). Batch 1: the engine's generation batch."""
+def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
+    """(op, dtype label, rows, (op name, args)) for every dispatched op at the 35B shapes, with
+    the tensors' dtypes as the model passes them (GDN state and log-decay fp32, the rest the
+    model's dtype). Batch 1: the engine's generation batch. ``rows``: {op: row counts} in place
+    of the default sweeps (cost tables of chosen shapes)."""
     d = dict(DIMS_35B, **(dims or {}))
+    rows = rows or {}
+    norm_rows = rows.get("rms_norm", NORM_ROWS)
+    gated_rows = rows.get("gated_rms_norm", NORM_ROWS)
+    commit_rows = rows.get("gdn_commit", COMMIT_ROWS)
+    preview_rows = rows.get("gdn_preview", range(1, d["block"] + 1))
+    moe_rows = rows.get("moe_experts", MOE_ROWS)
     H, Hk, Hv, dk, dv, K = (d[k] for k in ("hidden", "gdn_key_heads", "gdn_value_heads", "gdn_head_k",
                                            "gdn_head_v", "conv"))
     E, k, I, D = d["experts"], d["top_k"], d["expert_width"], d["attn_head_dim"]
@@ -342,30 +349,29 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None):
     f32 = torch.float32
     for label in dtypes:
         dt = DTYPES[label]
-        for rows in NORM_ROWS:
-            # decoder norms over hidden; attention q/k norms over head_dim; the GDN output norm over dv
-            yield "rms_norm", label, rows, ("rms_norm", (_meta(rows, H, dtype=dt), _meta(H, dtype=dt)))
-            yield "rms_norm", label, rows, ("rms_norm", (_meta(rows, d["attn_heads"], D, dtype=dt),
-                                                         _meta(D, dtype=dt)))
-            yield "gated_rms_norm", label, rows, ("gated_rms_norm", (_meta(rows * Hv, dv, dtype=dt),
-                                                                     _meta(rows * Hv, dv, dtype=dt), _meta(dv, dtype=dt)))
-        for T in COMMIT_ROWS:  # AR step (1), a block (32), prefill chunks (up to 8k)
+        for T in norm_rows:  # decoder norms over hidden; attention q/k norms over head_dim
+            yield "rms_norm", label, T, ("rms_norm", (_meta(T, H, dtype=dt), _meta(H, dtype=dt)))
+            yield "rms_norm", label, T, ("rms_norm", (_meta(T, d["attn_heads"], D, dtype=dt), _meta(D, dtype=dt)))
+        for T in gated_rows:  # the GDN output norm over dv, per value head
+            yield "gated_rms_norm", label, T, ("gated_rms_norm", (_meta(T * Hv, dv, dtype=dt),
+                                                                  _meta(T * Hv, dv, dtype=dt), _meta(dv, dtype=dt)))
+        for T in commit_rows:  # AR step (1), a block (32), prefill chunks (up to 8k)
             yield "gdn_commit", label, T, ("gdn_commit", (
                 _meta(1, T, C, dtype=dt), _meta(1, C, K - 1, dtype=dt), _meta(C, K, dtype=dt), _meta(1, T, Hv, dtype=f32),
                 _meta(1, T, Hv, dtype=dt), _meta(1, Hv, dk, dv, dtype=f32), Hk, dk, dv))
-        for m in range(1, d["block"] + 1):  # a preview block: 1..32 rows
+        for m in preview_rows:  # a preview block: 1..32 rows
             for history in (False, True):
                 yield "gdn_preview", label, m, ("gdn_preview", (
                     _meta(1, m, C, dtype=dt), _meta(1, C, K - 1, dtype=dt), _meta(C, K, dtype=dt),
                     _meta(C, K - 1, dtype=dt), _meta(1, Hv, dk, dv, dtype=f32), _meta(Hv, dtype=dt), _meta(Hv, dtype=dt),
                     _meta(Hv, dtype=dt), Hk, dk, dv, history))
-        for T in MOE_ROWS:  # routed experts of T tokens (coreset routing changes ids, not shapes)
+        for T in moe_rows:  # routed experts of T tokens (coreset routing changes ids, not shapes)
             yield "moe_experts", label, T, ("moe_experts", (
                 _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
                 _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
 
 
-def capture_35b(discovery: Discovery, dtypes=tuple(DTYPES), target_tuple=SM90):
+def capture_35b(discovery: Discovery, dtypes=tuple(DTYPES), target_tuple=SM90, rows=None):
     """(launches, ops covered by the table, ops of the dispatch the table misses)."""
     from . import triton_ops
 
@@ -373,7 +379,7 @@ def capture_35b(discovery: Discovery, dtypes=tuple(DTYPES), target_tuple=SM90):
         raise RuntimeError(f"Triton ops failed to import: {triton_ops.MISSING}")
     covered = set()
     with capturing(discovery, target_tuple) as (launches, label):
-        for op, dtype, rows, (name, args) in clover_35b_calls(dtypes):
+        for op, dtype, rows, (name, args) in clover_35b_calls(dtypes, rows=rows):
             label.update(op=op, dtype=dtype, rows=rows)
             triton_ops.OPS[name](*args)
             covered.add(name)
