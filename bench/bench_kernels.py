@@ -134,12 +134,13 @@ def bench_norms():
     for T in SHAPES["rms"]:
         x = torch.randn(T, H, device=DEVICE, dtype=DTYPE)
         w = torch.randn(H, device=DEVICE, dtype=DTYPE) * 0.1
-        record("rms_norm", f"T={T} H={H}", norm_k.rms_norm, norm_ref.rms_norm, (x, w, 1e-6), 2 * nbytes(x) + nbytes(w))
+        record("rms_norm", f"T={T} H={H}", norm_k.rms_norm, norm_ref.rms_norm, (x, w, 1e-6), 2 * nbytes(x) + nbytes(w),
+               {"tokens": T})
         xg = torch.randn(T * Hv, dv, device=DEVICE, dtype=DTYPE)
         gate = torch.randn_like(xg)
         wg = torch.ones(dv, device=DEVICE, dtype=DTYPE)
         record("gated_rms_norm", f"rows={T * Hv} d={dv}", norm_k.gated_rms_norm, norm_ref.gated_rms_norm,
-               (xg, gate, wg, 1e-6), 3 * nbytes(xg) + nbytes(wg))
+               (xg, gate, wg, 1e-6), 3 * nbytes(xg) + nbytes(wg), {"tokens": T})
 
 
 def gdn_inputs(T, seed=0):
@@ -166,7 +167,7 @@ def bench_gdn_commit():
         args = (mixed, ring, conv_w, log_decay, beta, state, Hk, dk, dv)
         o_bytes = T * Hv * dv * mixed.element_size()
         moved = nbytes(mixed, conv_w, log_decay, beta) + 2 * nbytes(ring) + 2 * nbytes(state) + o_bytes
-        extra = {}
+        extra = {"tokens": T}
         if fla_chunk is not None and T > 1:
             try:  # the delta rule alone (conv and head split done beforehand), fla's layout
                 conv, _ = gdn_ref.causal_conv(mixed, ring, conv_w)
@@ -177,6 +178,11 @@ def bench_gdn_commit():
                     return fla_chunk(q, k, v, log_decay, beta, initial_state=state, output_final_state=True)
 
                 extra["fla_delta_rule_only_s"] = timed(run_fla, ARGS.repeat)
+                # the same rule: fla's output and final state against ours (conv included in ours)
+                o_fla, s_fla = run_fla()
+                o_ours, _, s_ours = gdn_commit_k.gdn_commit(*args)
+                extra["fla_max_dev_vs_ours"] = max_dev(o_fla, o_ours)
+                extra["fla_state_max_dev_vs_ours"] = max_dev(s_fla, s_ours)
             except Exception as exc:
                 extra["fla_error"] = f"{type(exc).__name__}: {exc}"[:200]
         record("gdn_commit", f"T={T} Hv={Hv} dk={dk} dv={dv}", gdn_commit_k.gdn_commit, gdn_ref.gdn_commit,
@@ -194,7 +200,7 @@ def bench_gdn_preview():
         args = (mixed, ring, conv_w, right, state, bs, hb, hln, Hk, dk, dv, False)
         moved = nbytes(mixed, ring, conv_w, right, state) + m * Hv * dv * mixed.element_size() + m * Hv * 4
         record("gdn_preview", f"m={m} Hv={Hv} dk={dk} dv={dv}", gdn_preview_k.gdn_preview, gdn_ref.gdn_preview,
-               args, moved)
+               args, moved, {"tokens": m})
 
 
 def bench_moe():
@@ -210,7 +216,7 @@ def bench_moe():
         expert_bytes = (2 * I * H + H * I) * gate_up.element_size()
         moved = 2 * nbytes(x) + nbytes(ids, w) + hit * expert_bytes
         record("moe_experts", f"T={T} k={topk} E={E} hit={hit}", moe_k.moe_experts, moe_ref.moe_experts,
-               (x, ids, w, gate_up, down), moved, {"experts_hit": hit})
+               (x, ids, w, gate_up, down), moved, {"experts_hit": hit, "tokens": T})
 
 
 def device_name():
@@ -233,7 +239,9 @@ def print_table():
               f"{tr / r['triton_s'] if tr else float('nan'):>8.2f} {r['GB_per_s']:>8.1f} "
               f"{100 * r['roofline_frac']:>6.1f} {r.get('max_dev_vs_ref', float('nan')):>9.2e}")
         if "fla_delta_rule_only_s" in r:
-            print(f"{'':<15} {'  fla chunk_gated_delta_rule (rule only)':<34} {r['fla_delta_rule_only_s'] * 1e6:>10.1f}")
+            print(f"{'':<15} {'  fla chunk_gated_delta_rule (rule only)':<34} {r['fla_delta_rule_only_s'] * 1e6:>10.1f}"
+                  f"   max dev vs ours: o {r.get('fla_max_dev_vs_ours', float('nan')):.2e}, "
+                  f"state {r.get('fla_state_max_dev_vs_ours', float('nan')):.2e}")
         for key in ("torch_error", "fla_error"):
             if key in r:
                 print(f"{'':<15}   {key}: {r[key]}")
