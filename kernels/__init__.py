@@ -6,6 +6,8 @@ Triton kernels (``commit.py``, ``preview.py``, ``fused.py``, ``rms.py``; shared 
 functions in ``common.py``). The functions here dispatch between the torch path and the
 kernels; see ``dispatch.py``.
 """
+import torch
+
 from .dense import PackedWeight, can_pack, linear
 from .dispatch import backend_for, forced_backend, kernel_table
 from .fp8 import torch as _fp8
@@ -53,10 +55,12 @@ def moe_experts(x, expert_ids, weights, gate_up, down, packed=None):
 
 def linear_fp8(x, weight, scale, block, bias=None):
     """``x @ W^T (+ bias)`` with W block-scaled FP8 (weight fp8 [N, K], scale [ceil(N/bn), ceil(K/bk)])."""
-    return _dispatch("linear_fp8", _fp8.linear, x, bias)(x, weight, scale, block, bias)
+    # the FP8 kernels take bf16 / fp16 activations; fp32 ones run the torch path (fp32 tiles spill on sm_90)
+    fn = _fp8.linear if x.dtype == torch.float32 else _dispatch("linear_fp8", _fp8.linear, x, bias)
+    return fn(x, weight, scale, block, bias)
 
 
 def moe_experts_fp8(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale, block):
     """``moe_experts`` over block-scaled FP8 expert weights (scales as in ``fp8/naive.py``)."""
-    fn = _dispatch("moe_experts_fp8", _fp8.moe_experts, x, weights)
+    fn = _fp8.moe_experts if x.dtype == torch.float32 else _dispatch("moe_experts_fp8", _fp8.moe_experts, x, weights)
     return fn(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale, block)

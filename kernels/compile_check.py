@@ -369,6 +369,31 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
             yield "moe_experts", label, T, ("moe_experts", (
                 _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
                 _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
+        if label in FP8_DTYPES:  # FP8 checkpoints: FP8 weights, bf16 / fp16 activations
+            yield from _fp8_calls(label, dt, d, rows)
+
+
+# the 35B's quantized linears as (out, in) features: q (query + gate), k / v, o, GDN in_proj_qkv,
+# in_proj_z, in_proj_a / b, out_proj, the shared expert's gate / up and down
+FP8_LINEAR_SHAPES = ((8192, 2048), (512, 2048), (2048, 4096), (4096, 2048), (32, 2048), (2048, 512))
+FP8_BLOCK = 128  # Qwen's and DeepSeek's weight_block_size [128, 128]
+# the FP8 kernels take bf16 / fp16 activations: fp32 ones run the torch path (their tiles spill)
+FP8_DTYPES = ("bf16", "fp16")
+KERNEL_DTYPES = {name: set(FP8_DTYPES) for name in ("_fp8_linear_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel")}
+
+
+def _fp8_calls(label, dt, d, rows):
+    f8, f32, q = torch.float8_e4m3fn, torch.float32, FP8_BLOCK
+    H, E, k, I = d["hidden"], d["experts"], d["top_k"], d["expert_width"]
+    for T in rows.get("linear_fp8", NORM_ROWS):
+        for N, K in FP8_LINEAR_SHAPES:
+            yield "linear_fp8", label, T, ("linear_fp8", (
+                _meta(T, K, dtype=dt), _meta(N, K, dtype=f8), _meta(-(-N // q), -(-K // q), dtype=f32), (q, q)))
+    for T in rows.get("moe_experts_fp8", MOE_ROWS):
+        yield "moe_experts_fp8", label, T, ("moe_experts_fp8", (
+            _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
+            _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
+            _meta(E, 2 * -(-I // q), -(-H // q), dtype=f32), _meta(E, -(-H // q), -(-I // q), dtype=f32), (q, q)))
 
 
 def capture_35b(discovery: Discovery, dtypes=tuple(DTYPES), target_tuple=SM90, rows=None):
