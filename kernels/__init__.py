@@ -53,14 +53,19 @@ def moe_experts(x, expert_ids, weights, gate_up, down, packed=None):
     return _moe.moe_experts(x, expert_ids, weights, gate_up, down, packed)
 
 
+def _fp32_on_gpu(x: torch.Tensor) -> bool:
+    """The FP8 kernels are built for bf16 / fp16 activations: fp32 tiles spill on sm_90
+    (tests/kernels/test_compile_sm90.py), so fp32 activations on a GPU run the torch path."""
+    return x.dtype == torch.float32 and x.is_cuda
+
+
 def linear_fp8(x, weight, scale, block, bias=None):
     """``x @ W^T (+ bias)`` with W block-scaled FP8 (weight fp8 [N, K], scale [ceil(N/bn), ceil(K/bk)])."""
-    # the FP8 kernels take bf16 / fp16 activations; fp32 ones run the torch path (fp32 tiles spill on sm_90)
-    fn = _fp8.linear if x.dtype == torch.float32 else _dispatch("linear_fp8", _fp8.linear, x, bias)
+    fn = _fp8.linear if _fp32_on_gpu(x) else _dispatch("linear_fp8", _fp8.linear, x, bias)
     return fn(x, weight, scale, block, bias)
 
 
 def moe_experts_fp8(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale, block):
     """``moe_experts`` over block-scaled FP8 expert weights (scales as in ``fp8/naive.py``)."""
-    fn = _fp8.moe_experts if x.dtype == torch.float32 else _dispatch("moe_experts_fp8", _fp8.moe_experts, x, weights)
+    fn = _fp8.moe_experts if _fp32_on_gpu(x) else _dispatch("moe_experts_fp8", _fp8.moe_experts, x, weights)
     return fn(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale, block)
