@@ -102,7 +102,7 @@ class RouteEvent(Event):
     def ban(self, expert_ids) -> None:
         """Route around these experts: each token takes its top-k among the others, renormalised."""
         E = self.router_probs.shape[-1]
-        ids = torch.as_tensor(expert_ids, dtype=torch.long, device=self.router_probs.device).reshape(-1)
+        ids = _expert_ids(expert_ids, "ban", self.router_probs.device).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
             raise ValueError(f"ban: expert ids must be in [0, {E}), got {ids.tolist()}")
         allowed = torch.ones(E, dtype=torch.bool, device=ids.device) if self.selectable is None else self.selectable.clone()
@@ -114,15 +114,21 @@ class RouteEvent(Event):
         """Use exactly these experts: ids [k] (every token) or [T, k]; weights default to the
         router's probabilities of those experts, renormalised."""
         T, E = self.router_probs.shape
-        ids = torch.as_tensor(expert_ids, dtype=torch.long, device=self.router_probs.device)
+        ids = _expert_ids(expert_ids, "force", self.router_probs.device)
         ids = ids.expand(T, -1) if ids.dim() == 1 else ids
-        if ids.shape[0] != T or (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E)):
-            raise ValueError(f"force: expected expert ids [k] or [{T}, k] in [0, {E}), got shape {tuple(ids.shape)}")
+        if (ids.dim() != 2 or ids.shape[0] != T or ids.shape[1] < 1
+                or int(ids.min()) < 0 or int(ids.max()) >= E):
+            raise ValueError(f"force: expected expert ids [k] or [{T}, k] in [0, {E}), got "
+                             f"{ids.tolist() if ids.numel() <= 16 else f'shape {tuple(ids.shape)}'}")
         if weights is None:
             w = self.router_probs.gather(-1, ids)
             w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
         else:
-            w = torch.as_tensor(weights, dtype=torch.float32, device=ids.device).expand(ids.shape)
+            w = torch.as_tensor(weights, dtype=torch.float32, device=ids.device)
+            if w.shape not in (ids.shape, ids.shape[1:]):
+                raise ValueError(f"force: weights must have shape [{ids.shape[1]}] or {list(ids.shape)} like the "
+                                 f"expert ids, got {list(w.shape)}")
+            w = w.expand(ids.shape)
         self.expert_ids = ids.contiguous()
         self.weights = w.to(self.weights.dtype).contiguous()
 
@@ -227,10 +233,16 @@ class StepEvent(Event, _Stoppable):
 
     def candidate(self, position: int) -> int:
         """The candidate token at a block position (reads one value from the device)."""
-        return int(self.candidates[self.masked.index(position)])
+        return int(self.candidates[self._row(position)])
 
     def confidence(self, position: int) -> float:
-        return float(self.confidences[self.masked.index(position)])
+        return float(self.confidences[self._row(position)])
+
+    def _row(self, position: int) -> int:
+        if position not in self.masked:
+            raise ValueError(f"block position {position!r} is not masked at this step, so it has no candidate "
+                             f"(masked: {self.masked})")
+        return self.masked.index(position)
 
 
 @dataclass
@@ -253,6 +265,17 @@ class CommitEvent(Event, _Stoppable):
         return None
 
 
+def _expert_ids(value, what: str, device) -> torch.Tensor:
+    """Expert ids given to ban / force as a long tensor; anything but integers is an error."""
+    try:
+        ids = torch.as_tensor(value, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{what}: expected expert ids (integers), got {value!r}") from None
+    if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise ValueError(f"{what}: expected integer expert ids, got {ids.dtype} {value!r}")
+    return ids.long()
+
+
 def _flatten(items) -> list[int]:
     out = []
     for item in items:
@@ -263,3 +286,9 @@ def _flatten(items) -> list[int]:
         else:
             out.append(int(item))
     return out
+
+
+def edit_count(t) -> int | None:
+    """A tensor's in-place edit counter, to tell whether a hook changed an event's tensor without
+    reading the device (None for inference tensors and non-tensors, which keep none)."""
+    return t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None
