@@ -127,9 +127,12 @@ class CloverModel(nn.Module):
                 module.reset_preview_parameters()
 
     @classmethod
-    def from_pretrained(cls, path, device=None, dtype=None, progress: bool | None = None) -> "CloverModel":
-        """The model in the Hugging Face directory ``path`` (see ``clover_lab.loading``)."""
-        return loading.load_model(cls, path, device=device, dtype=dtype, progress=progress)
+    def from_pretrained(cls, path, device=None, dtype=None, progress: bool | None = None,
+                        check_finite: bool | None = None) -> "CloverModel":
+        """The model in the Hugging Face directory ``path`` (see ``clover_lab.loading``);
+        ``check_finite`` refuses weights holding NaN or inf (default: for checkpoints up to 4 GiB)."""
+        return loading.load_model(cls, path, device=device, dtype=dtype, progress=progress,
+                                  check_finite=check_finite)
 
     def save_pretrained(self, path, max_shard_bytes: int | None = None) -> None:
         loading.save_model(self, path, max_shard_bytes=max_shard_bytes)
