@@ -4,7 +4,9 @@ the tokenizer, generation_config.json and where the embedded default model lives
 Loading is memory-mapped and tensor by tensor onto a model built on the ``meta`` device, so a
 checkpoint never exists twice in memory. Per-expert and fused expert tensors are both accepted,
 as is the multimodal ``model.language_model.`` prefix (``model.visual.*`` and ``mtp.*`` are
-skipped). Every failure names the file and the tensor; a failed load returns nothing.
+skipped); two stored tensors for one parameter are an error, never resolved silently. Weights
+holding NaN or inf are refused (``check_finite``, on by default up to CHECK_FINITE_MAX_BYTES).
+Every failure names the file and the tensor; a failed load returns nothing.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import CloverConfig, ConfigError
+from .errors import CheckpointError
+from .load_checks import CHECK_FINITE_MAX_BYTES, refuse_nonfinite, resolve_device
 
 log = logging.getLogger("clover_lab")
 
@@ -36,10 +40,6 @@ NAME_TABLE = {
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.language_model.visual.")
 PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or file that cannot be loaded; the message names what and where."""
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:
@@ -134,15 +134,18 @@ def load_config(path) -> CloverConfig:
         raise CheckpointError(str(e)) from None
 
 
-def load_model(model_cls, path, device=None, dtype=None, progress: bool | None = None):
+def load_model(model_cls, path, device=None, dtype=None, progress: bool | None = None,
+               check_finite: bool | None = None):
     """A ``model_cls`` (CloverModel) built on the meta device from ``path``'s config.json, then
     filled tensor by tensor from the memory-mapped checkpoint, each tensor read straight onto
-    ``device`` in ``dtype``. Any failure names the file and tensor, and returns nothing."""
+    ``device`` in ``dtype``. ``check_finite``: refuse weights holding NaN or inf (None: when the
+    weights take at most CHECK_FINITE_MAX_BYTES). Any failure names the file and tensor, and
+    returns nothing."""
     path = Path(path)
+    device = resolve_device(device)
     config = load_config(path)
     files = checkpoint_files(path)
     dtype = resolve_dtype(dtype) or resolve_dtype(config.dtype) or torch.float32
-    device = torch.device(device or "cpu")
     names = _sort_names(path, files)
     with torch.device("meta"):
         model = model_cls(config)
@@ -151,6 +154,9 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
     _refuse_unexpected(path, names, expected, config.num_experts)
     plan, untrained = _plan(path, files, reader, names, expected, config)
     _fill(model, path, files, reader, plan, expected, dtype, device, progress, config.moe_intermediate_size)
+    total = sum(p.numel() * dtype.itemsize for p in expected.values())
+    if check_finite or (check_finite is None and total <= CHECK_FINITE_MAX_BYTES):
+        refuse_nonfinite(model, files, reader, plan)
     if untrained:
         model.reset_preview_parameters()
         warnings.warn(f"{path}: the checkpoint has no Clover preview weights ({len(untrained)} tensors); "
@@ -161,17 +167,29 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
 def _sort_names(path: Path, files: dict[str, Path]):
     """Stored names sorted by canonical name into (plain, per-expert, fused); skipped ones logged."""
     skipped, plain, per_expert, fused = [], {}, {}, {}
+
+    def put(table: dict, key, stored: str) -> None:
+        if key in table:  # two stored tensors for one parameter: which one is right cannot be guessed
+            raise CheckpointError(f"{path}: tensors {table[key]!r} ({files[table[key]].name}) and {stored!r} "
+                                  f"({files[stored].name}) are both the parameter {canonical_name(stored)!r}; "
+                                  f"keep one of them")
+        table[key] = stored
+
     for stored in files:
         name = canonical_name(stored)
         if name is None:
             skipped.append(stored)
             continue
         if (mt := PER_EXPERT.match(name)) is not None:
-            per_expert.setdefault(mt.group(1), {})[(int(mt.group(2)), mt.group(3))] = stored
+            put(per_expert.setdefault(mt.group(1), {}), (int(mt.group(2)), mt.group(3)), stored)
         elif (mt := FUSED_EXPERT.match(name)) is not None:
-            fused[f"{mt.group(1)}.{mt.group(2)}"] = stored
+            put(fused, f"{mt.group(1)}.{mt.group(2)}", stored)
         else:
-            plain[name] = stored
+            put(plain, name, stored)
+    both = sorted(prefix for prefix in per_expert if f"{prefix}.gate_up_proj" in fused or f"{prefix}.down_proj" in fused)
+    if both:
+        raise CheckpointError(f"{path}: {both[0]} is stored both as fused tensors and per expert "
+                              f"({len(both)} layers like it); keep one form")
     if skipped:
         log.info("skipping %d tensors outside the text model (model.visual.*, mtp.*)", len(skipped))
         warnings.warn(f"{path}: skipped {len(skipped)} tensors outside the text model (model.visual.*, mtp.*)",
