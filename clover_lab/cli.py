@@ -7,7 +7,8 @@
 ``generate`` shows the current block unmasking live (rich), then the text and the statistics;
 ``--json`` prints one JSON object instead. A model directory without a tokenizer takes
 ``--prompt-ids 1,2,3`` and prints token ids. Ctrl-C stops cleanly: what was generated so far is
-printed and the exit code is 130. Errors in the request exit with code 2.
+printed and the exit code is 130. Every user error (arguments, the model directory, the device,
+the request, a failed generation) is one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import dataclasses
 import json
 import sys
 import time
+
+from .arguments import ArgumentParser
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
 MASK_GLYPH = "░"
@@ -32,7 +35,7 @@ def _ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clover-lab", description="Run, watch and take apart the Clover "
+    parser = ArgumentParser(prog="clover-lab", description="Run, watch and take apart the Clover "
                                      "block-diffusion language model.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -55,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="a stop string (repeatable)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cpu)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    g.add_argument("--check-finite", action=argparse.BooleanOptionalAction, default=None,
+                   help="refuse weights holding NaN or inf (default: for checkpoints up to 4 GiB)")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU (small models "
                    "often run fastest on 1)")
     g.add_argument("--compile", action="store_true",
@@ -88,9 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:
+        from .errors import CloverError
         from .train.loop import main as train_main
 
-        train_main(argv[1:])
+        try:
+            train_main(argv[1:])
+        except CloverError as e:
+            return _fail(str(e))
         return 0
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -103,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # --------------------------------------------------------------------------- generate
 def _fail(message: str) -> int:
+    message = " ".join(message.split())  # one line, however the message was wrapped
     print(f"clover-lab: error: {message}", file=sys.stderr)
     return EXIT_ERROR
 
@@ -129,7 +139,7 @@ def load_engine(args):
     """The engine for ``args`` (a seam for tests)."""
     from .engine import load
 
-    return load(args.model, device=args.device, dtype=args.dtype)
+    return load(args.model, device=args.device, dtype=args.dtype, check_finite=args.check_finite)
 
 
 class _UsageError(Exception):
@@ -137,8 +147,7 @@ class _UsageError(Exception):
 
 
 def cmd_generate(args) -> int:
-    from .engine import GenerationError
-    from .loading import CheckpointError
+    from .errors import CloverError
 
     if args.threads is not None:
         if args.threads < 1:
@@ -148,7 +157,7 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         engine = load_engine(args)
-    except (CheckpointError, FileNotFoundError, ValueError, OSError) as e:
+    except (CloverError, FileNotFoundError, ValueError, OSError) as e:
         return _fail(str(e))
     engine.compile_steps = args.compile
     try:
@@ -157,7 +166,7 @@ def cmd_generate(args) -> int:
             _set_block_size(engine, args.block_size)
         stream = engine.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                thinking=args.thinking, **_sampler_kwargs(args))
-    except (_UsageError, GenerationError, ValueError, TypeError) as e:
+    except (_UsageError, CloverError, ValueError, TypeError) as e:
         return _fail(str(e))
     return _run_stream(engine, args, stream)
 
