@@ -183,12 +183,10 @@ def test_usage_errors_are_one_line(capsys, argv, match):
     assert "see clover-lab" in captured.err
 
 
-def test_non_finite_weights_fail_the_command(capsys, tmp_path):
+def test_non_finite_weights_fail_the_command(capsys, tmp_path, new_gen_model):
     import torch
 
-    from conftest import make_gen_model
-
-    model = make_gen_model()
+    model = new_gen_model()
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("nan")
     model.save_pretrained(tmp_path)

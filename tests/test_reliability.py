@@ -18,7 +18,6 @@ import clover_lab
 from clover_lab import (CheckpointError, CloverError, CloverModel, Coreset, Engine, GenerationError, HookError,
                         SettingsError, StopGeneration)
 
-from conftest import make_gen_model
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
@@ -26,24 +25,23 @@ KW = dict(max_new_tokens=20, threshold=0.3)
 
 
 @pytest.fixture
-def own_engine():
+def own_engine(new_gen_model):
     """An Engine over its own copy of the generation model, free to be damaged by the test."""
-    model = make_gen_model()
+    model = new_gen_model()
     yield Engine(model)
     assert not model.hooks.attached()
 
 
 # --------------------------------------------------------------------------- 1. non-finite values
-def _nan_checkpoint(tmp_path, name="model.layers.1.mlp.shared_expert.down_proj.weight"):
-    model = make_gen_model()
+def _nan_checkpoint(model, tmp_path, name="model.layers.1.mlp.shared_expert.down_proj.weight"):
     with torch.no_grad():
         model.get_parameter(name)[0, 0] = float("nan")
     model.save_pretrained(tmp_path)
     return tmp_path
 
 
-def test_nan_weights_are_refused_at_load_and_named_at_generation(tmp_path):
-    path = _nan_checkpoint(tmp_path)
+def test_nan_weights_are_refused_at_load_and_named_at_generation(new_gen_model, tmp_path):
+    path = _nan_checkpoint(new_gen_model(), tmp_path)
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*'model\.layers\.1\.mlp\.shared_expert\.down_proj"
                                               r"\.weight' holds NaN or inf"):
         clover_lab.load(path)
