@@ -64,7 +64,9 @@ class RouteEvent(Event):
     """After the router of one MoE layer, for one part (commit or preview) of a forward.
 
     ``router_probs`` [T, E] fp32 (softmax over all experts), ``expert_ids`` [T, k] and ``weights``
-    [T, k] (renormalised over the top-k). ``ban`` and ``force`` change what the layer computes.
+    [T, k] (renormalised over the top-k). ``ban`` and ``force`` change what the layer computes,
+    as does assigning or editing ``expert_ids`` / ``weights``; a changed decision is checked
+    (integer ids in [0, E), weights of the same shape, finite, within +-1e6).
     ``block`` / ``step``: the block and step of the routed rows (commit rows: no step).
     """
 
@@ -153,8 +155,9 @@ class GDNPreviewEvent(Event):
 
 @dataclass
 class GDNStateEvent(Event):
-    """After a commit advanced one GDN layer. Edit ``state`` in place or assign a new tensor
-    of the same shape; what it holds afterwards is what the cache keeps."""
+    """After a commit advanced one GDN layer. Edit ``state`` (or ``ring``) in place or assign a
+    new tensor of the same shape; what it holds afterwards is what the cache keeps, once checked
+    (finite floats of that shape: a HookError otherwise)."""
 
     layer: int
     state: torch.Tensor  # [B, H_v, d_k, d_v] fp32
@@ -186,11 +189,13 @@ class StepEvent(Event, _Stoppable):
 
     ``canvas`` [m] (a copy of the block before this step: mask tokens where still masked),
     ``masked`` the block positions still masked before this step, ``candidates`` [N] and
-    ``confidences`` [N] aligned with ``masked`` (device tensors), ``unmask`` the positions the
-    rule chose to unmask now, ``time`` seconds since the generation started.
+    ``confidences`` [N] aligned with ``masked`` (device tensors; copies, so editing them changes
+    nothing), ``unmask`` the positions the rule chose to unmask now, ``time`` seconds since the
+    generation started.
 
     Change the decision by editing ``unmask`` (or :meth:`veto` / :meth:`add`), and the token
-    placed at a position with :meth:`set_token`; stop with :meth:`stop`.
+    placed at a position with :meth:`set_token`; stop with :meth:`stop`. The decision is checked
+    (masked positions, tokens in the vocabulary, never the mask token): a HookError otherwise.
     """
 
     block: int
