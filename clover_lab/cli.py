@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 512)")
     r.add_argument("--device", default=None, help="cpu, cuda ... (under torchrun: cuda means cuda:LOCAL_RANK)")
     r.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    r.add_argument("--check-finite", action=argparse.BooleanOptionalAction, default=None,
+                   help="refuse weights holding NaN or inf (default: for checkpoints up to 4 GiB)")
     r.set_defaults(func=cmd_routes)
 
     t = sub.add_parser("train", help="train a small Clover on the Python standard library",
@@ -232,7 +234,7 @@ def cmd_routes(args) -> int:
     import torch.distributed as dist
 
     from .analysis import route_stats
-    from .loading import CheckpointError
+    from .errors import CloverError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -243,7 +245,7 @@ def cmd_routes(args) -> int:
     try:
         engine = load_engine(args)
         stats = route_stats(engine, args.data, mode=args.mode, batch_size=args.batch_size, seq_len=args.seq_len)
-    except (CheckpointError, FileNotFoundError, ValueError, TypeError, OSError) as e:
+    except (CloverError, FileNotFoundError, ValueError, TypeError, OSError) as e:
         return _fail(str(e))
     finally:
         if world > 1 and dist.is_initialized():

@@ -195,3 +195,9 @@ def test_non_finite_weights_fail_the_command(capsys, tmp_path, new_gen_model):
     code, out, err = run_cli(capsys, "generate", "--model", tmp_path, "--prompt-ids", "1,2", "--json",
                              "--no-check-finite", "--max-new-tokens", "4")
     _one_line_error(code, out, err, "generation failed: GenerationError: block 0, step 0: the logits are not finite")
+
+
+def test_routes_user_errors_are_one_line(capsys, gen_model_dir, tmp_path):
+    code, out, err = run_cli(capsys, "routes", "--model", gen_model_dir, "--data", tmp_path, "--out",
+                             tmp_path / "r.npz", "--device", "meta")
+    _one_line_error(code, out, err, "device 'meta'")
