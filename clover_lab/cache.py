@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from .config import CloverConfig
+from .errors import CloverError
 
 
-class CacheFullError(ValueError):
+class CacheFullError(CloverError, ValueError):
     """A commit would run past the cache's preallocated length."""
 
 
@@ -59,6 +60,9 @@ class CloverCache:
     def allocate(cls, config: CloverConfig, max_len: int, batch_size: int = 1, device=None,
                  dtype: torch.dtype = torch.float32) -> "CloverCache":
         """``device``: one device, or a dict layer -> device (a model placed over devices)."""
+        for name, v in (("max_len", max_len), ("batch_size", batch_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"cache {name} must be a positive integer, got {v!r}")
         if max_len > config.max_position_embeddings:
             raise CacheFullError(f"cache length {max_len} exceeds the context length "
                                  f"max_position_embeddings={config.max_position_embeddings}")

@@ -7,7 +7,8 @@
 ``generate`` shows the current block unmasking live (rich), then the text and the statistics;
 ``--json`` prints one JSON object instead. A model directory without a tokenizer takes
 ``--prompt-ids 1,2,3`` and prints token ids. Ctrl-C stops cleanly: what was generated so far is
-printed and the exit code is 130. Errors in the request exit with code 2.
+printed and the exit code is 130. Every user error (arguments, the model directory, the device,
+the request, a failed generation) is one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import dataclasses
 import json
 import sys
 import time
+
+from .arguments import ArgumentParser
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
 MASK_GLYPH = "░"
@@ -32,7 +35,7 @@ def _ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clover-lab", description="Run, watch and take apart the Clover "
+    parser = ArgumentParser(prog="clover-lab", description="Run, watch and take apart the Clover "
                                      "block-diffusion language model.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -56,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cpu)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     add_placement_options(g)
+    g.add_argument("--check-finite", action=argparse.BooleanOptionalAction, default=None,
+                   help="refuse weights holding NaN or inf (default: for checkpoints up to 4 GiB)")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU (small models "
                    "often run fastest on 1)")
     g.add_argument("--compile", action="store_true",
@@ -80,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar while loading (default: for checkpoints over 1 GB)")
+    r.add_argument("--check-finite", action=argparse.BooleanOptionalAction, default=None,
+                   help="refuse weights holding NaN or inf (default: for checkpoints up to 4 GiB)")
     r.set_defaults(func=cmd_routes)
 
     t = sub.add_parser("train", help="train a small Clover on the Python standard library",
@@ -91,9 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:
+        from .errors import CloverError
         from .train.loop import main as train_main
 
-        train_main(argv[1:])
+        try:
+            train_main(argv[1:])
+        except CloverError as e:
+            return _fail(str(e))
         return 0
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -106,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # --------------------------------------------------------------------------- generate
 def _fail(message: str) -> int:
+    message = " ".join(message.split())  # one line, however the message was wrapped
     print(f"clover-lab: error: {message}", file=sys.stderr)
     return EXIT_ERROR
 
@@ -133,7 +145,7 @@ def load_engine(args):
     from .engine import load
 
     placed = {name: getattr(args, name, None) for name in ("device_map", "max_memory", "keep_fp8", "coreset_size",
-                                                            "progress")}  # commands without these options: defaults
+                                                            "progress", "check_finite")}  # absent options: defaults
     return load(args.model, device=args.device, dtype=args.dtype, pin_memory=getattr(args, "pin_memory", False),
                 **placed)
 
@@ -184,8 +196,7 @@ class _UsageError(Exception):
 
 
 def cmd_generate(args) -> int:
-    from .engine import GenerationError
-    from .loading import CheckpointError
+    from .errors import CloverError
 
     if args.threads is not None:
         if args.threads < 1:
@@ -195,7 +206,7 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         engine = load_engine(args)
-    except (CheckpointError, FileNotFoundError, ValueError, OSError) as e:
+    except (CloverError, FileNotFoundError, ValueError, OSError) as e:
         return _fail(str(e))
     engine.compile_steps = args.compile
     try:
@@ -204,7 +215,7 @@ def cmd_generate(args) -> int:
             _set_block_size(engine, args.block_size)
         stream = engine.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                thinking=args.thinking, **_sampler_kwargs(args))
-    except (_UsageError, GenerationError, ValueError, TypeError) as e:
+    except (_UsageError, CloverError, ValueError, TypeError) as e:
         return _fail(str(e))
     return _run_stream(engine, args, stream)
 
@@ -270,7 +281,7 @@ def cmd_routes(args) -> int:
     import torch.distributed as dist
 
     from .analysis import route_stats
-    from .loading import CheckpointError
+    from .errors import CloverError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -281,7 +292,7 @@ def cmd_routes(args) -> int:
     try:
         engine = load_engine(args)
         stats = route_stats(engine, args.data, mode=args.mode, batch_size=args.batch_size, seq_len=args.seq_len)
-    except (CheckpointError, FileNotFoundError, ValueError, TypeError, OSError) as e:
+    except (CloverError, FileNotFoundError, ValueError, TypeError, OSError) as e:
         return _fail(str(e))
     finally:
         if world > 1 and dist.is_initialized():

@@ -2,20 +2,34 @@
 
 Reads ``clover_moe`` configs, plain Qwen3.5/3.6-MoE text configs (``qwen3_5_moe_text``) and the
 multimodal ``qwen3_5_moe`` wrapper (its ``text_config``). Writes ``clover_moe``.
+
+A config.json must name every field that decides a tensor's shape (``REQUIRED_FIELDS``: the
+Qwen3.5/3.6-MoE configs all do); the others default to the released model's values. Every
+field is checked for type and range when the config is made, so a bad one is a ConfigError
+naming it, never a shape error later or a NaN at generation.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .errors import CloverError
 
 MODEL_TYPE = "clover_moe"
 ACCEPTED_MODEL_TYPES = (MODEL_TYPE, "qwen3_5_moe_text", "qwen3_5_moe")
 LAYER_TYPES = ("linear_attention", "full_attention")
+# fields that decide the tensors' shapes: a config.json without one would silently take the 35B
+# preset's value and fail later on a tensor shape (real Qwen3.5/3.6-MoE configs name them all)
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                   "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                   "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+                   "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
-class ConfigError(ValueError):
+class ConfigError(CloverError, ValueError):
     """A config.json or config field that clover_lab cannot use; the message names it."""
 
 
@@ -60,7 +74,7 @@ class CloverConfig:
     extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back as they came
 
     def __post_init__(self):
-        if self.layer_types is None:
+        if self.layer_types is None and isinstance(self.num_hidden_layers, int):  # else validate() names it
             self.layer_types = [
                 "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(self.num_hidden_layers)
             ]
@@ -72,16 +86,38 @@ class CloverConfig:
             if not ok:
                 raise ConfigError(f"config field {name!r}: {what} (got {getattr(self, name)!r})")
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
-                     "moe_intermediate_size", "block_size", "max_position_embeddings"):
+        def number(name: str, positive: bool = False) -> None:
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v)
+            need(ok and (v > 0 if positive else True), name, "must be a " + ("positive " if positive else "")
+                 + "finite number")
+
+        def token_ids(name: str, ids: list, in_vocab: bool) -> None:
+            ok = all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            need(ok, name, "must be a token id (a non-negative integer)" + (" or a list of them"
+                                                                           if name == "eos_token_id" else "") + " or null")
+            if in_vocab:
+                need(all(t < self.vocab_size for t in ids), name, f"must be below vocab_size={self.vocab_size}")
+
+        for name in REQUIRED_FIELDS + ("block_size", "max_position_embeddings"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "must be a positive integer")
-        need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+        need(isinstance(self.layer_types, list) and len(self.layer_types) == self.num_hidden_layers, "layer_types",
              f"needs one entry per layer ({self.num_hidden_layers})")
-        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        bad = sorted({str(t) for t in self.layer_types if t not in LAYER_TYPES})
         need(not bad, "layer_types", f"entries must be one of {LAYER_TYPES}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            number(name, positive=True)
+        for name in ("partial_rotary_factor", "initializer_range", "router_aux_loss_coef"):
+            number(name)
+        for name in ("attention_bias", "tie_word_embeddings"):
+            need(isinstance(getattr(self, name), bool), name, "must be true or false")
+        need(self.dtype is None or isinstance(self.dtype, str), "dtype", "must be a dtype name or null")
+        eos = self.eos_token_id
+        token_ids("eos_token_id", [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos], True)
+        for name in ("bos_token_id", "pad_token_id", "mask_token_id"):
+            v = getattr(self, name)
+            token_ids(name, [] if v is None else [v], name == "mask_token_id")
         need(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
              "must divide num_attention_heads")
         need(self.linear_num_value_heads % self.linear_num_key_heads == 0, "linear_num_key_heads",
@@ -91,8 +127,6 @@ class CloverConfig:
         need(int(self.head_dim * self.partial_rotary_factor) % 2 == 0, "partial_rotary_factor",
              "head_dim * partial_rotary_factor must be even")
         need(self.hidden_act == "silu", "hidden_act", "only 'silu' is supported")
-        need(self.mask_token_id is None or 0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
-             "must be a token id below vocab_size")
 
     # ----------------------------------------------------------------- derived
     @property
@@ -133,7 +167,13 @@ class CloverConfig:
         if model_type not in ACCEPTED_MODEL_TYPES:
             raise ConfigError(f"{source}: model_type {model_type!r} is not supported; expected one of "
                               f"{', '.join(ACCEPTED_MODEL_TYPES)}")
+        missing = [name for name in REQUIRED_FIELDS if d.get(name) is None]
+        if missing:
+            raise ConfigError(f"{source}: missing required field(s) {', '.join(map(repr, missing))}: they decide "
+                              f"the weights' shapes, and no default can be right for every checkpoint")
         rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: rope_parameters must be an object, got {rope!r}")
         if rope.get("rope_type", "default") not in ("default", None):
             raise ConfigError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
         if "rope_theta" in rope:
@@ -146,11 +186,14 @@ class CloverConfig:
         known = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names and k not in ("model_type", "torch_dtype", "architectures")}
         if "full_attention_interval" in extra and known.get("layer_types") is None:
-            n, step = known.get("num_hidden_layers", 40), extra["full_attention_interval"]
+            n, step = known["num_hidden_layers"], extra["full_attention_interval"]
+            if isinstance(step, bool) or not isinstance(step, int) or step < 1 or not isinstance(n, int):
+                raise ConfigError(f"{source}: config field 'full_attention_interval': must be a positive integer "
+                                  f"(got {step!r})")
             known["layer_types"] = ["full_attention" if (i + 1) % step == 0 else "linear_attention" for i in range(n)]
         try:
             return cls(**known, extra=extra)
-        except TypeError as e:
+        except (TypeError, ConfigError) as e:
             raise ConfigError(f"{source}: {e}") from None
 
     def to_dict(self) -> dict:
@@ -189,6 +232,13 @@ class CloverConfig:
 
     def replace(self, **changes) -> "CloverConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond float's range
+        return False
 
 
 PRESETS: dict[str, dict] = {

@@ -32,6 +32,10 @@ class Coreset:
     experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [size] expert ids
     _buffers: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"Coreset size must be a positive integer, got {self.size!r}")
+
     def reset(self) -> None:
         self.experts.clear()
 

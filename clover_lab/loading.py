@@ -5,8 +5,10 @@ Loading is memory-mapped and tensor by tensor onto a model built on the ``meta``
 checkpoint never exists twice in memory; onto a GPU each tensor goes from the map to the device
 as it is read, and the host keeps about one read window (RELEASE_BYTES) of mapped pages.
 Per-expert and fused expert tensors are both accepted, as is the multimodal
-``model.language_model.`` prefix (``model.visual.*`` and ``mtp.*`` are skipped). Every failure
-names the file and the tensor; a failed load returns nothing.
+``model.language_model.`` prefix (``model.visual.*`` and ``mtp.*`` are skipped); two stored
+tensors for one parameter are an error, never resolved silently. Weights holding NaN or inf are
+refused (``check_finite``, on by default up to CHECK_FINITE_MAX_BYTES). Every failure names the
+file and the tensor; a failed load returns nothing.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from safetensors.torch import save_file
 from .config import CloverConfig, ConfigError
 from .errors import CheckpointError  # noqa: F401 - re-exported; defined apart so that fp8/ can raise it
 from .fp8.checkpoint import FP8Checkpoint
+from .load_checks import CHECK_FINITE_MAX_BYTES, refuse_nonfinite, resolve_device
 
 log = logging.getLogger("clover_lab")
 
@@ -152,7 +155,7 @@ def load_config(path) -> CloverConfig:
 
 
 def load_model(model_cls, path, device=None, dtype=None, progress: bool | None = None, keep_fp8: bool | None = None,
-               placement=None):
+               placement=None, check_finite: bool | None = None):
     """A ``model_cls`` (CloverModel) built on the meta device from ``path``'s config.json, then
     filled tensor by tensor from the memory-mapped checkpoint, each tensor read straight onto
     ``device`` in ``dtype``. Any failure names the file and tensor, and returns nothing.
@@ -160,12 +163,13 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
     FP8 checkpoints (``fp8/checkpoint.py``): ``keep_fp8`` keeps linears and experts stored in FP8
     as FP8 modules (default: on CUDA), else they are dequantized as they are read. ``placement``:
     a callable (meta model, dtype) -> placement (``clover_lab.placement``) that says where each
-    parameter goes and is applied once the weights are in."""
+    parameter goes and is applied once the weights are in. ``check_finite``: refuse weights
+    holding NaN or inf (None: when the weights take at most CHECK_FINITE_MAX_BYTES)."""
     path = Path(path)
+    device = resolve_device(device)
     config = load_config(path)
     files = checkpoint_files(path)
     dtype = resolve_dtype(dtype) or resolve_dtype(config.dtype) or torch.float32
-    device = torch.device(device or "cpu")
     reader = _Reader()
     fp8, files = FP8Checkpoint.inspect(path, files, reader, device.type == "cuda" if keep_fp8 is None else keep_fp8)
     names = _sort_names(path, files)
@@ -182,6 +186,9 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
           config.moe_intermediate_size)
     if fp8 is not None:
         fp8.fill_scales(model, plan, reader)
+    total = sum(p.numel() * dtype.itemsize for p in expected.values())
+    if check_finite or (check_finite is None and total <= CHECK_FINITE_MAX_BYTES):
+        refuse_nonfinite(model, files, reader, plan)
     if placed is not None:
         placed.apply(model)
     if untrained:
@@ -194,17 +201,29 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
 def _sort_names(path: Path, files: dict[str, Path]):
     """Stored names sorted by canonical name into (plain, per-expert, fused); skipped ones logged."""
     skipped, plain, per_expert, fused = [], {}, {}, {}
+
+    def put(table: dict, key, stored: str) -> None:
+        if key in table:  # two stored tensors for one parameter: which one is right cannot be guessed
+            raise CheckpointError(f"{path}: tensors {table[key]!r} ({files[table[key]].name}) and {stored!r} "
+                                  f"({files[stored].name}) are both the parameter {canonical_name(stored)!r}; "
+                                  f"keep one of them")
+        table[key] = stored
+
     for stored in files:
         name = canonical_name(stored)
         if name is None:
             skipped.append(stored)
             continue
         if (mt := PER_EXPERT.match(name)) is not None:
-            per_expert.setdefault(mt.group(1), {})[(int(mt.group(2)), mt.group(3))] = stored
+            put(per_expert.setdefault(mt.group(1), {}), (int(mt.group(2)), mt.group(3)), stored)
         elif (mt := FUSED_EXPERT.match(name)) is not None:
-            fused[f"{mt.group(1)}.{mt.group(2)}"] = stored
+            put(fused, f"{mt.group(1)}.{mt.group(2)}", stored)
         else:
-            plain[name] = stored
+            put(plain, name, stored)
+    both = sorted(prefix for prefix in per_expert if f"{prefix}.gate_up_proj" in fused or f"{prefix}.down_proj" in fused)
+    if both:
+        raise CheckpointError(f"{path}: {both[0]} is stored both as fused tensors and per expert "
+                              f"({len(both)} layers like it); keep one form")
     if skipped:
         log.info("skipping %d tensors outside the text model (model.visual.*, mtp.*)", len(skipped))
         warnings.warn(f"{path}: skipped {len(skipped)} tensors outside the text model (model.visual.*, mtp.*)",

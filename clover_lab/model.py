@@ -151,11 +151,12 @@ class CloverModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None, progress: bool | None = None, keep_fp8: bool | None = None,
-                        placement=None) -> "CloverModel":
+                        placement=None, check_finite: bool | None = None) -> "CloverModel":
         """The model in the Hugging Face directory ``path`` (see ``clover_lab.loading``; ``keep_fp8``
-        and ``placement`` there)."""
+        and ``placement`` there); ``check_finite`` refuses weights holding NaN or inf (default: for
+        checkpoints up to 4 GiB)."""
         return loading.load_model(cls, path, device=device, dtype=dtype, progress=progress, keep_fp8=keep_fp8,
-                                  placement=placement)
+                                  placement=placement, check_finite=check_finite)
 
     def save_pretrained(self, path, max_shard_bytes: int | None = None) -> None:
         loading.save_model(self, path, max_shard_bytes=max_shard_bytes)

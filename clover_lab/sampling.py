@@ -11,11 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
+from .errors import CloverError
+
 CONFIDENCE_RULES = ("probability", "margin", "entropy")
+# penalties beyond these would push float32 logits to inf and the distribution to NaN: far past
+# any useful strength (a presence penalty of 100 already rules a seen token out)
+MAX_ADDITIVE_PENALTY = 1e4
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+# logits / temperature must stay finite in float32 (and -inf / inf would be NaN)
+TEMPERATURE_RANGE = (1e-3, 1e3)
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+
+
+class SettingsError(CloverError, ValueError, TypeError):
+    """A sampler setting that is unknown, of the wrong type or out of range; the message names it."""
 
 
 @dataclass
@@ -24,8 +38,8 @@ class SamplerSettings:
 
     - ``threshold``: unmask every masked position whose confidence reaches it (and always at least
       the most confident one), in (0, 1].
-    - ``temperature``: 0 takes the argmax; > 0 samples from softmax(logits / temperature), after
-      ``top_k`` (0 = off) and ``top_p`` (1 = off) filtering.
+    - ``temperature``: 0 takes the argmax; in [1e-3, 1e3] samples from softmax(logits / temperature),
+      after ``top_k`` (0 = off) and ``top_p`` (1 = off) filtering.
     - ``confidence``: "probability" (the candidate's probability), "margin" (its probability minus
       the best other token's) or "entropy" (``exp(-H)`` of the position's distribution: negative
       entropy mapped monotonically into (0, 1] so one threshold scale fits every rule).
@@ -34,28 +48,40 @@ class SamplerSettings:
     - ``max_tokens_per_step``: optional cap on positions unmasked per step (None = no cap).
     - ``max_steps_per_block``: step limit per block; the step that reaches it unmasks every
       remaining position (None = no limit beyond the block size).
-    - penalties over response tokens only: ``repetition_penalty`` (> 0, 1 = off; divides positive
-      logits and multiplies negative ones of seen tokens), ``presence_penalty`` (subtracted once
-      from seen tokens) and ``frequency_penalty`` (subtracted per occurrence).
-    - ``coreset_size``: per-block expert coreset M (spec 3.3); None or 0 = off.
-    - ``seed``: seeds the run's torch.Generator; None draws a fresh seed (reported in the stats).
+    - penalties over response tokens only: ``repetition_penalty`` (in [1e-4, 1e4], 1 = off; divides
+      positive logits and multiplies negative ones of seen tokens), ``presence_penalty`` (subtracted
+      once from seen tokens) and ``frequency_penalty`` (subtracted per occurrence), both within
+      +-1e4: beyond that float32 logits overflow.
+    - ``coreset_size``: per-block expert coreset M (spec 3.3); None or 0 = off. A request checks it
+      against the model: at least ``num_experts_per_tok`` and at most ``num_experts``.
+    - ``seed``: seeds the run's torch.Generator, in [0, 2**64); None draws a fresh seed (reported in
+      the stats).
+
+    Invalid values raise :class:`SettingsError` naming the setting.
     """
 
     # ``help``: one line for the command line (cli.py builds its sampler options from these fields)
     threshold: float = field(default=0.9, metadata={"help": "confidence threshold per position, in (0, 1]"})
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy, else in [1e-3, 1e3]"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus filtering when sampling (1 = off)"})
     top_k: int = field(default=0, metadata={"help": "top-k filtering when sampling (0 = off)"})
     confidence: str = field(default="probability", metadata={"help": " | ".join(CONFIDENCE_RULES)})
     max_tokens_per_step: int | None = field(default=None, metadata={"help": "cap on positions unmasked per step"})
     max_steps_per_block: int | None = field(default=None, metadata={"help": "step limit per block"})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "> 0, 1 = off"})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "in [1e-4, 1e4], 1 = off"})
     presence_penalty: float = field(default=0.0, metadata={"help": "subtracted once from seen tokens"})
     frequency_penalty: float = field(default=0.0, metadata={"help": "subtracted per occurrence"})
     coreset_size: int | None = field(default=None, metadata={"help": "per-block expert coreset size (off by default)"})
     seed: int | None = field(default=None, metadata={"help": "seeds sampling; none: a fresh seed, reported"})
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # numpy scalars and the like as plain Python numbers
+            v = getattr(self, f.name)
+            if not isinstance(v, (bool, int, float, str, type(None))):
+                if isinstance(v, numbers.Integral):
+                    setattr(self, f.name, int(v))
+                elif isinstance(v, numbers.Real):
+                    setattr(self, f.name, float(v))
         self.validate()
 
     @classmethod
@@ -67,19 +93,22 @@ class SamplerSettings:
         """``base`` with ``kwargs`` replaced; unknown names are a TypeError naming them."""
         unknown = sorted(set(kwargs) - set(cls.names()))
         if unknown:
-            raise TypeError(f"unknown sampler setting(s) {', '.join(map(repr, unknown))}; "
+            raise SettingsError(f"unknown sampler setting(s) {', '.join(map(repr, unknown))}; "
                             f"known: {', '.join(cls.names())}")
         if base is None:
             return cls(**kwargs)
+        if not isinstance(base, SamplerSettings):
+            raise SettingsError(f"settings: expected a SamplerSettings, got {type(base).__name__} {base!r}; "
+                                f"pass sampler settings as keyword arguments or SamplerSettings(...)")
         return dataclasses.replace(base, **kwargs)
 
     def validate(self) -> None:
         def bad(name: str, what: str):
-            raise ValueError(f"sampler setting {name}={getattr(self, name)!r}: {what}")
+            raise SettingsError(f"sampler setting {name}={getattr(self, name)!r}: {what}")
 
         def number(name: str) -> float:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(_float(v)):
                 bad(name, "must be a finite number")
             return float(v)
 
@@ -92,8 +121,9 @@ class SamplerSettings:
 
         if not 0.0 < number("threshold") <= 1.0:
             bad("threshold", "must be in (0, 1]")
-        if number("temperature") < 0:
-            bad("temperature", "must be >= 0 (0 = greedy)")
+        t = number("temperature")
+        if t != 0 and not TEMPERATURE_RANGE[0] <= t <= TEMPERATURE_RANGE[1]:
+            bad("temperature", f"must be 0 (greedy) or in [{TEMPERATURE_RANGE[0]:g}, {TEMPERATURE_RANGE[1]:g}]")
         if not 0.0 < number("top_p") <= 1.0:
             bad("top_p", "must be in (0, 1] (1 = off)")
         integer("top_k", 0, allow_none=False)
@@ -101,12 +131,16 @@ class SamplerSettings:
             bad("confidence", f"unknown confidence rule; use one of {', '.join(CONFIDENCE_RULES)}")
         integer("max_tokens_per_step", 1, allow_none=True)
         integer("max_steps_per_block", 1, allow_none=True)
-        if number("repetition_penalty") <= 0:
-            bad("repetition_penalty", "must be > 0 (1 = off)")
-        number("presence_penalty")
-        number("frequency_penalty")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= number("repetition_penalty") <= hi:
+            bad("repetition_penalty", f"must be in [{lo:g}, {hi:g}] (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if abs(number(name)) > MAX_ADDITIVE_PENALTY:
+                bad(name, f"must be within +-{MAX_ADDITIVE_PENALTY:g} (0 = off); beyond that float32 logits overflow")
         integer("coreset_size", 0, allow_none=True)
         integer("seed", 0, allow_none=True)
+        if self.seed is not None and self.seed > MAX_SEED:
+            bad("seed", "must be below 2**64")
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +152,13 @@ class SamplerSettings:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _float(v) -> float:
+    try:
+        return float(v)
+    except OverflowError:  # an int beyond float's range
+        return math.inf
 
 
 # --------------------------------------------------------------------------- penalties
@@ -161,6 +202,9 @@ def candidates(logits: torch.Tensor, s: SamplerSettings, generator: torch.Genera
     if s.greedy:
         return logits.argmax(-1), probs
     sample_probs = filter_logits(logits / s.temperature, s.top_k, s.top_p).softmax(-1)
+    # a row of NaN (non-finite logits) would make multinomial raise, or assert on CUDA: draw from
+    # a uniform row instead; the engine sees the NaN confidence of that row and ends the run
+    sample_probs = torch.where(sample_probs.isfinite().all(-1, keepdim=True), sample_probs, 1.0)
     tokens = torch.multinomial(sample_probs, 1, generator=generator).squeeze(-1)
     return tokens, probs
 

@@ -121,6 +121,12 @@ def gen_model():
     return make_gen_model()
 
 
+@pytest.fixture
+def new_gen_model():
+    """Makes fresh generation models, free to be damaged by the test."""
+    return make_gen_model
+
+
 @pytest.fixture(scope="session")
 def gen_tokenizer():
     return make_gen_tokenizer()

@@ -138,3 +138,66 @@ def test_compile_flag_takes_the_compiled_fast_path(capsys, gen_model, monkeypatc
     plain = clover_lab.Engine(gen_model)
     plain.step_graphs = False
     assert json.loads(out)["token_ids"] == plain.generate([5, 17, 33], mode="ar", max_new_tokens=6).token_ids
+
+
+# --------------------------------------------------------------------------- issue 16: every user error, one line
+def _one_line_error(code, out, err, match):
+    assert code == 2 and not out, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and match in lines[0], err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--device", "bogus"], "device 'bogus' is not a device name"),
+    (["--device", "meta"], "device 'meta'"),
+    (["--dtype", "float8"], "unknown dtype"),
+    (["--seed", str(2**70)], "seed"),
+    (["--presence-penalty", "1e39"], "presence_penalty"),
+    (["--coreset-size", "1"], "coreset_size=1"),
+    (["--stop", "w1"], "stop strings need a tokenizer"),
+])
+def test_user_errors_are_one_line_with_exit_code_2(capsys, gen_model_dir, argv, match):
+    code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "1,2", *argv)
+    _one_line_error(code, out, err, match)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a torch without CUDA")
+def test_cuda_on_a_cpu_only_torch(capsys, gen_model_dir):
+    code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "1,2", "--device", "cuda")
+    _one_line_error(code, out, err, "no CUDA device is available")
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["generate", "--prompt-ids", "1,2", "--threshold", "x"], "argument --threshold: invalid float value"),
+    (["generate"], "one of the arguments --prompt --prompt-ids is required"),
+    (["nonsense"], "invalid choice"),
+    (["train", "--out", "/nonexistent/run", "--set", "hidden_size=abc"], "'hidden_size': must be a positive integer"),
+    (["train", "--out", "/nonexistent/run", "--set", "hiden_size=64"], "--set 'hiden_size=64'"),
+    (["train", "--out", "/nonexistent/run", "--minutes", "soon"], "argument --minutes"),
+])
+def test_usage_errors_are_one_line(capsys, argv, match):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    captured = capsys.readouterr()
+    _one_line_error(info.value.code, captured.out, captured.err, match)
+    assert "see clover-lab" in captured.err
+
+
+def test_non_finite_weights_fail_the_command(capsys, tmp_path, new_gen_model):
+    import torch
+
+    model = new_gen_model()
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path)
+    code, out, err = run_cli(capsys, "generate", "--model", tmp_path, "--prompt-ids", "1,2", "--json")
+    _one_line_error(code, out, err, "'lm_head.weight' holds NaN or inf")
+    code, out, err = run_cli(capsys, "generate", "--model", tmp_path, "--prompt-ids", "1,2", "--json",
+                             "--no-check-finite", "--max-new-tokens", "4")
+    _one_line_error(code, out, err, "generation failed: GenerationError: block 0, step 0: the logits are not finite")
+
+
+def test_routes_user_errors_are_one_line(capsys, gen_model_dir, tmp_path):
+    code, out, err = run_cli(capsys, "routes", "--model", gen_model_dir, "--data", tmp_path, "--out",
+                             tmp_path / "r.npz", "--device", "meta")
+    _one_line_error(code, out, err, "device 'meta'")

@@ -284,7 +284,10 @@ def test_dashboard_generates_in_the_background_and_stops(engine):
             started.set()
             release.wait(5)
 
-        with engine.hooks({"denoise.step": slow}):
+        # a permanent hook: the dashboard generates in its own thread, which scoped hooks of this
+        # thread do not reach
+        handle = engine.add_hook("denoise.step", slow)
+        try:
             dash.max_new_tokens.value = 200
             dash.generate("w1 w2 w3")
             assert started.wait(10) and dash.running
@@ -293,6 +296,8 @@ def test_dashboard_generates_in_the_background_and_stops(engine):
             dash.stop()
             release.set()
             res = dash.wait(20)
+        finally:
+            handle.remove()
         assert res.stop_reason == "hook" and res.stats.new_tokens < 200
         assert not dash.running and not dash.generate_button.disabled
         assert set(engine.model.hooks.attached()) >= {"denoise.step"}  # the views, not the stop hook

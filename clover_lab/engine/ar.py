@@ -4,19 +4,33 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import torch
+
 from .. import sampling
 from ..hooks.registry import StopGeneration
+from .faults import nonfinite_error
 from .results import StreamUpdate
 
 
 def run_ar(run) -> Iterator[StreamUpdate]:
     """Generate ``run.max_new`` tokens at most; yields a "commit" update per token (when the run
     emits) and a last "done" update."""
-    logits = run.prefill("last")[0]  # [1, V]
+    try:
+        logits = run.prefill("last")[0]  # [1, V]
+    except StopGeneration:  # a model hook stopped the prompt's prefill: no tokens
+        run.stats.cache_complete = False
+        run.finish("hook")
+        if run.emit:
+            yield run.update("done", 0, None)
+        return
     reason = "length"
     for i in range(run.max_new):
-        tokens, _, _ = sampling.decide(logits, run.counts, run.s, run.generator)
-        t = int(tokens[0])  # the one sync per token
+        tokens, conf, _ = sampling.decide(logits, run.counts, run.s, run.generator)
+        # the one sync per token: the token, and whether the logits were finite (NaN or inf make
+        # the confidence NaN; argmax would return token 0 as if it were an answer)
+        t, finite = torch.stack([tokens[0], conf[0].isfinite().long()]).tolist()
+        if not finite:
+            raise nonfinite_error(run, f"token {i} (AR)")
         if run.counts is not None:
             run.counts[tokens] += 1
         run.committed.append(t)

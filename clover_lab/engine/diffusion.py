@@ -3,15 +3,18 @@ and is resolved by previews, one denoising step each, until no position is maske
 preview of a block is fused with the commit of the previous block (one forward); the last
 block is committed on its own, so the cache ends up holding the whole response.
 
-Cost discipline: one device-to-host transfer per denoising step (the unmask decision and the
-candidates, which the loop needs to know what is left to do); ``denoise.step`` events are
-built only when a hook is attached, and never add a transfer.
+Cost discipline: one device-to-host transfer per denoising step (the unmask decision, the
+candidates, which the loop needs to know what is left to do, and whether the step's logits were
+finite: NaN or inf logits end the run with a GenerationError naming block, step and source,
+never a garbage token); ``denoise.step`` events are built only when a hook is attached, and
+never add a transfer.
 
 Ending early: ``event.stop()`` or StopGeneration in a ``denoise.step`` hook keeps the block's
 resolved contiguous prefix, commits it and fires ``block.commit``; in a ``block.commit`` hook it
 ends the run after that block. StopGeneration raised inside a forward (a model hook) abandons
 that forward, which changed nothing; a finished block whose fused commit was abandoned is
-still returned, and ``stats.cache_complete`` is then False.
+still returned, and ``stats.cache_complete`` is then False. Raised during the prompt's prefill,
+it ends the run with no tokens (``stop_reason`` "hook").
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from .. import sampling
 from ..hooks import points
 from ..hooks.events import StepEvent
 from ..hooks.registry import HookError, StopGeneration
+from .faults import nonfinite_error
 from .results import StreamUpdate
 
 
@@ -75,11 +79,16 @@ def run_diffusion(run) -> Iterator[StreamUpdate]:
     """Generate ``run.max_new`` tokens at most, block by block; yields "step" and "commit"
     updates (when the run emits) and a last "done" update."""
     loop = BlockLoop(run)
-    run.prefill(None)
     try:
-        yield from loop.run_blocks()
-    except StopGeneration:  # a model hook stopped a forward; that forward changed nothing
-        loop.abandon()
+        run.prefill(None)
+    except StopGeneration:  # a model hook stopped the prompt's prefill: no tokens, the prompt half cached
+        run.stats.cache_complete = False
+        loop.reason = "hook"
+    else:
+        try:
+            yield from loop.run_blocks()
+        except StopGeneration:  # a model hook stopped a forward; that forward changed nothing
+            loop.abandon()
     run.finish(loop.reason)
     if run.emit:
         yield run.update("done", loop.index, None)
@@ -188,7 +197,13 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     logits[:, mask_id] = float("-inf")  # the mask token is never a candidate
     force = block.step + 1 >= block.limit
     cand, conf, flags = sampling.decide(logits, run.counts, run.s, run.generator, force_all=force)
-    flags_host, cand_host = torch.stack([flags.long(), cand]).tolist()  # the one host transfer per step
+    # the one host transfer per step: decision, candidates, and whether every confidence is finite
+    # (NaN or inf logits make their row's confidence NaN: argmax would pick token 0 as an answer)
+    N = len(block.masked)
+    host = torch.cat([flags.long(), cand, conf.isfinite().all().long().reshape(1)]).tolist()
+    flags_host, cand_host = host[:N], host[N:2 * N]
+    if not host[2 * N]:
+        raise nonfinite_error(run, f"block {block.index}, step {block.step}", block.canvas)
     unmask = [block.masked[i] for i, f in enumerate(flags_host) if f]
     chosen = dict(zip(block.masked, cand_host))
     overrides: dict[int, int] = {}
@@ -239,28 +254,32 @@ def _place_on_device(run, block: Block, tokens: dict[int, int]) -> None:
 def fire_step(run, block: Block, cand, conf, unmask: list[int], logits) -> tuple[list[int], dict[int, int], bool]:
     """``denoise.step`` hooks on this step's decision; returns it (validated) as (positions to
     unmask, tokens overriding candidates, stop)."""
-    event = StepEvent(block.index, block.step, block.canvas.clone(), list(block.masked), cand, conf, list(unmask),
-                      run.now(), logits=logits, where=run.where("decode", block.index, block.step))
+    # copies: the decision is taken, so edits of the event's tensors could only make the device
+    # canvas and the returned tokens disagree; changes go through unmask / set_token
+    event = StepEvent(block.index, block.step, block.canvas.clone(), list(block.masked), cand.clone(), conf.clone(),
+                      list(unmask), run.now(), logits=logits, where=run.where("decode", block.index, block.step))
     try:
         run.hooks.fire(points.DENOISE_STEP, event)
     except StopGeneration:
         event.stopped = True
-    unmask, overrides = checked_decision(event, block.masked, run.model.config.vocab_size)
-    bound = run.engine.block_size
+    unmask, overrides = checked_decision(event, block.masked, run.model.config.vocab_size, run.engine.mask_token_id)
+    bound = len(block)  # the block's real length, not engine.block_size: a short block is bounded as tightly
     if block.step + 1 > block.limit + bound and unmask != block.masked:
         raise HookError(points.DENOISE_STEP, RuntimeError(
             f"block {block.index}: hooks kept positions masked {bound} steps past the step limit"))
     return unmask, overrides, event.stopped
 
 
-def checked_decision(event: StepEvent, masked: list[int], vocab: int) -> tuple[list[int], dict[int, int]]:
-    """The step hook's decision, validated: positions must be masked, tokens in the vocabulary."""
+def checked_decision(event: StepEvent, masked: list[int], vocab: int,
+                     mask_id: int | None = None) -> tuple[list[int], dict[int, int]]:
+    """The step hook's decision, validated: positions must be masked, tokens in the vocabulary and
+    not the mask token (a mask in the result would be hidden by the text but kept in token_ids)."""
     allowed = set(masked)
     try:
         unmask = sorted({int(p) for p in (event.unmask.tolist() if isinstance(event.unmask, torch.Tensor)
                                            else event.unmask)})
         tokens = {int(p): int(t) for p, t in event.tokens.items()}
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError) as e:
         raise HookError(points.DENOISE_STEP, TypeError(f"unmask must be block positions and tokens a dict "
                                                        f"position -> token id ({e})")) from e
     bad = [p for p in unmask if p not in allowed]
@@ -270,6 +289,10 @@ def checked_decision(event: StepEvent, masked: list[int], vocab: int) -> tuple[l
     bad_tok = {p: t for p, t in tokens.items() if not 0 <= t < vocab}
     if bad_tok:
         raise HookError(points.DENOISE_STEP, ValueError(f"tokens {bad_tok} are outside the vocabulary [0, {vocab})"))
+    masks = [p for p, t in tokens.items() if t == mask_id]
+    if masks:
+        raise HookError(points.DENOISE_STEP, ValueError(f"positions {masks} set to the mask token {mask_id}: an "
+                                                        f"unmasked position needs a real token"))
     missing = [p for p in tokens if p not in unmask]
     if missing:
         raise HookError(points.DENOISE_STEP, ValueError(f"tokens set for positions {missing} that are not unmasked"))

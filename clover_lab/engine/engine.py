@@ -3,11 +3,16 @@ checks requests up front, and hands out hooks and captures; ``load`` builds one 
 Hugging Face directory or the embedded default model.
 
 Hooks: any exception in a hook ends the run with HookError naming the point, and the engine is
-ready for the next call either way (the cache is per generation).
+ready for the next call either way (the cache is per generation). Scoped hooks and captures
+apply to the generations started inside their ``with`` block in that thread or context;
+permanent hooks (``add_hook``) to every generation.
+
+Every public setting is checked when it is set: a bad value is a ValueError naming it.
 """
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 from typing import Any, Callable, Iterator
 
@@ -16,12 +21,13 @@ import torch
 from .. import defaults as checkpoint_defaults
 from .. import loading, malloc
 from ..hooks.capture import Capture
+from ..hooks.registry import MAX_NESTED_GENERATIONS, hook_depth
 from ..model import CloverModel
 from ..placement import plan_placement
 from ..sampling import SamplerSettings
 from .ar import run_ar
 from .diffusion import run_diffusion
-from .requests import check_request, encode_prompt, stop_list
+from .requests import GenerationError, check_coreset, check_request, encode_prompt, stop_list
 from .results import GenerationResult, StreamUpdate
 from .run import Run
 from .runner import FastPath
@@ -43,6 +49,9 @@ class Engine:
             raise TypeError(f"Engine needs a CloverModel, got {type(model).__name__}")
         if model.device.type == "cpu":
             malloc.tune()  # large activations from glibc's heap, reused: no page fault per fresh page
+        if model.device.type == "meta":
+            raise ValueError("Engine: the model is on the meta device (shapes only, no weights); "
+                             "load it onto a real device, e.g. CloverModel.from_pretrained(path, device='cpu')")
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings or SamplerSettings()
@@ -53,13 +62,14 @@ class Engine:
         # where the mask token came from (clover_lab/defaults.py): "config.json", the tokenizer, ...
         self.mask_token_source = "config.json" if model.config.mask_token_id is not None else None
         eos = list(model.config.eos_token_ids)
-        if not eos and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-            eos = [tokenizer.eos_token_id]
-        self.eos_token_ids: list[int] = eos
+        tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        if not eos and isinstance(tok_eos, int) and 0 <= tok_eos < model.config.vocab_size:
+            eos = [tok_eos]
+        self.eos_token_ids = eos
         self._runs = itertools.count(1)
         # the no-hook fast path (engine/runner.py): None = on where it pays (CUDA, as CUDA graphs),
         # True = also on a CPU (static-shape steps run eagerly: tests), False = off
-        self.step_graphs: bool | None = None
+        self.step_graphs = None
         # on a CPU, run the fast path's steps through torch.compile (~10 s of compilation per step
         # shape on first use, then steps 2-3x faster: bench/compare_transformers.py)
         self.compile_steps = False
@@ -80,6 +90,83 @@ class Engine:
                 f"dtype={self.model.dtype}, tokenizer={'yes' if self.tokenizer is not None else 'no'})")
 
     # ---------------------------------------------------------------- settings
+    @property
+    def tokenizer(self):
+        """The tokenizer (a transformers tokenizer: callable, with ``decode``), or None."""
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        if value is not None and not (callable(value) and callable(getattr(value, "decode", None))):
+            raise ValueError(f"tokenizer must be a tokenizer (callable, with decode) or None, got "
+                             f"{type(value).__name__}")
+        self._tokenizer = value
+
+    @property
+    def settings(self) -> SamplerSettings:
+        """The sampler settings a request does not override."""
+        return self._settings
+
+    @settings.setter
+    def settings(self, value: SamplerSettings) -> None:
+        if not isinstance(value, SamplerSettings):
+            raise ValueError(f"engine.settings must be a SamplerSettings, got {type(value).__name__} {value!r}")
+        self._settings = value
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The default length of a response."""
+        return self._max_new_tokens
+
+    @max_new_tokens.setter
+    def max_new_tokens(self, value: int) -> None:
+        self._max_new_tokens = _positive_int("max_new_tokens", value)
+
+    @property
+    def prefill_chunk_size(self) -> int:
+        """Prompt tokens committed per forward during the prefill (bounds activation memory)."""
+        return self._prefill_chunk_size
+
+    @prefill_chunk_size.setter
+    def prefill_chunk_size(self, value: int) -> None:
+        self._prefill_chunk_size = _positive_int("prefill_chunk_size", value)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end a response (a copy: assign a new list to change them)."""
+        return list(self._eos_token_ids)
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, value) -> None:
+        V = self.model.config.vocab_size
+        ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+        if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in ids):
+            raise ValueError(f"eos_token_ids must be token ids in [0, {V}) (a list, possibly empty), got {value!r}")
+        self._eos_token_ids = list(ids)
+
+    @property
+    def step_graphs(self) -> bool | None:
+        """The no-hook fast path: None = where it pays (CUDA), True = also on a CPU, False = off."""
+        return self._step_graphs
+
+    @step_graphs.setter
+    def step_graphs(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"step_graphs must be None, True or False, got {value!r}")
+        self._step_graphs = value
+
+    @property
+    def compile_steps(self) -> bool:
+        """On a CPU, run the fast path's steps through torch.compile."""
+        return self._compile_steps
+
+    @compile_steps.setter
+    def compile_steps(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"compile_steps must be True or False, got {value!r}")
+        self._compile_steps = value
+
     @property
     def block_size(self) -> int:
         return self._block_size
@@ -103,16 +190,18 @@ class Engine:
 
     # ---------------------------------------------------------------- hooks
     def hooks(self, hooks: dict[str, Callable | list[Callable]]):
-        """``with engine.hooks({"denoise.step": fn, "layers.*.moe.route": fn2}):`` - removed on exit."""
+        """``with engine.hooks({"denoise.step": fn, "layers.*.moe.route": fn2}):`` - for the
+        generations started inside the block in this thread or context; removed on exit."""
         return self.model.hooks.scoped(hooks)
 
     def add_hook(self, name: str, fn: Callable):
-        """A permanent hook; ``handle.remove()`` takes it off."""
+        """A permanent hook, for every generation in every thread; ``handle.remove()`` takes it off."""
         return self.model.hooks.add(name, fn)
 
     def capture(self, points, to: str | torch.device | None = None) -> Capture:
         """``with engine.capture(["layers.*.moe.route", "denoise.step"]) as cap:`` records those
-        points over every generation inside the block, tagged with block and step."""
+        points over the generations started inside the block in this thread or context, tagged
+        with block and step."""
         return Capture(self.model.hooks, points, to=to, config=self.model.config)
 
     # ---------------------------------------------------------------- requests
@@ -125,11 +214,16 @@ class Engine:
         check_request(self.model, self.mask_token_id, prompt_len, max_new_tokens, mode)
 
     def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> Run:
-        s = SamplerSettings.from_kwargs(settings or self.settings, **sampler)
+        if hook_depth() >= MAX_NESTED_GENERATIONS:
+            raise GenerationError(f"generate() called from inside hooks {hook_depth()} levels deep; a hook that "
+                                  f"generates must not do so again unconditionally (at most "
+                                  f"{MAX_NESTED_GENERATIONS} nested generations)")
+        s = SamplerSettings.from_kwargs(self.settings if settings is None else settings, **sampler)
         stop = stop_list(stop, self.tokenizer)
         ids = self.encode(prompt, thinking)
-        max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        max_new_tokens = self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
         self.check_request(len(ids), max_new_tokens, mode)
+        check_coreset(self.model.config, s.coreset_size)
         return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
 
     # ---------------------------------------------------------------- generation
@@ -170,9 +264,10 @@ class Engine:
 
 def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dict | None = None,
          keep_fp8: bool | None = None, coreset_size: int | None = None, pin_memory: bool = False,
-         progress: bool | None = None) -> Engine:
+         progress: bool | None = None, check_finite: bool | None = None) -> Engine:
     """An Engine over the model (and tokenizer, when present) in the Hugging Face directory ``path``,
-    with the defaults of its generation_config.json.
+    with the defaults of its generation_config.json. ``check_finite``: refuse weights holding NaN
+    or inf (default: for checkpoints up to ``loading.CHECK_FINITE_MAX_BYTES``).
 
     With no path: ``$CLOVER_LAB_MODEL`` when set, else the embedded default model
     (``assets/clover-stdlib``). Without one that is a FileNotFoundError saying so; there is
@@ -201,13 +296,14 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
         if keep_fp8 is None:
             keep_fp8 = torch.cuda.is_available() and (device_map == "auto" or _names_a_gpu(device_map))
     model = CloverModel.from_pretrained(path, device=device, dtype=dtype, keep_fp8=keep_fp8, progress=progress,
-                                        placement=placement)
+                                        placement=placement, check_finite=check_finite)
     generation = loading.load_generation_config(path, SamplerSettings.names())
     engine = Engine(model, loading.load_tokenizer(path),
                     max_new_tokens=generation.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
-    defaults = checkpoint_defaults.apply(engine, model.config, generation, SamplerSettings, coreset_size)
     try:
+        defaults = checkpoint_defaults.apply(engine, model.config, generation, SamplerSettings, coreset_size)
         engine.settings = SamplerSettings(**defaults)
+        check_coreset(model.config, engine.settings.coreset_size)
     except (TypeError, ValueError) as e:
         raise loading.CheckpointError(f"{path}/generation_config.json: {e}") from None
     return engine
@@ -226,3 +322,15 @@ def _planner(device_map, max_memory, coreset_size, pin_memory):
 def _names_a_gpu(device_map) -> bool:
     return isinstance(device_map, dict) and any(
         (isinstance(v, int) and not isinstance(v, bool)) or str(v).startswith("cuda") for v in device_map.values())
+
+
+def _plain_int(value):
+    """numpy integers and the like as Python ints; anything else as it is (checked by the caller)."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
+def _positive_int(name: str, value) -> int:
+    value = _plain_int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value

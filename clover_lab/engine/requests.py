@@ -2,15 +2,19 @@
 the context and the memory its cache needs."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..cache import cache_bytes
+from ..errors import CloverError
 
 MODES = ("diffusion", "ar")
 
 
-class GenerationError(ValueError):
-    """A request the engine refuses up front (context overflow, bad prompt, missing mask token)."""
+class GenerationError(CloverError, ValueError):
+    """A request the engine refuses up front (context overflow, bad prompt, missing mask token), or a
+    generation that cannot give a correct result (non-finite logits); the message says which."""
 
 
 def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = None) -> list[int]:
@@ -48,7 +52,7 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
             out = out[0]
         ids = list(out)
     elif isinstance(prompt, (list, tuple)):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             raise GenerationError("prompt: expected a string, a list of token ids (ints) or chat messages "
                                   "(dicts with 'role' and 'content')")
         ids = list(prompt)
@@ -86,9 +90,30 @@ def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tok
                               f"{model.device}; lower max_new_tokens or shorten the prompt")
 
 
+def check_coreset(config, size: int | None) -> None:
+    """A coreset must leave the router its top-k and restrict something: None or 0 (off), or
+    ``num_experts_per_tok`` <= size < ``num_experts``."""
+    if not size:
+        return
+    k, E = config.num_experts_per_tok, config.num_experts
+    if size < k:
+        raise GenerationError(f"coreset_size={size}: a coreset needs at least num_experts_per_tok={k} experts "
+                              f"(each token routes to {k})")
+    if size >= E:
+        raise GenerationError(f"coreset_size={size}: the model has {E} experts, so a coreset of {size} would "
+                              f"restrict nothing; use a size below {E}, or None / 0 for no coreset")
+
+
 def stop_list(stop, tokenizer) -> list[str]:
     """``stop`` (None, a string or strings) as a list of non-empty strings; they need a tokenizer."""
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif isinstance(stop, (list, tuple, set, frozenset)):
+        stop = list(stop)
+    else:
+        raise GenerationError(f"stop: expected a string or a list of strings, got {type(stop).__name__} {stop!r}")
     if stop:
         if not all(isinstance(x, str) and x for x in stop):
             raise GenerationError(f"stop: expected non-empty strings, got {stop!r}")

@@ -2,7 +2,9 @@
 
 The loops (``diffusion.py``, ``ar.py``) decide; a ``Run`` holds what they share: the cache (a
 fresh one, or the fast path's), the sampler's generator and penalty counts, the response so
-far, the clock and the stats, and where the generation stands for the events it fires.
+far, the clock and the stats, where the generation stands for the events it fires, and the
+hooks that apply to it (the engine's permanent ones and the scopes open where it started: every
+forward runs inside ``hooks.applied()`` so that the model's events see the same ones).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class Run:
         self.device = model.device
         self.prompt_ids = prompt_ids
         self.max_new = max_new_tokens
-        self.hooks = model.hooks
+        self.hooks = model.hooks.view()
         self.number = number  # counts generations on the engine: events carry it
         self.seed = s.seed if s.seed is not None else random.SystemRandom().randrange(2**63)
         self.generator = None if s.greedy else torch.Generator(device=self.device).manual_seed(self.seed)
@@ -72,11 +74,16 @@ class Run:
 
     # ---------------------------------------------------------------- forwards
     def prefill(self, logits: str | None):
+        """Commit the prompt; a model hook raising StopGeneration meanwhile propagates (the loops
+        end the run with no tokens)."""
         chunk = self.engine.prefill_chunk_size
         self.clock.start("prefill")
-        out = self.model.prefill(self.cache, self.prompt_ids, chunk_size=chunk, logits=logits,
-                                 where=self.where("prefill"))
-        self.clock.stop()
+        try:
+            with self.hooks.applied():
+                out = self.model.prefill(self.cache, self.prompt_ids, chunk_size=chunk, logits=logits,
+                                         where=self.where("prefill"))
+        finally:
+            self.clock.stop()
         self.stats.prefill_forwards = math.ceil(len(self.prompt_ids) / chunk)
         if self.clock.cuda:  # once per generation: decode time starts after the prefill really ended
             torch.cuda.synchronize(self.device)
@@ -91,15 +98,16 @@ class Run:
         """Preview logits [1, N, V] of the block ``canvas`` at positions ``idx`` (None: all), after
         committing ``pending`` (the previous block) in the same forward when given."""
         self.clock.start("preview")
-        if self.fast():
-            ids = canvas if pending is None else torch.cat([torch.tensor(pending, device=self.device), canvas])
-            logits = self.graphs.step(ids[None], len(pending or ()), len(canvas), coreset=coreset)[1]
-            logits = logits if idx is None else logits[:, idx]
-        elif pending is None:
-            logits = self.model.preview(self.cache, canvas[None], positions=idx, coreset=coreset, where=where)
-        else:
-            logits = self.model.commit_and_preview(self.cache, pending, canvas[None], positions=idx,
-                                                   coreset=coreset, where=where).preview_logits
+        with self.hooks.applied():
+            if self.fast():
+                ids = canvas if pending is None else torch.cat([torch.tensor(pending, device=self.device), canvas])
+                logits = self.graphs.step(ids[None], len(pending or ()), len(canvas), coreset=coreset)[1]
+                logits = logits if idx is None else logits[:, idx]
+            elif pending is None:
+                logits = self.model.preview(self.cache, canvas[None], positions=idx, coreset=coreset, where=where)
+            else:
+                logits = self.model.commit_and_preview(self.cache, pending, canvas[None], positions=idx,
+                                                       coreset=coreset, where=where).preview_logits
         self.clock.stop()
         self.stats.preview_forwards += 1
         self.stats.fused_forwards += pending is not None
@@ -107,10 +115,12 @@ class Run:
 
     def commit(self, ids: list[int], block: int, logits: str | None = None):
         self.clock.start("commit")
-        if len(ids) == 1 and self.fast():  # the AR step
-            out = self.graphs.step(torch.tensor([ids], device=self.device), 1, 0, commit_logits=True)[0]
-        else:
-            out = self.model.commit(self.cache, ids, logits=logits, where=self.where("decode", commit_block=block))
+        with self.hooks.applied():
+            if len(ids) == 1 and self.fast():  # the AR step
+                out = self.graphs.step(torch.tensor([ids], device=self.device), 1, 0, commit_logits=True)[0]
+            else:
+                out = self.model.commit(self.cache, ids, logits=logits,
+                                        where=self.where("decode", commit_block=block))
         self.clock.stop()
         self.stats.commit_forwards += 1
         return out

@@ -7,6 +7,9 @@ counterpart of TransformerLens' ``run_with_cache``).
     cap["layers.*.moe.route"]          # records of every matching point
     cap.by_block("denoise.step")       # {block: [records]}
 
+A capture is scoped like ``engine.hooks(...)``: it records the generations started inside its
+``with`` block in this thread or context, not those other threads run meanwhile.
+
 Tensors stay on the model's device (no copies to the host, no synchronisation) unless
 ``to="cpu"`` is given. Tensors that the engine or a later hook may change in place (the GDN
 state and ring, the canvas, residual-stream values) are cloned; the rest are fresh per event and kept by reference.
@@ -25,7 +28,8 @@ from .trace import save_trace
 
 
 class Capture(RecordSet):
-    """Records the points matching ``points`` on ``hooks`` (an engine's registry) while entered."""
+    """Records the points matching ``points`` on ``hooks`` (an engine's registry) over the
+    generations started in this thread or context while entered."""
 
     def __init__(self, hooks: HookRegistry, points: str | Iterable[str], to: str | torch.device | None = None,
                  config=None):
@@ -33,7 +37,10 @@ class Capture(RecordSet):
         self.patterns = [points] if isinstance(points, str) else list(points)
         if not self.patterns:
             raise ValueError("capture: name at least one hook point or pattern")
-        self.to = None if to is None else torch.device(to)
+        try:
+            self.to = None if to is None else torch.device(to)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"capture: to={to!r} is not a device (cpu, cuda, ...)") from None
         self.records: list[Record] = []
         self.config = config  # the model's CloverConfig: saved with a trace, so views replay without the model
         self._handle = None
@@ -41,7 +48,7 @@ class Capture(RecordSet):
 
     # ---------------------------------------------------------------- registration
     def __enter__(self) -> "Capture":
-        self._handle = self.hooks.add_many({name: self._recorder(name) for name in self._names})
+        self._handle = self.hooks.open_scope({name: self._recorder(name) for name in self._names})
         return self
 
     def __exit__(self, *exc) -> None:

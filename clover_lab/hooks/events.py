@@ -64,7 +64,9 @@ class RouteEvent(Event):
     """After the router of one MoE layer, for one part (commit or preview) of a forward.
 
     ``router_probs`` [T, E] fp32 (softmax over all experts), ``expert_ids`` [T, k] and ``weights``
-    [T, k] (renormalised over the top-k). ``ban`` and ``force`` change what the layer computes.
+    [T, k] (renormalised over the top-k). ``ban`` and ``force`` change what the layer computes,
+    as does assigning or editing ``expert_ids`` / ``weights``; a changed decision is checked
+    (integer ids in [0, E), weights of the same shape, finite, within +-1e6).
     ``block`` / ``step``: the block and step of the routed rows (commit rows: no step).
     """
 
@@ -102,7 +104,7 @@ class RouteEvent(Event):
     def ban(self, expert_ids) -> None:
         """Route around these experts: each token takes its top-k among the others, renormalised."""
         E = self.router_probs.shape[-1]
-        ids = torch.as_tensor(expert_ids, dtype=torch.long, device=self.router_probs.device).reshape(-1)
+        ids = _expert_ids(expert_ids, "ban", self.router_probs.device).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
             raise ValueError(f"ban: expert ids must be in [0, {E}), got {ids.tolist()}")
         allowed = torch.ones(E, dtype=torch.bool, device=ids.device) if self.selectable is None else self.selectable.clone()
@@ -114,15 +116,21 @@ class RouteEvent(Event):
         """Use exactly these experts: ids [k] (every token) or [T, k]; weights default to the
         router's probabilities of those experts, renormalised."""
         T, E = self.router_probs.shape
-        ids = torch.as_tensor(expert_ids, dtype=torch.long, device=self.router_probs.device)
+        ids = _expert_ids(expert_ids, "force", self.router_probs.device)
         ids = ids.expand(T, -1) if ids.dim() == 1 else ids
-        if ids.shape[0] != T or (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E)):
-            raise ValueError(f"force: expected expert ids [k] or [{T}, k] in [0, {E}), got shape {tuple(ids.shape)}")
+        if (ids.dim() != 2 or ids.shape[0] != T or ids.shape[1] < 1
+                or int(ids.min()) < 0 or int(ids.max()) >= E):
+            raise ValueError(f"force: expected expert ids [k] or [{T}, k] in [0, {E}), got "
+                             f"{ids.tolist() if ids.numel() <= 16 else f'shape {tuple(ids.shape)}'}")
         if weights is None:
             w = self.router_probs.gather(-1, ids)
             w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
         else:
-            w = torch.as_tensor(weights, dtype=torch.float32, device=ids.device).expand(ids.shape)
+            w = torch.as_tensor(weights, dtype=torch.float32, device=ids.device)
+            if w.shape not in (ids.shape, ids.shape[1:]):
+                raise ValueError(f"force: weights must have shape [{ids.shape[1]}] or {list(ids.shape)} like the "
+                                 f"expert ids, got {list(w.shape)}")
+            w = w.expand(ids.shape)
         self.expert_ids = ids.contiguous()
         self.weights = w.to(self.weights.dtype).contiguous()
 
@@ -147,8 +155,9 @@ class GDNPreviewEvent(Event):
 
 @dataclass
 class GDNStateEvent(Event):
-    """After a commit advanced one GDN layer. Edit ``state`` in place or assign a new tensor
-    of the same shape; what it holds afterwards is what the cache keeps."""
+    """After a commit advanced one GDN layer. Edit ``state`` (or ``ring``) in place or assign a
+    new tensor of the same shape; what it holds afterwards is what the cache keeps, once checked
+    (finite floats of that shape: a HookError otherwise)."""
 
     layer: int
     state: torch.Tensor  # [B, H_v, d_k, d_v] fp32
@@ -226,11 +235,13 @@ class StepEvent(Event, _Stoppable):
 
     ``canvas`` [m] (a copy of the block before this step: mask tokens where still masked),
     ``masked`` the block positions still masked before this step, ``candidates`` [N] and
-    ``confidences`` [N] aligned with ``masked`` (device tensors), ``unmask`` the positions the
-    rule chose to unmask now, ``time`` seconds since the generation started.
+    ``confidences`` [N] aligned with ``masked`` (device tensors; copies, so editing them changes
+    nothing), ``unmask`` the positions the rule chose to unmask now, ``time`` seconds since the
+    generation started.
 
     Change the decision by editing ``unmask`` (or :meth:`veto` / :meth:`add`), and the token
-    placed at a position with :meth:`set_token`; stop with :meth:`stop`.
+    placed at a position with :meth:`set_token`; stop with :meth:`stop`. The decision is checked
+    (masked positions, tokens in the vocabulary, never the mask token): a HookError otherwise.
     """
 
     block: int
@@ -273,10 +284,16 @@ class StepEvent(Event, _Stoppable):
 
     def candidate(self, position: int) -> int:
         """The candidate token at a block position (reads one value from the device)."""
-        return int(self.candidates[self.masked.index(position)])
+        return int(self.candidates[self._row(position)])
 
     def confidence(self, position: int) -> float:
-        return float(self.confidences[self.masked.index(position)])
+        return float(self.confidences[self._row(position)])
+
+    def _row(self, position: int) -> int:
+        if position not in self.masked:
+            raise ValueError(f"block position {position!r} is not masked at this step, so it has no candidate "
+                             f"(masked: {self.masked})")
+        return self.masked.index(position)
 
 
 @dataclass
@@ -299,6 +316,17 @@ class CommitEvent(Event, _Stoppable):
         return None
 
 
+def _expert_ids(value, what: str, device) -> torch.Tensor:
+    """Expert ids given to ban / force as a long tensor; anything but integers is an error."""
+    try:
+        ids = torch.as_tensor(value, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{what}: expected expert ids (integers), got {value!r}") from None
+    if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise ValueError(f"{what}: expected integer expert ids, got {ids.dtype} {value!r}")
+    return ids.long()
+
+
 def _flatten(items) -> list[int]:
     out = []
     for item in items:
@@ -309,3 +337,9 @@ def _flatten(items) -> list[int]:
         else:
             out.append(int(item))
     return out
+
+
+def edit_count(t) -> int | None:
+    """A tensor's in-place edit counter, to tell whether a hook changed an event's tensor without
+    reading the device (None for inference tensors and non-tensors, which keep none)."""
+    return t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None

@@ -1,5 +1,10 @@
 """Gated DeltaNet: the chunked gated delta rule in commit, Clover's preview operator in preview
-(spec 3.2), and both over the training layout."""
+(spec 3.2), and both over the training layout.
+
+A state hook may edit the state (and ring) in place or assign new tensors; what it leaves is
+checked before the cache keeps it (same shape, finite floats): a HookError naming the point
+otherwise. Only a changed event is checked, so observing hooks add no host read.
+"""
 from __future__ import annotations
 
 import math
@@ -15,8 +20,8 @@ from ..cache import GDNCache
 from ..config import CloverConfig
 from ..context import ForwardContext
 from ..hooks import points
-from ..hooks.events import GDNPreviewEvent, GDNStateEvent
-from ..hooks.registry import HookRegistry
+from ..hooks.events import GDNPreviewEvent, GDNStateEvent, edit_count
+from ..hooks.registry import HookError, HookRegistry
 from .linear import Linear
 from .norm import GatedRMSNorm
 
@@ -78,11 +83,11 @@ class GatedDeltaNet(nn.Module):
                                             self.num_k_heads, self.head_k_dim, self.head_v_dim)
             if ctx.hooks and self.hooks.active(self.state_point):
                 event = GDNStateEvent(self.layer, state, ring, ctx.n + c, where=ctx.where)
+                before = (edit_count(state), edit_count(ring))
                 self.hooks.fire(self.state_point, event)
-                if event.state.shape != state.shape:
-                    raise ValueError(f"{self.state_point}: a hook set a state of shape {tuple(event.state.shape)}, "
-                                     f"expected {tuple(state.shape)}")
-                state = event.state.float()
+                if (event.state is not state or event.ring is not ring
+                        or (edit_count(state), edit_count(ring)) != before or None in before):
+                    ring, state = checked_state(event, self.state_point, ring, state)
             ctx.pending += [(cache.ring, ring), (cache.state, state)]
             outs.append(o)
         if m:
@@ -120,3 +125,22 @@ class GatedDeltaNet(nn.Module):
             states.reshape(B * nb, *states.shape[2:]), self.block_scale, self.history_bias, self.history_log_n,
             self.num_k_heads, self.head_k_dim, self.head_v_dim)
         return torch.cat([o_clean, o_noisy.reshape(B, L, *o_noisy.shape[2:])], dim=1)
+
+
+def checked_state(event: GDNStateEvent, point: str, ring: torch.Tensor, state: torch.Tensor):
+    """(ring, state) as a state hook left them, validated (reads the device: only after a change)."""
+    out = []
+    for name, want in (("ring", ring), ("state", state)):
+        got = getattr(event, name)
+        if not isinstance(got, torch.Tensor) or not got.is_floating_point():
+            raise HookError(point, ValueError(f"{name} must be a floating tensor of shape {list(want.shape)}, got "
+                                              f"{type(got).__name__} {getattr(got, 'dtype', got)!r}"))
+        if got.shape != want.shape:
+            raise HookError(point, ValueError(f"a hook set a {name} of shape {list(got.shape)}, "
+                                              f"expected {list(want.shape)}"))
+        out.append(got.to(want.device, want.dtype))
+    finite = torch.stack([t.isfinite().all() for t in out]).tolist()
+    for name, ok in zip(("ring", "state"), finite):
+        if not ok:
+            raise HookError(point, ValueError(f"a hook left NaN or inf in the {name}"))
+    return out[0], out[1]

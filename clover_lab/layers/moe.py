@@ -1,5 +1,11 @@
 """The sparse MoE block: the router (softmax, coreset mask, top-k, renormalise: the one routing
-rule, which route events re-run), the routed experts and the sigmoid-gated shared expert."""
+rule, which route events re-run), the routed experts and the sigmoid-gated shared expert.
+
+What a route hook hands back (``expert_ids`` / ``weights`` assigned, or edited in place) is
+checked before the experts run: integer ids in [0, E) of shape [T, k], floating weights of the
+same shape within +-1e6 (finite); anything else is a HookError naming the point. Only a changed event is
+checked (tensor identity and version counters), so observing hooks add no host read.
+"""
 from __future__ import annotations
 
 import torch
@@ -10,9 +16,14 @@ import clover_kernels as ops
 from ..config import CloverConfig
 from ..context import ForwardContext
 from ..hooks import points
-from ..hooks.events import RouteEvent
-from ..hooks.registry import HookRegistry
+from ..hooks.events import RouteEvent, edit_count
+from ..hooks.registry import HookError, HookRegistry
 from .linear import Linear, SwiGLU
+
+# route weights are mixture weights (the router's are in [0, 1] and sum to 1); a hook's beyond this
+# would push the residual stream past float32's range in the next norm's mean square, which
+# silently turns it into zeros rather than NaN
+MAX_ROUTE_WEIGHT = 1e6
 
 
 class Router(nn.Module):
@@ -96,6 +107,8 @@ class SparseMoE(nn.Module):
         coreset = ctx.coreset
         allowed = None
         if mode == "preview" and coreset is not None:
+            if coreset.size < self.top_k:  # fewer allowed experts than picks would route outside the coreset
+                raise ValueError(f"coreset size {coreset.size} is below num_experts_per_tok={self.top_k}")
             chosen = coreset.experts.get(self.layer)
             if chosen is None:  # first preview of the block: route fully, remember the coreset
                 coreset.record(self.layer, probs.sum(0).topk(min(coreset.size, self.num_experts)).indices)
@@ -109,8 +122,12 @@ class SparseMoE(nn.Module):
         if ctx.hooks and self.hooks.active(self.route_point):
             event = RouteEvent(self.layer, mode, ctx.positions[lo:hi].repeat(batch), probs, ids, weights, allowed,
                                select=self.gate.select, where=ctx.where)
+            before = (edit_count(ids), edit_count(weights))
             self.hooks.fire(self.route_point, event)
-            ids, weights = event.expert_ids, event.weights.to(dtype)
+            if (event.expert_ids is not ids or event.weights is not weights
+                    or (edit_count(ids), edit_count(weights)) != before or None in before):
+                ids, weights = checked_route(event, self.route_point, probs.shape[0], self.num_experts)
+            weights = weights.to(dtype)
         return ids, weights
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -129,3 +146,32 @@ class SparseMoE(nn.Module):
         routed = self.experts(flat, ids, weights, coreset)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).view(B, T, H)
+
+
+def checked_route(event: RouteEvent, point: str, rows: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A route hook's changed decision, validated (reads the device: only after a change):
+    expert ids [rows, k] in [0, num_experts), weights [rows, k] finite floats."""
+    ids, weights = event.expert_ids, event.weights
+
+    def bad(what: str):
+        raise HookError(point, ValueError(what))
+
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        bad(f"expert_ids must be an integer tensor [{rows}, k], got {type(ids).__name__} "
+            f"{getattr(ids, 'dtype', ids)!r}")
+    if ids.dim() != 2 or ids.shape[0] != rows or ids.shape[1] < 1:
+        bad(f"expert_ids must have shape [{rows}, k], got {list(ids.shape)}")
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+        bad(f"weights must be a floating tensor of expert_ids' shape {list(ids.shape)}, got "
+            f"{type(weights).__name__} {getattr(weights, 'dtype', weights)!r}")
+    if weights.shape != ids.shape:
+        bad(f"weights must have expert_ids' shape {list(ids.shape)}, got {list(weights.shape)}")
+    ids = ids.to(event.router_probs.device, torch.long)
+    weights = weights.to(event.router_probs.device)
+    in_range = (weights.abs() <= MAX_ROUTE_WEIGHT).all()  # False for NaN too
+    lo_hi_finite = torch.stack([ids.min(), ids.max(), in_range.long()]).tolist()
+    if lo_hi_finite[0] < 0 or lo_hi_finite[1] >= num_experts:
+        bad(f"expert_ids must be in [0, {num_experts}), got values from {lo_hi_finite[0]} to {lo_hi_finite[1]}")
+    if not lo_hi_finite[2]:
+        bad(f"weights hold NaN or inf, or lie beyond +-{MAX_ROUTE_WEIGHT:g}")
+    return ids.contiguous(), weights.contiguous()

@@ -5,7 +5,6 @@ export of a trained model directory and the command line.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -16,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import CloverConfig
+from ..arguments import ArgumentParser
+from ..config import PRESETS, CloverConfig, ConfigError
 from ..model import CloverModel
 from .corpus import encode_files, split_corpus, train_tokenizer
 from .objective import TrainSettings, block_diffusion_loss
@@ -184,8 +184,45 @@ def export(run: str | Path, dest: str | Path, generation_defaults: dict | None =
     return dest
 
 
+def _check_numbers(ap, args) -> None:
+    """The numeric options' ranges, as usage errors before anything runs."""
+    for name in ("minutes", "lr"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            ap.error(f"--{name} must be a positive number, got {value}")
+    for name in ("vocab_size", "block_size", "seq_len", "batch_size", "max_steps", "threads", "extend_steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.seq_len % args.block_size:
+        ap.error(f"--seq-len {args.seq_len} must be a multiple of --block-size {args.block_size}")
+
+
+def _config_overrides(ap, preset: str, items: list[str]) -> dict:
+    """``--set FIELD=VALUE`` items as config overrides (VALUE as JSON, else a string), checked
+    against the preset now, so that a bad one is a usage error before anything runs."""
+    names = set(CloverConfig.__dataclass_fields__) - {"extra"}
+    overrides = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or key not in names:
+            ap.error(f"--set {item!r}: expected FIELD=VALUE with FIELD a config field "
+                     f"(e.g. num_hidden_layers=4, hidden_size=128)")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value  # a plain string; the config check names it if it must be a number
+    if preset not in PRESETS:
+        ap.error(f"--preset {preset!r}: known presets are {', '.join(sorted(PRESETS))}")
+    try:
+        CloverConfig.preset(preset, **overrides)
+    except ConfigError as e:
+        ap.error(f"--set: {e}")
+    return overrides
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="clover-lab train", description="Train a small Clover on the Python stdlib")
+    ap = ArgumentParser(prog="clover-lab train", description="Train a small Clover on the Python stdlib")
     ap.add_argument("--out", required=True, help="run directory (resumed when it exists)")
     ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget of this invocation")
     ap.add_argument("--preset", default="clover-stdlib")
@@ -209,10 +246,8 @@ def main(argv=None):
     ap.add_argument("--distill-share", type=float, default=TrainSettings.distill_share)
     ap.add_argument("--export", metavar="DIR", help="after training, write a model directory here")
     args = ap.parse_args(argv)
-    overrides = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key] = json.loads(value)
+    _check_numbers(ap, args)
+    overrides = _config_overrides(ap, args.preset, args.set)
     if not 0 <= args.distill_share <= 1:
         ap.error("--distill-share must be in [0, 1]")
     if args.distill and not Path(args.distill).is_file():

@@ -1,0 +1,54 @@
+"""What a load is checked against besides the checkpoint's names and shapes (``loading.py``): the
+device it is asked to load onto, and the weights' values once read."""
+from __future__ import annotations
+
+import torch
+
+from .errors import CheckpointError
+
+# checkpoints up to this size get their weights checked for NaN / inf by default (one extra pass
+# over memory: ~1 s per GB on a CPU); bigger ones only when asked
+CHECK_FINITE_MAX_BYTES = 4 << 30
+
+
+def resolve_device(device) -> torch.device:
+    """``device`` (None: the CPU) as a torch.device that can hold the weights here, or a
+    CheckpointError saying why not (unknown name, no CUDA in this torch, no such GPU, meta)."""
+    try:
+        dev = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError, ValueError):
+        raise CheckpointError(f"device {device!r} is not a device name (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "meta":
+        raise CheckpointError("device 'meta' holds shapes but no weights, so nothing could run; load onto cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(f"device {str(dev)!r}: no CUDA device is available to this torch "
+                              f"({torch.__version__}); use --device cpu")
+    try:
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise CheckpointError(f"device {str(dev)!r} cannot be used here: {e}") from None
+    return dev
+
+
+def refuse_nonfinite(model, files: dict, reader, plan: dict) -> None:
+    """A CheckpointError naming the first stored tensor that holds NaN or inf, for a model just
+    filled from ``files`` by ``plan`` (loading.py's: parameter -> stored name, or per-expert
+    {(expert, part): stored name}); one host read for the whole model unless one does."""
+    params = dict(model.named_parameters())
+    # FP8 weights kept as FP8 are checked through their dequantized reads below only if one fails
+    names = [n for n in plan if n in params and params[n].dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    if not names:
+        return
+    finite = torch.stack([torch.isfinite(params[n]).all().cpu() for n in names]).tolist()  # placed: many devices
+    for name, ok in zip(names, finite):
+        if ok:
+            continue
+        source = plan[name]
+        stored = [source] if isinstance(source, str) else list(source.values())
+        for st in stored:  # per-expert tensors: the expert that holds them
+            if not bool(torch.isfinite(reader.get(files[st], st)).all()):
+                raise CheckpointError(f"{files[st]}: tensor {st!r} holds NaN or inf values "
+                                      f"(check_finite=False loads it anyway)")
+        dtype = str(params[name].dtype).removeprefix("torch.")
+        raise CheckpointError(f"{files[stored[0]]}: tensor {stored[0]!r} is finite as stored but overflows to inf "
+                              f"in {dtype}; load it in another dtype")
