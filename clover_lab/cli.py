@@ -292,6 +292,8 @@ def cmd_routes(args) -> int:
     try:
         engine = load_engine(args)
         stats = route_stats(engine, args.data, mode=args.mode, batch_size=args.batch_size, seq_len=args.seq_len)
+        if world > 1:  # every rank done with gloo before any tears it down (a peer gone aborts the other)
+            dist.barrier()
     except (CloverError, FileNotFoundError, ValueError, TypeError, OSError) as e:
         return _fail(str(e))
     finally:
