@@ -14,157 +14,20 @@ the latest state wins and the last request is always drawn (by a timer thread, o
 from __future__ import annotations
 
 import html
-import math
 import threading
-import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-
-def require_notebook():
-    """Import ipywidgets and plotly, or say which extra provides them."""
-    try:
-        import ipywidgets  # noqa: F401
-        import plotly  # noqa: F401
-    except ImportError as e:  # pragma: no cover - the extra is installed in dev
-        raise ImportError(f"clover_lab.widgets needs the notebook extra: pip install 'clover-lab[notebook]' ({e})") from e
+from .pieces import (export_html, figure_html, page, require_notebook, section,  # noqa: F401
+                     to_numpy, token_piece, visible)
+from .throttle import Attachment, Throttle, _weak_hook, weak_callback  # noqa: F401
 
 
 # --------------------------------------------------------------------------- throttling
-class Throttle:
-    """Coalesces redraw requests: at most ``fps`` draws per second, the latest state wins, and
-    the last request is always drawn: immediately when the interval has passed, else by a timer
-    at the end of the interval (``trailing``), or by :meth:`flush`.
-
-    ``draws`` and ``requests`` count what happened (tests and the overhead notebook read them).
-    ``lock`` is shared with the view so that a timer draw never sees a half-applied event.
-    """
-
-    def __init__(self, draw: Callable[[], None], fps: float = 15.0, *, lock=None, clock=time.monotonic,
-                 trailing: bool = True, on_error: Callable[[BaseException], None] | None = None):
-        if not fps or fps <= 0:
-            raise ValueError(f"fps must be positive, got {fps!r}")
-        self._draw = draw
-        self.interval = 1.0 / fps
-        self.clock = clock
-        self.trailing = trailing
-        self.on_error = on_error
-        self.lock = lock if lock is not None else threading.RLock()
-        self._last = -math.inf
-        self._dirty = False
-        self._timer: threading.Timer | None = None
-        self.draws = 0
-        self.requests = 0
-
-    @property
-    def pending(self) -> bool:
-        """A request not drawn yet."""
-        return self._dirty
-
-    def request(self) -> None:
-        with self.lock:
-            self.requests += 1
-            self._dirty = True
-            wait = self._last + self.interval - self.clock()
-            if wait <= 0:
-                self._cancel_timer()
-                self._run()
-            elif self.trailing and self._timer is None:
-                self._timer = threading.Timer(wait, self._on_timer)
-                self._timer.daemon = True
-                self._timer.start()
-
-    def flush(self) -> None:
-        """Draw now if a request is pending (the final frame)."""
-        with self.lock:
-            self._cancel_timer()
-            if self._dirty:
-                self._run()
-
-    def cancel(self) -> None:
-        with self.lock:
-            self._cancel_timer()
-            self._dirty = False
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _on_timer(self) -> None:
-        with self.lock:
-            self._timer = None
-            if not self._dirty:
-                return
-            try:
-                self._run()
-            except Exception as e:  # noqa: BLE001 - a timer thread has nobody to raise to
-                if self.on_error is not None:
-                    self.on_error(e)
-
-    def _run(self) -> None:
-        self._dirty = False
-        self._last = self.clock()
-        self.draws += 1
-        self._draw()
 
 
 # --------------------------------------------------------------------------- attachment
-class Attachment:
-    """A view's hooks on one engine. ``remove()`` (or leaving the ``with`` block) takes them
-    off and draws the final frame. It holds the view, so ``with DenoiseView().attach(engine) as
-    view:`` keeps the view alive for the block."""
-
-    def __init__(self, view: "View", engine, handle):
-        self.view = view
-        self.engine = engine
-        self.handle = handle
-
-    def _view(self):
-        return self.view
-
-    @property
-    def attached(self) -> bool:
-        return bool(self.handle._keys)
-
-    def remove(self) -> None:
-        view = self._view()
-        if view is not None and view._attachment is self:
-            view.detach()
-        else:
-            self.handle.remove()
-
-    def __enter__(self):
-        return self._view()
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-
-def weak_callback(obj, method: str) -> Callable:
-    """A widget callback that calls ``obj.method(*args)`` without keeping ``obj`` alive
-    (ipywidgets keeps every open widget, and so its callbacks, in a global registry)."""
-    ref = weakref.ref(obj)
-
-    def callback(*args):
-        o = ref()
-        if o is not None:
-            return getattr(o, method)(*args)
-
-    return callback
-
-
-def _weak_hook(view: "View", method: str) -> Callable:
-    ref = weakref.ref(view)
-
-    def hook(event):
-        v = ref()
-        if v is not None:
-            v._dispatch(method, event)
-
-    hook.__qualname__ = f"{type(view).__name__}.{method}"
-    return hook
 
 
 # --------------------------------------------------------------------------- the base view
@@ -448,58 +311,3 @@ def _close_tree(widget) -> None:
     walk(widget)
 
 
-def figure_html(fig) -> str:
-    """A figure (FigureWidget or Figure) as a div + script, without plotly.js (see :func:`page`)."""
-    import plotly.graph_objects as go
-
-    return go.Figure(fig).to_html(full_html=False, include_plotlyjs=False, include_mathjax=False,
-                                  config={"displaylogo": False})
-
-
-def section(title: str, parts: Iterable[str]) -> str:
-    return f"<section class='clover-view'><h2>{html.escape(title)}</h2>\n" + "\n".join(parts) + "</section>"
-
-
-def page(title: str, sections: Iterable[str]) -> str:
-    """A self-contained HTML page: plotly.js inline once, no external script or stylesheet."""
-    from plotly.offline import get_plotlyjs
-
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
-            f"<title>{html.escape(title)}</title>"
-            "<style>body{font-family:system-ui,sans-serif;margin:16px;} h2{font-size:16px;margin:12px 0 4px;}"
-            "section{border-top:1px solid #ddd;padding-top:6px;}</style>"
-            f"<script type='text/javascript'>{get_plotlyjs()}</script></head><body>\n"
-            + "\n".join(sections) + "\n</body></html>")
-
-
-def export_html(views, path, title: str = "clover_lab") -> Path:
-    """Several views in one self-contained HTML file (plotly.js embedded once)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page(title, [v.to_html(full_html=False) for v in views]), encoding="utf-8")
-    return path
-
-
-def token_piece(tokenizer, token: int, cache: dict) -> str:
-    """One token as text, with whitespace made visible."""
-    s = cache.get(token)
-    if s is None:
-        if tokenizer is None:
-            s = str(token)
-        else:
-            try:
-                s = tokenizer.decode([token], skip_special_tokens=False)
-            except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode
-                s = f"<{token}>"
-        cache[token] = s
-    return s
-
-
-def visible(s: str, limit: int = 14) -> str:
-    s = s.replace("\n", "↵").replace("\t", "⇥").replace(" ", "␣")
-    return s if len(s) <= limit else s[:limit - 1] + "…"
-
-
-def to_numpy(t):
-    """A device tensor on the host as numpy (one transfer; views only, never the engine)."""
-    return t.detach().float().cpu().numpy() if t.is_floating_point() else t.detach().cpu().numpy()

@@ -1,0 +1,72 @@
+"""What views are drawn with: static HTML of figures and pages, token pieces, host arrays."""
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Iterable
+
+
+def require_notebook():
+    """Import ipywidgets and plotly, or say which extra provides them."""
+    try:
+        import ipywidgets  # noqa: F401
+        import plotly  # noqa: F401
+    except ImportError as e:  # pragma: no cover - the extra is installed in dev
+        raise ImportError(f"clover_lab.widgets needs the notebook extra: pip install 'clover-lab[notebook]' ({e})") from e
+
+
+def figure_html(fig) -> str:
+    """A figure (FigureWidget or Figure) as a div + script, without plotly.js (see :func:`page`)."""
+    import plotly.graph_objects as go
+
+    return go.Figure(fig).to_html(full_html=False, include_plotlyjs=False, include_mathjax=False,
+                                  config={"displaylogo": False})
+
+
+def section(title: str, parts: Iterable[str]) -> str:
+    return f"<section class='clover-view'><h2>{html.escape(title)}</h2>\n" + "\n".join(parts) + "</section>"
+
+
+def page(title: str, sections: Iterable[str]) -> str:
+    """A self-contained HTML page: plotly.js inline once, no external script or stylesheet."""
+    from plotly.offline import get_plotlyjs
+
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
+            f"<title>{html.escape(title)}</title>"
+            "<style>body{font-family:system-ui,sans-serif;margin:16px;} h2{font-size:16px;margin:12px 0 4px;}"
+            "section{border-top:1px solid #ddd;padding-top:6px;}</style>"
+            f"<script type='text/javascript'>{get_plotlyjs()}</script></head><body>\n"
+            + "\n".join(sections) + "\n</body></html>")
+
+
+def export_html(views, path, title: str = "clover_lab") -> Path:
+    """Several views in one self-contained HTML file (plotly.js embedded once)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page(title, [v.to_html(full_html=False) for v in views]), encoding="utf-8")
+    return path
+
+
+def token_piece(tokenizer, token: int, cache: dict) -> str:
+    """One token as text, with whitespace made visible."""
+    s = cache.get(token)
+    if s is None:
+        if tokenizer is None:
+            s = str(token)
+        else:
+            try:
+                s = tokenizer.decode([token], skip_special_tokens=False)
+            except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode
+                s = f"<{token}>"
+        cache[token] = s
+    return s
+
+
+def visible(s: str, limit: int = 14) -> str:
+    s = s.replace("\n", "↵").replace("\t", "⇥").replace(" ", "␣")
+    return s if len(s) <= limit else s[:limit - 1] + "…"
+
+
+def to_numpy(t):
+    """A device tensor on the host as numpy (one transfer; views only, never the engine)."""
+    return t.detach().float().cpu().numpy() if t.is_floating_point() else t.detach().cpu().numpy()

@@ -1,0 +1,143 @@
+"""How views keep up with a running model without slowing it: a redraw throttle, attachments
+that remove their hooks, and callbacks that hold their view weakly."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+import weakref
+from typing import Callable
+
+
+class Throttle:
+    """Coalesces redraw requests: at most ``fps`` draws per second, the latest state wins, and
+    the last request is always drawn: immediately when the interval has passed, else by a timer
+    at the end of the interval (``trailing``), or by :meth:`flush`.
+
+    ``draws`` and ``requests`` count what happened (tests and the overhead notebook read them).
+    ``lock`` is shared with the view so that a timer draw never sees a half-applied event.
+    """
+
+    def __init__(self, draw: Callable[[], None], fps: float = 15.0, *, lock=None, clock=time.monotonic,
+                 trailing: bool = True, on_error: Callable[[BaseException], None] | None = None):
+        if not fps or fps <= 0:
+            raise ValueError(f"fps must be positive, got {fps!r}")
+        self._draw = draw
+        self.interval = 1.0 / fps
+        self.clock = clock
+        self.trailing = trailing
+        self.on_error = on_error
+        self.lock = lock if lock is not None else threading.RLock()
+        self._last = -math.inf
+        self._dirty = False
+        self._timer: threading.Timer | None = None
+        self.draws = 0
+        self.requests = 0
+
+    @property
+    def pending(self) -> bool:
+        """A request not drawn yet."""
+        return self._dirty
+
+    def request(self) -> None:
+        with self.lock:
+            self.requests += 1
+            self._dirty = True
+            wait = self._last + self.interval - self.clock()
+            if wait <= 0:
+                self._cancel_timer()
+                self._run()
+            elif self.trailing and self._timer is None:
+                self._timer = threading.Timer(wait, self._on_timer)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Draw now if a request is pending (the final frame)."""
+        with self.lock:
+            self._cancel_timer()
+            if self._dirty:
+                self._run()
+
+    def cancel(self) -> None:
+        with self.lock:
+            self._cancel_timer()
+            self._dirty = False
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        with self.lock:
+            self._timer = None
+            if not self._dirty:
+                return
+            try:
+                self._run()
+            except Exception as e:  # noqa: BLE001 - a timer thread has nobody to raise to
+                if self.on_error is not None:
+                    self.on_error(e)
+
+    def _run(self) -> None:
+        self._dirty = False
+        self._last = self.clock()
+        self.draws += 1
+        self._draw()
+
+
+class Attachment:
+    """A view's hooks on one engine. ``remove()`` (or leaving the ``with`` block) takes them
+    off and draws the final frame. It holds the view, so ``with DenoiseView().attach(engine) as
+    view:`` keeps the view alive for the block."""
+
+    def __init__(self, view, engine, handle):
+        self.view = view
+        self.engine = engine
+        self.handle = handle
+
+    def _view(self):
+        return self.view
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.handle._keys)
+
+    def remove(self) -> None:
+        view = self._view()
+        if view is not None and view._attachment is self:
+            view.detach()
+        else:
+            self.handle.remove()
+
+    def __enter__(self):
+        return self._view()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def weak_callback(obj, method: str) -> Callable:
+    """A widget callback that calls ``obj.method(*args)`` without keeping ``obj`` alive
+    (ipywidgets keeps every open widget, and so its callbacks, in a global registry)."""
+    ref = weakref.ref(obj)
+
+    def callback(*args):
+        o = ref()
+        if o is not None:
+            return getattr(o, method)(*args)
+
+    return callback
+
+
+def _weak_hook(view, method: str) -> Callable:
+    ref = weakref.ref(view)
+
+    def hook(event):
+        v = ref()
+        if v is not None:
+            v._dispatch(method, event)
+
+    hook.__qualname__ = f"{type(view).__name__}.{method}"
+    return hook
