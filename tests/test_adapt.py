@@ -117,11 +117,12 @@ def test_resume_equals_an_uninterrupted_run(one_process, tmp_path, clover_init):
 
 def test_two_processes_equal_one(one_process, tmp_path, clover_init):
     """torchrun, 2 gloo processes, FSDP2: the same losses and weights as one process after two
-    steps (`all` and `lora`), and a one-process checkpoint resumed on two processes."""
+    steps (`all` and `lora`), and a one-process checkpoint resumed on two processes (with
+    activation checkpointing)."""
     root, base = one_process
     shutil.copytree(root / "part", tmp_path / "part")
     runs = [[*base, "--out", tmp_path / "all", "--train", "all"],
-            [*base, "--out", tmp_path / "part", "--train", "all"],
+            [*base, "--out", tmp_path / "part", "--train", "all", "--activation-checkpointing"],
             [*base, "--out", tmp_path / "lora", "--train", "lora", "--lora-rank", "4"]]
     worker = Path(__file__).with_name("adapt_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -132,6 +133,25 @@ def test_two_processes_equal_one(one_process, tmp_path, clover_init):
     assert_same_run(root / "all", tmp_path / "all", clover_init)
     assert_same_run(root / "all", tmp_path / "part")
     assert_same_run(root / "lora", tmp_path / "lora", clover_init)
+
+
+def test_activation_checkpointing_changes_no_gradient(tiny_model):
+    from clover_lab.train.objective import TrainSettings, block_diffusion_loss
+
+    clean = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (False, True):
+        model = CloverModel(tiny_model.config)
+        model.load_state_dict(tiny_model.state_dict())
+        model.train()
+        shard.shard_model(model, shard.Shard(), recompute)
+        loss, _ = block_diffusion_loss(model, clean, TrainSettings(seq_len=32, batch_size=2),
+                                       torch.Generator().manual_seed(1))
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7, msg=n)
 
 
 def test_batch_must_split_over_the_processes():
@@ -227,3 +247,19 @@ def test_bad_arguments_exit_2_naming_them(capsys, clover_init, tmp_path):
     with pytest.raises(SystemExit):
         cli_main([*base, "--data", "x", "--steps", "0"])
     assert "--steps must be >= 1" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the memory plan
+def test_memory_plan_counts_the_models_parameters():
+    from clover_lab.train import plan
+
+    config = CloverConfig.preset("clover-tiny")
+    counts = plan.parameter_counts(config)
+    assert counts["total"] == sum(p.numel() for p in CloverModel(config).parameters())
+    big = plan.memory_plan(CloverConfig.preset("clover-35b-a3b"), ranks=8)
+    n = big["parameters"]["total"]
+    assert 34e9 < n < 36e9  # "35B parameters in total" (spec section 1)
+    assert big["bytes"]["sharded"] == {"weights": n * 2 / 8, "gradients": n * 2 / 8, "AdamW moments": n * 4 / 8}
+    preview = plan.memory_plan(CloverConfig.preset("clover-35b-a3b"), ranks=8,
+                               trained=plan.preview_parameters(CloverConfig.preset("clover-35b-a3b")))
+    assert preview["per_rank_gib"] < big["per_rank_gib"] / 2

@@ -167,7 +167,7 @@ class Adaptation:
     """A run in progress: the (sharded) model, its optimizer and the batch generator, at ``step``."""
 
     def __init__(self, run: Run, s: AdaptSettings, settings: TrainSettings, shard: Shard, tokenizer_dir=None,
-                 data=(), pattern="*.py"):
+                 data=(), pattern="*.py", recompute: bool = False):
         self.run, self.s, self.settings, self.shard = run, s, settings, shard
         self.tokenizer = init_tokenizer(s, tokenizer_dir)
         model, self.names, mask_how = build_model(s, self.tokenizer, shard.device, settings.seed)
@@ -181,15 +181,16 @@ class Adaptation:
             raise ValueError(f"--data: {len(self.tokens)} training tokens, fewer than one --seq-len {settings.seq_len}")
         shard.rows(settings.batch_size)  # refuses a batch that does not split, before any work
         self.distilled = distill_corpus(settings)
-        self.model = shard_model(model, shard)
+        self.model = shard_model(model, shard, recompute)
         self.opt = optimizer(self.model, self.names, s, settings)
         self.gen = torch.Generator().manual_seed(settings.seed)
-        self.step, self.saved = 0, None
+        self.step, self.saved, self.seconds = 0, None, 0.0  # seconds: spent in training steps, all sessions
 
     def resume(self, state: dict) -> None:
         load_checkpoint(self.run.checkpoint(state["step"]), self.model, self.opt, set(self.names))
         self.gen.set_state(state["generator"])
         self.step = self.saved = state["step"]
+        self.seconds = state.get("train_seconds", 0.0)
 
     def train_step(self) -> dict:
         st = self.settings
@@ -216,7 +217,7 @@ class Adaptation:
         if self.shard.is_main:
             tmp = self.run.state.with_suffix(".tmp")
             torch.save({"step": self.step, "adapt": asdict(self.s), "settings": asdict(self.settings),
-                        "generator": self.gen.get_state()}, tmp)
+                        "generator": self.gen.get_state(), "train_seconds": self.seconds}, tmp)
             os.replace(tmp, self.run.state)
             for old in self.run.dir.glob("checkpoint-*"):
                 if old != path:
@@ -237,7 +238,9 @@ class Adaptation:
         log = open(self.run.log, "a") if main else None
         try:
             while self.step < end and not (deadline and self.shard.any(time.monotonic() > deadline)):
+                t0 = time.monotonic()
                 parts = self.train_step()
+                self.seconds += time.monotonic() - t0
                 bar.update(1)
                 if main and (self.step % log_every == 0 or self.step == end):
                     bar.set_postfix(loss=f"{parts['loss']:.3f}", acc=f"{parts['mask_acc']:.3f}")
@@ -291,9 +294,10 @@ def write_clover_dir(out: Path, config, state: dict, tokenizer, init: str) -> No
 
 def adapt(out, data, s: AdaptSettings, settings: TrainSettings, *, pattern: str = "*.py",
           tokenizer_dir: str | None = None, minutes: float | None = None, stop_at: int | None = None,
-          device: str | None = None, checkpoint_every: int = 100, log_every: int = 10) -> Path:
+          device: str | None = None, checkpoint_every: int = 100, log_every: int = 10,
+          recompute: bool = False) -> Path:
     """Adapt ``s.init`` on ``data`` into the Clover directory ``out`` (resuming the run there),
-    on one process or on all that torchrun started."""
+    on one process or on all that torchrun started. ``recompute``: activation checkpointing."""
     run = Run(out)
     load_config(s.init)  # the inputs checked before anything is written
     init_tokenizer(s, tokenizer_dir)
@@ -307,7 +311,7 @@ def adapt(out, data, s: AdaptSettings, settings: TrainSettings, *, pattern: str 
         state = torch.load(run.state, weights_only=False) if run.state.exists() else None
         if state is not None:
             s, settings = resumed_settings(state, s, settings)
-        job = Adaptation(run, s, settings, shard, tokenizer_dir, data, pattern)
+        job = Adaptation(run, s, settings, shard, tokenizer_dir, data, pattern, recompute)
         if state is not None:
             if shard.is_main:
                 print(f"resuming {out} at step {state['step']} of {settings.max_steps}", flush=True)
@@ -363,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop-at", type=int, default=None, help="stop (checkpointed) after this step")
     ap.add_argument("--checkpoint-every", type=int, default=100)
     ap.add_argument("--log-every", type=int, default=10, help="write the loss to OUT/training/loss_log.jsonl")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="keep only each layer's input and recompute it in backward (long rows on big models)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     ap.add_argument("--dtype", default=None, help="training dtype (default: float32 on the CPU, bfloat16 on GPUs)")
@@ -407,7 +413,7 @@ def main(argv=None) -> int:
     try:
         adapt(args.out, args.data, s, settings, pattern=args.glob, tokenizer_dir=args.tokenizer,
               minutes=args.minutes, stop_at=args.stop_at, device=args.device, checkpoint_every=args.checkpoint_every,
-              log_every=args.log_every)
+              log_every=args.log_every, recompute=args.activation_checkpointing)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"clover-lab adapt: error: {e}", file=sys.stderr)
         return 2

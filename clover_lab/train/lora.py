@@ -28,8 +28,10 @@ def add_lora(model: nn.Module, targets, rank: int, alpha: float, seed: int = 0) 
     names of the adapter parameters (the only ones left trainable by peft). peft draws A from
     torch's global generator: drawn here from ``seed`` (the global state left as it was), so that
     every process, and every rerun, starts from the same adapters."""
-    from peft import LoraConfig, inject_adapter_in_model
-
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError:
+        raise ImportError("--train lora needs peft: pip install 'clover-lab[train]'") from None
     if rank < 1:
         raise ValueError(f"--lora-rank must be >= 1, got {rank}")
     unknown = sorted(set(targets) - linear_names(model))

@@ -83,10 +83,18 @@ def from_environment(device: str | None = None) -> Shard:
     return Shard(dist.get_rank(), dist.get_world_size(), dev, mesh, owns)
 
 
-def shard_model(model, shard: Shard):
+def shard_model(model, shard: Shard, recompute: bool = False):
     """FSDP2 over ``model``: each decoder layer its own unit (gathered for its forward and
     backward, then freed), the rest (embedding, final norm, LM head) in the root unit. The
-    training forward is a method of its own, so FSDP is told to gather around it too."""
+    training forward is a method of its own, so FSDP is told to gather around it too.
+    ``recompute``: activation checkpointing per decoder layer (torch's composable
+    ``checkpoint``: parameter names unchanged), applied before sharding as FSDP2 expects: a layer
+    keeps only its input and recomputes the rest in backward."""
+    if recompute:
+        from torch.distributed._composable import checkpoint
+
+        for layer in model.model.layers:
+            checkpoint(layer)
     if not shard.sharded:
         return model
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
