@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a small Clover on the Python standard library",
                        add_help=False, description="See `clover-lab train --help`.")
     t.set_defaults(func=None)  # handled in main(): its own parser takes every argument after "train"
+    a = sub.add_parser("adapt", help="adapt a checkpoint (AR Qwen3.5/3.6-MoE or Clover) with block diffusion",
+                       add_help=False, description="See `clover-lab adapt --help`.")
+    a.set_defaults(func=None)  # handled in main(), like train
     return parser
 
 
@@ -106,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         except CloverError as e:
             return _fail(str(e))
         return 0
+    if argv[:1] == ["adapt"]:
+        from .train.adapt import main as adapt_main
+
+        return adapt_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

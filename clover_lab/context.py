@@ -48,6 +48,21 @@ class Coreset:
         self.experts[layer] = buf
 
 
+class RouterStats:
+    """Where a training forward's MoE layers append (router probs [T, E], expert ids [T, k]), into
+    the caller's list. Deliberately neither a list nor a dataclass: FSDP2 rebuilds a layer's
+    inputs (lists and dataclasses included) once they hold tensors that need a gradient, and the
+    layers after the first would append to a copy; this object it hands on as it is."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list):
+        self.rows = rows
+
+    def append(self, item: tuple) -> None:
+        self.rows.append(item)
+
+
 @dataclass
 class ForwardContext:
     """What one forward does; build it with :meth:`cached`, :meth:`static` or :meth:`training`."""
@@ -60,7 +75,7 @@ class ForwardContext:
     n_dev: torch.Tensor | None = None  # the same as a 0-d device tensor (static layout)
     block_size: int | None = None  # training layout: the block size the noisy copy is split into
     coreset: Coreset | None = None
-    router_stats: list | None = None  # training: (router probs [T, E], expert ids [T, k]) per MoE part
+    router_stats: RouterStats | None = None  # training: (router probs, expert ids) per MoE part
     hooks: bool = True  # False: hook points are not even looked up (static steps refuse hooks)
     where: Where = NOWHERE  # where the generation stands, for the events the forward fires
     rope: tuple | None = None  # (cos, sin) [c + m, rotary_dim], shared by every attention layer
@@ -82,7 +97,7 @@ class ForwardContext:
     def training(cls, length: int, block_size: int, device, router_stats: list | None = None) -> "ForwardContext":
         clean = torch.arange(length, device=device)
         return cls(length, length, torch.cat([clean, clean]), block_size=block_size,  # noisy rows at clean positions
-                   router_stats=router_stats)
+                   router_stats=None if router_stats is None else RouterStats(router_stats))
 
     @property
     def is_training(self) -> bool:

@@ -82,3 +82,35 @@ def encode_files(tokenizer, files: list[Path]) -> torch.Tensor:
             ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
             ids.append(eos)
     return torch.tensor(ids, dtype=torch.int32)
+
+
+def text_files(paths, pattern: str = "*.py") -> list[tuple[Path, Path]]:
+    """(file, the root its held-out hash is taken against) for every file named in ``paths``:
+    a file as it is, a directory as its files matching ``pattern`` (hidden folders and
+    ``__pycache__`` skipped). The word ``stdlib`` stands for the embedded model's corpus
+    (``stdlib_files``), hashed against the stdlib root so that the split is the same as its."""
+    out = []
+    for given in paths:
+        if str(given) == "stdlib":
+            root = Path(sysconfig.get_paths()["stdlib"])
+            out += [(f, root) for f in stdlib_files(root)]
+            continue
+        path = Path(given)
+        if path.is_file():
+            out.append((path, path.parent))
+        elif path.is_dir():
+            found = [f for f in sorted(path.rglob(pattern)) if f.is_file()
+                     and not any(p.startswith(".") or p == "__pycache__" for p in f.relative_to(path).parts[:-1])]
+            if not found:
+                raise ValueError(f"--data: the directory {path} has no files matching {pattern!r}")
+            out += [(f, path) for f in found]
+        else:
+            raise ValueError(f"--data: {path} is neither a file nor a directory")
+    return out
+
+
+def split_files(files: list[tuple[Path, Path]]) -> tuple[list[Path], list[Path]]:
+    """(training, held-out) files: one module in 20 held out by a hash of its path (``is_heldout``)."""
+    held = [f for f, root in files if is_heldout(f, root)]
+    train = [f for f, root in files if not is_heldout(f, root)]
+    return train, held

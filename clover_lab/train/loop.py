@@ -94,7 +94,7 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
     tokens = data["train"]
-    distilled = _distilled(settings)
+    distilled = distill_corpus(settings)
     log = open(out / "loss_log.jsonl", "a")
 
     def checkpoint():
@@ -154,7 +154,7 @@ def _optimizer(model: CloverModel, settings: TrainSettings) -> torch.optim.AdamW
                               {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
 
 
-def _distilled(settings: TrainSettings) -> torch.Tensor | None:
+def distill_corpus(settings: TrainSettings) -> torch.Tensor | None:
     """The self-distillation corpus' sequences, when the settings name one."""
     if not settings.distill_data:
         return None

@@ -47,37 +47,63 @@ def mask_blocks(clean: torch.Tensor, block_size: int, mask_id: int, gen: torch.G
     return clean.masked_fill(masked, mask_id), masked
 
 
-def load_balance_loss(router_stats: list, num_experts: int, top_k: int) -> torch.Tensor:
-    """Switch-style: E * sum_e (fraction of routed slots to e) * (mean router probability of e)."""
+def load_balance_loss(router_stats: list, num_experts: int, top_k: int, shard=None) -> torch.Tensor:
+    """Switch-style: E * sum_e (fraction of routed slots to e) * (mean router probability of e),
+    over the whole batch: with ``shard`` (``train.shard.Shard``), each process holds some of its
+    rows; the fractions are summed over processes (they carry no gradient), and this process's
+    share of the mean probability is returned scaled by the process count, so that the mean over
+    processes (what FSDP's gradient averaging takes) is the whole batch's loss."""
+    world = 1 if shard is None else shard.world
     losses = []
     for probs, ids in router_stats:
-        frac = torch.zeros(num_experts, device=probs.device).index_add_(
-            0, ids.reshape(-1), torch.ones(ids.numel(), device=probs.device)) / ids.numel()
-        losses.append(num_experts * (frac * probs.mean(0)).sum())
+        counts = torch.zeros(num_experts, device=probs.device).index_add_(
+            0, ids.reshape(-1), torch.ones(ids.numel(), device=probs.device))
+        tokens = torch.tensor(float(probs.shape[0]), device=probs.device)
+        if shard is not None:
+            counts, tokens = shard.all_sum(counts), shard.all_sum(tokens)
+        frac = counts / (tokens * ids.shape[-1])
+        losses.append(num_experts * (frac * probs.sum(0)).sum() / tokens * world)
     return torch.stack(losses).mean()
 
 
-def block_diffusion_loss(model: CloverModel, clean: torch.Tensor, settings: TrainSettings, gen: torch.Generator):
+def block_diffusion_loss(model: CloverModel, clean: torch.Tensor, settings: TrainSettings, gen: torch.Generator,
+                         shard=None):
+    """The loss of the batch ``clean`` [B, L], and its parts (floats, over the whole batch).
+
+    ``shard``: this process's place among several (``train.shard.Shard``). Every process draws the
+    same masks for the whole batch, runs only its own rows, and normalises by whole-batch counts,
+    times the process count: the mean of the processes' losses (and of their gradients, which is
+    what FSDP reduces) is then the one-process loss, whatever the number of processes."""
     cfg = model.config
+    clean = clean.cpu()  # the masks are drawn on the CPU generator, the same on every process
     noisy, masked = mask_blocks(clean, cfg.block_size, cfg.mask_token_id, gen, settings.min_mask_ratio)
+    world = 1 if shard is None else shard.world
+    mask_count, ar_count = masked.sum(), clean.shape[0] * (clean.shape[1] - 1)  # whole-batch counts
+    if shard is not None:
+        rows = shard.rows(clean.shape[0])
+        clean, noisy, masked = clean[rows], noisy[rows], masked[rows]
+    clean, noisy, masked = (t.to(model.device) for t in (clean, noisy, masked))
     stats: list = []
     clean_logits, noisy_logits = model.training_forward(clean, noisy, router_stats=stats)
     target = clean[masked]
     logits = noisy_logits[masked].float()
-    mask_ce = F.cross_entropy(logits, target)
-    ar_ce = F.cross_entropy(clean_logits[:, :-1].reshape(-1, cfg.vocab_size).float(), clean[:, 1:].reshape(-1))
-    balance = load_balance_loss(stats, cfg.num_experts, cfg.num_experts_per_tok)
+    mask_ce = F.cross_entropy(logits, target, reduction="sum") / mask_count * world
+    ar_ce = F.cross_entropy(clean_logits[:, :-1].reshape(-1, cfg.vocab_size).float(), clean[:, 1:].reshape(-1),
+                            reduction="sum") / ar_count * world
+    balance = load_balance_loss(stats, cfg.num_experts, cfg.num_experts_per_tok, shard)
     # confidence-aware term: lower the entropy where the argmax is already the right token
     logp = logits.log_softmax(-1)
     right = logp.argmax(-1) == target
     entropy = -(logp.exp() * logp).sum(-1)
-    confidence = (entropy * right).sum() / right.sum().clamp_min(1)
+    right_count = right.sum().float() if shard is None else shard.all_sum(right.sum().float())
+    confidence = (entropy * right).sum() / right_count.clamp_min(1) * world
     loss = (mask_ce + settings.ar_weight * ar_ce + settings.balance_weight * balance
             + settings.confidence_weight * confidence)
-    with torch.no_grad():
-        acc = right.float().mean()
-    return loss, {"loss": loss.item(), "mask_ce": mask_ce.item(), "ar_ce": ar_ce.item(), "balance": balance.item(),
-                  "confidence": confidence.item(), "mask_acc": acc.item()}
+    parts = torch.stack([loss, mask_ce, ar_ce, balance, confidence]).detach() / world
+    if shard is not None:
+        parts = shard.all_sum(parts)
+    parts = dict(zip(("loss", "mask_ce", "ar_ce", "balance", "confidence"), parts.tolist()))
+    return loss, {**parts, "mask_acc": float(right_count / mask_count)}
 
 
 @torch.no_grad()

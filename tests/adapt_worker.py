@@ -1,0 +1,17 @@
+"""Started by torchrun from tests/test_adapt.py: several ``clover-lab adapt`` runs in one launch
+(one process group for all of them: starting processes is the slow part)."""
+import json
+import sys
+
+import torch.distributed as dist
+
+from clover_lab.cli import main
+
+dist.init_process_group("gloo")
+try:
+    for argv in json.loads(sys.argv[1]):
+        code = main(["adapt", *argv])
+        if code:
+            sys.exit(code)
+finally:
+    dist.destroy_process_group()
