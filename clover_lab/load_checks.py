@@ -11,14 +11,16 @@ from .errors import CheckpointError
 CHECK_FINITE_MAX_BYTES = 4 << 30
 
 
-def resolve_device(device) -> torch.device:
+def resolve_device(device, allow_meta: bool = False) -> torch.device:
     """``device`` (None: the CPU) as a torch.device that can hold the weights here, or a
-    CheckpointError saying why not (unknown name, no CUDA in this torch, no such GPU, meta)."""
+    CheckpointError saying why not (unknown name, no CUDA in this torch, no such GPU, meta).
+    ``allow_meta``: a model of shapes only (``CloverModel.from_pretrained(device="meta")``, for
+    planning); an engine refuses it."""
     try:
         dev = torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError, ValueError):
         raise CheckpointError(f"device {device!r} is not a device name (cpu, cuda, cuda:1, ...)") from None
-    if dev.type == "meta":
+    if dev.type == "meta" and not allow_meta:
         raise CheckpointError("device 'meta' holds shapes but no weights, so nothing could run; load onto cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CheckpointError(f"device {str(dev)!r}: no CUDA device is available to this torch "

@@ -166,7 +166,7 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
     parameter goes and is applied once the weights are in. ``check_finite``: refuse weights
     holding NaN or inf (None: when the weights take at most CHECK_FINITE_MAX_BYTES)."""
     path = Path(path)
-    device = resolve_device(device)
+    device = resolve_device(device, allow_meta=True)
     config = load_config(path)
     files = checkpoint_files(path)
     dtype = resolve_dtype(dtype) or resolve_dtype(config.dtype) or torch.float32
@@ -187,7 +187,7 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
     if fp8 is not None:
         fp8.fill_scales(model, plan, reader)
     total = sum(p.numel() * dtype.itemsize for p in expected.values())
-    if check_finite or (check_finite is None and total <= CHECK_FINITE_MAX_BYTES):
+    if device.type != "meta" and (check_finite or (check_finite is None and total <= CHECK_FINITE_MAX_BYTES)):
         refuse_nonfinite(model, files, reader, plan)
     if placed is not None:
         placed.apply(model)

@@ -252,7 +252,7 @@ def test_confusing_arguments_get_clear_errors(tiny_engine):
     with pytest.raises(SettingsError, match="settings: expected a SamplerSettings, got str 'fast'"):
         tiny_engine.generate(PROMPT, settings="fast")
     with pytest.raises(CheckpointError, match="meta"):
-        CloverModel.from_pretrained("/nonexistent", device="meta")
+        clover_lab.load("/nonexistent", device="meta")
     with torch.device("meta"):
         on_meta = CloverModel(clover_lab.CloverConfig.preset("clover-tiny"))
     with pytest.raises(ValueError, match="meta device"):

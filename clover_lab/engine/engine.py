@@ -21,6 +21,7 @@ import torch
 from .. import defaults as checkpoint_defaults
 from .. import loading, malloc
 from ..hooks.capture import Capture
+from ..load_checks import resolve_device
 from ..hooks.registry import MAX_NESTED_GENERATIONS, hook_depth
 from ..model import CloverModel
 from ..placement import plan_placement
@@ -281,6 +282,8 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
     offloaded experts in page-locked memory. ``keep_fp8``: an FP8 checkpoint's linears and experts
     stay FP8 (default: when they run on CUDA) or are dequantized as they load. ``progress``: a
     progress bar (default: for checkpoints over 1 GB)."""
+    if device_map is None:
+        resolve_device(device)  # before anything is read: an unknown or unusable device, or meta
     if path is None:
         path = os.environ.get("CLOVER_LAB_MODEL") or loading.default_model_dir()
         if path is None:

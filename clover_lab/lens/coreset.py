@@ -17,11 +17,12 @@ def coreset_sweep(engine, prompts, sizes, repeat: int = 1, **generate) -> list[d
     """One row per size (``0`` or None first: no coreset, the reference): ``tokens_equal`` the share
     of generated tokens equal, position by position, to the reference run's; ``tokens_per_forward``
     and ``seconds_per_step`` (preview seconds over previews, best of ``repeat``), over all prompts."""
-    E = engine.model.config.num_experts
+    E, k = engine.model.config.num_experts, engine.model.config.num_experts_per_tok
     sizes = [0] + [int(s) for s in sizes if s]
-    bad = [s for s in sizes if not 0 <= s <= E]
-    if bad:
-        raise ValueError(f"coreset sizes must be in [1, {E}] (the model's experts), got {bad}")
+    bad = [s for s in sizes[1:] if not k <= s < E]
+    if bad:  # the engine's own rule: a coreset holds at least the top-k and fewer than every expert
+        raise ValueError(f"coreset sizes must be in [{k}, {E - 1}] (top-k to one below the model's {E} experts), "
+                         f"got {bad}")
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompts:
         raise ValueError("coreset_sweep: give at least one prompt")
