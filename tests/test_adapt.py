@@ -101,7 +101,7 @@ def one_process(tmp_path_factory, clover_init, data):
     return root, base
 
 
-def test_resume_equals_an_uninterrupted_run(one_process, tmp_path, clover_init):
+def test_resume_equals_an_uninterrupted_run(one_process, tmp_path, clover_init, capsys):
     root, base = one_process
     part = tmp_path / "part"
     shutil.copytree(root / "part", part)
@@ -113,6 +113,36 @@ def test_resume_equals_an_uninterrupted_run(one_process, tmp_path, clover_init):
     run(*base, "--out", part, "--train", "all")
     assert len(losses(part)) == 2
     assert cli_main(["adapt", *map(str, base), "--out", str(part), "--train", "lora"]) == 2
+    other = [str(a) for a in base]
+    other[other.index("--data") + 1] = str(Path(other[other.index("--data") + 1]) / "heapq.py")
+    assert cli_main(["adapt", *other, "--out", str(part), "--train", "all"]) == 2
+    err = capsys.readouterr().err
+    assert "--train: 'all' in the run, 'lora' given" in err and "heapq.py" in err
+
+
+def test_terminated_run_checkpoints_and_exports(tmp_path, clover_init, data):
+    """SIGTERM (kill, a scheduler's stop) ends a single-process run like Ctrl-C: checkpointed at
+    the step it reached, exported, exit code 0; rerunning resumes there."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    argv = ["adapt", "--init", clover_init, "--data", data, "--out", out, "--train", "preview",
+            "--steps", "100000", "--seq-len", "32", "--batch-size", "2",
+            "--log-every", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "clover_lab.cli", *map(str, argv)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log = out / "training" / "loss_log.jsonl"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and log.read_text().count("\n") >= 2) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no step logged in 300 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-2000:]
+    step = torch.load(out / "training" / "state.pt", weights_only=False)["step"]
+    assert 2 <= step < 100000 and (out / "model.safetensors").is_file()
+    assert "interrupted: saving a checkpoint" in output
 
 
 def test_two_processes_equal_one(one_process, tmp_path, clover_init):
@@ -186,7 +216,7 @@ def test_ar_checkpoint_gets_a_mask_token_and_a_trained_preview(tmp_path, referen
         before = CloverModel.from_pretrained(init)
     after, w0, w1 = engine.model, dict(before.named_parameters()), weights(out)
     changed = {n for n in w1 if not torch.equal(w0[n].detach(), w1[n])}
-    assert changed and all(adapt._is_preview(n) or n == adapt.EMBEDDING for n in changed)
+    assert changed and all(adapt.is_preview(n) or n == adapt.EMBEDDING for n in changed)
     assert all(n in changed for n in w1 if n.endswith(("history_bias", "conv1d_right.weight")))
     assert torch.equal(w0[adapt.EMBEDDING][:len(tok)], w1[adapt.EMBEDDING][:len(tok)])  # only the mask row moved
     ids = torch.randint(0, len(tok), (1, 40), generator=torch.Generator().manual_seed(0))
@@ -263,3 +293,21 @@ def test_memory_plan_counts_the_models_parameters():
     preview = plan.memory_plan(CloverConfig.preset("clover-35b-a3b"), ranks=8,
                                trained=plan.preview_parameters(CloverConfig.preset("clover-35b-a3b")))
     assert preview["per_rank_gib"] < big["per_rank_gib"] / 2
+
+
+def test_self_distillation_stage_from_an_adapted_model(one_process, tmp_path, data):
+    """The optional stage: a corpus of the adapted model's own continuations (distill --model
+    --tokens), mixed into a second adaptation that starts from the first one's output."""
+    from clover_lab.train import distill
+
+    root, _ = one_process
+    corpus = tmp_path / "distill.pt"
+    distill.main(["--model", str(root / "all"), "--tokens", str(root / "all" / "training" / "data.pt"),
+                  "--out", str(corpus), "--sequences", "4", "--seq-len", "160", "--batch-size", "4"])
+    assert torch.load(corpus)["sequences"].shape == (4, 160)
+    out = tmp_path / "stage2"
+    run("--init", root / "all", "--data", data, "--out", out, "--train", "all", "--distill", corpus,
+        "--distill-share", "0.5", *COMMON)
+    state = torch.load(out / "training" / "state.pt", weights_only=False)
+    assert state["settings"]["distill_data"] == str(corpus) and state["step"] == 2
+    assert clover_lab.load(out).model.config.mask_token_id == clover_lab.load(root / "all").model.config.mask_token_id

@@ -18,148 +18,29 @@ weights, the tokenizer with its mask token, generation_config.json); the run's o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
-import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ..loading import PREVIEW_PARAMS, load_config, load_generation_config, load_tokenizer, resolve_dtype
-from ..model import CloverModel
+from ..loading import load_config, resolve_dtype
 from . import lora as lora_
-from .corpus import encode_files, split_files, text_files
+from .adapt_setup import (DEFAULT_LR, EMBEDDING, MODES, RUN_FIELDS, AdaptSettings, Run, build_model, init_tokenizer,
+                          is_preview, keep_mask_row, optimizer, prepare_data, write_clover_dir)
+from .corpus import text_files
 from .loop import distill_corpus, lr_at, training_batch
-from .mask_token import ensure_mask_token
 from .objective import TrainSettings, block_diffusion_loss
 from .shard import Shard, from_environment, full_state_dict, load_checkpoint, save_checkpoint, shard_model
 
-MODES = ("preview", "lora", "all")
-DEFAULT_LR = {"lora": 1e-3, "all": 3e-4}  # for the init's weights (adapters); new parameters: preview_lr
-# fields that fix what a run computes: a resumed run must be given the same
-EMBEDDING = "model.embed_tokens.weight"
-RUN_FIELDS = ("init", "train", "block_size", "reset_preview", "lora_rank", "lora_alpha", "lora_targets", "dtype",
-              "preview_lr")
-
-
-@dataclass
-class AdaptSettings:
-    init: str
-    train: str = "preview"
-    block_size: int | None = None  # default: the init's config
-    reset_preview: bool = False  # start the preview parameters from the spec's defaults
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    lora_targets: list[str] = field(default_factory=lambda: list(lora_.DEFAULT_TARGETS))
-    dtype: str = "float32"
-    preview_lr: float = 1e-2  # the preview parameters and the mask token's row start from defaults: larger steps
-
-
-class Run:
-    """One adaptation run's files under ``OUT/training``."""
-
-    def __init__(self, out: Path):
-        self.out = Path(out)
-        self.dir = self.out / "training"
-        self.state = self.dir / "state.pt"
-        self.data = self.dir / "data.pt"
-        self.tokenizer = self.dir / "tokenizer"
-        self.log = self.dir / "loss_log.jsonl"
-
-    def checkpoint(self, step: int) -> Path:
-        return self.dir / f"checkpoint-{step:07d}"
-
-
-# --------------------------------------------------------------------------- the model
-def build_model(s: AdaptSettings, tokenizer, device, seed: int = 0) -> tuple[CloverModel, list[str], str]:
-    """The init's model in ``s.dtype`` with a mask token, ``s.block_size`` and, for ``lora``, its
-    adapters; only the parameters ``s.train`` trains require a gradient (with ``preview`` and
-    ``lora`` also the embedding, of which ``keep_mask_row`` lets only the mask token's row
-    change). Returns (model, the trained parameters' names, what was done about the mask token)."""
-    with warnings.catch_warnings():  # an AR init has no preview weights: that is what adapt is for
-        warnings.filterwarnings("ignore", message=".*the checkpoint has no Clover preview weights")
-        model = CloverModel.from_pretrained(s.init, device="cpu", dtype=resolve_dtype(s.dtype))
-    if s.reset_preview:
-        model.reset_preview_parameters()
-    _, mask_how = ensure_mask_token(tokenizer, model)
-    if s.block_size is not None:
-        model.config.block_size = s.block_size
-        model.config.validate()
-    model.train()
-    if s.train == "lora":
-        lora_.add_lora(model, s.lora_targets, s.lora_rank, s.lora_alpha, seed)
-    for name, p in model.named_parameters():  # (peft froze everything but its adapters)
-        p.requires_grad_(s.train == "all" or ".lora_" in name or _is_preview(name) or name == EMBEDDING)
-    trained = [n for n, p in model.named_parameters() if p.requires_grad]
-    return model.to(device), trained, mask_how
-
-
-def keep_mask_row(model, mask_id: int, train: str) -> None:
-    """With ``preview`` and ``lora``: the embedding's gradient zeroed but for the mask token's row,
-    so that only the new token's embedding learns (with no weight decay on the embedding, Adam
-    leaves rows that never had a gradient exactly as they were)."""
-    if train == "all":
-        return
-    grad = dict(model.named_parameters())[EMBEDDING].grad
-    if grad is None:
-        return
-    keep = torch.zeros(grad.shape[0], 1, dtype=grad.dtype)
-    keep[mask_id] = 1
-    if hasattr(grad, "device_mesh"):  # a DTensor: the mask sharded as the gradient is
-        from torch.distributed.tensor import distribute_tensor
-
-        keep = distribute_tensor(keep.to(grad.device), grad.device_mesh, grad.placements)
-    grad.mul_(keep.to(grad.device))
-
-
-def _is_preview(name: str) -> bool:
-    return name.split("layers.")[-1].split(".", 1)[-1] in PREVIEW_PARAMS
-
-
-def optimizer(model, names: list[str], s: AdaptSettings, settings: TrainSettings) -> torch.optim.AdamW:
-    """AdamW over the trained parameters: the init's weights at ``settings.lr`` (weight decay on
-    matrices but the embedding), the new ones (preview parameters; the embedding when only its
-    mask row learns) at ``s.preview_lr``. Each group's ``lr_scale`` follows the schedule."""
-    params = dict(model.named_parameters())
-    new = [n for n in names if _is_preview(n) or (n == EMBEDDING and s.train != "all")]
-    old = [n for n in names if n not in new]
-    decay = [n for n in old if params[n].dim() >= 2 and "embed" not in n]
-    groups = [(decay, settings.weight_decay, 1.0), ([n for n in old if n not in decay], 0.0, 1.0),
-              (new, 0.0, s.preview_lr / settings.lr)]
-    return torch.optim.AdamW([{"params": [params[n] for n in group], "weight_decay": wd, "lr_scale": scale}
-                              for group, wd, scale in groups if group], lr=settings.lr, betas=(0.9, 0.95))
-
-
-# --------------------------------------------------------------------------- data
-def prepare_data(run: Run, data: list[str], pattern: str, tokenizer, shard: Shard) -> dict:
-    """The token streams of ``data`` (training and held-out files), encoded once per run by the
-    main process into ``OUT/training/data.pt``."""
-    if shard.is_main and not run.data.exists():
-        train_files, held_files = split_files(text_files(data, pattern))
-        if not train_files:
-            raise ValueError(f"--data {' '.join(data)}: every file fell into the held-out split; give more files")
-        print(f"data: {len(train_files)} training and {len(held_files)} held-out files", flush=True)
-        tokens = {"train": encode_files(tokenizer, train_files), "heldout": encode_files(tokenizer, held_files),
-                  "heldout_files": [str(f) for f in held_files], "sources": list(data)}
-        torch.save(tokens, run.data.with_suffix(".tmp"))
-        os.replace(run.data.with_suffix(".tmp"), run.data)
-    shard.barrier()
-    return torch.load(run.data)
-
-
-def init_tokenizer(s: AdaptSettings, tokenizer_dir: str | None):
-    """The init's tokenizer (or ``tokenizer_dir``'s), as it was: every run and every resume
-    derives the mask token from it the same way."""
-    source = Path(tokenizer_dir or s.init)
-    tokenizer = load_tokenizer(source)
-    if tokenizer is None:
-        raise ValueError(f"{source} has no tokenizer, which adapt needs to encode --data; "
-                         f"name a directory holding one with --tokenizer")
-    return tokenizer
+__all__ = ["AdaptSettings", "Adaptation", "EMBEDDING", "adapt", "build_model", "is_preview", "main"]
 
 
 # --------------------------------------------------------------------------- the run
@@ -170,7 +51,7 @@ class Adaptation:
                  data=(), pattern="*.py", recompute: bool = False):
         self.run, self.s, self.settings, self.shard = run, s, settings, shard
         self.tokenizer = init_tokenizer(s, tokenizer_dir)
-        model, self.names, mask_how = build_model(s, self.tokenizer, shard.device, settings.seed)
+        model, self.names, mask_how = build_model(s, self.tokenizer, settings.seed)
         self.mask_id = model.config.mask_token_id
         if shard.is_main:
             print(f"mask token {self.tokenizer.mask_token!r} (id {self.mask_id}): {mask_how}; training {s.train}: "
@@ -181,7 +62,8 @@ class Adaptation:
             raise ValueError(f"--data: {len(self.tokens)} training tokens, fewer than one --seq-len {settings.seq_len}")
         shard.rows(settings.batch_size)  # refuses a batch that does not split, before any work
         self.distilled = distill_corpus(settings)
-        self.model = shard_model(model, shard, recompute)
+        # sharded: fully_shard moves each unit to this process's device; else the whole model
+        self.model = shard_model(model if shard.sharded else model.to(shard.device), shard, recompute)
         self.opt = optimizer(self.model, self.names, s, settings)
         self.gen = torch.Generator().manual_seed(settings.seed)
         self.step, self.saved, self.seconds = 0, None, 0.0  # seconds: spent in training steps, all sessions
@@ -193,7 +75,7 @@ class Adaptation:
         self.seconds = state.get("train_seconds", 0.0)
 
     def train_step(self) -> dict:
-        st = self.settings
+        st, t0 = self.settings, time.monotonic()
         clean = training_batch(self.tokens, self.distilled, st, self.gen)
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, st) * group["lr_scale"]
@@ -205,6 +87,7 @@ class Adaptation:
         norm = torch.nn.utils.clip_grad_norm_([params[n] for n in self.names], 1.0)
         self.opt.step()
         self.step += 1
+        self.seconds += time.monotonic() - t0
         return {**parts, "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)}
 
     def checkpoint(self) -> None:
@@ -237,18 +120,17 @@ class Adaptation:
         bar = tqdm(desc=f"adapt ({self.s.train})", unit="step", initial=self.step, total=end, disable=not main)
         log = open(self.run.log, "a") if main else None
         try:
-            while self.step < end and not (deadline and self.shard.any(time.monotonic() > deadline)):
-                t0 = time.monotonic()
-                parts = self.train_step()
-                self.seconds += time.monotonic() - t0
-                bar.update(1)
-                if main and (self.step % log_every == 0 or self.step == end):
-                    bar.set_postfix(loss=f"{parts['loss']:.3f}", acc=f"{parts['mask_acc']:.3f}")
-                    log.write(json.dumps({"step": self.step, "time": time.time(),
-                                          "lr": lr_at(self.step - 1, self.settings), **parts}) + "\n")
-                    log.flush()
-                if self.step % checkpoint_every == 0:
-                    self.checkpoint()
+            with _terminate_as_interrupt(self.shard.world == 1):
+                while self.step < end and not (deadline and self.shard.any(time.monotonic() > deadline)):
+                    parts = self.train_step()
+                    bar.update(1)
+                    if main and (self.step % log_every == 0 or self.step == end):
+                        bar.set_postfix(loss=f"{parts['loss']:.3f}", acc=f"{parts['mask_acc']:.3f}")
+                        log.write(json.dumps({"step": self.step, "time": time.time(),
+                                              "lr": lr_at(self.step - 1, self.settings), **parts}) + "\n")
+                        log.flush()
+                    if self.step % checkpoint_every == 0:
+                        self.checkpoint()
         except KeyboardInterrupt:
             if self.shard.world > 1:
                 raise  # the processes stop at different points: resume from the last checkpoint
@@ -270,26 +152,22 @@ class Adaptation:
         self.shard.barrier()
 
 
-def write_clover_dir(out: Path, config, state: dict, tokenizer, init: str) -> None:
-    """A model directory in ``out`` from a full state dict, in the dtype config.json names."""
-    dtype = resolve_dtype(config.dtype) or torch.float32
-    with torch.device("meta"):
-        model = CloverModel(config)
-    model.load_state_dict(state, assign=True)
-    tmp = out / ".export"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(dtype).save_pretrained(tmp)
-    tokenizer.save_pretrained(str(tmp))
-    generation = {"threshold": 0.9, "max_new_tokens": 128}
-    if (Path(init) / "generation_config.json").is_file():
-        load_generation_config(init, ())  # refuses a malformed file, naming it
-        generation = {**generation, **json.loads((Path(init) / "generation_config.json").read_text())}
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    for stale in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)
-    for f in tmp.iterdir():
-        os.replace(f, out / f.name)
-    tmp.rmdir()
+@contextlib.contextmanager
+def _terminate_as_interrupt(enabled: bool):
+    """SIGTERM (``kill``; a job scheduler's stop) handled as Ctrl-C: the single process saves a
+    checkpoint and exports before it ends. In a background job SIGINT is often ignored."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def adapt(out, data, s: AdaptSettings, settings: TrainSettings, *, pattern: str = "*.py",
@@ -328,7 +206,8 @@ def resumed_settings(state: dict, s: AdaptSettings, settings: TrainSettings):
     stored_s, stored = AdaptSettings(**state["adapt"]), TrainSettings(**state["settings"])
     differ = [f"--{k.replace('_', '-')}: {getattr(stored_s, k)!r} in the run, {getattr(s, k)!r} given"
               for k in RUN_FIELDS if getattr(stored_s, k) != getattr(s, k)]
-    differ += [f"{k}: {v!r} in the run, {getattr(settings, k)!r} given"
+    option = {"max_steps": "steps", "distill_data": "distill"}
+    differ += [f"--{option.get(k, k).replace('_', '-')}: {v!r} in the run, {getattr(settings, k)!r} given"
                for k, v in asdict(stored).items() if getattr(settings, k) != v]
     if differ:
         raise ValueError("the run in OUT was started with other settings; give the same ones to resume it, "

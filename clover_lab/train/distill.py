@@ -103,7 +103,9 @@ def make_corpus(model: CloverModel, tokens: torch.Tensor, sequences: int, seq_le
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m clover_lab.train.distill",
                                  description="Write a run's self-distillation corpus: its own greedy continuations")
-    ap.add_argument("--run", required=True, help="training run directory (its checkpoint and data.pt)")
+    ap.add_argument("--run", help="training run directory (its checkpoint/ and data.pt)")
+    ap.add_argument("--model", help="instead of a run: a model directory (e.g. a clover-lab adapt --out) ...")
+    ap.add_argument("--tokens", help="... and the token streams to take prefixes from (e.g. OUT/training/data.pt)")
     ap.add_argument("--out", help="corpus file (default RUN/distill.pt)")
     ap.add_argument("--sequences", type=int, default=2048)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -114,12 +116,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    run = Path(args.run)
-    if not (run / "checkpoint").is_dir() or not (run / "data.pt").is_file():
-        raise SystemExit(f"{run}: not a training run (needs checkpoint/ and data.pt)")
-    out = Path(args.out or run / "distill.pt")
-    model = CloverModel.from_pretrained(run / "checkpoint", dtype=torch.float32).eval()
-    tokens = torch.load(run / "data.pt")["train"]
+    model_dir, tokens_file, out = _sources(ap, args)
+    model = CloverModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = torch.load(tokens_file)["train"]
     t0 = time.monotonic()
     corpus = make_corpus(model, tokens, args.sequences, args.seq_len, batch_size=args.batch_size,
                          repetition_penalty=args.repetition_penalty, seed=args.seed)
@@ -128,6 +127,20 @@ def main(argv=None):
     tmp.replace(out)
     print(f"{out}: {len(corpus['sequences'])} sequences of {args.seq_len} tokens in {time.monotonic() - t0:.0f} s "
           f"({corpus['dropped']} looping continuations dropped)")
+
+
+def _sources(ap, args) -> tuple[Path, Path, Path]:
+    """(model directory, token streams, corpus file) from --run, or from --model and --tokens."""
+    if args.run:
+        run = Path(args.run)
+        if not (run / "checkpoint").is_dir() or not (run / "data.pt").is_file():
+            ap.error(f"--run {run}: not a training run (needs checkpoint/ and data.pt)")
+        return run / "checkpoint", run / "data.pt", Path(args.out or run / "distill.pt")
+    if not (args.model and args.tokens and args.out):
+        ap.error("give --run, or --model, --tokens and --out")
+    if not Path(args.tokens).is_file():
+        ap.error(f"--tokens: {args.tokens} is not a file")
+    return Path(args.model), Path(args.tokens), Path(args.out)
 
 
 if __name__ == "__main__":
