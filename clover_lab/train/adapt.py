@@ -216,13 +216,15 @@ def resumed_settings(state: dict, s: AdaptSettings, settings: TrainSettings):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="clover-lab adapt", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="clover-lab adapt", description="Adapt a checkpoint (autoregressive "
+                                 "Qwen3.5/3.6-MoE, or a Clover) into a block-diffusion Clover; under torchrun, "
+                                 "sharded with FSDP2.")
     ap.add_argument("--init", required=True, metavar="DIR", help="the checkpoint to start from (Qwen3.5/3.6-MoE or Clover)")
     ap.add_argument("--data", required=True, nargs="+", metavar="FILES",
                     help="text files or directories (their --glob files); 'stdlib': the embedded model's corpus")
     ap.add_argument("--out", required=True, metavar="DIR", help="the Clover directory to write (resumed when it exists)")
     ap.add_argument("--train", choices=MODES, default="preview", help="what learns (default: preview)")
-    ap.add_argument("--steps", type=int, default=1000, help="length of the warmup + cosine schedule")
+    ap.add_argument("--steps", type=int, default=1000, help="length of the warmup + cosine schedule (default 1000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=None, help=f"peak learning rate of the init's weights or the "
                     f"adapters (default: {DEFAULT_LR})")
