@@ -14,4 +14,5 @@ try:
         if code:
             sys.exit(code)
 finally:
+    dist.barrier()  # no rank tears gloo down while the other still uses it
     dist.destroy_process_group()

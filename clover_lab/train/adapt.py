@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from ..arguments import ArgumentParser
+from ..errors import CloverError
 from ..loading import load_config, resolve_dtype
 from . import lora as lora_
 from .adapt_setup import (DEFAULT_LR, EMBEDDING, MODES, RUN_FIELDS, AdaptSettings, Run, build_model, init_tokenizer,
@@ -216,13 +218,17 @@ def resumed_settings(state: dict, s: AdaptSettings, settings: TrainSettings):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="clover-lab adapt", description=__doc__.splitlines()[0])
-    ap.add_argument("--init", required=True, metavar="DIR", help="the checkpoint to start from (Qwen3.5/3.6-MoE or Clover)")
+    ap = ArgumentParser(prog="clover-lab adapt", description="Adapt a checkpoint (autoregressive "
+                        "Qwen3.5/3.6-MoE, or a Clover) into a block-diffusion Clover; under torchrun, "
+                        "sharded with FSDP2.")
+    ap.add_argument("--init", required=True, metavar="DIR",
+                    help="the checkpoint to start from (Qwen3.5/3.6-MoE or Clover)")
     ap.add_argument("--data", required=True, nargs="+", metavar="FILES",
                     help="text files or directories (their --glob files); 'stdlib': the embedded model's corpus")
-    ap.add_argument("--out", required=True, metavar="DIR", help="the Clover directory to write (resumed when it exists)")
+    ap.add_argument("--out", required=True, metavar="DIR",
+                    help="the Clover directory to write (resumed when it exists)")
     ap.add_argument("--train", choices=MODES, default="preview", help="what learns (default: preview)")
-    ap.add_argument("--steps", type=int, default=1000, help="length of the warmup + cosine schedule")
+    ap.add_argument("--steps", type=int, default=1000, help="length of the warmup + cosine schedule (default 1000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=None, help=f"peak learning rate of the init's weights or the "
                     f"adapters (default: {DEFAULT_LR})")
@@ -272,7 +278,8 @@ def settings_from_args(ap, args) -> tuple[AdaptSettings, TrainSettings]:
                       reset_preview=args.reset_preview, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                       lora_targets=[t for t in args.lora_targets.split(",") if t], dtype=dtype,
                       preview_lr=args.preview_lr)
-    settings = TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr or DEFAULT_LR.get(args.train, args.preview_lr),
+    lr = args.lr or DEFAULT_LR.get(args.train, args.preview_lr)
+    settings = TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, lr=lr,
                              max_steps=args.steps, seed=args.seed, weight_decay=args.weight_decay,
                              warmup_steps=args.warmup_steps if args.warmup_steps is not None else
                              max(1, min(100, args.steps // 10)),
@@ -282,8 +289,6 @@ def settings_from_args(ap, args) -> tuple[AdaptSettings, TrainSettings]:
 
 
 def main(argv=None) -> int:
-    from ..loading import CheckpointError
-
     ap = build_parser()
     args = ap.parse_args(argv)
     s, settings = settings_from_args(ap, args)
@@ -293,8 +298,8 @@ def main(argv=None) -> int:
         adapt(args.out, args.data, s, settings, pattern=args.glob, tokenizer_dir=args.tokenizer,
               minutes=args.minutes, stop_at=args.stop_at, device=args.device, checkpoint_every=args.checkpoint_every,
               log_every=args.log_every, recompute=args.activation_checkpointing)
-    except (CheckpointError, ValueError, OSError) as e:
-        print(f"clover-lab adapt: error: {e}", file=sys.stderr)
+    except (CloverError, ValueError, OSError) as e:  # one line, like every clover-lab error
+        print(f"clover-lab adapt: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0
 

@@ -61,6 +61,7 @@ class Shard:
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
+            dist.barrier()  # a rank tearing gloo down while another still talks to it aborts that one
             dist.destroy_process_group()
 
 
