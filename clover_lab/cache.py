@@ -48,13 +48,58 @@ def cache_bytes(config: CloverConfig, max_len: int, batch_size: int = 1, dtype: 
 
 
 class CloverCache:
-    """State of the committed prefix for every layer; ``length`` tokens are committed."""
+    """State of the committed prefix for every layer; ``length`` tokens are committed.
+
+    A batch whose rows hold different numbers of tokens (prompts of different lengths) keeps
+    them in ``row_lengths``; ``length`` is then the longest. Each row's K,V lie at positions
+    [0, its length) and attention masks the rest (the GDN state and ring hold no positions)."""
 
     def __init__(self, layers: dict[int, AttentionCache | GDNCache], max_len: int, batch_size: int):
         self.layers = layers
         self.max_len = max_len
         self.batch_size = batch_size
         self.length = 0
+        self.row_lengths: list[int] | None = None
+
+    @property
+    def ragged(self) -> bool:
+        """The rows hold different numbers of committed tokens."""
+        return self.row_lengths is not None and len(set(self.row_lengths)) > 1
+
+    def set_row_lengths(self, lengths: list[int]) -> None:
+        if len(lengths) != self.batch_size or not all(0 <= n <= self.max_len for n in lengths):
+            raise ValueError(f"row lengths {lengths}: expected {self.batch_size} lengths in [0, {self.max_len}]")
+        self.row_lengths = list(lengths)
+        self.length = max(lengths)
+
+    def advance(self, n: int) -> None:
+        """``n`` more tokens committed in every row."""
+        self.length += n
+        if self.row_lengths is not None:
+            self.row_lengths = [length + n for length in self.row_lengths]
+
+    def row(self, r: int) -> "CloverCache":
+        """Row ``r`` as a cache of batch 1 whose tensors are views of this one's (commits into it
+        land here); its length starts at 0: fill it, then :meth:`set_row_lengths`."""
+        layers = {i: type(layer)(*(t[r:r + 1] for t in _fields(layer))) for i, layer in self.layers.items()}
+        return CloverCache(layers, self.max_len, 1)
+
+    def select(self, rows: list[int]) -> "CloverCache":
+        """A new cache holding these rows, in this order (copies)."""
+        index = {}
+        layers = {}
+        for i, layer in self.layers.items():
+            tensors = []
+            for t in _fields(layer):
+                idx = index.setdefault(t.device, torch.tensor(rows, device=t.device))
+                tensors.append(t.index_select(0, idx))
+            layers[i] = type(layer)(*tensors)
+        out = CloverCache(layers, self.max_len, len(rows))
+        if self.row_lengths is not None:
+            out.set_row_lengths([self.row_lengths[r] for r in rows])
+        else:
+            out.length = self.length
+        return out
 
     @classmethod
     def allocate(cls, config: CloverConfig, max_len: int, batch_size: int = 1, device=None,
@@ -84,12 +129,7 @@ class CloverCache:
 
     def tensors(self):
         for layer in self.layers.values():
-            if isinstance(layer, AttentionCache):
-                yield layer.k
-                yield layer.v
-            else:
-                yield layer.ring
-                yield layer.state
+            yield from _fields(layer)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -104,6 +144,7 @@ class CloverCache:
                 layers[i] = GDNCache(layer.ring.clone(), layer.state.clone())
         out = CloverCache(layers, self.max_len, self.batch_size)
         out.length = self.length
+        out.row_lengths = None if self.row_lengths is None else list(self.row_lengths)
         return out
 
     def restore(self, snapshot: "CloverCache") -> None:
@@ -113,8 +154,14 @@ class CloverCache:
         for mine, theirs in zip(self.tensors(), snapshot.tensors()):
             mine.copy_(theirs)
         self.length = snapshot.length
+        self.row_lengths = None if snapshot.row_lengths is None else list(snapshot.row_lengths)
 
     def reset(self) -> None:
         for t in self.tensors():
             t.zero_()
         self.length = 0
+        self.row_lengths = None
+
+
+def _fields(layer: AttentionCache | GDNCache) -> tuple[torch.Tensor, torch.Tensor]:
+    return (layer.k, layer.v) if isinstance(layer, AttentionCache) else (layer.ring, layer.state)

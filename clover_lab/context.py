@@ -3,6 +3,8 @@ which cache, and the per-block expert coreset. Three layouts, one named construc
 
 - ``cached``: the engine's forward. Rows [0, c) are committed at the cache's length n, rows
   [c, c + m) are a block previewed after them. The cache advances only when the forward succeeds.
+  A batch whose rows stand at different lengths (``cache.ragged``) has positions [B, c + m],
+  each row from its own length.
 - ``static``: the same with static shapes for CUDA graphs and torch.compile: the committed
   length is a 0-d device tensor and attention runs over the cache's whole buffer with a mask.
 - ``training``: no cache. Rows [0, L) are a clean sequence from position 0, run causally; rows
@@ -39,6 +41,12 @@ class Coreset:
     def reset(self) -> None:
         self.experts.clear()
 
+    def keep(self, rows: list[int]) -> None:
+        """A batch lost rows mid-block: keep the per-row coresets of these rows, in this order."""
+        for layer, ids in list(self.experts.items()):
+            if ids.dim() == 2:
+                self.record(layer, ids[torch.tensor(rows, device=ids.device)])
+
     def record(self, layer: int, ids: torch.Tensor) -> None:
         buf = self._buffers.get(layer)
         if buf is None or buf.shape != ids.shape or buf.device != ids.device:
@@ -69,7 +77,7 @@ class ForwardContext:
 
     c: int  # commit rows (training: the clean sequence's length)
     m: int  # preview rows
-    positions: torch.Tensor  # [c + m] absolute positions of the rows
+    positions: torch.Tensor  # [c + m] absolute positions of the rows ([B, c + m] when the rows differ)
     cache: CloverCache | None = None
     n: int | None = None  # committed length before the forward (cached layout)
     n_dev: torch.Tensor | None = None  # the same as a 0-d device tensor (static layout)
@@ -85,7 +93,11 @@ class ForwardContext:
     def cached(cls, cache: CloverCache, c: int, m: int, device, coreset: Coreset | None = None,
                where: Where = NOWHERE) -> "ForwardContext":
         n = cache.length
-        return cls(c, m, torch.arange(n, n + c + m, device=device), cache=cache, n=n, coreset=coreset, where=where)
+        if cache.ragged:
+            positions = torch.tensor(cache.row_lengths, device=device)[:, None] + torch.arange(c + m, device=device)
+        else:
+            positions = torch.arange(n, n + c + m, device=device)
+        return cls(c, m, positions, cache=cache, n=n, coreset=coreset, where=where)
 
     @classmethod
     def static(cls, cache: CloverCache, n: torch.Tensor, c: int, m: int,
@@ -98,6 +110,16 @@ class ForwardContext:
         clean = torch.arange(length, device=device)
         return cls(length, length, torch.cat([clean, clean]), block_size=block_size,  # noisy rows at clean positions
                    router_stats=None if router_stats is None else RouterStats(router_stats))
+
+    def flat_positions(self, lo: int, hi: int, batch: int) -> torch.Tensor:
+        """Positions of rows [lo, hi) of every batch row, flattened over the batch: [batch * (hi - lo)]."""
+        if self.positions.dim() == 2:
+            return self.positions[:, lo:hi].reshape(-1)
+        return self.positions[lo:hi].repeat(batch)
+
+    @property
+    def is_ragged(self) -> bool:
+        return self.positions.dim() == 2
 
     @property
     def is_training(self) -> bool:

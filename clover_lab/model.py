@@ -271,17 +271,17 @@ class CloverModel(nn.Module):
         # the forward succeeded: publish the commit
         for dst, src in ctx.pending:
             dst.copy_(src)
-        cache.length += c
+        cache.advance(c)
 
         out_commit = out_preview = None
         if c and commit_logits is not None:
             lo = c - 1 if commit_logits == "last" else 0
-            out_commit = self.head(x[:, lo:c], ctx, "commit", ctx.positions[lo:c])
+            out_commit = self.head(x[:, lo:c], ctx, "commit", ctx.positions[..., lo:c])
         if m:
-            rows, positions = x[:, c:], ctx.positions[c:]
+            rows, positions = x[:, c:], ctx.positions[..., c:]
             if preview_positions is not None:
                 idx = torch.as_tensor(preview_positions, device=x.device, dtype=torch.long)
-                rows, positions = rows[:, idx], positions[idx]
+                rows, positions = rows[:, idx], positions[..., idx]
             out_preview = self.head(rows, ctx, "preview", positions)
         return StepOutput(out_commit, out_preview)
 

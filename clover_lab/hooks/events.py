@@ -20,13 +20,22 @@ class Where:
     """Where a generation stands when an event fires. ``run`` counts generations on the engine
     (0: a forward called directly, outside any generation); ``phase`` "prefill" or "decode";
     ``block`` / ``step`` the block being previewed and its denoising step; ``commit_block`` the
-    block being committed by this forward (fused with a preview, or alone)."""
+    block being committed by this forward (fused with a preview, or alone). ``rows``: in a
+    batched generation, the request rows (indices into the prompts) that the event's batch
+    dimension holds, in order (rows leave as they finish); a step or commit event concerns one
+    row. None for a single generation."""
 
     run: int = 0
     phase: str | None = None
     block: int | None = None
     step: int | None = None
     commit_block: int | None = None
+    rows: tuple[int, ...] | None = None
+
+    @property
+    def row(self) -> int | None:
+        """The one request row an event concerns (a step or commit event of a batch), else None."""
+        return self.rows[0] if self.rows is not None and len(self.rows) == 1 else None
 
     def at(self, mode: str) -> tuple[int | None, int | None]:
         """(block, step) of the rows of one mode: a commit's rows belong to ``commit_block`` at no
@@ -76,7 +85,8 @@ class RouteEvent(Event):
     router_probs: torch.Tensor
     expert_ids: torch.Tensor
     weights: torch.Tensor
-    selectable: torch.Tensor | None = field(default=None, repr=False)  # [E] bool (coreset), None = all
+    # [E] bool (the block's coreset; [T, E] in a batch, each row its own), None = every expert
+    selectable: torch.Tensor | None = field(default=None, repr=False)
     # the layer's routing rule, (probs, allowed) -> (expert ids, weights): ``Router.select``
     select: Callable | None = field(default=None, repr=False, kw_only=True)
 
@@ -93,7 +103,7 @@ class RouteEvent(Event):
         return self.where.at(self.mode)[1]
 
     def _reroute(self, allowed: torch.Tensor) -> None:
-        if int(allowed.sum()) < self.top_k:
+        if int(allowed.sum(-1).min()) < self.top_k:
             raise ValueError(f"layer {self.layer}: fewer than top_k={self.top_k} experts left to route to")
         if self.select is None:
             raise ValueError(f"layer {self.layer}: this route event has no routing rule to re-route with")
@@ -108,7 +118,7 @@ class RouteEvent(Event):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
             raise ValueError(f"ban: expert ids must be in [0, {E}), got {ids.tolist()}")
         allowed = torch.ones(E, dtype=torch.bool, device=ids.device) if self.selectable is None else self.selectable.clone()
-        allowed[ids] = False
+        allowed[..., ids] = False
         self.selectable = allowed
         self._reroute(allowed)
 
@@ -178,7 +188,8 @@ class ResidualEvent(Event):
     ``.moe.output``, ``.output``, or ``final_norm.output``) for one part (commit or preview) of a
     forward.
 
-    ``value`` [B, T, H] the part's rows, ``positions`` [T] their absolute positions, ``layer``
+    ``value`` [B, T, H] the part's rows, ``positions`` [T] their absolute positions ([B, T] in a
+    batch whose rows are at different lengths), ``layer``
     None for ``final_norm.output`` (whose rows are only those the LM head reads: the last commit
     row, or the requested preview positions). Edit ``value`` in place or assign a tensor of the
     same shape, dtype and device: what it holds afterwards is what the forward goes on with.

@@ -24,6 +24,17 @@ class Record:
     def __getitem__(self, key):
         return self.data[key]
 
+    @property
+    def rows(self) -> tuple[int, ...] | None:
+        """The request rows of a batched generation the event's batch dimension holds (None: single)."""
+        return None if self.where is None or self.where.rows is None else tuple(self.where.rows)
+
+    @property
+    def row(self) -> int | None:
+        """The request row a step or commit record of a batched generation concerns."""
+        rows = self.rows
+        return rows[0] if rows is not None and len(rows) == 1 else None
+
     def __repr__(self):
         keys = ", ".join(self.data)
         return f"Record({self.point!r}, run={self.run}, phase={self.phase!r}, block={self.block}, step={self.step}, [{keys}])"

@@ -206,6 +206,12 @@ def load_trace(path) -> Trace:
     for i, row in enumerate(doc["records"]):
         where = f"{meta_file}: record {i} ({row.get('point')})"
         data = {k: _decode(v, tensors, where) for k, v in row["data"].items()}
-        where = None if row.get("where") is None else Where(*row["where"])
+        where = None if row.get("where") is None else _where(row["where"])
         records.append(Record(row["point"], row["run"], row["phase"], row["block"], row["step"], data, where))
     return Trace(records, doc["points"], doc.get("meta"), path)
+
+
+def _where(fields: list) -> Where:
+    """A saved Where (its fields in order; rows, when saved, back as a tuple)."""
+    where = Where(*fields)
+    return where if where.rows is None else Where(*fields[:-1], tuple(where.rows))

@@ -46,8 +46,8 @@ class GatedAttention(nn.Module):
             return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
 
         cache: AttentionCache = ctx.cache.layers[self.layer]
-        if ctx.is_static:
-            o = self._attend_static(q, k, v, cache, ctx)
+        if ctx.is_static or ctx.is_ragged:
+            o = (self._attend_static if ctx.is_static else self._attend_ragged)(q, k, v, cache, ctx)
             return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
         n, c, m = ctx.n, ctx.c, ctx.m
         outs = []
@@ -82,6 +82,33 @@ class GatedAttention(nn.Module):
         last = pos[:ctx.c] if not ctx.m else torch.cat([pos[:ctx.c], pos[-1:].expand(ctx.m)])
         allowed = torch.arange(cache.k.shape[2], device=q.device)[None, :] <= last[:, None]  # [T, max_len]
         return F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=allowed, enable_gqa=True)
+
+    @staticmethod
+    def _attend_ragged(q, k, v, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:
+        """A batch whose rows stand at different lengths (positions [B, c + m]): each row's
+        committed K,V go at its own positions, and a mask hides, per row, the keys past its
+        length. Commit rows see their prefix causally; block rows their prefix and the block."""
+        c, m = ctx.c, ctx.m
+        pos = ctx.positions  # [B, c + m]
+        keys_len = ctx.n + c  # the longest row's prefix after the commit
+        if c:
+            rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+            cache.k[rows, :, pos[:, :c]] = k[:, :, :c].transpose(1, 2)  # [B, c, H_kv, D] at per-row positions
+            cache.v[rows, :, pos[:, :c]] = v[:, :, :c].transpose(1, 2)
+        key_pos = torch.arange(keys_len, device=pos.device)
+        outs = []
+        if c:
+            allowed = key_pos[None, None, :] <= pos[:, :c, None]  # [B, c, keys]
+            outs.append(F.scaled_dot_product_attention(q[:, :, :c], cache.k[:, :, :keys_len], cache.v[:, :, :keys_len],
+                                                       attn_mask=allowed[:, None], enable_gqa=True))
+        if m:
+            prefix = key_pos[None, None, :] < (pos[:, :1, None] + c)  # [B, 1, keys]: the row's committed prefix
+            allowed = torch.cat([prefix.expand(-1, m, -1), prefix.new_ones(pos.shape[0], m, m)], dim=2)
+            keys = torch.cat([cache.k[:, :, :keys_len], k[:, :, c:]], dim=2)
+            values = torch.cat([cache.v[:, :, :keys_len], v[:, :, c:]], dim=2)
+            outs.append(F.scaled_dot_product_attention(q[:, :, c:], keys, values, attn_mask=allowed[:, None],
+                                                       enable_gqa=True))
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
     @staticmethod
     def _attend_blocks(q, k, v, L: int, bs: int) -> torch.Tensor:

@@ -98,7 +98,7 @@ class GatedDeltaNet(nn.Module):
                 return_history=want_history)
             if want_history:
                 self.hooks.fire(self.preview_point,
-                                GDNPreviewEvent(self.layer, ctx.positions[c:], p_hist, h, where=ctx.where))
+                                GDNPreviewEvent(self.layer, ctx.positions[..., c:], p_hist, h, where=ctx.where))
             outs.append(o)
         o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B, T, Hv, dv]
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))

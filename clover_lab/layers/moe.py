@@ -42,7 +42,7 @@ class Router(nn.Module):
         return torch.softmax(ops.linear(x, self.weight, packed=self.packed), dim=-1, dtype=torch.float32)
 
     def select(self, probs: torch.Tensor, allowed: torch.Tensor | None = None):
-        """probs [T, E], allowed [E] bool (None: every expert) -> (expert ids [T, k], weights [T, k]
+        """probs [T, E], allowed [E] or [T, E] bool (None: every expert) -> (expert ids [T, k], weights [T, k]
         fp32). Probabilities are >= 0, so a disallowed expert (-1) is never among the top k while
         k experts are allowed."""
         choice = probs if allowed is None else probs.masked_fill(~allowed, -1.0)
@@ -79,8 +79,9 @@ class Experts(nn.Module):
     def forward(self, x, expert_ids, weights, coreset: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H], expert_ids and weights [T, k]; ``coreset``: this layer's recorded coreset of the
         current block, if any (an offload store keeps those experts staged for the block)."""
-        if self.store is not None:
-            return self.store.run(self, x, expert_ids, weights, coreset)
+        if self.store is not None:  # a batch's per-row coresets [B, size]: the store holds their union
+            held = coreset if coreset is None or coreset.dim() == 1 else coreset.reshape(-1).unique()
+            return self.store.run(self, x, expert_ids, weights, held)
         return self.compute(x, expert_ids, weights, self.expert_tensors(), self.packed)
 
 
@@ -110,17 +111,22 @@ class SparseMoE(nn.Module):
             if coreset.size < self.top_k:  # fewer allowed experts than picks would route outside the coreset
                 raise ValueError(f"coreset size {coreset.size} is below num_experts_per_tok={self.top_k}")
             chosen = coreset.experts.get(self.layer)
+            size = min(coreset.size, self.num_experts)
             if chosen is None:  # first preview of the block: route fully, remember the coreset
-                coreset.record(self.layer, probs.sum(0).topk(min(coreset.size, self.num_experts)).indices)
-            else:
+                mass = probs.view(batch, hi - lo, -1).sum(1)  # [batch, E]: each row's block its own coreset
+                coreset.record(self.layer, (mass[0] if batch == 1 else mass).topk(size, dim=-1).indices)
+            elif chosen.dim() == 1:
                 allowed = torch.zeros(self.num_experts, dtype=torch.bool, device=probs.device)
                 allowed[chosen] = True
+            else:  # a batch: [batch, size] -> each routed token its row's experts, [batch * (hi - lo), E]
+                allowed = torch.zeros(batch, self.num_experts, dtype=torch.bool, device=probs.device)
+                allowed = allowed.scatter_(1, chosen, True).repeat_interleave(hi - lo, dim=0)
         ids, weights = self.gate.select(probs, allowed)
         weights = weights.to(dtype)
         if ctx.router_stats is not None:
             ctx.router_stats.append((probs, ids))
         if ctx.hooks and self.hooks.active(self.route_point):
-            event = RouteEvent(self.layer, mode, ctx.positions[lo:hi].repeat(batch), probs, ids, weights, allowed,
+            event = RouteEvent(self.layer, mode, ctx.flat_positions(lo, hi, batch), probs, ids, weights, allowed,
                                select=self.gate.select, where=ctx.where)
             before = (edit_count(ids), edit_count(weights))
             self.hooks.fire(self.route_point, event)

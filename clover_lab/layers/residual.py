@@ -19,7 +19,7 @@ def fire_residual(hooks: HookRegistry, name: str, layer: int | None, x: torch.Te
     parts, replaced = [], False
     for mode, lo, hi in (("commit", 0, ctx.c), ("preview", ctx.c, ctx.c + ctx.m)):
         if hi > lo:
-            event = ResidualEvent(name, layer, mode, ctx.positions[lo:hi], x[:, lo:hi], where=ctx.where)
+            event = ResidualEvent(name, layer, mode, ctx.positions[..., lo:hi], x[:, lo:hi], where=ctx.where)
             hooks.fire(name, event)
             parts.append(event.value)
             replaced |= event.replaced

@@ -17,10 +17,14 @@ class Rotary(nn.Module):
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [T] -> cos, sin [T, rotary_dim]; per-row positions [B, T] -> [B, 1, T,
+        rotary_dim] (broadcast over the heads)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, rotary_dim]
+        if positions.dim() == 2:
+            emb = emb[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
