@@ -3,7 +3,7 @@ from .cache import CacheFullError, CloverCache
 from .config import PRESETS, CloverConfig, ConfigError
 from .context import Coreset
 from .errors import CloverError
-from .engine import Engine, GenerationError, GenerationResult, GenerationStats, StreamUpdate, load
+from .engine import BatchResult, BatchStats, Engine, GenerationError, GenerationResult, GenerationStats, StreamUpdate, load
 from .hooks import Capture, CommitEvent, HookError, Record, StepEvent, StopGeneration, Trace, load_trace
 from .loading import CheckpointError
 from .model import CloverModel, StepOutput
@@ -13,6 +13,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CloverError", "CloverConfig", "ConfigError", "PRESETS", "CloverModel", "CloverCache", "CacheFullError", "Coreset",
     "StepOutput", "CheckpointError", "HookError", "StopGeneration",
-    "Engine", "load", "GenerationResult", "GenerationStats", "GenerationError", "SamplerSettings", "SettingsError",
+    "Engine", "load", "BatchResult", "BatchStats", "GenerationResult", "GenerationStats", "GenerationError", "SamplerSettings", "SettingsError",
     "StepEvent", "CommitEvent", "StreamUpdate", "Capture", "Record", "Trace", "load_trace",
 ]

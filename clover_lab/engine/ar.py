@@ -34,7 +34,7 @@ def run_ar(run) -> Iterator[StreamUpdate]:
         if run.counts is not None:
             run.counts[tokens] += 1
         run.committed.append(t)
-        reason = _end_reason(run, t)
+        reason = end_reason(run, t)
         last = reason != "length" or i + 1 == run.max_new
         try:
             out = run.commit([t], i, logits=None if last else "last")
@@ -57,7 +57,7 @@ def run_ar(run) -> Iterator[StreamUpdate]:
         yield run.update("done", run.stats.blocks, None)
 
 
-def _end_reason(run, token: int) -> str:
+def end_reason(run, token: int) -> str:
     """Why the run ends with ``token``, just appended to the response: "eos", "stop_string" or
     "length" (it goes on)."""
     if token in run.eos:

@@ -27,8 +27,11 @@ from ..model import CloverModel
 from ..placement import plan_placement
 from ..sampling import SamplerSettings
 from .ar import run_ar
+from .batch import BatchRun
+from .batch_loops import run_batch_ar, run_batch_diffusion
 from .diffusion import run_diffusion
-from .requests import GenerationError, check_coreset, check_request, encode_prompt, stop_list
+from .requests import (GenerationError, check_batch_memory, check_coreset, check_request, encode_prompt, is_batch,
+                       stop_list)
 from .results import GenerationResult, StreamUpdate
 from .run import Run
 from .runner import FastPath
@@ -227,13 +230,37 @@ class Engine:
         check_coreset(self.model.config, s.coreset_size)
         return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
 
+    def _start_batch(self, prompts, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> BatchRun:
+        if hook_depth() >= MAX_NESTED_GENERATIONS:
+            raise GenerationError(f"generate() called from inside hooks {hook_depth()} levels deep; a hook that "
+                                  f"generates must not do so again unconditionally (at most "
+                                  f"{MAX_NESTED_GENERATIONS} nested generations)")
+        s = SamplerSettings.from_kwargs(self.settings if settings is None else settings, **sampler)
+        stop = stop_list(stop, self.tokenizer)
+        max_new_tokens = self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
+        ids = []
+        for r, prompt in enumerate(prompts):
+            try:
+                ids.append(self.encode(prompt, thinking))
+                self.check_request(len(ids[-1]), max_new_tokens, mode)
+            except GenerationError as e:
+                raise GenerationError(f"prompt {r} of the batch: {e}") from e
+        check_batch_memory(self.model, max(map(len, ids)) + max_new_tokens, len(ids))
+        check_coreset(self.model.config, s.coreset_size)
+        return BatchRun(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
+
     # ---------------------------------------------------------------- generation
     def stream(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
                thinking: bool | None = None, settings: SamplerSettings | None = None,
                **sampler: Any) -> Iterator[StreamUpdate]:
         """Like :meth:`generate`, yielding a :class:`StreamUpdate` per denoising step ("step":
         provisional tokens of the current block), per committed block ("commit") and one "done"
-        whose ``result`` is the GenerationResult. Requests are checked before the first update."""
+        whose ``result`` is the GenerationResult. Requests are checked before the first update.
+        A list of prompts streams a batch: updates carry their ``row``, a "done" per row as it
+        ends, and a last "batch" update whose ``result`` is the :class:`BatchResult`."""
+        if is_batch(prompt):
+            batch = self._start_batch(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True)
+            return run_batch_diffusion(batch) if mode == "diffusion" else run_batch_ar(batch)
         run = self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True)
         return self._drive(run)
 
@@ -256,7 +283,17 @@ class Engine:
         as keyword arguments (``threshold=0.9, temperature=0, top_p, top_k, confidence,
         max_tokens_per_step, max_steps_per_block, repetition_penalty, presence_penalty,
         frequency_penalty, coreset_size, seed``) or as ``settings``; they override ``engine.settings``.
+
+        A list of prompts (strings, token-id lists or chat conversations) is a batch: the rows
+        share every forward, each progresses on its own, and the result is a :class:`BatchResult`
+        (a list of GenerationResults, one per prompt, with the batch's figures in ``stats``).
+        Greedy rows give the tokens each prompt gives alone; a ``seed`` seeds every row alike.
         """
+        if is_batch(prompt):
+            batch = self._start_batch(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=False)
+            for _ in run_batch_diffusion(batch) if mode == "diffusion" else run_batch_ar(batch):
+                pass
+            return batch.result
         run = self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=False)
         for _ in self._drive(run):
             pass

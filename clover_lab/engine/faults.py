@@ -67,6 +67,7 @@ def nonfinite_error(run, where: str, block_ids: torch.Tensor | None = None) -> G
     """The error for non-finite logits at ``where`` ("block 2, step 0"), naming their source when
     it can be found: a weight, the cache, or (``block_ids``: a preview) the first layer."""
     model = run.model
+    where = where if run.row is None else f"row {run.row}, {where}"
     head = (f"{where}: the logits are not finite (NaN or inf), so no token can be chosen; "
             f"the generation stopped instead of returning garbage")
     name = first_nonfinite_weight(model)

@@ -90,6 +90,23 @@ def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tok
                               f"{model.device}; lower max_new_tokens or shorten the prompt")
 
 
+def is_batch(prompt) -> bool:
+    """A list of prompts (strings, tensors, token-id lists or chat conversations), not one prompt
+    (token ids, or one conversation of message dicts)."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt))
+
+
+def check_batch_memory(model, length: int, rows: int) -> None:
+    """Refuse a batch whose cache (``rows`` x ``length`` positions) does not fit in free memory."""
+    need = cache_bytes(model.config, length, rows, dtype=model.dtype)
+    free = available_bytes(model.device)
+    if free is not None and need > free:
+        raise GenerationError(f"the cache for {rows} rows of {length} positions needs {need / 2**30:.2f} GiB, but "
+                              f"only {free / 2**30:.2f} GiB is free on {model.device}; batch fewer prompts, "
+                              f"lower max_new_tokens or shorten the prompts")
+
+
 def check_coreset(config, size: int | None) -> None:
     """A coreset must leave the router its top-k and restrict something: None or 0 (off), or
     ``num_experts_per_tok`` <= size < ``num_experts``."""

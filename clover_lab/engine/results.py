@@ -78,7 +78,9 @@ class StreamUpdate:
     """One update of :meth:`Engine.stream`.
 
     ``kind``: "step" (provisional tokens of the current block changed), "commit" (a block became
-    final and is in the cache) or "done" (``result`` holds the GenerationResult).
+    final and is in the cache) or "done" (``result`` holds the GenerationResult). A batched stream
+    tags each update with its ``row`` (a "done" per row as it finishes) and ends with one
+    "batch" update whose ``result`` is the :class:`BatchResult`.
     ``committed`` the final response tokens so far; ``block_tokens`` the current block, None where
     still masked. Its tokens are provisional: an unmasked position keeps its token, but the block
     may still be cut after an EOS or a stop string before it is committed. ``unmasked`` the block
@@ -92,8 +94,9 @@ class StreamUpdate:
     block_tokens: list[int | None]
     unmasked: list[int] = field(default_factory=list)
     time: float = 0.0
-    result: "GenerationResult | None" = None
+    result: "GenerationResult | BatchResult | None" = None
     tokenizer: object = field(default=None, repr=False)
+    row: int | None = None  # the request row of a batched stream (None: a single generation)
 
     @property
     def committed_text(self) -> str | None:

@@ -25,6 +25,8 @@ from ..cache import cache_bytes
 
 
 class Run:
+    row: int | None = None  # the request row, in a batch (engine/batch.py)
+
     def __init__(self, engine, prompt_ids: list[int], mode: str, max_new_tokens: int, s: SamplerSettings,
                  stop: list[str], emit: bool, number: int):
         model = engine.model
@@ -48,7 +50,11 @@ class Run:
         self.t0 = time.perf_counter()
         self.t_decode = self.t0
         self.result: GenerationResult | None = None
-        length = len(prompt_ids) + max_new_tokens
+        self.open_cache(len(prompt_ids) + max_new_tokens)
+
+    def open_cache(self, length: int) -> None:
+        """The generation's cache: the fast path's when it applies, else a fresh one."""
+        engine, model = self.engine, self.model
         try:
             self.graphs = engine._fast_path.acquire(self, model, length, engine._uses_fast_path(),
                                                     engine.compile_steps and self.device.type != "cuda")
@@ -63,7 +69,7 @@ class Run:
 
     def where(self, phase: str, block: int | None = None, step: int | None = None,
               commit_block: int | None = None) -> Where:
-        return Where(self.number, phase, block, step, commit_block)
+        return Where(self.number, phase, block, step, commit_block, None if self.row is None else (self.row,))
 
     def new_coreset(self) -> Coreset | None:
         """The run's expert coreset (on the fast path, the one whose buffers its graphs share)."""
@@ -147,7 +153,7 @@ class Run:
 
     def update(self, kind: str, block: int, step: int | None, block_tokens=(), unmasked=()) -> StreamUpdate:
         return StreamUpdate(kind, block, step, list(self.committed), list(block_tokens), list(unmasked),
-                            self.now(), self.result, tokenizer=self.engine.tokenizer)
+                            self.now(), self.result, tokenizer=self.engine.tokenizer, row=self.row)
 
     # ---------------------------------------------------------------- the end
     def finish(self, reason: str) -> GenerationResult:

@@ -1,0 +1,235 @@
+"""Batched generation (issue 18): several prompts share every forward, each row progresses on its
+own, and greedy rows give exactly what each prompt gives alone."""
+import pytest
+import torch
+
+from clover_lab import BatchResult, Engine, GenerationError, StopGeneration, load_trace
+from clover_lab.context import Coreset
+
+pytestmark = pytest.mark.usefixtures("gen_one_thread")
+# prompts of different lengths: rows stand at different cache lengths throughout
+PROMPTS = [[5, 17, 33], [5, 17, 33, 100, 2, 9, 77, 301, 12, 64], [400, 3, 250, 7, 88, 19], [42]]
+KW = dict(max_new_tokens=40, threshold=0.3)  # blocks of 16: 16 + 16 + 8
+
+
+def one_by_one(engine, prompts, **kw):
+    return [engine.generate(p, **kw) for p in prompts]
+
+
+def assert_rows_equal(batch, singles):
+    assert isinstance(batch, BatchResult) and len(batch) == len(singles)
+    for r, (b, s) in enumerate(zip(batch, singles)):
+        assert b.token_ids == s.token_ids, f"row {r}"
+        assert b.stop_reason == s.stop_reason, f"row {r}"
+        assert b.prompt_ids == s.prompt_ids and b.text == s.text
+        assert b.stats.steps_per_block == s.stats.steps_per_block, f"row {r}"
+        assert b.stats.blocks == s.stats.blocks and b.stats.new_tokens == s.stats.new_tokens
+
+
+# --------------------------------------------------------------------------- the model's ragged rows
+def test_rows_at_different_lengths_forward_as_they_would_alone(tiny_model):
+    """A cache whose rows hold prompts of different lengths: a fused commit + preview (and a
+    preview with each row's own coreset) equals each row run alone."""
+    cfg = tiny_model.config
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 11, 8)]
+    block = torch.randint(0, cfg.vocab_size, (3, 16), generator=g)
+    nxt = torch.randint(0, cfg.vocab_size, (3, 16), generator=g)
+    cache = tiny_model.new_cache(64, 3)
+    for r, p in enumerate(prompts):
+        tiny_model.prefill(cache.row(r), p, logits=None)
+    cache.set_row_lengths([5, 11, 8])
+    assert cache.ragged
+    coreset = Coreset(4)
+    fused = tiny_model.commit_and_preview(cache, block, nxt, coreset=coreset, commit_logits="all")
+    again = tiny_model.preview(cache, nxt, coreset=coreset)
+    assert cache.row_lengths == [21, 27, 24] and cache.length == 27
+    assert coreset.experts[0].shape == (3, 4)  # each row its own coreset
+    for r, p in enumerate(prompts):
+        alone = tiny_model.new_cache(64, 1)
+        tiny_model.prefill(alone, p, logits=None)
+        own = Coreset(4)
+        out = tiny_model.commit_and_preview(alone, block[r:r + 1], nxt[r:r + 1], coreset=own, commit_logits="all")
+        torch.testing.assert_close(fused.commit_logits[r], out.commit_logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fused.preview_logits[r], out.preview_logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(again[r], tiny_model.preview(alone, nxt[r:r + 1], coreset=own)[0],
+                                   atol=1e-5, rtol=1e-5)
+        assert torch.equal(coreset.experts[0][r], own.experts[0])
+
+
+# --------------------------------------------------------------------------- equality with one by one
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_greedy_batch_equals_one_by_one(tiny_engine, mode):
+    singles = one_by_one(tiny_engine, PROMPTS, mode=mode, **KW)
+    batch = tiny_engine.generate(PROMPTS, mode=mode, **KW)
+    assert_rows_equal(batch, singles)
+    if mode == "diffusion":  # the rows did progress on their own: not every row took as many steps
+        assert len({tuple(r.stats.steps_per_block) for r in batch}) > 1
+    st = batch.stats
+    assert st.rows == 4 and st.mode == mode and st.new_tokens == 4 * 40
+    assert st.prompt_tokens == sum(map(len, PROMPTS)) and st.prefill_forwards == 4
+    # every row rode along every shared forward until it ended; the batch ran far fewer forwards
+    assert all(r.stats.forwards == st.forwards for r in batch)
+    assert st.forwards < sum(s.stats.forwards for s in singles)
+    assert st.tokens_per_forward == pytest.approx(st.new_tokens / st.forwards)
+    assert st.tokens_per_second > 0 and st.stop_reasons == ["length"] * 4
+    assert batch.to_dict()["stats"]["rows"] == 4
+
+
+def test_batch_with_a_coreset_equals_one_by_one(tiny_engine):
+    kw = dict(KW, coreset_size=4)
+    assert_rows_equal(tiny_engine.generate(PROMPTS, **kw), one_by_one(tiny_engine, PROMPTS, **kw))
+
+
+def test_text_prompts_chat_and_a_batch_of_one(tiny_text_engine):
+    prompts = ["w5 w17 w33", [{"role": "user", "content": "w1 w2"}], "w9"]
+    assert_rows_equal(tiny_text_engine.generate(prompts, **KW), one_by_one(tiny_text_engine, prompts, **KW))
+    one = tiny_text_engine.generate(["w5 w17"], **KW)
+    assert len(one) == 1 and one[0].token_ids == tiny_text_engine.generate("w5 w17", **KW).token_ids
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_eos_ends_one_row_mid_batch(tiny_engine, mode):
+    base = one_by_one(tiny_engine, PROMPTS, mode=mode, **KW)
+    # an EOS that row 1 produces in its second block and row 3 never does
+    eos = next(t for t in base[1].token_ids[18:] if t not in base[3].token_ids)
+    tiny_engine.eos_token_ids = [eos]
+    singles = one_by_one(tiny_engine, PROMPTS, mode=mode, **KW)
+    batch = tiny_engine.generate(PROMPTS, mode=mode, **KW)
+    assert_rows_equal(batch, singles)
+    assert batch[1].stop_reason == "eos" and len(batch[1].token_ids) < 40
+    assert batch[3].stop_reason == "length" and len(batch[3].token_ids) == 40
+    assert all(r.stats.cache_complete for r in batch)
+    assert batch[1].stats.forwards < batch[3].stats.forwards  # it left the batch
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_stop_strings_end_rows_independently(tiny_text_engine, gen_tokenizer, mode):
+    prompts = ["w5 w17 w33 w100 w2", "w7", "w300 w301 w302 w303 w304 w305 w306"]
+    base = one_by_one(tiny_text_engine, prompts, mode=mode, **KW)
+    # a word row 1 writes in its second block and the other rows never do
+    stop = next(w for w in base[1].text.split()[18:] if w not in base[0].text and w not in base[2].text)
+    singles = one_by_one(tiny_text_engine, prompts, mode=mode, stop=[stop], **KW)
+    batch = tiny_text_engine.generate(prompts, mode=mode, stop=[stop], **KW)
+    assert_rows_equal(batch, singles)
+    assert batch[1].stop_reason == "stop_string" and stop not in batch[1].text
+    assert batch[0].stop_reason == batch[2].stop_reason == "length"
+
+
+# --------------------------------------------------------------------------- hooks, capture, stream
+def test_hooks_and_capture_see_the_row(tiny_engine, tmp_path):
+    with tiny_engine.capture(["denoise.step", "block.commit", "layers.3.moe.route", "layers.0.gdn.state"]) as cap:
+        batch = tiny_engine.generate(PROMPTS, **KW)
+    steps = cap["denoise.step"]
+    assert {rec.row for rec in steps} == {0, 1, 2, 3}
+    for r, result in enumerate(batch):
+        mine = [rec for rec in steps if rec.row == r]
+        assert len(mine) == sum(result.stats.steps_per_block)
+        commits = [rec for rec in cap["block.commit"] if rec.row == r]
+        assert [rec["tokens"] for rec in commits] == [result.token_ids[:16], result.token_ids[16:32],
+                                                      result.token_ids[32:]]
+        assert [rec["start"] for rec in commits] == [len(PROMPTS[r]) + k for k in (0, 16, 32)]
+    # rows unmasked different numbers of positions in the same step
+    first = [rec for rec in steps if rec.block == 0 and rec.step == 0]
+    assert len({len(rec["unmask"]) for rec in first}) > 1
+    # a model event's batch dimension holds the rows in where.rows; a prefill is one row at a time
+    for rec in cap["layers.3.moe.route"]:
+        if rec.phase == "prefill":
+            assert len(rec.rows) == 1 and rec["positions"].tolist() == list(range(len(PROMPTS[rec.row])))
+        else:
+            assert rec.rows == (0, 1, 2, 3)  # nobody left early: the last blocks committed together
+        assert rec["expert_ids"].shape[0] == rec["positions"].numel()
+        assert rec["positions"].numel() % len(rec.rows) == 0
+    preview = next(rec for rec in cap["layers.3.moe.route"] if rec.phase == "decode" and rec["mode"] == "preview")
+    starts = preview["positions"].view(4, -1)[:, 0].tolist()
+    assert starts == [len(p) for p in PROMPTS]  # each row's block at its own positions
+    assert all(rec["state"].shape[0] in (1, 4) for rec in cap["layers.0.gdn.state"])
+    cap.save(tmp_path / "trace")
+    loaded = load_trace(tmp_path / "trace")
+    assert [rec.row for rec in loaded["denoise.step"]] == [rec.row for rec in steps]
+
+
+def test_stream_tags_updates_with_their_row(tiny_engine):
+    updates = list(tiny_engine.stream(PROMPTS, **KW))
+    last = updates[-1]
+    assert last.kind == "batch" and isinstance(last.result, BatchResult) and last.row is None
+    done = [u for u in updates if u.kind == "done"]
+    assert sorted(u.row for u in done) == [0, 1, 2, 3]
+    for u in done:
+        assert u.result.token_ids == last.result[u.row].token_ids == u.committed
+    for r in range(4):
+        commits = [u.committed for u in updates if u.kind == "commit" and u.row == r]
+        assert commits == [last.result[r].token_ids[:k] for k in (16, 32, 40)]
+        assert all(u.kind in ("step", "commit", "done") for u in updates if u.row == r)
+
+
+def test_a_step_hook_stops_its_own_row(tiny_engine):
+    singles = one_by_one(tiny_engine, PROMPTS, **KW)
+
+    def stop_row_2(ev):
+        if ev.where.row == 2 and ev.block == 1:
+            ev.stop()
+
+    with tiny_engine.hooks({"denoise.step": stop_row_2}):
+        batch = tiny_engine.generate(PROMPTS, **KW)
+    assert batch[2].stop_reason == "hook" and len(batch[2].token_ids) < 40
+    assert batch[2].token_ids == singles[2].token_ids[:len(batch[2].token_ids)]
+    for r in (0, 1, 3):
+        assert batch[r].token_ids == singles[r].token_ids and batch[r].stop_reason == "length"
+
+
+def test_a_commit_hook_stops_its_own_row_and_a_model_hook_every_row(tiny_engine):
+    singles = one_by_one(tiny_engine, PROMPTS, **KW)
+    with tiny_engine.hooks({"block.commit": lambda ev: ev.stop() if ev.where.row == 0 else None}):
+        batch = tiny_engine.generate(PROMPTS, **KW)
+    assert batch[0].token_ids == singles[0].token_ids[:16] and batch[0].stop_reason == "hook"
+    assert all(batch[r].token_ids == singles[r].token_ids for r in (1, 2, 3))
+    calls = []
+
+    def stop_in_block_1(ev):
+        calls.append(ev.where.rows)
+        if ev.where.block == 1 and ev.mode == "preview":
+            raise StopGeneration
+
+    with tiny_engine.hooks({"layers.1.moe.route": stop_in_block_1}):
+        batch = tiny_engine.generate(PROMPTS, **KW)
+    assert [r.stop_reason for r in batch] == ["hook"] * 4
+    for r in range(4):  # the first block was resolved, then waited for a fused commit that never ran
+        assert batch[r].token_ids == singles[r].token_ids[:16]
+        assert not batch[r].stats.cache_complete
+    assert tiny_engine.generate(PROMPTS, **KW)[1].token_ids == singles[1].token_ids  # still usable
+
+
+# --------------------------------------------------------------------------- requests
+def test_bad_prompts_name_their_row_and_leave_the_engine_usable(tiny_engine):
+    with pytest.raises(GenerationError, match="prompt 1 of the batch.*empty"):
+        tiny_engine.generate([[1, 2], []], **KW)
+    with pytest.raises(GenerationError, match="prompt 2 of the batch.*outside the vocabulary"):
+        tiny_engine.generate([[1, 2], [3], [4, 99999]], **KW)
+    with pytest.raises(GenerationError, match="prompt 0 of the batch.*tokenizer"):
+        tiny_engine.generate(["text"], **KW)
+    with pytest.raises(GenerationError, match="prompt 1 of the batch.*context length"):
+        tiny_engine.generate([[1], [2] * 4090], max_new_tokens=40)
+    assert len(tiny_engine.generate([[1, 2], [3]], **KW)) == 2
+
+
+def test_seeded_sampled_batches_are_reproducible(tiny_engine):
+    kw = dict(KW, temperature=1.0, top_p=0.95, seed=7)
+    a, b = tiny_engine.generate(PROMPTS, **kw), tiny_engine.generate(PROMPTS, **kw)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    # the rows draw from generators of their own: a row's draws do not depend on the other rows
+    c = tiny_engine.generate(PROMPTS[:2], **kw)
+    assert [r.token_ids for r in c] == [r.token_ids for r in a[:2]]
+
+
+def test_penalties_count_each_rows_tokens(tiny_engine):
+    kw = dict(KW, presence_penalty=1e4, max_tokens_per_step=1, max_new_tokens=24)
+    batch = tiny_engine.generate(PROMPTS[:2], **kw)
+    assert all(len(set(r.token_ids)) == 24 for r in batch)
+    assert_rows_equal(batch, one_by_one(tiny_engine, PROMPTS[:2], **kw))
+
+
+def test_engine_stays_a_plain_engine_for_single_prompts(gen_model):
+    engine = Engine(gen_model)
+    single = engine.generate(PROMPTS[1], **KW)
+    assert not isinstance(single, list) and single.token_ids == engine.generate([PROMPTS[1]], **KW)[0].token_ids
