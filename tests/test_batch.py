@@ -81,6 +81,17 @@ def test_batch_with_a_coreset_equals_one_by_one(tiny_engine):
     assert_rows_equal(tiny_engine.generate(PROMPTS, **kw), one_by_one(tiny_engine, PROMPTS, **kw))
 
 
+def test_route_hooks_ban_within_each_rows_coreset(tiny_engine):
+    kw = dict(KW, coreset_size=4)
+    ban = {"layers.*.moe.route": lambda ev: ev.ban([3])}
+    with tiny_engine.hooks(ban):
+        singles = one_by_one(tiny_engine, PROMPTS, **kw)
+    with tiny_engine.hooks(ban), tiny_engine.capture("layers.2.moe.route") as cap:
+        batch = tiny_engine.generate(PROMPTS, **kw)
+    assert_rows_equal(batch, singles)
+    assert all(3 not in rec["expert_ids"].tolist() for rec in cap["layers.2.moe.route"])
+
+
 def test_text_prompts_chat_and_a_batch_of_one(tiny_text_engine):
     prompts = ["w5 w17 w33", [{"role": "user", "content": "w1 w2"}], "w9"]
     assert_rows_equal(tiny_text_engine.generate(prompts, **KW), one_by_one(tiny_text_engine, prompts, **KW))

@@ -217,27 +217,26 @@ class Engine:
         """Refuse up front what cannot run: unknown mode, no mask token, context or memory overflow."""
         check_request(self.model, self.mask_token_id, prompt_len, max_new_tokens, mode)
 
-    def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> Run:
+    def _request(self, mode, max_new_tokens, stop, settings, sampler) -> tuple:
+        """What every request checks before its prompts: nesting, sampler settings, stop strings,
+        the response length. Returns (settings, stop strings, max_new_tokens)."""
         if hook_depth() >= MAX_NESTED_GENERATIONS:
             raise GenerationError(f"generate() called from inside hooks {hook_depth()} levels deep; a hook that "
                                   f"generates must not do so again unconditionally (at most "
                                   f"{MAX_NESTED_GENERATIONS} nested generations)")
         s = SamplerSettings.from_kwargs(self.settings if settings is None else settings, **sampler)
-        stop = stop_list(stop, self.tokenizer)
-        ids = self.encode(prompt, thinking)
-        max_new_tokens = self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
-        self.check_request(len(ids), max_new_tokens, mode)
         check_coreset(self.model.config, s.coreset_size)
+        stop = stop_list(stop, self.tokenizer)
+        return s, stop, self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
+
+    def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> Run:
+        s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
+        ids = self.encode(prompt, thinking)
+        self.check_request(len(ids), max_new_tokens, mode)
         return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
 
     def _start_batch(self, prompts, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> BatchRun:
-        if hook_depth() >= MAX_NESTED_GENERATIONS:
-            raise GenerationError(f"generate() called from inside hooks {hook_depth()} levels deep; a hook that "
-                                  f"generates must not do so again unconditionally (at most "
-                                  f"{MAX_NESTED_GENERATIONS} nested generations)")
-        s = SamplerSettings.from_kwargs(self.settings if settings is None else settings, **sampler)
-        stop = stop_list(stop, self.tokenizer)
-        max_new_tokens = self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
+        s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
         ids = []
         for r, prompt in enumerate(prompts):
             try:
@@ -246,7 +245,6 @@ class Engine:
             except GenerationError as e:
                 raise GenerationError(f"prompt {r} of the batch: {e}") from e
         check_batch_memory(self.model, max(map(len, ids)) + max_new_tokens, len(ids))
-        check_coreset(self.model.config, s.coreset_size)
         return BatchRun(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
 
     # ---------------------------------------------------------------- generation

@@ -1,0 +1,149 @@
+"""Batched generation: tokens per second at batch 1, 4 and 16, block diffusion and AR.
+
+The same prompts (held-out code of different lengths for a trained model, random tokens for a
+random preset) are generated at each batch size: batch 1 is one ``engine.generate(prompt)`` per
+prompt, batch b is ``engine.generate(prompts[i:i + b])``. The batch sizes are interleaved round
+by round so that drift in machine load hits them alike; the table gives the best round's
+tokens per second (every row's new tokens over the wall time), its ratio to batch 1, the
+forwards run, and whether every batch gave the tokens of batch 1 (greedy). Prints a table and
+writes JSON to bench/results/. A benchmark, not a test.
+
+    python bench/bench_batch.py [--model default|DIR] [--preset clover-tiny] [--prompts 16]
+                                [--batch-sizes 1 4 16] [--max-new-tokens 64] [--threshold 0.9]
+                                [--rounds 2] [--threads 2] [--device cpu] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from clover_lab import CloverConfig, CloverModel, Engine, load
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="default", metavar="DIR",
+                   help="a model directory ('default': the embedded model); 'random' uses --preset")
+    p.add_argument("--preset", default="clover-tiny")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--modes", nargs="+", default=["diffusion", "ar"])
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args(argv)
+    if any(b < 1 or args.prompts % b for b in args.batch_sizes):
+        p.error(f"--batch-sizes must divide --prompts={args.prompts}")
+    return args
+
+
+def build(args) -> tuple[Engine, list[list[int]]]:
+    """The engine and the prompts: held-out code windows of 24 to 64 tokens (a trained model)."""
+    if args.model == "random":
+        config = CloverConfig.preset(args.preset)
+        model = CloverModel.random(config.replace(mask_token_id=config.mask_token_id or config.vocab_size - 1),
+                                   device=args.device)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(30.0)  # sharper than random: several tokens per step
+        engine = Engine(model)
+        g = torch.Generator().manual_seed(0)
+        return engine, [torch.randint(0, config.vocab_size - 1, (24 + 40 * i // max(args.prompts - 1, 1),),
+                                      generator=g).tolist() for i in range(args.prompts)]
+    engine = load(None if args.model == "default" else args.model, device=args.device)
+    from clover_lab.train import encode_files, split_corpus
+
+    ids = encode_files(engine.tokenizer, split_corpus()[1]).tolist()
+    stride = len(ids) // args.prompts
+    return engine, [ids[i * stride:i * stride + 24 + 40 * i // max(args.prompts - 1, 1)] for i in range(args.prompts)]
+
+
+def generate_all(engine: Engine, prompts, batch_size: int, mode: str, args):
+    """(seconds, token ids per prompt, shared forwards) for every prompt at this batch size."""
+    kw = dict(mode=mode, max_new_tokens=args.max_new_tokens, threshold=args.threshold, temperature=0)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    tokens, forwards = [], 0
+    for i in range(0, len(prompts), batch_size):
+        if batch_size == 1:
+            r = engine.generate(prompts[i], **kw)
+            tokens.append(r.token_ids)
+            forwards += r.stats.forwards
+        else:
+            batch = engine.generate(prompts[i:i + batch_size], **kw)
+            tokens += [r.token_ids for r in batch]
+            forwards += batch.stats.forwards
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, tokens, forwards
+
+
+def measure(engine: Engine, prompts, mode: str, args) -> list[dict]:
+    for b in args.batch_sizes:  # warm-up: every batch size's shapes once
+        generate_all(engine, prompts[:b], b, mode, args)
+    best: dict[int, tuple] = {}
+    for _ in range(args.rounds):
+        for b in args.batch_sizes:
+            seconds, tokens, forwards = generate_all(engine, prompts, b, mode, args)
+            if b not in best or seconds < best[b][0]:
+                best[b] = (seconds, tokens, forwards)
+    base_tokens = best[min(args.batch_sizes)][1]
+    new = sum(len(t) for t in base_tokens)
+    base_tps = new / best[min(args.batch_sizes)][0]
+    rows = []
+    for b in args.batch_sizes:
+        seconds, tokens, forwards = best[b]
+        tps = sum(len(t) for t in tokens) / seconds
+        rows.append(dict(mode=mode, batch_size=b, seconds=seconds, new_tokens=sum(len(t) for t in tokens),
+                         forwards=forwards, tokens_per_second=tps, ratio=tps / base_tps,
+                         same_tokens=tokens == base_tokens))
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine, prompts = build(args)
+    rows = [row for mode in args.modes for row in measure(engine, prompts, mode, args)]
+
+    from rich.console import Console
+    from rich.table import Table
+
+    name = args.preset if args.model == "random" else ("default-model" if args.model == "default"
+                                                       else Path(args.model).name)
+    table = Table(title=f"batched generation: {name} on {args.device}, {args.prompts} prompts of 24-64 tokens, "
+                        f"{args.max_new_tokens} new tokens, threshold {args.threshold}, {torch.get_num_threads()} "
+                        f"threads, best of {args.rounds}")
+    for col in ("mode", "batch", "seconds", "tokens/s", "vs batch 1", "forwards", "same tokens"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["mode"], str(r["batch_size"]), f"{r['seconds']:.2f}", f"{r['tokens_per_second']:.1f}",
+                      f"{r['ratio']:.2f}x", str(r["forwards"]), "yes" if r["same_tokens"] else "NO")
+    Console(width=140).print(table)
+
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if args.device.startswith("cuda") else "cpu"
+    path = out / f"batch-{name}-{tag}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({
+        "benchmark": "bench_batch", "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "device": args.device, "device_name": device_name, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "args": vars(args), "rows": rows,
+    }, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0 if all(r["same_tokens"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
