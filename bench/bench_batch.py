@@ -5,8 +5,9 @@ random preset) are generated at each batch size: batch 1 is one ``engine.generat
 prompt, batch b is ``engine.generate(prompts[i:i + b])``. The batch sizes are interleaved round
 by round so that drift in machine load hits them alike; the table gives the best round's
 tokens per second (every row's new tokens over the wall time), its ratio to batch 1, the
-forwards run, and whether every batch gave the tokens of batch 1 (greedy). Prints a table and
-writes JSON to bench/results/. A benchmark, not a test.
+forwards run, and whether every batch gave the tokens of batch 1 (greedy; in float32, the
+default: in bf16 a batch's GEMMs round differently from a single row's, and a near tie can
+go the other way). Prints a table and writes JSON to bench/results/. A benchmark, not a test.
 
     python bench/bench_batch.py [--model default|DIR] [--preset clover-tiny] [--prompts 16]
                                 [--batch-sizes 1 4 16] [--max-new-tokens 64] [--threshold 0.9]
@@ -32,6 +33,8 @@ def parse_args(argv=None):
                    help="a model directory ('default': the embedded model); 'random' uses --preset")
     p.add_argument("--preset", default="clover-tiny")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 (default: batches must then give batch 1's tokens) | bfloat16 | float16")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -51,14 +54,14 @@ def build(args) -> tuple[Engine, list[list[int]]]:
     if args.model == "random":
         config = CloverConfig.preset(args.preset)
         model = CloverModel.random(config.replace(mask_token_id=config.mask_token_id or config.vocab_size - 1),
-                                   device=args.device)
+                                   device=args.device, dtype=getattr(torch, args.dtype))
         with torch.no_grad():
             model.lm_head.weight.mul_(30.0)  # sharper than random: several tokens per step
         engine = Engine(model)
         g = torch.Generator().manual_seed(0)
         return engine, [torch.randint(0, config.vocab_size - 1, (24 + 40 * i // max(args.prompts - 1, 1),),
                                       generator=g).tolist() for i in range(args.prompts)]
-    engine = load(None if args.model == "default" else args.model, device=args.device)
+    engine = load(None if args.model == "default" else args.model, device=args.device, dtype=getattr(torch, args.dtype))
     from clover_lab.train import encode_files, split_corpus
 
     ids = encode_files(engine.tokenizer, split_corpus()[1]).tolist()
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
 
     name = args.preset if args.model == "random" else ("default-model" if args.model == "default"
                                                        else Path(args.model).name)
-    table = Table(title=f"batched generation: {name} on {args.device}, {args.prompts} prompts of 24-64 tokens, "
+    table = Table(title=f"batched generation: {name} ({args.dtype}) on {args.device}, {args.prompts} prompts of 24-64 tokens, "
                         f"{args.max_new_tokens} new tokens, threshold {args.threshold}, {torch.get_num_threads()} "
                         f"threads, best of {args.rounds}")
     for col in ("mode", "batch", "seconds", "tokens/s", "vs batch 1", "forwards", "same tokens"):

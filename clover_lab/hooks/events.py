@@ -172,7 +172,7 @@ class GDNStateEvent(Event):
     layer: int
     state: torch.Tensor  # [B, H_v, d_k, d_v] fp32
     ring: torch.Tensor  # [B, conv_dim, K-1]
-    length: int  # committed length after this commit
+    length: int  # committed length after this commit (a batch's rows at different lengths: the longest)
 
     @property
     def block(self) -> int | None:
