@@ -67,9 +67,24 @@ class Event:
         return self.where.phase
 
 
+class _RowsOfOneMode:
+    """``block`` / ``step`` of a model event's rows, from its ``mode``: a commit's rows belong to
+    the block being committed (no step), a preview's to the block and step being previewed."""
+
+    mode: str
+
+    @property
+    def block(self) -> int | None:
+        return self.where.at(self.mode)[0]
+
+    @property
+    def step(self) -> int | None:
+        return self.where.at(self.mode)[1]
+
+
 # --------------------------------------------------------------------------- model events
 @dataclass
-class RouteEvent(Event):
+class RouteEvent(_RowsOfOneMode, Event):
     """After the router of one MoE layer, for one part (commit or preview) of a forward.
 
     ``router_probs`` [T, E] fp32 (softmax over all experts), ``expert_ids`` [T, k] and ``weights``
@@ -93,14 +108,6 @@ class RouteEvent(Event):
     @property
     def top_k(self) -> int:
         return self.expert_ids.shape[-1]
-
-    @property
-    def block(self) -> int | None:
-        return self.where.at(self.mode)[0]
-
-    @property
-    def step(self) -> int | None:
-        return self.where.at(self.mode)[1]
 
     def _reroute(self, allowed: torch.Tensor) -> None:
         if int(allowed.sum(-1).min()) < self.top_k:
@@ -146,25 +153,18 @@ class RouteEvent(Event):
 
 
 @dataclass
-class GDNPreviewEvent(Event):
+class GDNPreviewEvent(_RowsOfOneMode, Event):
     """In a preview of one GDN layer: how much each block token leans on the compressed memory."""
 
     layer: int
     positions: torch.Tensor  # [m] absolute positions of the block
     history_weights: torch.Tensor  # [B, m, H_v] p_tH, fp32
     history_reads: torch.Tensor  # [B, m, H_v, d_v] h_t = (q_t / sqrt(d_k)) @ S0, fp32
-
-    @property
-    def block(self) -> int | None:
-        return self.where.block
-
-    @property
-    def step(self) -> int | None:
-        return self.where.step
+    mode = "preview"  # not a field: the rows are always a preview's
 
 
 @dataclass
-class GDNStateEvent(Event):
+class GDNStateEvent(_RowsOfOneMode, Event):
     """After a commit advanced one GDN layer. Edit ``state`` (or ``ring``) in place or assign a
     new tensor of the same shape; what it holds afterwards is what the cache keeps, once checked
     (finite floats of that shape: a HookError otherwise)."""
@@ -173,17 +173,10 @@ class GDNStateEvent(Event):
     state: torch.Tensor  # [B, H_v, d_k, d_v] fp32
     ring: torch.Tensor  # [B, conv_dim, K-1]
     length: int  # committed length after this commit (a batch's rows at different lengths: the longest)
-
-    @property
-    def block(self) -> int | None:
-        return self.where.commit_block
-
-    @property
-    def step(self) -> None:
-        return None
+    mode = "commit"  # not a field: the rows are always a commit's
 
 
-class ResidualEvent(Event):
+class ResidualEvent(_RowsOfOneMode, Event):
     """A residual-stream tensor (``layers.{i}.input``, ``.attn.output`` / ``.gdn.output``,
     ``.moe.output``, ``.output``, or ``final_norm.output``) for one part (commit or preview) of a
     forward.
@@ -216,14 +209,6 @@ class ResidualEvent(Event):
                              f"dtype {new.dtype}, device {new.device}")
         self._value = new
         self.replaced = True
-
-    @property
-    def block(self) -> int | None:
-        return self.where.at(self.mode)[0]
-
-    @property
-    def step(self) -> int | None:
-        return self.where.at(self.mode)[1]
 
     def __repr__(self):
         return (f"ResidualEvent({self.point!r}, mode={self.mode!r}, block={self.block}, step={self.step}, "
