@@ -5,7 +5,8 @@
                         [--coreset-size M] [--json]
 
 ``generate`` shows the current block unmasking live (rich), then the text and the statistics;
-``--json`` prints one JSON object instead. A model directory without a tokenizer takes
+``--json`` prints one JSON object instead. A repeated ``--prompt`` (or ``--prompt-ids``) is a
+batch: the rows share every forward, and each row's text and statistics are printed at the end. A model directory without a tokenizer takes
 ``--prompt-ids 1,2,3`` and prints token ids. Ctrl-C stops cleanly: what was generated so far is
 printed and the exit code is 130. Every user error (arguments, the model directory, the device,
 the request, a failed generation) is one line on stderr and exit code 2.
@@ -19,9 +20,9 @@ import sys
 import time
 
 from .arguments import ArgumentParser
+from .cli_view import LiveView, print_batch, print_interrupted, print_result
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
-MASK_GLYPH = "░"
 
 
 def _ids(text: str) -> list[int]:
@@ -44,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate a response with block diffusion (or AR) and show it live.")
     g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (default: the embedded model)")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the prompt text (needs a tokenizer in the model directory)")
-    src.add_argument("--prompt-ids", type=_ids, metavar="IDS", help="the prompt as token ids: 1,2,3")
+    src.add_argument("--prompt", action="append",
+                     help="the prompt text (needs a tokenizer in the model directory); repeated: a batch")
+    src.add_argument("--prompt-ids", type=_ids, metavar="IDS", action="append",
+                     help="the prompt as token ids: 1,2,3; repeated: a batch")
     g.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
     g.add_argument("--system", help="a system message (with --chat)")
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
@@ -203,6 +206,7 @@ class _UsageError(Exception):
 
 
 def cmd_generate(args) -> int:
+    from .engine.requests import is_batch
     from .errors import CloverError
 
     if args.threads is not None:
@@ -224,22 +228,25 @@ def cmd_generate(args) -> int:
                                thinking=args.thinking, **_sampler_kwargs(args))
     except (_UsageError, CloverError, ValueError, TypeError) as e:
         return _fail(str(e))
-    return _run_stream(engine, args, stream)
+    return _run_stream(engine, args, stream, batch=is_batch(prompt))
 
 
 def _prompt(engine, args):
-    """The request's prompt: text, chat messages around it, or token ids."""
+    """The request's prompt: text, chat messages around it, or token ids; a list of them when the
+    option was repeated (a batch)."""
     if args.prompt is None:
         if args.chat:
             raise _UsageError("--chat needs --prompt (text), not --prompt-ids")
-        return args.prompt_ids
-    if engine.tokenizer is None:
+        prompts = args.prompt_ids
+    elif engine.tokenizer is None:
         raise _UsageError(f"the model directory {args.model} has no tokenizer, so --prompt cannot be encoded; "
                           f"give token ids with --prompt-ids 1,2,3")
-    if not args.chat:
-        return args.prompt
-    return ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": args.prompt}]
+    elif not args.chat:
+        prompts = args.prompt
+    else:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompts = [system + [{"role": "user", "content": text}] for text in args.prompt]
+    return prompts[0] if len(prompts) == 1 else prompts
 
 
 def _set_block_size(engine, value: int) -> None:
@@ -249,9 +256,11 @@ def _set_block_size(engine, value: int) -> None:
         raise _UsageError(f"--block-size: {e}") from None
 
 
-def _run_stream(engine, args, stream) -> int:
-    """Drive the generation, live or not; Ctrl-C prints what was committed so far (exit 130)."""
-    view = None if (args.json or args.no_live) else _LiveView(engine, args)
+def _run_stream(engine, args, stream, batch: bool = False) -> int:
+    """Drive the generation, live or not (a batch: not); Ctrl-C prints what was committed so far
+    (exit 130)."""
+    view = None if (args.json or args.no_live or batch) else LiveView(engine, args)
+    committed: dict[int | None, list[int]] = {}  # row (None: a single generation) -> tokens so far
     last = None
     t0 = time.perf_counter()
     try:
@@ -259,14 +268,15 @@ def _run_stream(engine, args, stream) -> int:
             view.start()
         for update in stream:
             last = update
+            if update.kind != "batch":
+                committed[update.row] = list(update.committed)
             if view is not None:
                 view.show(update)
     except KeyboardInterrupt:
         stream.close()
         if view is not None:
             view.stop()
-        committed = [] if last is None else list(last.committed)
-        _print_interrupted(engine, args, committed, time.perf_counter() - t0)
+        print_interrupted(engine, args, committed, time.perf_counter() - t0)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - a failed generation is reported, not a traceback
         if view is not None:
@@ -276,8 +286,10 @@ def _run_stream(engine, args, stream) -> int:
         view.stop()
     if args.json:
         print(json.dumps(last.result.to_dict()))
+    elif batch:
+        print_batch(engine, last.result)
     else:
-        _print_result(engine, last.result)
+        print_result(engine, last.result)
     return EXIT_OK
 
 
@@ -313,111 +325,6 @@ def cmd_routes(args) -> int:
               f"experts; mean load entropy {stats.load_entropy().mean():.3f}, max/mean load "
               f"{stats.load_balance().max():.2f}: {path}")
     return EXIT_OK
-
-
-def _text_of(engine, ids: list[int]) -> str:
-    if engine.tokenizer is None:
-        return " ".join(map(str, ids))
-    return engine.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _print_interrupted(engine, args, committed: list[int], seconds: float) -> None:
-    if args.json:
-        text = None if engine.tokenizer is None else _text_of(engine, committed)
-        print(json.dumps({"text": text, "token_ids": committed, "interrupted": True,
-                          "stats": {"new_tokens": len(committed), "seconds": seconds}}))
-        return
-    from rich.console import Console
-
-    console = Console()
-    console.print(f"[bold yellow]interrupted[/] after {len(committed)} committed tokens ({seconds:.2f} s):")
-    console.print(_text_of(engine, committed), markup=False, highlight=False)
-
-
-def _print_result(engine, result) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    if result.text is not None:
-        console.print(result.text, markup=False, highlight=False)
-    else:
-        console.print("token ids: " + " ".join(map(str, result.token_ids)), markup=False, highlight=False)
-    st = result.stats
-    table = Table(title="statistics", show_header=False, box=None, padding=(0, 2))
-    rows = [
-        ("mode", st.mode), ("stop reason", st.stop_reason),
-        ("prompt / new tokens", f"{st.prompt_tokens} / {st.new_tokens}"),
-        ("forwards", f"{st.forwards} ({st.preview_forwards} previews, {st.fused_forwards} fused, "
-                     f"{st.commit_forwards} commits)"),
-        ("tokens per forward", f"{st.tokens_per_forward:.2f}"),
-        ("tokens per second", f"{st.tokens_per_second:.1f}"),
-    ]
-    if st.mode == "diffusion":
-        rows.append(("blocks / mean steps per block", f"{st.blocks} / {st.mean_steps_per_block or 0:.2f}"))
-    if st.seconds_per_preview is not None:
-        rows.append(("time per preview", f"{st.seconds_per_preview * 1e3:.2f} ms"))
-    if st.seconds_per_commit is not None:
-        rows.append(("time per commit", f"{st.seconds_per_commit * 1e3:.2f} ms"))
-    rows += [("prefill", f"{st.prefill_seconds * 1e3:.1f} ms"), ("decode", f"{st.decode_seconds:.3f} s")]
-    if st.seed is not None:
-        rows.append(("seed", str(st.seed)))
-    for k, v in rows:
-        table.add_row(k, v)
-    console.print(table)
-
-
-class _LiveView:
-    """The committed text, then the current block: provisional tokens in colour, masks as ░."""
-
-    def __init__(self, engine, args):
-        from rich.console import Console
-
-        self.engine = engine
-        self.console = Console()
-        self.live = None
-        self.last_refresh = 0.0
-        self.blocks = 0
-
-    def start(self):
-        from rich.live import Live
-
-        self.live = Live(self._render(None), console=self.console, auto_refresh=False, transient=True)
-        self.live.start()
-
-    def stop(self):
-        if self.live is not None:
-            self.live.stop()
-            self.live = None
-
-    def show(self, update):
-        now = time.perf_counter()
-        if update.kind == "step" and now - self.last_refresh < 0.05:
-            return  # ~20 frames per second at most: the view must not slow generation down
-        self.last_refresh = now
-        self.live.update(self._render(update), refresh=True)
-
-    def _render(self, update):
-        from rich.panel import Panel
-        from rich.text import Text
-
-        text = Text()
-        if update is None:
-            return Panel(Text("prefilling the prompt ...", style="dim"), title="clover-lab")
-        text.append(_text_of(self.engine, update.committed), style="bold")
-        if update.kind == "step":
-            if update.committed:
-                text.append(" ")
-            unmasked = set(update.unmasked)
-            for pos, piece in enumerate(update.block_pieces()):
-                if piece is None:
-                    text.append(MASK_GLYPH, style="dim")
-                else:
-                    text.append(piece if self.engine.tokenizer is not None else piece + " ",
-                                style="black on yellow" if pos in unmasked else "yellow")
-        footer = f"block {update.block}" + (f" step {update.step}" if update.step is not None else "") + \
-                 f" | {len(update.committed)} tokens committed | {update.time:.2f} s"
-        return Panel(text, title="clover-lab generate", subtitle=footer)
 
 
 if __name__ == "__main__":

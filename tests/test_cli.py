@@ -8,6 +8,7 @@ import pytest
 
 import clover_lab
 from clover_lab import cli
+from clover_lab.cli_view import MASK_GLYPH, LiveView
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 
@@ -61,7 +62,7 @@ def test_live_view_renders_blocks(gen_model, gen_tokenizer):
     from rich.console import Console
 
     engine = clover_lab.Engine(gen_model, gen_tokenizer)
-    view = cli._LiveView(engine, None)
+    view = LiveView(engine, None)
     console = Console(record=True, width=100, force_terminal=False)
     seen_mask = False
     for update in engine.stream([5, 6, 7], max_new_tokens=20, threshold=0.95):
@@ -71,7 +72,7 @@ def test_live_view_renders_blocks(gen_model, gen_tokenizer):
         seen_mask |= update.kind == "step" and None in update.block_tokens
     text = console.export_text()
     assert "clover-lab generate" in text and "block 1" in text and "step 3" in text and "w" in text
-    assert seen_mask and cli.MASK_GLYPH in text
+    assert seen_mask and MASK_GLYPH in text
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -201,3 +202,38 @@ def test_routes_user_errors_are_one_line(capsys, gen_model_dir, tmp_path):
     code, out, err = run_cli(capsys, "routes", "--model", gen_model_dir, "--data", tmp_path, "--out",
                              tmp_path / "r.npz", "--device", "meta")
     _one_line_error(code, out, err, "device 'meta'")
+
+
+def test_repeated_prompts_are_a_batch(capsys, gen_model_dir, gen_text_model_dir):
+    code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,17,33",
+                             "--prompt-ids", "9", "--max-new-tokens", 20, "--threshold", 0.3, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    engine = clover_lab.load(gen_model_dir)
+    expected = engine.generate([[5, 17, 33], [9]], max_new_tokens=20, threshold=0.3)
+    assert [r["token_ids"] for r in data["results"]] == [r.token_ids for r in expected]
+    assert data["stats"]["rows"] == 2 and data["stats"]["forwards"] == expected.stats.forwards
+    code, out, err = run_cli(capsys, "generate", "--model", gen_text_model_dir, "--prompt", "w5 w6", "--prompt", "w7",
+                             "--chat", "--max-new-tokens", 8, "--threshold", 0.3)
+    assert code == 0, err
+    assert "row 0" in out and "row 1" in out and "2 rows, 16 new tokens" in out
+
+
+def test_ctrl_c_in_a_batch_prints_every_rows_tokens(capsys, gen_model, monkeypatch):
+    engine = clover_lab.Engine(gen_model)
+
+    def interrupt(ev):
+        if ev.block == 1:
+            raise KeyboardInterrupt
+
+    handle = engine.add_hook("denoise.step", interrupt)
+    monkeypatch.setattr(cli, "load_engine", lambda args: engine)
+    try:
+        code, out, _ = run_cli(capsys, "generate", "--prompt-ids", "5,17,33", "--prompt-ids", "8,8",
+                               "--max-new-tokens", 40, "--threshold", 0.3, "--json")
+    finally:
+        handle.remove()
+    assert code == 130
+    data = json.loads(out)
+    expected = engine.generate([[5, 17, 33], [8, 8]], max_new_tokens=40, threshold=0.3)
+    assert data["interrupted"] and [r["token_ids"] for r in data["results"]] == [r.token_ids[:16] for r in expected]
