@@ -94,7 +94,7 @@ class StreamUpdate:
     block_tokens: list[int | None]
     unmasked: list[int] = field(default_factory=list)
     time: float = 0.0
-    result: "GenerationResult | BatchResult | None" = None
+    result: "GenerationResult | None" = None  # the last update of a batched stream: its BatchResult
     tokenizer: object = field(default=None, repr=False)
     row: int | None = None  # the request row of a batched stream (None: a single generation)
 
