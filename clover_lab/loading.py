@@ -1,5 +1,6 @@
-"""Hugging Face directory <-> CloverModel: config.json + safetensors (single file or shards),
-the tokenizer, generation_config.json and where the embedded default model lives.
+"""Hugging Face directory -> CloverModel: config.json + safetensors (single file or shards),
+the tokenizer, generation_config.json and where the embedded default model lives (writing a
+directory: ``saving.py``).
 
 Loading is memory-mapped and tensor by tensor onto a model built on the ``meta`` device, so a
 checkpoint never exists twice in memory; onto a GPU each tensor goes from the map to the device
@@ -21,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from .config import CloverConfig, ConfigError
 from .errors import CheckpointError  # noqa: F401 - re-exported; defined apart so that fp8/ can raise it
@@ -317,44 +317,6 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
     setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
-
-
-def save_model(model, path, max_shard_bytes: int | None = None) -> None:
-    """Write config.json and the weights (fused experts) as one file or as shards with an index."""
-    kept = [name for name, p in model.named_parameters() if p.dtype in KEPT_DTYPES]
-    if kept:
-        raise CheckpointError(f"save_pretrained: the model keeps {len(kept)} weights in FP8 (e.g. {kept[0]!r}), which "
-                              f"this writer does not store; load it with keep_fp8=False to save it dequantized, or "
-                              f"write an FP8 checkpoint with clover_lab.fp8.quantize.quantize_checkpoint")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = model.config.replace(dtype=str(model.dtype).removeprefix("torch."))
-    config.save(path)
-    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
-    limit = max_shard_bytes or (5 << 30)
-    shards, current, size = [], {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > limit:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = t
-        size += nbytes
-    shards.append(current)
-    for stale in list(path.glob("model*.safetensors")) + [path / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata=metadata)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata=metadata)
-        weight_map.update({name: fname for name in shard})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def load_tokenizer(path):

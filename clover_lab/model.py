@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import clover_kernels as ops
 
-from . import loading
+from . import loading, saving
 from .cache import CloverCache
 from .config import CloverConfig
 from .context import Coreset, ForwardContext
@@ -159,7 +159,7 @@ class CloverModel(nn.Module):
                                   placement=placement, check_finite=check_finite)
 
     def save_pretrained(self, path, max_shard_bytes: int | None = None) -> None:
-        loading.save_model(self, path, max_shard_bytes=max_shard_bytes)
+        saving.save_model(self, path, max_shard_bytes=max_shard_bytes)
 
     @torch.no_grad()
     def reset_preview_parameters(self) -> None:
