@@ -41,6 +41,14 @@ class Coreset:
     def reset(self) -> None:
         self.experts.clear()
 
+    def subset(self, rows: list[int]) -> "Coreset":
+        """The recorded coresets of these batch rows, for a forward over them alone (read only:
+        a coreset is recorded by the block's first preview, over every row)."""
+        out = Coreset(self.size)
+        for layer, ids in self.experts.items():
+            out.experts[layer] = ids[torch.tensor(rows, device=ids.device)] if ids.dim() == 2 else ids
+        return out
+
     def keep(self, rows: list[int]) -> None:
         """A batch lost rows mid-block: keep the per-row coresets of these rows, in this order."""
         for layer, ids in list(self.experts.items()):

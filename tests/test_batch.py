@@ -68,9 +68,12 @@ def test_greedy_batch_equals_one_by_one(tiny_engine, mode):
     st = batch.stats
     assert st.rows == 4 and st.mode == mode and st.new_tokens == 4 * 40
     assert st.prompt_tokens == sum(map(len, PROMPTS)) and st.prefill_forwards == 4
-    # every row rode along every shared forward until it ended; the batch ran far fewer forwards
-    assert all(r.stats.forwards == st.forwards for r in batch)
-    assert st.forwards < sum(s.stats.forwards for s in singles)
+    # each row took part in the forwards it would have run alone (a row whose block is done sits
+    # out the others' steps); the batch ran far fewer forwards than the rows one by one
+    for b, s in zip(batch, singles):
+        assert (b.stats.preview_forwards, b.stats.fused_forwards, b.stats.commit_forwards) == \
+            (s.stats.preview_forwards, s.stats.fused_forwards, s.stats.commit_forwards)
+    assert max(s.stats.forwards for s in singles) <= st.forwards < sum(s.stats.forwards for s in singles)
     assert st.tokens_per_forward == pytest.approx(st.new_tokens / st.forwards)
     assert st.tokens_per_second > 0 and st.stop_reasons == ["length"] * 4
     assert batch.to_dict()["stats"]["rows"] == 4
@@ -148,9 +151,12 @@ def test_hooks_and_capture_see_the_row(tiny_engine, tmp_path):
         if rec.phase == "prefill":
             assert len(rec.rows) == 1 and rec["positions"].tolist() == list(range(len(PROMPTS[rec.row])))
         else:
-            assert rec.rows == (0, 1, 2, 3)  # nobody left early: the last blocks committed together
+            assert set(rec.rows) <= {0, 1, 2, 3} and list(rec.rows) == sorted(rec.rows)
         assert rec["expert_ids"].shape[0] == rec["positions"].numel()
         assert rec["positions"].numel() % len(rec.rows) == 0
+    for r, result in enumerate(batch):  # a row takes part in its own steps' previews only
+        previews = [rec for rec in cap["layers.3.moe.route"] if rec["mode"] == "preview" and r in rec.rows]
+        assert len(previews) == sum(result.stats.steps_per_block)
     preview = next(rec for rec in cap["layers.3.moe.route"] if rec.phase == "decode" and rec["mode"] == "preview")
     starts = preview["positions"].view(4, -1)[:, 0].tolist()
     assert starts == [len(p) for p in PROMPTS]  # each row's block at its own positions
@@ -244,3 +250,41 @@ def test_engine_stays_a_plain_engine_for_single_prompts(gen_model):
     engine = Engine(gen_model)
     single = engine.generate(PROMPTS[1], **KW)
     assert not isinstance(single, list) and single.token_ids == engine.generate([PROMPTS[1]], **KW)[0].token_ids
+
+
+def test_events_narrowed_to_a_row_equal_the_row_alone(tiny_engine):
+    """``event.for_row(r)``: a model event of a batch, cut to row r, holds what r's own generation
+    gave (residual values, routing, GDN states with the row's own length)."""
+    points = ["layers.1.output", "layers.2.moe.route", "layers.0.gdn.state", "layers.0.gdn.preview"]
+
+    def collect(row):
+        seen = {p: [] for p in points}
+
+        def hook(name):
+            def fn(ev):
+                mine = ev.for_row(row)
+                if mine is not None and mine.where.phase == "decode":
+                    seen[name].append(mine)
+            return fn
+
+        return seen, {p: hook(p) for p in points}
+
+    batch_seen, hooks = collect(2)
+    with tiny_engine.hooks(hooks):
+        tiny_engine.generate(PROMPTS, **KW)
+    alone_seen, hooks = collect(0)  # outside a batch for_row is the event itself
+    with tiny_engine.hooks(hooks):
+        tiny_engine.generate(PROMPTS[2], **KW)
+    for p in points:
+        assert len(batch_seen[p]) == len(alone_seen[p]) > 0, p
+    for a, b in zip(batch_seen["layers.1.output"], alone_seen["layers.1.output"]):
+        assert (a.block, a.step, a.mode) == (b.block, b.step, b.mode) and a.where.row == 2
+        assert torch.equal(a.positions, b.positions)
+        torch.testing.assert_close(a.value, b.value, atol=1e-5, rtol=1e-5)
+    for a, b in zip(batch_seen["layers.2.moe.route"], alone_seen["layers.2.moe.route"]):
+        assert torch.equal(a.expert_ids, b.expert_ids) and torch.equal(a.positions, b.positions)
+    for a, b in zip(batch_seen["layers.0.gdn.state"], alone_seen["layers.0.gdn.state"]):
+        assert a.length == b.length and a.state.shape == b.state.shape
+        torch.testing.assert_close(a.state, b.state, atol=1e-5, rtol=1e-5)
+    for a, b in zip(batch_seen["layers.0.gdn.preview"], alone_seen["layers.0.gdn.preview"]):
+        torch.testing.assert_close(a.history_weights, b.history_weights, atol=1e-5, rtol=1e-5)

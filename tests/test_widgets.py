@@ -234,6 +234,36 @@ def test_export_html_is_self_contained(engine, tmp_path):
 
 
 # --------------------------------------------------------------------------- attach / detach
+def test_views_follow_one_row_of_a_batch(engine):
+    """A view shows request row ``view.row`` of a batched generation: what it shows equals a view
+    of that prompt generated alone."""
+    prompts = [PROMPT, [7, 7, 300], [9]]
+
+    def views():
+        return [DenoiseView(engine, fps=1000), ExpertView(engine, fps=1000), MemoryView(engine, fps=1000)]
+
+    in_batch = views()
+    for view in in_batch:
+        view.row = 1
+    batch = engine.generate(prompts, **GEN)
+    for view in in_batch:
+        view.close()
+    alone = views()
+    single = engine.generate(prompts[1], **GEN)
+    for view in alone:
+        view.close()
+    (d1, e1, m1), (d2, e2, m2) = in_batch, alone
+    assert d1.tokens() == batch[1].token_ids == single.token_ids == d2.tokens()
+    assert d1.steps_per_block() == d2.steps_per_block()
+    for phase in ("prefill", "commit", "preview"):
+        np.testing.assert_array_equal(e1.usage(phase), e2.usage(phase))
+    for layer, weights in m2.history_weights().items():
+        np.testing.assert_allclose(m1.history_weights()[layer], weights, rtol=1e-4, atol=1e-6)
+        lengths, norms = m1.state_norms(layer)
+        assert lengths == m2.state_norms(layer)[0]
+        np.testing.assert_allclose(norms, m2.state_norms(layer)[1], rtol=1e-4)
+
+
 def test_nothing_stays_attached(engine):
     hooks = engine.model.hooks
     view = DenoiseView(engine)

@@ -52,6 +52,27 @@ def test_a_saved_trace_replays_as_the_live_run(engine, tmp_path, cls):
     replayed.close()
 
 
+@pytest.mark.parametrize("cls", [DenoiseView, ExpertView, MemoryView])
+def test_a_batched_trace_replays_one_row(engine, tmp_path, cls):
+    """A view following row 1 of a batch, live and replayed from the batch's trace, shows the same."""
+    live = cls(engine, fps=1000)
+    live.row = 1
+    try:
+        with engine.capture(list(live.hook_methods())) as cap:
+            engine.generate([PROMPT, [7, 7, 300], [9]], coreset_size=3, **GEN)
+        live.flush()
+        cap.save(tmp_path / "batch")
+    finally:
+        live.detach()
+    replayed = cls(fps=1000)
+    replayed.row = 1
+    replayed.replay(clover_lab.load_trace(tmp_path / "batch"))
+    assert len(replayed.frames) == len(live.frames) > 0 and replayed.frame_labels == live.frame_labels
+    assert all(same(a, b) for a, b in zip(live.frames, replayed.frames))
+    live.close()
+    replayed.close()
+
+
 def test_export_html_writes_every_frame_with_a_slider(engine, tmp_path):
     view = DenoiseView(engine, fps=1000)
     try:

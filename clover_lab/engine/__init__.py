@@ -7,4 +7,5 @@ from .engine import Engine, load
 from .requests import GenerationError
 from .results import GenerationResult, GenerationStats, StreamUpdate
 
-__all__ = ["BatchResult", "BatchStats", "Engine", "load", "GenerationError", "GenerationResult", "GenerationStats", "StreamUpdate"]
+__all__ = ["BatchResult", "BatchStats", "Engine", "load", "GenerationError", "GenerationResult", "GenerationStats",
+           "StreamUpdate"]

@@ -161,9 +161,18 @@ class BatchRun:
                 row.stats.commit_forwards += 1
         return out
 
-    def preview(self, canvas: torch.Tensor, coreset, where: Where, pending: torch.Tensor | None = None):
+    def preview(self, canvas: torch.Tensor, coreset, where: Where, pending: torch.Tensor | None = None,
+                rows: list[int] | None = None):
         """Preview logits [B, m, V] of every active row's block ``canvas`` [B, m], after committing
-        ``pending`` [B, c] (each row's previous block) in the same forward when given."""
+        ``pending`` [B, c] (each row's previous block) in the same forward when given. ``rows``:
+        only these active rows (``canvas`` theirs), when the others' blocks are done: they run
+        against a copy of their rows of the cache, so that a finished block costs nothing."""
+        if rows is not None and rows != self.active:
+            index = [self.active.index(r) for r in rows]
+            sub = self.cache.select(index)
+            narrowed = None if coreset is None else coreset.subset(index)
+            return self._timed("preview", [self.rows[r] for r in rows],
+                               lambda: self.model.preview(sub, canvas, coreset=narrowed, where=where))
         live = self.live()
         if pending is None:
             return self._timed("preview", live, lambda: self.model.preview(self.cache, canvas, coreset=coreset,

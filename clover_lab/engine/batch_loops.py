@@ -4,7 +4,7 @@ over rows that share every forward.
 Block diffusion: the rows resolve their block ``index`` together. Each row decides its own
 unmasking from its own logits (``denoise_step``, as a single generation does), so rows unmask
 different numbers of positions per step and finish their blocks at different steps; a row whose
-block is done waits, its previews unused, until every row's block is done. The finished blocks
+block is done waits, out of the previews, until every row's block is done. The finished blocks
 are then committed fused with the next block's first preview, as in a single generation. A row
 that ends (EOS, a stop string, its length, a hook) commits its last block apart and leaves the
 batch. Greedy rows give the tokens they would give alone.
@@ -81,15 +81,16 @@ class BatchBlockLoop:
         batch = self.batch
         step = 0
         while any(blocks[r].masked for r in batch.active):
-            rows = list(batch.active)
+            rows = [r for r in batch.active if blocks[r].masked]  # a row whose block is done waits
             canvas = torch.stack([blocks[r].canvas for r in rows])
-            if self.pending:
+            if self.pending:  # the block's first step: every row takes part
                 pending = torch.tensor([self.pending[r][0] for r in rows], device=batch.device)
                 where = batch.where("decode", self.index, step, commit_block=self.index - 1)
                 logits = batch.preview(canvas, self.coreset, where, pending=pending)
                 yield from self.publish_pending(rows)
             else:
-                logits = batch.preview(canvas, self.coreset, batch.where("decode", self.index, step))
+                logits = batch.preview(canvas, self.coreset, batch.where("decode", self.index, step, rows=rows),
+                                       rows=rows)
             for i, r in enumerate(rows):
                 block = blocks[r]
                 if r not in batch.active or not block.masked:

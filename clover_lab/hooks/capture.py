@@ -111,7 +111,7 @@ _FIELDS = {
     P.MOE_ROUTE: dict(layer=False, mode=False, positions=False, router_probs=False, expert_ids=False, weights=False,
                       selectable=False),
     P.GDN_PREVIEW: dict(layer=False, positions=False, history_weights=False, history_reads=False),
-    P.GDN_STATE: dict(layer=False, state=True, ring=True, length=False),
+    P.GDN_STATE: dict(layer=False, state=True, ring=True, length=False, row_lengths=False),
     # a residual value is a view of the forward's stream, which a later hook may edit in place
     **{kind: dict(layer=False, mode=False, positions=False, value=True) for kind in P.RESIDUAL_KINDS + (P.FINAL_NORM_OUTPUT,)},
 }

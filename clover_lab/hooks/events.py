@@ -9,7 +9,7 @@ engine already holds on the host are plain lists, so reading them costs no synch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 import torch
@@ -65,6 +65,28 @@ class Event:
     @property
     def phase(self) -> str | None:
         return self.where.phase
+
+    def for_row(self, row: int):
+        """This event as request row ``row`` of a batched generation saw it: tensors narrowed to
+        that row (views, to read: edits of a narrowed event change nothing), or None when the
+        event does not concern the row. Outside a batch, the event itself."""
+        rows = self.where.rows
+        if rows is None:
+            return self
+        if row not in rows:
+            return None
+        if len(rows) == 1:
+            return self
+        return self._narrow(rows.index(row), len(rows), replace(self.where, rows=(row,)))
+
+    def _narrow(self, i: int, n: int, where: Where):
+        """Batch row ``i`` of ``n``: a model event's tensors sliced (engine events are one row)."""
+        return self
+
+
+def _row_positions(positions: torch.Tensor, i: int) -> torch.Tensor:
+    """Row ``i``'s positions: [B, T] per-row positions -> [T]; shared [T] positions as they are."""
+    return positions[i] if positions.dim() == 2 else positions
 
 
 class _RowsOfOneMode:
@@ -151,6 +173,14 @@ class RouteEvent(_RowsOfOneMode, Event):
         self.expert_ids = ids.contiguous()
         self.weights = w.to(self.weights.dtype).contiguous()
 
+    def _narrow(self, i, n, where):
+        T = self.router_probs.shape[0] // n  # the tensors are flattened over the batch, row by row
+        rows = slice(i * T, (i + 1) * T)
+        sel = self.selectable
+        return replace(self, where=where, positions=self.positions[rows], router_probs=self.router_probs[rows],
+                       expert_ids=self.expert_ids[rows], weights=self.weights[rows],
+                       selectable=sel if sel is None or sel.dim() == 1 else sel[rows])
+
 
 @dataclass
 class GDNPreviewEvent(_RowsOfOneMode, Event):
@@ -161,6 +191,10 @@ class GDNPreviewEvent(_RowsOfOneMode, Event):
     history_weights: torch.Tensor  # [B, m, H_v] p_tH, fp32
     history_reads: torch.Tensor  # [B, m, H_v, d_v] h_t = (q_t / sqrt(d_k)) @ S0, fp32
     mode = "preview"  # not a field: the rows are always a preview's
+
+    def _narrow(self, i, n, where):
+        return replace(self, where=where, positions=_row_positions(self.positions, i),
+                       history_weights=self.history_weights[i:i + 1], history_reads=self.history_reads[i:i + 1])
 
 
 @dataclass
@@ -173,7 +207,13 @@ class GDNStateEvent(_RowsOfOneMode, Event):
     state: torch.Tensor  # [B, H_v, d_k, d_v] fp32
     ring: torch.Tensor  # [B, conv_dim, K-1]
     length: int  # committed length after this commit (a batch's rows at different lengths: the longest)
+    row_lengths: list[int] | None = None  # a batch's rows at different lengths: each row's
     mode = "commit"  # not a field: the rows are always a commit's
+
+    def _narrow(self, i, n, where):
+        length = self.length if self.row_lengths is None else self.row_lengths[i]
+        return replace(self, where=where, state=self.state[i:i + 1], ring=self.ring[i:i + 1], length=length,
+                       row_lengths=None)
 
 
 class ResidualEvent(_RowsOfOneMode, Event):
@@ -209,6 +249,10 @@ class ResidualEvent(_RowsOfOneMode, Event):
                              f"dtype {new.dtype}, device {new.device}")
         self._value = new
         self.replaced = True
+
+    def _narrow(self, i, n, where):
+        return ResidualEvent(self.point, self.layer, self.mode, _row_positions(self.positions, i),
+                             self._value[i:i + 1], where=where)
 
     def __repr__(self):
         return (f"ResidualEvent({self.point!r}, mode={self.mode!r}, block={self.block}, step={self.step}, "

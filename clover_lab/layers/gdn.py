@@ -82,7 +82,9 @@ class GatedDeltaNet(nn.Module):
             o, ring, state = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state,
                                             self.num_k_heads, self.head_k_dim, self.head_v_dim)
             if ctx.hooks and self.hooks.active(self.state_point):
-                event = GDNStateEvent(self.layer, state, ring, ctx.n + c, where=ctx.where)
+                rows = ctx.cache.row_lengths if ctx.is_ragged else None  # host lengths: no sync
+                event = GDNStateEvent(self.layer, state, ring, ctx.n + c,
+                                      None if rows is None else [n + c for n in rows], where=ctx.where)
                 before = (edit_count(state), edit_count(ring))
                 self.hooks.fire(self.state_point, event)
                 if (event.state is not state or event.ring is not ring

@@ -51,6 +51,7 @@ class View:
         self.frame_labels: list[str] = []
         self._frame_key = object()
         self.run: int | None = None  # the engine's generation counter of the run shown
+        self.row = 0  # of a batched generation, the request row shown (its events, narrowed to it)
         self.errors: list[BaseException] = []
         self._live = self._empty()
         self._follow = True  # the slider sits at the newest frame and follows it
@@ -169,6 +170,9 @@ class View:
         self.throttle.request()
 
     def _dispatch(self, method: str, event) -> None:
+        event = event.for_row(self.row)  # a batch: only this row's events, only its slice of them
+        if event is None:
+            return
         with self._lock:
             self._check_run(event)
             getattr(self, method)(event)
