@@ -288,3 +288,14 @@ def test_events_narrowed_to_a_row_equal_the_row_alone(tiny_engine):
         torch.testing.assert_close(a.state, b.state, atol=1e-5, rtol=1e-5)
     for a, b in zip(batch_seen["layers.0.gdn.preview"], alone_seen["layers.0.gdn.preview"]):
         torch.testing.assert_close(a.history_weights, b.history_weights, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_prompts_as_long_prefill_in_one_forward(tiny_engine, mode):
+    prompts = [[5, 17, 33, 100], [9, 9, 9, 9], [400, 3, 250, 7]]
+    with tiny_engine.capture("layers.3.moe.route") as cap:
+        batch = tiny_engine.generate(prompts, mode=mode, **KW)
+    assert_rows_equal(batch, one_by_one(tiny_engine, prompts, mode=mode, **KW))
+    assert batch.stats.prefill_forwards == 1
+    prefill = [rec for rec in cap["layers.3.moe.route"] if rec.phase == "prefill"]
+    assert len(prefill) == 1 and prefill[0].rows == (0, 1, 2)

@@ -119,23 +119,32 @@ class BatchRun:
 
     # ---------------------------------------------------------------- forwards
     def prefill(self, logits: str | None) -> torch.Tensor | None:
-        """Each row's prompt into its row of the cache (one row at a time: no padding inside the
-        model); returns the last-position logits [B, V] when ``logits`` is "last"."""
+        """Every prompt into its row of the cache: in one forward when the prompts are as long,
+        else one row at a time (no padding inside the model). Returns the last-position logits
+        [B, V] when ``logits`` is "last"."""
         chunk = self.engine.prefill_chunk_size
+        lengths = [len(row.prompt_ids) for row in self.rows]
+        if len(set(lengths)) == 1:
+            groups = [(self.rows, self.cache, self.active)]
+        else:
+            groups = [([row], self.cache.row(row.row), [row.row]) for row in self.rows]
         outs = []
-        for row in self.rows:
-            row.clock.start("prefill")
+        for rows, cache, names in groups:
+            self.clock.start("prefill")
             try:
                 with self.hooks.applied():
-                    out = self.model.prefill(self.cache.row(row.row), row.prompt_ids, chunk_size=chunk, logits=logits,
-                                             where=self.where("prefill", rows=[row.row]))
+                    out = self.model.prefill(cache, [row.prompt_ids for row in rows], chunk_size=chunk,
+                                             logits=logits, where=self.where("prefill", rows=names))
             finally:
-                row.clock.stop()
-            row.stats.prefill_forwards = math.ceil(len(row.prompt_ids) / chunk)
+                self.clock.stop()
+            span = self.clock.spans["prefill"][-1]
+            for row in rows:
+                row.clock.spans["prefill"].append(span)
+                row.stats.prefill_forwards = math.ceil(len(row.prompt_ids) / chunk)
+            self.stats.prefill_forwards += math.ceil(len(rows[0].prompt_ids) / chunk)
             if out is not None:
                 outs.append(out[:, -1])
-        self.cache.set_row_lengths([len(row.prompt_ids) for row in self.rows])
-        self.stats.prefill_forwards = sum(row.stats.prefill_forwards for row in self.rows)
+        self.cache.set_row_lengths(lengths)
         if self.clock.cuda:
             torch.cuda.synchronize(self.device)
         self.t_decode = time.perf_counter()
@@ -216,7 +225,7 @@ class BatchRun:
         st.new_tokens = sum(len(r.token_ids) for r in results)
         st.stop_reasons = [r.stop_reason for r in results]
         st.tokens_per_forward = st.new_tokens / st.forwards if st.forwards else 0.0
-        st.prefill_seconds = sum(row.clock.total("prefill") for row in self.rows)
+        st.prefill_seconds = self.clock.total("prefill")
         st.decode_seconds = end - self.t_decode
         st.total_seconds = end - self.t0
         st.tokens_per_second = st.new_tokens / st.decode_seconds if st.decode_seconds > 0 else 0.0
