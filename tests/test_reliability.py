@@ -423,3 +423,19 @@ def test_every_error_here_is_a_clover_error():
                 clover_lab.CacheFullError):
         assert issubclass(cls, CloverError)
     assert issubclass(SettingsError, ValueError) and issubclass(SettingsError, TypeError)
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_a_residual_stream_past_the_norms_range_is_named_not_token_0(own_engine, mode):
+    """Finite weights so large that a norm's mean square overflows: its output, and so the logits,
+    are zero (equal for every token). That is a GenerationError, not a response of token 0."""
+    with torch.no_grad():
+        own_engine.model.model.embed_tokens.weight.mul_(1e22)  # finite in float32; squared, not
+    with pytest.raises(GenerationError, match=r"(block 0, step 0|token 0 \(AR\)): the logits are equal for every "
+                                              r"token.*float32's range"):
+        own_engine.generate(PROMPT, mode=mode, max_new_tokens=8)
+    with pytest.raises(GenerationError, match=r"row 0, .*logits are equal"):
+        own_engine.generate([PROMPT, PROMPT[:3]], mode=mode, max_new_tokens=8)
+    with torch.no_grad():  # repaired, the engine goes on
+        own_engine.model.model.embed_tokens.weight.div_(1e22)
+    assert len(own_engine.generate(PROMPT, mode=mode, max_new_tokens=8).token_ids) == 8

@@ -22,7 +22,7 @@ from .. import sampling
 from ..hooks.registry import StopGeneration
 from .ar import end_reason
 from .diffusion import Block, denoise_step
-from .faults import nonfinite_error
+from .faults import COLLAPSED, NONFINITE, collapsed, collapsed_error, logits_health, nonfinite_error
 from .results import StreamUpdate
 
 
@@ -187,16 +187,18 @@ def run_batch_ar(batch) -> Iterator[StreamUpdate]:
         return (yield from _batch_done(batch, rows, 0))
     for i in range(batch.max_new):
         rows = batch.live()
-        tokens, finite = [], []
+        tokens, health = [], []
         for j, row in enumerate(rows):
             t, conf, _ = sampling.decide(logits[j:j + 1], row.counts, row.s, row.generator)
             tokens.append(t[0])
-            finite.append(conf[0].isfinite().long())
-        # the one sync per step: every row's token and whether its logits were finite
-        host = torch.stack(tokens + finite).tolist()
+            health.append(logits_health(collapsed(logits[j:j + 1]), conf))
+        # the one sync per step: every row's token and whether its logits could be used
+        host = torch.stack(tokens + health).tolist()
         for j, row in enumerate(rows):
-            if not host[len(rows) + j]:
+            if host[len(rows) + j] == NONFINITE:
                 raise nonfinite_error(row, f"token {i} (AR)")
+            if host[len(rows) + j] == COLLAPSED:
+                raise collapsed_error(row, f"token {i} (AR)")
         reasons = {}
         for row, t in zip(rows, host):
             if row.counts is not None:

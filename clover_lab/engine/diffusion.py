@@ -26,7 +26,7 @@ from .. import sampling
 from ..hooks import points
 from ..hooks.events import StepEvent
 from ..hooks.registry import HookError, StopGeneration
-from .faults import nonfinite_error
+from .faults import COLLAPSED, NONFINITE, collapsed, collapsed_error, logits_health, nonfinite_error
 from .results import StreamUpdate
 
 
@@ -194,16 +194,20 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     positions unmasked, whether a hook asked to stop)."""
     mask_id = run.engine.mask_token_id
     logits = logits[0].float()  # [N, V]
+    flat = collapsed(logits)  # before the mask column is -inf
     logits[:, mask_id] = float("-inf")  # the mask token is never a candidate
     force = block.step + 1 >= block.limit
     cand, conf, flags = sampling.decide(logits, run.counts, run.s, run.generator, force_all=force)
-    # the one host transfer per step: decision, candidates, and whether every confidence is finite
-    # (NaN or inf logits make their row's confidence NaN: argmax would pick token 0 as an answer)
+    # the one host transfer per step: decision, candidates, and whether the logits could be used
+    # (NaN or inf logits make their row's confidence NaN, equal ones carry no answer: argmax would
+    # pick token 0 either way)
     N = len(block.masked)
-    host = torch.cat([flags.long(), cand, conf.isfinite().all().long().reshape(1)]).tolist()
+    host = torch.cat([flags.long(), cand, logits_health(flat, conf).reshape(1)]).tolist()
     flags_host, cand_host = host[:N], host[N:2 * N]
-    if not host[2 * N]:
+    if host[2 * N] == NONFINITE:
         raise nonfinite_error(run, f"block {block.index}, step {block.step}", block.canvas)
+    if host[2 * N] == COLLAPSED:
+        raise collapsed_error(run, f"block {block.index}, step {block.step}")
     unmask = [block.masked[i] for i, f in enumerate(flags_host) if f]
     chosen = dict(zip(block.masked, cand_host))
     overrides: dict[int, int] = {}

@@ -1,4 +1,5 @@
-"""Non-finite logits: the error a generation ends with, and where the NaN or inf came from.
+"""Logits no token can be chosen from: non-finite ones (the error names where the NaN or inf came
+from) and collapsed ones (every token equal: the hidden state reaching the LM head is zero).
 
 The loops learn that a step's logits are not finite from the one device-to-host transfer they
 make per step anyway (a flag stacked onto the decision); only then does this module look for the
@@ -12,6 +13,32 @@ import torch
 from ..cache import AttentionCache
 from ..context import ForwardContext
 from .requests import GenerationError
+
+
+OK, NONFINITE, COLLAPSED = 1, 0, 2
+
+
+def collapsed(logits: torch.Tensor) -> torch.Tensor:
+    """0-d bool on the device: some row of ``logits`` [.., V] is equal over the whole vocabulary
+    (as when a norm's mean square overflowed and zeroed the hidden state)."""
+    return (logits.amax(-1) == logits.amin(-1)).any()
+
+
+def logits_health(flat: torch.Tensor, confidences: torch.Tensor) -> torch.Tensor:
+    """A 0-d device flag to ride along a step's one host transfer: OK, NONFINITE (a confidence is
+    NaN or inf: so were the logits) or COLLAPSED (``flat``, from :func:`collapsed`: argmax would
+    answer token 0)."""
+    return torch.where(confidences.isfinite().all(), torch.where(flat, COLLAPSED, OK), NONFINITE).long()
+
+
+def collapsed_error(run, where: str) -> GenerationError:
+    """The error for logits equal over the whole vocabulary at ``where``."""
+    where = where if run.row is None else f"row {run.row}, {where}"
+    dtype = str(run.model.dtype).removeprefix("torch.")
+    return GenerationError(f"{where}: the logits are equal for every token (the hidden state reaching the LM head is "
+                           f"zero), so no token can be chosen; the generation stopped instead of returning token 0. "
+                           f"A residual stream past the square root of {dtype}'s range makes a norm's mean square "
+                           f"overflow and its output zero: an overflowing weight, or a hook's edit")
 
 
 def first_nonfinite_weight(model) -> str | None:
