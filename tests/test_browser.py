@@ -1,9 +1,14 @@
 """A real browser: JupyterLab started headless, notebooks/01_quickstart.ipynb opened and run in
 Debian's chromium (driven by the Python playwright package, no browser download), the dashboard's
 plotly figures and token grid checked in the DOM after generation, the Generate button pressed,
-and a screenshot saved to assets/dashboard.png for the README; then
-notebooks/06_patching_and_lens.ipynb, its patching heatmaps and logit lens checked and
-photographed (assets/patching.png, assets/logit_lens.png)."""
+and the dashboard photographed (dashboard.png); then notebooks/06_patching_and_lens.ipynb, its
+patching heatmaps and logit lens checked and photographed (patching.png, logit_lens.png).
+
+The screenshots go to the test's tmp_path, so that a test run leaves the work tree clean; with
+CLOVER_LAB_SCREENSHOTS=1 they go to assets/ instead, where the README shows them:
+
+    CLOVER_LAB_SCREENSHOTS=1 python -m pytest -q tests/test_browser.py
+"""
 import os
 import shutil
 import socket
@@ -23,7 +28,6 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
 PATCHING_NOTEBOOK = ROOT / "notebooks" / "06_patching_and_lens.ipynb"
-SCREENSHOT = ROOT / "assets" / "dashboard.png"
 
 pytestmark = [
     pytest.mark.skipif(not Path(CHROMIUM).exists(),
@@ -87,6 +91,22 @@ def lab(tmp_path):
         log.close()
 
 
+@pytest.fixture
+def shots(tmp_path) -> Path:
+    """Where the screenshots go: assets/ (the README's) only when CLOVER_LAB_SCREENSHOTS=1, else tmp_path."""
+    folder = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else tmp_path / "screenshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def photograph(page, view, path: Path, min_bytes: int) -> None:
+    """Screenshot ``view`` (a locator) to ``path`` once plotly is done; a near-empty image fails."""
+    view.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)  # let plotly finish its last redraw
+    view.screenshot(path=str(path))
+    assert path.stat().st_size > min_bytes, f"{path}: {path.stat().st_size} bytes, a blank view?"
+
+
 KERNEL_IDLE = """() => {
   const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
@@ -111,7 +131,7 @@ def run_all(page, lab, notebook: Path) -> None:
     assert not tracebacks, tracebacks[0][-2000:]
 
 
-def test_patching_and_lens_in_jupyterlab(lab):
+def test_patching_and_lens_in_jupyterlab(lab, shots):
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
         try:
@@ -125,16 +145,12 @@ def test_patching_and_lens_in_jupyterlab(lab):
             for selector, name in ((".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")):
                 view = page.locator(selector).first
                 assert view.locator(".js-plotly-plot .main-svg").count() >= 1
-                view.scroll_into_view_if_needed()
-                page.wait_for_timeout(500)  # let plotly finish its last redraw
-                shot = ROOT / "assets" / name
-                view.screenshot(path=str(shot))
-                assert shot.stat().st_size > 10_000
+                photograph(page, view, shots / name, 10_000)
         finally:
             browser.close()
 
 
-def test_dashboard_in_jupyterlab(lab):
+def test_dashboard_in_jupyterlab(lab, shots):
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
         try:
@@ -166,10 +182,6 @@ def test_dashboard_in_jupyterlab(lab):
                                    ".textContent.includes('done')", timeout=120_000)
             assert "done" in status.inner_text()
 
-            dash.scroll_into_view_if_needed()
-            page.wait_for_timeout(500)  # let plotly finish its last redraw
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            dash.screenshot(path=str(SCREENSHOT))
-            assert SCREENSHOT.stat().st_size > 20_000
+            photograph(page, dash, shots / "dashboard.png", 20_000)
         finally:
             browser.close()
