@@ -92,6 +92,17 @@ def lab(tmp_path):
 
 
 @pytest.fixture
+def page():
+    """A page of headless chromium, tall enough to hold a notebook's views; closed after the test."""
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        try:
+            yield browser.new_page(viewport={"width": 1500, "height": 3400})
+        finally:
+            browser.close()
+
+
+@pytest.fixture
 def shots(tmp_path) -> Path:
     """Where the screenshots go: assets/ (the README's) only when CLOVER_LAB_SCREENSHOTS=1, else tmp_path."""
     folder = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else tmp_path / "screenshots"
@@ -131,57 +142,45 @@ def run_all(page, lab, notebook: Path) -> None:
     assert not tracebacks, tracebacks[0][-2000:]
 
 
-def test_patching_and_lens_in_jupyterlab(lab, shots):
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 3400})
-            run_all(page, lab, PATCHING_NOTEBOOK)
-            # after Run All every view is still on screen with its figure (detaching closes nothing)
-            page.wait_for_function("() => document.querySelectorAll('.clover-patchingview .js-plotly-plot').length >= 2"
-                                   " && document.querySelectorAll('.clover-lensview .js-plotly-plot').length >= 1"
-                                   " && document.querySelectorAll('.clover-denoiseview .clover-grid').length >= 1",
-                                   timeout=120_000)
-            for selector, name in ((".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")):
-                view = page.locator(selector).first
-                assert view.locator(".js-plotly-plot .main-svg").count() >= 1
-                photograph(page, view, shots / name, 10_000)
-        finally:
-            browser.close()
+def test_patching_and_lens_in_jupyterlab(lab, page, shots):
+    run_all(page, lab, PATCHING_NOTEBOOK)
+    # after Run All every view is still on screen with its figure (detaching closes nothing)
+    page.wait_for_function("() => document.querySelectorAll('.clover-patchingview .js-plotly-plot').length >= 2"
+                           " && document.querySelectorAll('.clover-lensview .js-plotly-plot').length >= 1"
+                           " && document.querySelectorAll('.clover-denoiseview .clover-grid').length >= 1",
+                           timeout=120_000)
+    for selector, name in ((".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")):
+        view = page.locator(selector).first
+        assert view.locator(".js-plotly-plot .main-svg").count() >= 1
+        photograph(page, view, shots / name, 10_000)
 
 
-def test_dashboard_in_jupyterlab(lab, shots):
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 3400})
-            run_all(page, lab, NOTEBOOK)
+def test_dashboard_in_jupyterlab(lab, page, shots):
+    run_all(page, lab, NOTEBOOK)
 
-            dash = page.locator(".clover-dashboard").first
-            dash.wait_for(timeout=60_000)
-            status = dash.locator(".clover-status")
-            page.wait_for_function("() => document.querySelector('.clover-dashboard .clover-status')"
-                                   ".textContent.includes('done')", timeout=120_000)
-            # the token grid: one box per block, a cell per position, hover titles with candidates
-            grid = dash.locator(".clover-grid")
-            assert grid.count() >= 1
-            assert dash.locator(".clover-grid .cl-block").count() >= 1
-            assert dash.locator(".clover-grid .cl-tok").count() >= 16
-            assert "candidates" in (dash.locator(".clover-grid .cl-tok").first.get_attribute("title") or "")
-            # plotly figures rendered (FigureWidget via anywidget): speed x3, experts x3, memory x3
-            page.wait_for_function("() => document.querySelectorAll('.clover-dashboard .js-plotly-plot').length >= 9",
-                                   timeout=60_000)
-            assert dash.locator(".js-plotly-plot .main-svg").count() >= 9
+    dash = page.locator(".clover-dashboard").first
+    dash.wait_for(timeout=60_000)
+    status = dash.locator(".clover-status")
+    page.wait_for_function("() => document.querySelector('.clover-dashboard .clover-status')"
+                           ".textContent.includes('done')", timeout=120_000)
+    # the token grid: one box per block, a cell per position, hover titles with candidates
+    grid = dash.locator(".clover-grid")
+    assert grid.count() >= 1
+    assert dash.locator(".clover-grid .cl-block").count() >= 1
+    assert dash.locator(".clover-grid .cl-tok").count() >= 16
+    assert "candidates" in (dash.locator(".clover-grid .cl-tok").first.get_attribute("title") or "")
+    # plotly figures rendered (FigureWidget via anywidget): speed x3, experts x3, memory x3
+    page.wait_for_function("() => document.querySelectorAll('.clover-dashboard .js-plotly-plot').length >= 9",
+                           timeout=60_000)
+    assert dash.locator(".js-plotly-plot .main-svg").count() >= 9
 
-            # Generate from the browser: a second run lands in the speed view's table
-            dash.locator(".clover-generate button, button.clover-generate").first.click()
-            page.wait_for_function(
-                "() => document.querySelectorAll('.clover-dashboard .clover-speedview table tr').length >= 3",
-                timeout=120_000)
-            page.wait_for_function("() => document.querySelector('.clover-dashboard .clover-status')"
-                                   ".textContent.includes('done')", timeout=120_000)
-            assert "done" in status.inner_text()
+    # Generate from the browser: a second run lands in the speed view's table
+    dash.locator(".clover-generate button, button.clover-generate").first.click()
+    page.wait_for_function(
+        "() => document.querySelectorAll('.clover-dashboard .clover-speedview table tr').length >= 3",
+        timeout=120_000)
+    page.wait_for_function("() => document.querySelector('.clover-dashboard .clover-status')"
+                           ".textContent.includes('done')", timeout=120_000)
+    assert "done" in status.inner_text()
 
-            photograph(page, dash, shots / "dashboard.png", 20_000)
-        finally:
-            browser.close()
+    photograph(page, dash, shots / "dashboard.png", 20_000)
