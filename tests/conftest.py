@@ -149,6 +149,12 @@ def tiny_text_engine(gen_model, gen_tokenizer):
     _no_hooks_left(gen_model)
 
 
+@pytest.fixture
+def view_engine(tiny_text_engine, gen_one_thread):
+    """The text engine the notebook views watch (tests/test_widgets*.py), on one intra-op thread."""
+    return tiny_text_engine
+
+
 @pytest.fixture(scope="session")
 def gen_model_dir(tmp_path_factory):
     """The generation model saved with no tokenizer."""

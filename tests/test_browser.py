@@ -1,9 +1,14 @@
 """A real browser: JupyterLab started headless, notebooks/01_quickstart.ipynb opened and run in
 Debian's chromium (driven by the Python playwright package, no browser download), the dashboard's
 plotly figures and token grid checked in the DOM after generation, the Generate button pressed,
-and a screenshot saved to assets/dashboard.png for the README; then
-notebooks/06_patching_and_lens.ipynb, its patching heatmaps and logit lens checked and
-photographed (assets/patching.png, assets/logit_lens.png)."""
+and the dashboard photographed (dashboard.png); then notebooks/06_patching_and_lens.ipynb, its
+patching heatmaps and logit lens checked and photographed (patching.png, logit_lens.png).
+
+The screenshots go to the test's tmp_path, so that a test run leaves the work tree clean; with
+CLOVER_LAB_SCREENSHOTS=1 they go to assets/ instead, where the README shows them:
+
+    CLOVER_LAB_SCREENSHOTS=1 python -m pytest -q tests/test_browser.py
+"""
 import os
 import shutil
 import socket
@@ -23,7 +28,6 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
 PATCHING_NOTEBOOK = ROOT / "notebooks" / "06_patching_and_lens.ipynb"
-SCREENSHOT = ROOT / "assets" / "dashboard.png"
 
 pytestmark = [
     pytest.mark.skipif(not Path(CHROMIUM).exists(),
@@ -87,6 +91,33 @@ def lab(tmp_path):
         log.close()
 
 
+@pytest.fixture
+def page():
+    """A page of headless chromium, tall enough to hold a notebook's views; closed after the test."""
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        try:
+            yield browser.new_page(viewport={"width": 1500, "height": 3400})
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def shots(tmp_path) -> Path:
+    """Where the screenshots go: assets/ (the README's) only when CLOVER_LAB_SCREENSHOTS=1, else tmp_path."""
+    folder = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else tmp_path / "screenshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def photograph(page, view, path: Path, min_bytes: int) -> None:
+    """Screenshot ``view`` (a locator) to ``path`` once plotly is done; a near-empty image fails."""
+    view.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)  # let plotly finish its last redraw
+    view.screenshot(path=str(path))
+    assert path.stat().st_size > min_bytes, f"{path}: {path.stat().st_size} bytes, a blank view?"
+
+
 KERNEL_IDLE = """() => {
   const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
@@ -111,65 +142,45 @@ def run_all(page, lab, notebook: Path) -> None:
     assert not tracebacks, tracebacks[0][-2000:]
 
 
-def test_patching_and_lens_in_jupyterlab(lab):
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 3400})
-            run_all(page, lab, PATCHING_NOTEBOOK)
-            # after Run All every view is still on screen with its figure (detaching closes nothing)
-            page.wait_for_function("() => document.querySelectorAll('.clover-patchingview .js-plotly-plot').length >= 2"
-                                   " && document.querySelectorAll('.clover-lensview .js-plotly-plot').length >= 1"
-                                   " && document.querySelectorAll('.clover-denoiseview .clover-grid').length >= 1",
-                                   timeout=120_000)
-            for selector, name in ((".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")):
-                view = page.locator(selector).first
-                assert view.locator(".js-plotly-plot .main-svg").count() >= 1
-                view.scroll_into_view_if_needed()
-                page.wait_for_timeout(500)  # let plotly finish its last redraw
-                shot = ROOT / "assets" / name
-                view.screenshot(path=str(shot))
-                assert shot.stat().st_size > 10_000
-        finally:
-            browser.close()
+def test_patching_and_lens_in_jupyterlab(lab, page, shots):
+    run_all(page, lab, PATCHING_NOTEBOOK)
+    # after Run All every view is still on screen with its figure (detaching closes nothing)
+    page.wait_for_function("() => document.querySelectorAll('.clover-patchingview .js-plotly-plot').length >= 2"
+                           " && document.querySelectorAll('.clover-lensview .js-plotly-plot').length >= 1"
+                           " && document.querySelectorAll('.clover-denoiseview .clover-grid').length >= 1",
+                           timeout=120_000)
+    for selector, name in ((".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")):
+        view = page.locator(selector).first
+        assert view.locator(".js-plotly-plot .main-svg").count() >= 1
+        photograph(page, view, shots / name, 10_000)
 
 
-def test_dashboard_in_jupyterlab(lab):
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 3400})
-            run_all(page, lab, NOTEBOOK)
+def test_dashboard_in_jupyterlab(lab, page, shots):
+    run_all(page, lab, NOTEBOOK)
 
-            dash = page.locator(".clover-dashboard").first
-            dash.wait_for(timeout=60_000)
-            status = dash.locator(".clover-status")
-            page.wait_for_function("() => document.querySelector('.clover-dashboard .clover-status')"
-                                   ".textContent.includes('done')", timeout=120_000)
-            # the token grid: one box per block, a cell per position, hover titles with candidates
-            grid = dash.locator(".clover-grid")
-            assert grid.count() >= 1
-            assert dash.locator(".clover-grid .cl-block").count() >= 1
-            assert dash.locator(".clover-grid .cl-tok").count() >= 16
-            assert "candidates" in (dash.locator(".clover-grid .cl-tok").first.get_attribute("title") or "")
-            # plotly figures rendered (FigureWidget via anywidget): speed x3, experts x3, memory x3
-            page.wait_for_function("() => document.querySelectorAll('.clover-dashboard .js-plotly-plot').length >= 9",
-                                   timeout=60_000)
-            assert dash.locator(".js-plotly-plot .main-svg").count() >= 9
+    dash = page.locator(".clover-dashboard").first
+    dash.wait_for(timeout=60_000)
+    status = dash.locator(".clover-status")
+    page.wait_for_function("() => document.querySelector('.clover-dashboard .clover-status')"
+                           ".textContent.includes('done')", timeout=120_000)
+    # the token grid: one box per block, a cell per position, hover titles with candidates
+    grid = dash.locator(".clover-grid")
+    assert grid.count() >= 1
+    assert dash.locator(".clover-grid .cl-block").count() >= 1
+    assert dash.locator(".clover-grid .cl-tok").count() >= 16
+    assert "candidates" in (dash.locator(".clover-grid .cl-tok").first.get_attribute("title") or "")
+    # plotly figures rendered (FigureWidget via anywidget): speed x3, experts x3, memory x3
+    page.wait_for_function("() => document.querySelectorAll('.clover-dashboard .js-plotly-plot').length >= 9",
+                           timeout=60_000)
+    assert dash.locator(".js-plotly-plot .main-svg").count() >= 9
 
-            # Generate from the browser: a second run lands in the speed view's table
-            dash.locator(".clover-generate button, button.clover-generate").first.click()
-            page.wait_for_function(
-                "() => document.querySelectorAll('.clover-dashboard .clover-speedview table tr').length >= 3",
-                timeout=120_000)
-            page.wait_for_function("() => document.querySelector('.clover-dashboard .clover-status')"
-                                   ".textContent.includes('done')", timeout=120_000)
-            assert "done" in status.inner_text()
+    # Generate from the browser: a second run lands in the speed view's table
+    dash.locator(".clover-generate button, button.clover-generate").first.click()
+    page.wait_for_function(
+        "() => document.querySelectorAll('.clover-dashboard .clover-speedview table tr').length >= 3",
+        timeout=120_000)
+    page.wait_for_function("() => document.querySelector('.clover-dashboard .clover-status')"
+                           ".textContent.includes('done')", timeout=120_000)
+    assert "done" in status.inner_text()
 
-            dash.scroll_into_view_if_needed()
-            page.wait_for_timeout(500)  # let plotly finish its last redraw
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            dash.screenshot(path=str(SCREENSHOT))
-            assert SCREENSHOT.stat().st_size > 20_000
-        finally:
-            browser.close()
+    photograph(page, dash, shots / "dashboard.png", 20_000)

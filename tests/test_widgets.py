@@ -19,17 +19,12 @@ PROMPT = [5, 17, 99, 3, 42, 8, 8, 123]
 GEN = dict(max_new_tokens=40, threshold=0.3, temperature=0.0)
 
 
-@pytest.fixture
-def engine(tiny_text_engine, gen_one_thread):
-    return tiny_text_engine
-
-
 # --------------------------------------------------------------------------- what each view receives
-def test_denoise_view_matches_the_step_and_commit_events(engine):
-    view = DenoiseView(engine, fps=1000)
+def test_denoise_view_matches_the_step_and_commit_events(view_engine):
+    view = DenoiseView(view_engine, fps=1000)
     try:
-        with engine.capture(["denoise.step", "block.commit"]) as cap:
-            result = engine.generate(PROMPT, **GEN)
+        with view_engine.capture(["denoise.step", "block.commit"]) as cap:
+            result = view_engine.generate(PROMPT, **GEN)
         view.flush()
         steps = [p for f in view.frames for p in f if p["kind"] == "step"]
         commits = [p for f in view.frames for p in f if p["kind"] == "commit"]
@@ -55,14 +50,14 @@ def test_denoise_view_matches_the_step_and_commit_events(engine):
         view.close()
 
 
-def test_expert_view_counts_every_routing(engine):
-    view = ExpertView(engine, fps=1000)
+def test_expert_view_counts_every_routing(view_engine):
+    view = ExpertView(view_engine, fps=1000)
     try:
-        with engine.capture("layers.*.moe.route", to="cpu") as cap:
-            result = engine.generate(PROMPT, coreset_size=3, **GEN)
+        with view_engine.capture("layers.*.moe.route", to="cpu") as cap:
+            result = view_engine.generate(PROMPT, coreset_size=3, **GEN)
         view.flush()
-        L, E = engine.model.config.num_hidden_layers, engine.model.config.num_experts
-        k = engine.model.config.num_experts_per_tok
+        L, E = view_engine.model.config.num_hidden_layers, view_engine.model.config.num_experts
+        k = view_engine.model.config.num_experts_per_tok
         want = {p: np.zeros((L, E)) for p in ("prefill", "commit", "preview")}
         full = np.zeros((L, E))
         for r in cap.records:
@@ -86,13 +81,13 @@ def test_expert_view_counts_every_routing(engine):
         view.close()
 
 
-def test_memory_view_receives_history_weights_and_states(engine):
-    view = MemoryView(engine, fps=1000)
+def test_memory_view_receives_history_weights_and_states(view_engine):
+    view = MemoryView(view_engine, fps=1000)
     try:
-        with engine.capture(["layers.*.gdn.preview", "layers.*.gdn.state"], to="cpu") as cap:
-            engine.generate(PROMPT, **GEN)
+        with view_engine.capture(["layers.*.gdn.preview", "layers.*.gdn.state"], to="cpu") as cap:
+            view_engine.generate(PROMPT, **GEN)
         view.flush()
-        gdn = engine.model.config.gdn_layers()
+        gdn = view_engine.model.config.gdn_layers()
         for layer in gdn:
             previews = [p for f in view.frames for p in f if p["kind"] == "preview" and p["layer"] == layer]
             assert len(previews) == len(cap[f"layers.{layer}.gdn.preview"])
@@ -102,15 +97,15 @@ def test_memory_view_receives_history_weights_and_states(engine):
             np.testing.assert_allclose(norms[-1], states[-1]["state"][0].flatten(1).norm(dim=1).numpy(), rtol=1e-5)
             np.testing.assert_allclose(view.history_weights()[layer],
                                        cap[f"layers.{layer}.gdn.preview"][-1]["history_weights"][0].numpy())
-        assert len(view.fig_hist.data[0].y) == len(gdn) * engine.model.config.linear_num_value_heads
+        assert len(view.fig_hist.data[0].y) == len(gdn) * view_engine.model.config.linear_num_value_heads
     finally:
         view.close()
 
 
-def test_speed_view_runs_and_compare(engine):
-    view = SpeedView(engine, fps=1000)
+def test_speed_view_runs_and_compare(view_engine):
+    view = SpeedView(view_engine, fps=1000)
     try:
-        runs = view.compare(engine, PROMPT, max_new_tokens=24, threshold=0.3)
+        runs = view.compare(view_engine, PROMPT, max_new_tokens=24, threshold=0.3)
         rows = view.summary()
         assert [r["mode"] for r in rows] == ["diffusion", "ar"]
         d = runs["diffusion"].stats
@@ -150,19 +145,19 @@ def test_throttle_timer_draws_the_final_frame_without_a_flush():
     assert len(drawn) == 2 and not t.pending
 
 
-def test_views_throttle_live_and_show_the_final_frame(engine):
-    view = DenoiseView(engine, fps=4)
+def test_views_throttle_live_and_show_the_final_frame(view_engine):
+    view = DenoiseView(view_engine, fps=4)
     draws_during = []
     try:
-        with engine.hooks({"block.commit": lambda ev: draws_during.append(view.throttle.draws)}):
-            result = engine.generate(PROMPT, **GEN)
+        with view_engine.hooks({"block.commit": lambda ev: draws_during.append(view.throttle.draws)}):
+            result = view_engine.generate(PROMPT, **GEN)
         # synchronous run, view made before it in the same "cell": drawn while it ran, through the hooks
         assert draws_during and draws_during[-1] >= 1
         assert view.throttle.draws < view.throttle.requests
         time.sleep(0.6)  # the trailing timer draws the last state: nobody called flush()
         assert not view.throttle.pending
         assert view.grid.value.count("cl-block cl-open") == 0  # every block shown committed
-        text = engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        text = view_engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         assert re.sub(r"\s+", " ", text).strip()[:20] in re.sub(r"\s+", " ", view.text.value)
         assert view.slider.max == len(view.frames) - 1 == view.slider.value
     finally:
@@ -170,10 +165,10 @@ def test_views_throttle_live_and_show_the_final_frame(engine):
 
 
 # --------------------------------------------------------------------------- replay
-def test_replay_slider_shows_earlier_frames_and_follows_again(engine):
-    view = DenoiseView(engine, fps=1000)
+def test_replay_slider_shows_earlier_frames_and_follows_again(view_engine):
+    view = DenoiseView(view_engine, fps=1000)
     try:
-        result = engine.generate(PROMPT, max_new_tokens=40, threshold=0.99)
+        result = view_engine.generate(PROMPT, max_new_tokens=40, threshold=0.99)
         view.flush()
         assert result.stats.steps_per_block[0] > 3
         n = len(view.frames)
@@ -189,17 +184,17 @@ def test_replay_slider_shows_earlier_frames_and_follows_again(engine):
         with pytest.raises(IndexError):
             view.show_frame(n)
         # a new generation starts a new recording
-        engine.generate(PROMPT, max_new_tokens=8)
+        view_engine.generate(PROMPT, max_new_tokens=8)
         view.flush()
         assert view.tokens() == view.state["committed"] and len(view.tokens()) == 8
     finally:
         view.close()
 
 
-def test_other_views_replay(engine):
-    views = [ExpertView(engine, fps=1000), MemoryView(engine, fps=1000), SpeedView(engine, fps=1000)]
+def test_other_views_replay(view_engine):
+    views = [ExpertView(view_engine, fps=1000), MemoryView(view_engine, fps=1000), SpeedView(view_engine, fps=1000)]
     try:
-        engine.generate(PROMPT, **GEN)
+        view_engine.generate(PROMPT, **GEN)
         for v in views:
             v.flush()
             v.show_frame(1)
@@ -214,10 +209,10 @@ def test_other_views_replay(engine):
 
 
 # --------------------------------------------------------------------------- export
-def test_export_html_is_self_contained(engine, tmp_path):
-    views = [DenoiseView(engine), ExpertView(engine), MemoryView(engine), SpeedView(engine)]
+def test_export_html_is_self_contained(view_engine, tmp_path):
+    views = [DenoiseView(view_engine), ExpertView(view_engine), MemoryView(view_engine), SpeedView(view_engine)]
     try:
-        engine.generate(PROMPT, **GEN)
+        view_engine.generate(PROMPT, **GEN)
         for v in views:
             path = v.export_html(tmp_path / f"{type(v).__name__}.html")
             text = path.read_text()
@@ -234,22 +229,22 @@ def test_export_html_is_self_contained(engine, tmp_path):
 
 
 # --------------------------------------------------------------------------- attach / detach
-def test_views_follow_one_row_of_a_batch(engine):
+def test_views_follow_one_row_of_a_batch(view_engine):
     """A view shows request row ``view.row`` of a batched generation: what it shows equals a view
     of that prompt generated alone."""
     prompts = [PROMPT, [7, 7, 300], [9]]
 
     def views():
-        return [DenoiseView(engine, fps=1000), ExpertView(engine, fps=1000), MemoryView(engine, fps=1000)]
+        return [cls(view_engine, fps=1000) for cls in (DenoiseView, ExpertView, MemoryView)]
 
     in_batch = views()
     for view in in_batch:
         view.row = 1
-    batch = engine.generate(prompts, **GEN)
+    batch = view_engine.generate(prompts, **GEN)
     for view in in_batch:
         view.close()
     alone = views()
-    single = engine.generate(prompts[1], **GEN)
+    single = view_engine.generate(prompts[1], **GEN)
     for view in alone:
         view.close()
     (d1, e1, m1), (d2, e2, m2) = in_batch, alone
@@ -264,41 +259,41 @@ def test_views_follow_one_row_of_a_batch(engine):
         np.testing.assert_allclose(norms, m2.state_norms(layer)[1], rtol=1e-4)
 
 
-def test_nothing_stays_attached(engine):
-    hooks = engine.model.hooks
-    view = DenoiseView(engine)
+def test_nothing_stays_attached(view_engine):
+    hooks = view_engine.model.hooks
+    view = DenoiseView(view_engine)
     assert set(hooks.attached()) == {"denoise.step", "block.commit"}
     view.close()
     assert hooks.attached() == {}
 
     view = ExpertView()
-    with view.attach(engine) as v:
+    with view.attach(view_engine) as v:
         assert v is view and view.attached and hooks.attached()
-        engine.generate(PROMPT, max_new_tokens=8)
+        view_engine.generate(PROMPT, max_new_tokens=8)
     assert hooks.attached() == {} and not view.attached and len(view.frames) > 0
 
     with pytest.raises(RuntimeError, match="boom"):
-        with MemoryView().attach(engine):
+        with MemoryView().attach(view_engine):
             raise RuntimeError("boom")
     assert hooks.attached() == {}
 
-    views = [DenoiseView(engine), ExpertView(engine), MemoryView(engine), SpeedView(engine)]
+    views = [DenoiseView(view_engine), ExpertView(view_engine), MemoryView(view_engine), SpeedView(view_engine)]
     assert hooks.attached()
-    views[0].attach(engine)  # re-attaching replaces, never doubles
+    views[0].attach(view_engine)  # re-attaching replaces, never doubles
     assert hooks.attached()["denoise.step"] == 2  # denoise + speed
     del views, v, view
     gc.collect()  # a view dropped without close() takes its hooks with it
     assert hooks.attached() == {}
 
-    dash = Dashboard(engine)
+    dash = Dashboard(view_engine)
     assert hooks.attached()
     dash.close()
     assert hooks.attached() == {}
 
 
 # --------------------------------------------------------------------------- dashboard
-def test_dashboard_generates_in_the_background_and_stops(engine):
-    dash = Dashboard(engine, max_new_tokens=16, fps=1000)
+def test_dashboard_generates_in_the_background_and_stops(view_engine):
+    dash = Dashboard(view_engine, max_new_tokens=16, fps=1000)
     try:
         dash.chat.value = False
         res = dash.generate("w1 w2 w3", wait=True, threshold=0.3)
@@ -316,7 +311,7 @@ def test_dashboard_generates_in_the_background_and_stops(engine):
 
         # a permanent hook: the dashboard generates in its own thread, which scoped hooks of this
         # thread do not reach
-        handle = engine.add_hook("denoise.step", slow)
+        handle = view_engine.add_hook("denoise.step", slow)
         try:
             dash.max_new_tokens.value = 200
             dash.generate("w1 w2 w3")
@@ -330,15 +325,15 @@ def test_dashboard_generates_in_the_background_and_stops(engine):
             handle.remove()
         assert res.stop_reason == "hook" and res.stats.new_tokens < 200
         assert not dash.running and not dash.generate_button.disabled
-        assert set(engine.model.hooks.attached()) >= {"denoise.step"}  # the views, not the stop hook
-        assert engine.model.hooks.attached()["denoise.step"] == 2
+        assert set(view_engine.model.hooks.attached()) >= {"denoise.step"}  # the views, not the stop hook
+        assert view_engine.model.hooks.attached()["denoise.step"] == 2
     finally:
         dash.close()
-    assert engine.model.hooks.attached() == {}
+    assert view_engine.model.hooks.attached() == {}
 
 
-def test_dashboard_settings_reach_the_engine(engine):
-    dash = Dashboard(engine, max_new_tokens=12, views=("denoise",))
+def test_dashboard_settings_reach_the_engine(view_engine):
+    dash = Dashboard(view_engine, max_new_tokens=12, views=("denoise",))
     try:
         dash.chat.value = False
         dash.mode.value = "ar"
@@ -347,6 +342,6 @@ def test_dashboard_settings_reach_the_engine(engine):
         assert res.stats.mode == "ar" and res.stats.new_tokens == 12
         assert dash.settings()["coreset_size"] is None
         with pytest.raises(ValueError, match="unknown views"):
-            Dashboard(engine, views=("nope",))
+            Dashboard(view_engine, views=("nope",))
     finally:
         dash.close()

@@ -14,11 +14,6 @@ PROMPT = [5, 17, 99, 3, 42, 8, 8, 123]
 GEN = dict(max_new_tokens=40, threshold=0.3, temperature=0.0)
 
 
-@pytest.fixture
-def engine(tiny_text_engine, gen_one_thread):
-    return tiny_text_engine
-
-
 def same(a, b, skip=("top",)) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(k in skip or same(a[k], b[k]) for k in a)
@@ -30,17 +25,17 @@ def same(a, b, skip=("top",)) -> bool:
 
 
 @pytest.mark.parametrize("cls", [DenoiseView, ExpertView, MemoryView, SpeedView])
-def test_a_saved_trace_replays_as_the_live_run(engine, tmp_path, cls):
-    live = cls(engine, fps=1000)
+def test_a_saved_trace_replays_as_the_live_run(view_engine, tmp_path, cls):
+    live = cls(view_engine, fps=1000)
     try:
-        with engine.capture(list(live.hook_methods())) as cap:
-            engine.generate(PROMPT, coreset_size=3, **GEN)
+        with view_engine.capture(list(live.hook_methods())) as cap:
+            view_engine.generate(PROMPT, coreset_size=3, **GEN)
         live.flush()
         cap.save(tmp_path / "run")
     finally:
         live.detach()
     trace = clover_lab.load_trace(tmp_path / "run")
-    replayed = cls(fps=1000).replay(trace)  # no engine, no model
+    replayed = cls(fps=1000).replay(trace)  # no view_engine, no model
     assert replayed.engine is None and len(replayed.frames) == len(live.frames) > 0
     assert replayed.frame_labels == live.frame_labels
     assert all(same(a, b) for a, b in zip(live.frames, replayed.frames))
@@ -53,13 +48,13 @@ def test_a_saved_trace_replays_as_the_live_run(engine, tmp_path, cls):
 
 
 @pytest.mark.parametrize("cls", [DenoiseView, ExpertView, MemoryView])
-def test_a_batched_trace_replays_one_row(engine, tmp_path, cls):
+def test_a_batched_trace_replays_one_row(view_engine, tmp_path, cls):
     """A view following row 1 of a batch, live and replayed from the batch's trace, shows the same."""
-    live = cls(engine, fps=1000)
+    live = cls(view_engine, fps=1000)
     live.row = 1
     try:
-        with engine.capture(list(live.hook_methods())) as cap:
-            engine.generate([PROMPT, [7, 7, 300], [9]], coreset_size=3, **GEN)
+        with view_engine.capture(list(live.hook_methods())) as cap:
+            view_engine.generate([PROMPT, [7, 7, 300], [9]], coreset_size=3, **GEN)
         live.flush()
         cap.save(tmp_path / "batch")
     finally:
@@ -73,10 +68,10 @@ def test_a_batched_trace_replays_one_row(engine, tmp_path, cls):
     replayed.close()
 
 
-def test_export_html_writes_every_frame_with_a_slider(engine, tmp_path):
-    view = DenoiseView(engine, fps=1000)
+def test_export_html_writes_every_frame_with_a_slider(view_engine, tmp_path):
+    view = DenoiseView(view_engine, fps=1000)
     try:
-        r = engine.generate(PROMPT, **GEN)
+        r = view_engine.generate(PROMPT, **GEN)
     finally:
         view.detach()
     text = view.export_html(tmp_path / "d.html").read_text()
@@ -90,13 +85,13 @@ def test_export_html_writes_every_frame_with_a_slider(engine, tmp_path):
     view.close()
 
 
-def test_patching_view_shows_a_sweep_row_by_row(engine, tmp_path):
+def test_patching_view_shows_a_sweep_row_by_row(view_engine, tmp_path):
     from clover_lab import patching
     from clover_lab.widgets import PatchingView
 
     clean, corrupt = [5, 17, 99, 3, 42, 8, 8, 123], [5, 17, 99, 7, 42, 8, 8, 123]
     metric = patching.logit_diff(len(clean) + 2, 10, 11)
-    sweep = patching.sweep_layers_positions(engine, clean, corrupt, metric, block=0, step=0,
+    sweep = patching.sweep_layers_positions(view_engine, clean, corrupt, metric, block=0, step=0,
                                             positions=[9, 10, 11], max_new_tokens=16, threshold=0.3)
     view = PatchingView(sweep)
     want = sweep.normalized().numpy()
@@ -108,13 +103,13 @@ def test_patching_view_shows_a_sweep_row_by_row(engine, tmp_path):
     view.close()
 
 
-def test_lens_view_live_and_from_a_lens(engine):
+def test_lens_view_live_and_from_a_lens(view_engine):
     from clover_lab import lens
     from clover_lab.widgets import LensView
 
-    view = LensView(engine, k=3, fps=1000)
+    view = LensView(view_engine, k=3, fps=1000)
     try:
-        lz = lens.logit_lens(engine, PROMPT, k=3, **GEN)
+        lz = lens.logit_lens(view_engine, PROMPT, k=3, **GEN)
     finally:
         view.detach()
     assert len(view.frames) == len(lz.steps) == lz.result.stats.preview_forwards
@@ -122,8 +117,8 @@ def test_lens_view_live_and_from_a_lens(engine):
         part = frame[-1]
         assert part["positions"] == s.positions and part["unmasked"] == s.unmasked
         np.testing.assert_array_equal(part["ids"], s.ids.numpy())
-    offline = LensView.from_lens(lz, engine.tokenizer, fps=1000)
+    offline = LensView.from_lens(lz, view_engine.tokenizer, fps=1000)
     assert offline.engine is None and len(offline.frames) == len(view.frames)
-    assert list(offline.fig.data[0].y) == list(range(engine.model.config.num_hidden_layers))
+    assert list(offline.fig.data[0].y) == list(range(view_engine.model.config.num_hidden_layers))
     view.close()
     offline.close()

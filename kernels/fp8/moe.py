@@ -6,11 +6,11 @@ applied to the fp32 partial sums (as in ``gemm.py``). Reference: ``fp8/naive.py:
 Scales: gate_up [E, 2 NI, ceil(H/bk)] with NI = ceil(I/bn), gate's row blocks then up's; down
 [E, ceil(H/bn), ceil(I/bk)]. Experts hit by no token are never read, scales included.
 """
-import torch
 import triton
 import triton.language as tl
 
-from ..moe.fused import BLOCK_M, _tile, align_blocks
+from ..moe.common import down_block, gate_up_block
+from ..moe.fused import BLOCK_M, _tile, launch_buffers
 
 
 @triton.jit
@@ -18,40 +18,8 @@ def _gate_up_fp8_kernel(x_ptr, gu_ptr, gs_ptr, pair_ptr, blk_e_ptr, act_ptr, P, 
                         s_xt, s_ge, s_gn, s_gh, s_se, s_sn, s_sk, s_at,
                         QN: tl.constexpr, QK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(blk_e_ptr + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(pair_ptr + rows)
-    rm = pair < P
-    tok = (pair // TOPK).to(tl.int64)
-    n = pid_n * BN + tl.arange(0, BN)
-    nm = n < I
-    dt = x_ptr.dtype.element_ty
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    w_base = gu_ptr + e * s_ge
-    sg_row = gs_ptr + e * s_se + (n // QN) * s_sn  # gate's scale rows; up's are NI rows further
-    su_row = sg_row + NI * s_sn
-    for k0 in range(0, H, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < H
-        a = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rm[:, None] & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & nm[None, :]
-        wg = tl.load(w_base + n[None, :] * s_gn + kk[:, None] * s_gh, mask=wmask, other=0.0)  # [BK, BN] fp8
-        wu = tl.load(w_base + (n + I)[None, :] * s_gn + kk[:, None] * s_gh, mask=wmask, other=0.0)
-        sg = tl.load(sg_row + (k0 // QK) * s_sk, mask=nm, other=0.0)
-        su = tl.load(su_row + (k0 // QK) * s_sk, mask=nm, other=0.0)
-        acc_g += tl.dot(a, wg.to(dt), input_precision=PREC) * sg[None, :]
-        acc_u += tl.dot(a, wu.to(dt), input_precision=PREC) * su[None, :]
-    # as moe/fused.py: the projections rounded to x's dtype before the activation
-    gate = acc_g.to(dt).to(tl.float32)
-    up = acc_u.to(dt).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
-    tl.store(act_ptr + rows[:, None].to(tl.int64) * s_at + n[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=rm[:, None] & nm[None, :])
+    gate_up_block(x_ptr, gu_ptr, gs_ptr, pair_ptr, blk_e_ptr, act_ptr, P, H, I, NI, TOPK,
+                  s_xt, s_ge, s_gn, s_gh, s_se, s_sn, s_sk, s_at, QN, QK, BM, BN, BK, PREC, SCALED=True)
 
 
 @triton.jit
@@ -59,32 +27,8 @@ def _down_fp8_kernel(act_ptr, dn_ptr, ds_ptr, pair_ptr, blk_e_ptr, wt_ptr, y_ptr
                      s_at, s_de, s_dh, s_di, s_se, s_sn, s_sk, s_yp,
                      QN: tl.constexpr, QK: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(blk_e_ptr + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(pair_ptr + rows)
-    rm = pair < P
-    n = pid_n * BN + tl.arange(0, BN)
-    nm = n < H
-    dt = act_ptr.dtype.element_ty
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    w_base = dn_ptr + e * s_de
-    s_row = ds_ptr + e * s_se + (n // QN) * s_sn
-    for k0 in range(0, I, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < I
-        a = tl.load(act_ptr + rows[:, None].to(tl.int64) * s_at + kk[None, :],
-                    mask=rm[:, None] & kmask[None, :], other=0.0)
-        wd = tl.load(w_base + n[None, :] * s_dh + kk[:, None] * s_di,
-                     mask=kmask[:, None] & nm[None, :], other=0.0)  # [BK, BN] fp8
-        sd = tl.load(s_row + (k0 // QK) * s_sk, mask=nm, other=0.0)
-        acc += tl.dot(a, wd.to(dt), input_precision=PREC) * sd[None, :]
-    wt = tl.load(wt_ptr + pair, mask=rm, other=0.0).to(dt).to(tl.float32)
-    y = acc.to(dt).to(tl.float32) * wt[:, None]
-    tl.store(y_ptr + pair[:, None].to(tl.int64) * s_yp + n[None, :], y, mask=rm[:, None] & nm[None, :])
+    down_block(act_ptr, dn_ptr, ds_ptr, pair_ptr, blk_e_ptr, wt_ptr, y_ptr, P, H, I,
+               s_at, s_de, s_dh, s_di, s_se, s_sn, s_sk, s_yp, QN, QK, BM, BN, BK, PREC, SCALED=True)
 
 
 def _bk(n: int, bk_quant: int, cap: int) -> int:
@@ -110,13 +54,9 @@ def moe_experts(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale
     topk = expert_ids.shape[1]
     if T == 0 or topk == 0:
         return x.new_zeros(T, H)
-    x = x if x.stride(-1) == 1 else x.contiguous()
     P = T * topk
-    pair_of_row, expert_of_block = align_blocks(expert_ids, E)
+    x, pair_of_row, expert_of_block, act, y, prec = launch_buffers(x, expert_ids, E, I)
     nb = expert_of_block.numel()
-    act = torch.empty(nb * BLOCK_M, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
     # K steps of 64 for gate/up (two fp8 tiles and two accumulators: 128 spills on sm_90), 128 for down
     BN1, BK1 = _tile(I, 32), _bk(H, bk, 64)  # BN 64 spills on sm_90 (tests/kernels/test_compile_sm90.py)
     _gate_up_fp8_kernel[(nb, triton.cdiv(I, BN1))](

@@ -78,16 +78,19 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return torch.stack(out, dim=1), S
 
 
-def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim):
-    """Causal GDN token mixing of T committed rows, one token at a time.
+def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim,
+               delta_rule=recurrent_gated_delta_rule):
+    """Causal GDN token mixing of T committed rows, by default one token at a time.
 
     mixed [B, T, C] (in_proj_qkv output), ring [B, C, K-1], conv_weight [C, K],
     g, beta [B, T, Hv], state [B, Hv, dk, dv] fp32.
     Returns (o [B, T, Hv, dv] in mixed's dtype, new ring, new state fp32).
+    ``delta_rule`` has the contract of ``recurrent_gated_delta_rule``: ``torch.py`` passes the
+    chunked form, so that conv, split and casts are written once.
     """
     conv, new_ring = causal_conv(mixed, ring, conv_weight)
     q, k, v = split_heads(F.silu(conv), num_k_heads, head_k_dim, head_v_dim)
-    o, new_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    o, new_state = delta_rule(q, k, v, g, beta, state)
     return o.to(mixed.dtype), new_ring.to(ring.dtype), new_state
 
 

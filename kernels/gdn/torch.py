@@ -8,6 +8,7 @@ Shapes as in ``naive.py``.
 import torch
 import torch.nn.functional as F
 
+from . import naive
 from .naive import causal_conv, gdn_preview, recurrent_gated_delta_rule, split_heads
 
 __all__ = ["chunk_gated_delta_rule", "gdn_commit", "gdn_preview", "gdn_commit_blocks"]
@@ -74,17 +75,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64, return
 
 
 def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim):
-    """Causal GDN token mixing of T committed rows.
-
-    mixed [B, T, C] (in_proj_qkv output), ring [B, C, K-1], conv_weight [C, K],
-    g, beta [B, T, Hv], state [B, Hv, dk, dv] fp32.
-    Returns (o [B, T, Hv, dv] in mixed's dtype, new ring, new state fp32).
-    """
-    conv, new_ring = causal_conv(mixed, ring, conv_weight)
-    q, k, v = split_heads(F.silu(conv), num_k_heads, head_k_dim, head_v_dim)
+    """Causal GDN token mixing of T committed rows: ``naive.gdn_commit`` (same contract) with the
+    chunked delta rule, or the recurrent one for a single row (one step needs no chunking)."""
     rule = recurrent_gated_delta_rule if mixed.shape[1] == 1 else chunk_gated_delta_rule
-    o, new_state = rule(q, k, v, g, beta, state)
-    return o.to(mixed.dtype), new_ring.to(ring.dtype), new_state
+    return naive.gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim,
+                            delta_rule=rule)
 
 
 def gdn_commit_blocks(mixed, conv_weight, g, beta, num_k_heads, head_k_dim, head_v_dim, block_size):

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import down_block, gate_up_block
+
 BLOCK_M = 16  # rows per expert block: tl.dot's minimum; a 32-token block spreads over many experts
 
 
@@ -29,66 +31,18 @@ BLOCK_M = 16  # rows per expert block: tl.dot's minimum; a 32-token block spread
 def _gate_up_kernel(x_ptr, gu_ptr, pair_ptr, blk_e_ptr, act_ptr, P, H, I, TOPK,
                     s_xt, s_ge, s_gn, s_gh, s_at,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(blk_e_ptr + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(pair_ptr + rows)
-    rm = pair < P
-    tok = (pair // TOPK).to(tl.int64)
-    n = pid_n * BN + tl.arange(0, BN)
-    nm = n < I
-    dt = x_ptr.dtype.element_ty
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    w_base = gu_ptr + e * s_ge
-    for k0 in range(0, H, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < H
-        a = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rm[:, None] & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & nm[None, :]
-        wg = tl.load(w_base + n[None, :] * s_gn + kk[:, None] * s_gh, mask=wmask, other=0.0)  # [BK, BN]
-        wu = tl.load(w_base + (n + I)[None, :] * s_gn + kk[:, None] * s_gh, mask=wmask, other=0.0)
-        acc_g = tl.dot(a, wg.to(dt), acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, wu.to(dt), acc_u, input_precision=PREC)
-    # the reference rounds the projections to x's dtype before the activation
-    gate = acc_g.to(dt).to(tl.float32)
-    up = acc_u.to(dt).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
-    tl.store(act_ptr + rows[:, None].to(tl.int64) * s_at + n[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=rm[:, None] & nm[None, :])
+    # moe/common.py's body without block scales: their pointer, strides and block sizes go unread
+    gate_up_block(x_ptr, gu_ptr, gu_ptr, pair_ptr, blk_e_ptr, act_ptr, P, H, I, 0, TOPK,
+                  s_xt, s_ge, s_gn, s_gh, 0, 0, 0, s_at, 1, 1, BM, BN, BK, PREC, SCALED=False)
 
 
 @triton.jit
 def _down_kernel(act_ptr, dn_ptr, pair_ptr, blk_e_ptr, wt_ptr, y_ptr, P, H, I,
                  s_at, s_de, s_dh, s_di, s_yp,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(blk_e_ptr + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(pair_ptr + rows)
-    rm = pair < P
-    n = pid_n * BN + tl.arange(0, BN)
-    nm = n < H
-    dt = act_ptr.dtype.element_ty
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    w_base = dn_ptr + e * s_de
-    for k0 in range(0, I, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < I
-        a = tl.load(act_ptr + rows[:, None].to(tl.int64) * s_at + kk[None, :],
-                    mask=rm[:, None] & kmask[None, :], other=0.0)
-        wd = tl.load(w_base + n[None, :] * s_dh + kk[:, None] * s_di,
-                     mask=kmask[:, None] & nm[None, :], other=0.0)  # [BK, BN]
-        acc = tl.dot(a, wd.to(dt), acc, input_precision=PREC)
-    wt = tl.load(wt_ptr + pair, mask=rm, other=0.0).to(dt).to(tl.float32)
-    y = acc.to(dt).to(tl.float32) * wt[:, None]
-    tl.store(y_ptr + pair[:, None].to(tl.int64) * s_yp + n[None, :], y, mask=rm[:, None] & nm[None, :])
+    # as _gate_up_kernel: no block scales
+    down_block(act_ptr, dn_ptr, dn_ptr, pair_ptr, blk_e_ptr, wt_ptr, y_ptr, P, H, I,
+               s_at, s_de, s_dh, s_di, 0, 0, 0, s_yp, 1, 1, BM, BN, BK, PREC, SCALED=False)
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
@@ -121,6 +75,18 @@ def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOC
     return pair_of_row, expert_of_block
 
 
+def launch_buffers(x, expert_ids, num_experts: int, inter: int):
+    """What both MoE launchers (this file's, ``fp8/moe.py``'s) set up: x with unit column stride,
+    the row-block table, the gate/up scratch [nb * BM, I] in x's dtype, the per-pair output
+    [T*k, H] fp32 and the dots' precision."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    pair_of_row, expert_of_block = align_blocks(expert_ids, num_experts)
+    act = torch.empty(expert_of_block.numel() * BLOCK_M, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(expert_ids.numel(), x.shape[1], dtype=torch.float32, device=x.device)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    return x, pair_of_row, expert_of_block, act, y, prec
+
+
 def _tile(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
@@ -143,13 +109,9 @@ def moe_experts(x, expert_ids, weights, gate_up, down):
         raise ValueError(f"moe_experts: down must be [{E}, {H}, {I}], got {tuple(down.shape)}")
     if T == 0 or topk == 0:
         return x.new_zeros(T, H)
-    x = x if x.stride(-1) == 1 else x.contiguous()
     P = T * topk
-    pair_of_row, expert_of_block = align_blocks(expert_ids, E)
+    x, pair_of_row, expert_of_block, act, y, prec = launch_buffers(x, expert_ids, E, I)
     nb = expert_of_block.numel()
-    act = torch.empty(nb * BLOCK_M, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
     # few expert blocks (decode, a small block): narrower I tiles give more programs to stream weights
     BN1, BK1 = _tile(I, 32 if nb * triton.cdiv(I, 64) < 128 else 64), _tile(H, 128)
     _gate_up_kernel[(nb, triton.cdiv(I, BN1))](
