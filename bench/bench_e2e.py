@@ -14,6 +14,9 @@ restored outside them):
                        clover_lab.engine.runner.StepGraphs:
                        the no-hook fast path the engine takes on CUDA, one graph replay per step
                        (on a CPU the same static-shape steps run eagerly)
+  [batch N]            preview and AR step over N rows at different committed lengths (prompts
+                       of --prompt-len down to half of it, as engine.generate([...]) keeps them;
+                       eager, logits at every block position); tokens/s counts every row
 Roofline: the bytes a step must move, / 4.8e12 B/s (H200 HBM): every non-expert weight (the LM
 head whole when logits are computed, embedding rows as gathered), 3 * H * I * dtype bytes per
 *distinct* routed expert per MoE layer (counted by a route hook in a separate untimed run), the
@@ -66,6 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--unmasked", type=int, default=16, help="block positions already unmasked in 'preview'")
     p.add_argument("--coreset", type=int, default=64, help="expert coreset size of the restricted previews")
     p.add_argument("--tpf", type=float, default=3.5, help="assumed tokens per forward for tokens/s")
+    p.add_argument("--batch", type=int, default=16, help="rows of the batched steps (below 2: none)")
     p.add_argument("--init", default="device", choices=("device", "seeded"))
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for the JSON")
@@ -128,8 +132,9 @@ def experts_hit(model: CloverModel, fn) -> list[int]:
     return [int(torch.cat(ids[i]).unique().numel()) for i in sorted(ids)]
 
 
-def roofline_bytes(model: CloverModel, n: int, c: int, m: int, logits: bool, hit: list[int]) -> dict:
-    """Bytes a forward of c committed + m previewed rows at committed length n must move at least."""
+def roofline_bytes(model: CloverModel, n: float, c: int, m: int, logits: bool, hit: list[int], batch: int = 1) -> dict:
+    """Bytes a forward of c committed + m previewed rows at committed length n must move at least
+    (``batch`` rows of them: n their mean length)."""
     cfg, es = model.config, model.dtype.itemsize
     H, I, V = cfg.hidden_size, cfg.moe_intermediate_size, cfg.vocab_size
     skip = ("experts.gate_up_proj", "experts.down_proj", "embed_tokens.weight", "lm_head.weight")
@@ -140,13 +145,44 @@ def roofline_bytes(model: CloverModel, n: int, c: int, m: int, logits: bool, hit
     ring = cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * es
     return dict(
         dense_weights=dense,
-        embedding_rows=(c + m) * H * es,
+        embedding_rows=batch * (c + m) * H * es,
         lm_head=V * H * es if logits else 0,
         experts=sum(hit) * 3 * H * I * es,
-        kv_cache_read=attn * (n + c) * kv_row,
-        gdn_state_read=gdn * (state + ring),
-        cache_write=(attn * c * kv_row + gdn * (state + ring)) if c else 0,
+        kv_cache_read=int(batch * attn * (n + c) * kv_row),
+        gdn_state_read=batch * gdn * (state + ring),
+        cache_write=batch * (attn * c * kv_row + gdn * (state + ring)) if c else 0,
     )
+
+
+def batch_rows(model: CloverModel, args, prompt, later, token, max_len: int, write) -> list[dict]:
+    """The preview and the AR step over ``args.batch`` rows at different committed lengths."""
+    N, B = args.batch, later.shape[1]
+    lengths = [args.prompt_len - (args.prompt_len // (2 * N)) * r for r in range(N)]
+    cache = model.new_cache(max_len, N)
+    for r, length in enumerate(lengths):  # each row its own prompt length, unpadded, as the engine does
+        model.prefill(cache.row(r), prompt[:, :length], logits=None)
+    cache.set_row_lengths(lengths)
+    snapshot = cache.clone()
+    restore = lambda: cache.restore(snapshot)  # noqa: E731
+    blocks, tokens = later.expand(N, -1).contiguous(), token.expand(N, -1).contiguous()
+    out = []
+    for step, call, (c, m), before in (("preview", lambda: model.preview(cache, blocks), (0, B), None),
+                                       ("AR step", lambda: model.commit(cache, tokens, logits="last"), (1, 0), restore)):
+        if before:
+            before()
+        hit = experts_hit(model, call)
+        times = timed(call, args, before)
+        restore()
+        parts = roofline_bytes(model, sum(lengths) / N, c, m, True, hit, batch=N)
+        total, med = sum(parts.values()), statistics.median(times)
+        out.append(dict(step=step, variant=f"batch {N}", batch=N, row_lengths=lengths, commit_rows=c, preview_rows=m,
+                        committed_length=max(lengths), median_s=med, min_s=min(times), times_s=times,
+                        experts_hit_per_layer=hit, mean_experts_hit=sum(hit) / max(len(hit), 1), bytes=parts,
+                        total_bytes=total, roofline_s=total / HBM_BYTES_PER_S,
+                        time_over_roofline=med * HBM_BYTES_PER_S / total,
+                        tokens_per_s=N * (args.tpf if m else 1) / med))
+        print(f"  {step} [batch {N}]: {med * 1e3:.2f} ms", flush=True)
+    return out
 
 
 def device_name(device) -> str:
@@ -264,6 +300,10 @@ def main(argv=None) -> int:
                          roofline_s=total / HBM_BYTES_PER_S, time_over_roofline=med * HBM_BYTES_PER_S / total,
                          tokens_per_s=args.tpf / med if m and not c else None))
         print(f"  {step} [{variant}]: {med * 1e3:.2f} ms", flush=True)
+        write(complete=False)
+
+    if args.batch > 1:
+        rows += batch_rows(model, args, prompt, later, commit_ids[:, :1], cache.max_len, write)
         write(complete=False)
 
     print(f"\n{args.preset} {args.dtype} on {name}, prompt {n}, block {B}, median of {args.repeat}; "
