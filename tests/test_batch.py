@@ -299,3 +299,22 @@ def test_prompts_as_long_prefill_in_one_forward(tiny_engine, mode):
     assert batch.stats.prefill_forwards == 1
     prefill = [rec for rec in cap["layers.3.moe.route"] if rec.phase == "prefill"]
     assert len(prefill) == 1 and prefill[0].rows == (0, 1, 2)
+
+
+def test_the_batch_benchmark_runs_and_its_batches_give_batch_1s_tokens(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "bench_batch.py"
+    proc = subprocess.run([sys.executable, str(script), "--model", "random", "--prompts", "4", "--batch-sizes", "1", "4",
+                           "--max-new-tokens", "16", "--threshold", "0.3", "--rounds", "1", "--threads", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (result,) = tmp_path.glob("batch-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert [(r["mode"], r["batch_size"]) for r in rows] == [("diffusion", 1), ("diffusion", 4), ("ar", 1), ("ar", 4)]
+    assert all(r["same_tokens"] and r["new_tokens"] == 64 for r in rows)
