@@ -61,7 +61,8 @@ prompts = st.one_of(
     st.text(alphabet="w0123456789 x<|>", max_size=16),
     st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": st.text(max_size=8)}),
              min_size=1, max_size=2),
-    st.sampled_from([None, 3, torch.tensor([[5, 17, 33]]), torch.tensor([1.5]), [[1, 2]]]),
+    st.sampled_from([None, 3, torch.tensor([[5, 17, 33]]), torch.tensor([1.5]), [[1, 2]], [[1, 2], []]]),
+    st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=8), min_size=1, max_size=3),  # a batch
 )
 
 step_actions = st.one_of(
@@ -168,16 +169,17 @@ def engine_and_base(gen_model, gen_tokenizer):
 
 
 def check_outcome(engine, base, run) -> None:
-    """``run()`` gives a result without mask tokens, or raises a CloverError; the engine's greedy
+    """``run()`` gives a result (a batch: one per row) without mask tokens, or raises a CloverError; the engine's greedy
     tokens are unchanged afterwards and no hook is left behind."""
     try:
         result = run()
     except CloverError:
         pass
     else:
-        assert MASK not in result.token_ids and all(0 <= t < V for t in result.token_ids)
-        assert result.stop_reason in ("length", "eos", "stop_string", "hook")
-        assert result.stats.new_tokens == len(result.token_ids)
+        for one in result if isinstance(result, list) else [result]:  # a batch: every row's result
+            assert MASK not in one.token_ids and all(0 <= t < V for t in one.token_ids)
+            assert one.stop_reason in ("length", "eos", "stop_string", "hook")
+            assert one.stats.new_tokens == len(one.token_ids)
     assert not engine.model.hooks.attached()
     assert engine.generate(PROMPT, **GREEDY).token_ids == base
 
