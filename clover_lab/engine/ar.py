@@ -8,7 +8,7 @@ import torch
 
 from .. import sampling
 from ..hooks.registry import StopGeneration
-from .faults import COLLAPSED, NONFINITE, collapsed, collapsed_error, logits_health, nonfinite_error
+from .faults import check_logits, collapsed, logits_health
 from .results import StreamUpdate
 
 
@@ -29,10 +29,7 @@ def run_ar(run) -> Iterator[StreamUpdate]:
         # the one sync per token: the token, and whether the logits could be used (NaN or inf make
         # the confidence NaN, equal logits carry no answer; argmax would return token 0 either way)
         t, health = torch.stack([tokens[0], logits_health(collapsed(logits), conf)]).tolist()
-        if health == NONFINITE:
-            raise nonfinite_error(run, f"token {i} (AR)")
-        if health == COLLAPSED:
-            raise collapsed_error(run, f"token {i} (AR)")
+        check_logits(run, health, f"token {i} (AR)")
         if run.counts is not None:
             run.counts[tokens] += 1
         run.committed.append(t)

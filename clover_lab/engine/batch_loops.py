@@ -22,7 +22,7 @@ from .. import sampling
 from ..hooks.registry import StopGeneration
 from .ar import end_reason
 from .diffusion import Block, denoise_step
-from .faults import COLLAPSED, NONFINITE, collapsed, collapsed_error, logits_health, nonfinite_error
+from .faults import check_logits, collapsed, logits_health
 from .results import StreamUpdate
 
 
@@ -195,10 +195,7 @@ def run_batch_ar(batch) -> Iterator[StreamUpdate]:
         # the one sync per step: every row's token and whether its logits could be used
         host = torch.stack(tokens + health).tolist()
         for j, row in enumerate(rows):
-            if host[len(rows) + j] == NONFINITE:
-                raise nonfinite_error(row, f"token {i} (AR)")
-            if host[len(rows) + j] == COLLAPSED:
-                raise collapsed_error(row, f"token {i} (AR)")
+            check_logits(row, host[len(rows) + j], f"token {i} (AR)")
         reasons = {}
         for row, t in zip(rows, host):
             if row.counts is not None:

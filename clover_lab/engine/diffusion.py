@@ -26,7 +26,7 @@ from .. import sampling
 from ..hooks import points
 from ..hooks.events import StepEvent
 from ..hooks.registry import HookError, StopGeneration
-from .faults import COLLAPSED, NONFINITE, collapsed, collapsed_error, logits_health, nonfinite_error
+from .faults import check_logits, collapsed, logits_health
 from .results import StreamUpdate
 
 
@@ -204,10 +204,7 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     N = len(block.masked)
     host = torch.cat([flags.long(), cand, logits_health(flat, conf).reshape(1)]).tolist()
     flags_host, cand_host = host[:N], host[N:2 * N]
-    if host[2 * N] == NONFINITE:
-        raise nonfinite_error(run, f"block {block.index}, step {block.step}", block.canvas)
-    if host[2 * N] == COLLAPSED:
-        raise collapsed_error(run, f"block {block.index}, step {block.step}")
+    check_logits(run, host[2 * N], f"block {block.index}, step {block.step}", block.canvas)
     unmask = [block.masked[i] for i, f in enumerate(flags_host) if f]
     chosen = dict(zip(block.masked, cand_host))
     overrides: dict[int, int] = {}

@@ -31,6 +31,16 @@ def logits_health(flat: torch.Tensor, confidences: torch.Tensor) -> torch.Tensor
     return torch.where(confidences.isfinite().all(), torch.where(flat, COLLAPSED, OK), NONFINITE).long()
 
 
+def check_logits(run, health: int, where: str, block_ids: torch.Tensor | None = None) -> None:
+    """Raise what a step's :func:`logits_health` flag calls for. Collapsed logits while a hook is
+    attached inside the model are that intervention's outcome (zeroing the stream ablates it),
+    not an error."""
+    if health == NONFINITE:
+        raise nonfinite_error(run, where, block_ids)
+    if health == COLLAPSED and not run.hooks.model_hooks_attached():
+        raise collapsed_error(run, where)
+
+
 def collapsed_error(run, where: str) -> GenerationError:
     """The error for logits equal over the whole vocabulary at ``where``."""
     where = where if run.row is None else f"row {run.row}, {where}"
@@ -38,7 +48,7 @@ def collapsed_error(run, where: str) -> GenerationError:
     return GenerationError(f"{where}: the logits are equal for every token (the hidden state reaching the LM head is "
                            f"zero), so no token can be chosen; the generation stopped instead of returning token 0. "
                            f"A residual stream past the square root of {dtype}'s range makes a norm's mean square "
-                           f"overflow and its output zero: an overflowing weight, or a hook's edit")
+                           f"overflow and its output zero, as an overflowing weight does")
 
 
 def first_nonfinite_weight(model) -> str | None:
