@@ -96,8 +96,10 @@ def test_missing_model_and_bad_ids(capsys, tmp_path):
     assert info.value.code == 2 and "token ids" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("as_json", [False, True])
-def test_ctrl_c_prints_what_was_generated_and_exits_130(capsys, gen_model, monkeypatch, as_json):
+@pytest.fixture
+def interrupted_engine(gen_model, monkeypatch):
+    """The CLI's engine with Ctrl-C pressed at the first step of block 1, and the hook's handle
+    (remove it before generating outside the CLI)."""
     engine = clover_lab.Engine(gen_model)
 
     def interrupt(ev):
@@ -106,11 +108,16 @@ def test_ctrl_c_prints_what_was_generated_and_exits_130(capsys, gen_model, monke
 
     handle = engine.add_hook("denoise.step", interrupt)
     monkeypatch.setattr(cli, "load_engine", lambda args: engine)
-    try:
-        argv = ["generate", "--prompt-ids", "5,17,33", "--max-new-tokens", 40, "--threshold", 0.3]
-        code, out, err = run_cli(capsys, *argv, *(["--json"] if as_json else []))
-    finally:
-        handle.remove()
+    yield engine, handle
+    handle.remove()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_prints_what_was_generated_and_exits_130(capsys, interrupted_engine, as_json):
+    engine, handle = interrupted_engine
+    argv = ["generate", "--prompt-ids", "5,17,33", "--max-new-tokens", 40, "--threshold", 0.3]
+    code, out, err = run_cli(capsys, *argv, *(["--json"] if as_json else []))
+    handle.remove()
     first_block = engine.generate([5, 17, 33], max_new_tokens=40, threshold=0.3).token_ids[:16]
     assert code == 130
     if as_json:
@@ -219,20 +226,11 @@ def test_repeated_prompts_are_a_batch(capsys, gen_model_dir, gen_text_model_dir)
     assert "row 0" in out and "row 1" in out and "2 rows, 16 new tokens" in out
 
 
-def test_ctrl_c_in_a_batch_prints_every_rows_tokens(capsys, gen_model, monkeypatch):
-    engine = clover_lab.Engine(gen_model)
-
-    def interrupt(ev):
-        if ev.block == 1:
-            raise KeyboardInterrupt
-
-    handle = engine.add_hook("denoise.step", interrupt)
-    monkeypatch.setattr(cli, "load_engine", lambda args: engine)
-    try:
-        code, out, _ = run_cli(capsys, "generate", "--prompt-ids", "5,17,33", "--prompt-ids", "8,8",
-                               "--max-new-tokens", 40, "--threshold", 0.3, "--json")
-    finally:
-        handle.remove()
+def test_ctrl_c_in_a_batch_prints_every_rows_tokens(capsys, interrupted_engine):
+    engine, handle = interrupted_engine
+    code, out, _ = run_cli(capsys, "generate", "--prompt-ids", "5,17,33", "--prompt-ids", "8,8",
+                           "--max-new-tokens", 40, "--threshold", 0.3, "--json")
+    handle.remove()
     assert code == 130
     data = json.loads(out)
     expected = engine.generate([[5, 17, 33], [8, 8]], max_new_tokens=40, threshold=0.3)
