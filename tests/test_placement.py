@@ -46,6 +46,17 @@ def test_offloaded_experts_give_the_unplaced_models_logits_and_tokens(engines, g
         assert results[1].token_ids == results[0].token_ids
 
 
+@pytest.mark.parametrize("coreset", [None, 4])
+def test_a_batch_on_offloaded_experts_gives_the_unplaced_models_tokens(engines, gen_one_thread, coreset):
+    """Rows at different lengths, each with its own coreset: the store holds their union."""
+    plain, placed = engines
+    prompts = [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3], [300]]
+    for mode in ("diffusion", "ar"):
+        results = [e.generate(prompts, mode=mode, max_new_tokens=24, threshold=0.5, coreset_size=coreset)
+                   for e in (plain, placed)]
+        assert [r.token_ids for r in results[1]] == [r.token_ids for r in results[0]]
+
+
 def test_with_a_coreset_each_blocks_experts_are_fetched_once(engines, gen_one_thread):
     """The block's first forward stages its coreset; its later previews route within it and copy nothing."""
     _, placed = engines
