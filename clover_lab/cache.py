@@ -118,6 +118,14 @@ class CloverCache:
             layers[i] = AttentionCache(*tensors) if kind == "full_attention" else GDNCache(*tensors)
         return cls(layers, max_len, batch_size)
 
+    def put(self, rows: list[int], part: "CloverCache") -> None:
+        """Write ``part`` (a cache of len(rows) rows, as :meth:`select` gives) into these rows."""
+        if part.batch_size != len(rows) or part.layers.keys() != self.layers.keys():
+            raise ValueError(f"put: a cache of {part.batch_size} rows cannot fill rows {rows}")
+        for i, layer in self.layers.items():
+            for mine, theirs in zip(_fields(layer), _fields(part.layers[i])):
+                mine.index_copy_(0, torch.tensor(rows, device=mine.device), theirs.to(mine.device))
+
     @property
     def free(self) -> int:
         return self.max_len - self.length

@@ -45,6 +45,8 @@ def test_rows_at_different_lengths_forward_as_they_would_alone(tiny_model):
     again = tiny_model.preview(cache, nxt, coreset=coreset)
     assert cache.row_lengths == [21, 27, 24] and cache.length == 27
     assert coreset.experts[0].shape == (3, 4)  # each row its own coreset
+    with pytest.raises(ValueError, match="a cache of 3 rows cannot fill rows"):
+        cache.put([0], cache)
     for r, p in enumerate(prompts):
         alone = tiny_model.new_cache(64, 1)
         tiny_model.prefill(alone, p, logits=None)
@@ -291,14 +293,17 @@ def test_events_narrowed_to_a_row_equal_the_row_alone(tiny_engine):
 
 
 @pytest.mark.parametrize("mode", ["diffusion", "ar"])
-def test_prompts_as_long_prefill_in_one_forward(tiny_engine, mode):
-    prompts = [[5, 17, 33, 100], [9, 9, 9, 9], [400, 3, 250, 7]]
+@pytest.mark.parametrize("prompts,groups", [
+    ([[5, 17, 33, 100], [9, 9, 9, 9], [400, 3, 250, 7]], [(0, 1, 2)]),
+    ([[5, 17, 33], [9, 9, 9], [400, 3, 250, 7, 8], [1, 2, 3]], [(0, 1, 3), (2,)]),
+])
+def test_prompts_as_long_prefill_in_one_forward(tiny_engine, mode, prompts, groups):
     with tiny_engine.capture("layers.3.moe.route") as cap:
         batch = tiny_engine.generate(prompts, mode=mode, **KW)
     assert_rows_equal(batch, one_by_one(tiny_engine, prompts, mode=mode, **KW))
-    assert batch.stats.prefill_forwards == 1
+    assert batch.stats.prefill_forwards == len(groups)
     prefill = [rec for rec in cap["layers.3.moe.route"] if rec.phase == "prefill"]
-    assert len(prefill) == 1 and prefill[0].rows == (0, 1, 2)
+    assert [rec.rows for rec in prefill] == groups
 
 
 def test_the_batch_benchmark_runs_and_its_batches_give_batch_1s_tokens(tmp_path):

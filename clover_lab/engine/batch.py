@@ -119,17 +119,23 @@ class BatchRun:
 
     # ---------------------------------------------------------------- forwards
     def prefill(self, logits: str | None) -> torch.Tensor | None:
-        """Every prompt into its row of the cache: in one forward when the prompts are as long,
-        else one row at a time (no padding inside the model). Returns the last-position logits
-        [B, V] when ``logits`` is "last"."""
+        """Every prompt into its row of the cache, the prompts of one length in one forward (no
+        padding inside the model). Returns the last-position logits [B, V] when ``logits`` is
+        "last"."""
         chunk = self.engine.prefill_chunk_size
         lengths = [len(row.prompt_ids) for row in self.rows]
-        if len(set(lengths)) == 1:
-            groups = [(self.rows, self.cache, self.active)]
-        else:
-            groups = [([row], self.cache.row(row.row), [row.row]) for row in self.rows]
-        outs = []
-        for rows, cache, names in groups:
+        by_length: dict[int, list[int]] = {}
+        for r, length in enumerate(lengths):
+            by_length.setdefault(length, []).append(r)
+        outs = {}
+        for names in by_length.values():
+            rows = [self.rows[r] for r in names]
+            if len(names) == len(self.rows):
+                cache = self.cache
+            elif len(names) == 1:
+                cache = self.cache.row(names[0])  # views: the commit lands in the batch's cache
+            else:
+                cache = self.model.new_cache(self.cache.max_len, len(names))
             self.clock.start("prefill")
             try:
                 with self.hooks.applied():
@@ -142,15 +148,17 @@ class BatchRun:
                 row.clock.spans["prefill"].append(span)
                 row.stats.prefill_forwards = math.ceil(len(row.prompt_ids) / chunk)
             self.stats.prefill_forwards += math.ceil(len(rows[0].prompt_ids) / chunk)
+            if 1 < len(names) < len(self.rows):
+                self.cache.put(names, cache)
             if out is not None:
-                outs.append(out[:, -1])
+                outs.update(zip(names, out[:, -1]))
         self.cache.set_row_lengths(lengths)
         if self.clock.cuda:
             torch.cuda.synchronize(self.device)
         self.t_decode = time.perf_counter()
         for row in self.rows:
             row.t_decode = self.t_decode
-        return torch.cat(outs) if outs else None
+        return torch.stack([outs[r] for r in range(len(self.rows))]) if outs else None
 
     def _timed(self, kind: str, rows: list[BatchRow], fn):
         """Run one shared forward; its time and count go to the batch and to each of ``rows``."""
