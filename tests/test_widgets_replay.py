@@ -8,7 +8,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 import clover_lab  # noqa: E402
-from clover_lab.widgets import DenoiseView, ExpertView, MemoryView, SpeedView  # noqa: E402
+from clover_lab.widgets import DenoiseView, ExpertView, LensView, MemoryView, SpeedView  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 42, 8, 8, 123]
 GEN = dict(max_new_tokens=40, threshold=0.3, temperature=0.0)
@@ -64,6 +64,25 @@ def test_a_batched_trace_replays_one_row(view_engine, tmp_path, cls):
     replayed.replay(clover_lab.load_trace(tmp_path / "batch"))
     assert len(replayed.frames) == len(live.frames) > 0 and replayed.frame_labels == live.frame_labels
     assert all(same(a, b) for a, b in zip(live.frames, replayed.frames))
+    live.close()
+    replayed.close()
+
+
+def test_the_logit_lens_replays_a_trace_with_the_model_that_made_it(view_engine, tmp_path):
+    live = LensView(view_engine, fps=1000)
+    try:
+        with view_engine.capture(list(live.hook_methods())) as cap:
+            view_engine.generate(PROMPT, **GEN)
+        live.flush()
+        cap.save(tmp_path / "run")
+    finally:
+        live.detach()
+    trace = clover_lab.load_trace(tmp_path / "run")
+    with pytest.raises(ValueError, match="LensView.replay needs the model that made the trace"):
+        LensView(fps=1000).replay(trace)
+    replayed = LensView(fps=1000).replay(trace, view_engine)
+    assert len(replayed.frames) == len(live.frames) > 0 and replayed.frame_labels == live.frame_labels
+    assert all(same(a, b, skip=()) for a, b in zip(live.frames, replayed.frames))
     live.close()
     replayed.close()
 

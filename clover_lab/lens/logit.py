@@ -96,6 +96,7 @@ class _Reader:
     def on_output(self, ev: ResidualEvent) -> None:
         self.outputs[(ev.layer, ev.mode)] = (ev.value, ev.positions)
 
+    @torch.no_grad()  # also outside a forward: a trace replayed through the model's head
     def on_head(self, ev: ResidualEvent) -> None:
         positions = ev.positions.tolist()
         rows = []

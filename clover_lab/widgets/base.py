@@ -37,6 +37,7 @@ class View:
     state (:meth:`_empty`, :meth:`_apply_part`) and draw a state (:meth:`_render`)."""
 
     title = "view"
+    needs_model = False  # replaying a trace needs the model's weights (engine=...)
 
     def __init__(self, engine=None, *, fps: float = 15.0):
         require_notebook()
@@ -276,12 +277,13 @@ class View:
                 body = section(self.title, self._html_parts(state, frame))
         return page(self.title, [body]) if full_html else body
 
-    def replay(self, trace) -> "View":
-        """Show a saved trace (``clover_lab.load_trace``) or a capture, no model needed: its
-        records of this view's points become frames, as if the run were live."""
+    def replay(self, trace, engine=None) -> "View":
+        """Show a saved trace (``clover_lab.load_trace``) or a capture: its records of this view's
+        points become frames, as if the run were live. No model needed, except by a view that
+        computes from the weights (``needs_model``: LensView), which reads ``engine``'s."""
         from .replay import replay
 
-        replay(self, trace)
+        replay(self, trace, engine)
         return self
 
     def _shown_frame(self) -> int:

@@ -5,6 +5,7 @@ sees at which layer, and stepping through the frames at which step, each token i
 
     LensView(engine)                       # live, while generations run
     LensView.from_lens(lens, tokenizer)    # a finished lens, no model
+    LensView().replay(trace, engine)       # a saved trace, read with the model that made it
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .base import View, figure_html, token_piece, visible
 
 class LensView(View):
     title = "Logit lens per denoising step"
+    needs_model = True  # the lens is the model's final norm and LM head over each layer's output
 
     def __init__(self, engine=None, *, k: int = 5, fps: float = 10.0, tokenizer=None):
         self.k = k

@@ -70,9 +70,11 @@ class RecordedEvent:
         return f"RecordedEvent({self.point!r}, block={self.block}, step={self.step})"
 
 
-def replay(view, trace) -> int:
+def replay(view, trace, engine=None) -> int:
     """Feed ``trace``'s records of the points ``view`` listens to into it, in firing order;
-    returns the number of records replayed. Raises when the trace holds none of them."""
+    returns the number of records replayed. Raises when the trace holds none of them.
+    ``engine``: for a view that computes from the model's weights (LensView), the engine whose
+    model made the trace; it is read, never run."""
     methods = view.hook_methods()
     chosen = []
     for rec in trace.records:
@@ -84,7 +86,12 @@ def replay(view, trace) -> int:
         raise ValueError(f"{type(view).__name__} listens to {', '.join(methods)}; the trace records "
                          f"{', '.join(trace.points)}: nothing to replay")
     config = getattr(trace, "config", None)
-    if config is not None:  # the views size their controls from the model's config, as when attached
+    if engine is not None:
+        view._on_attach(engine)
+    elif view.needs_model:
+        raise ValueError(f"{type(view).__name__}.replay needs the model that made the trace (engine=...): a "
+                         f"trace holds the residual stream, not the weights that turn it into logits")
+    elif config is not None:  # the views size their controls from the model's config, as when attached
         view._on_attach(SimpleNamespace(model=SimpleNamespace(config=config)))
     for method, rec in chosen:
         view._dispatch(method, RecordedEvent(rec))
