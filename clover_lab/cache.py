@@ -86,14 +86,9 @@ class CloverCache:
 
     def select(self, rows: list[int]) -> "CloverCache":
         """A new cache holding these rows, in this order (copies)."""
-        index = {}
-        layers = {}
-        for i, layer in self.layers.items():
-            tensors = []
-            for t in _fields(layer):
-                idx = index.setdefault(t.device, torch.tensor(rows, device=t.device))
-                tensors.append(t.index_select(0, idx))
-            layers[i] = type(layer)(*tensors)
+        index = _RowIndex(rows)
+        layers = {i: type(layer)(*(t.index_select(0, index.on(t.device)) for t in _fields(layer)))
+                  for i, layer in self.layers.items()}
         out = CloverCache(layers, self.max_len, len(rows))
         if self.row_lengths is not None:
             out.set_row_lengths([self.row_lengths[r] for r in rows])
@@ -122,9 +117,10 @@ class CloverCache:
         """Write ``part`` (a cache of len(rows) rows, as :meth:`select` gives) into these rows."""
         if part.batch_size != len(rows) or part.layers.keys() != self.layers.keys():
             raise ValueError(f"put: a cache of {part.batch_size} rows cannot fill rows {rows}")
+        index = _RowIndex(rows)
         for i, layer in self.layers.items():
             for mine, theirs in zip(_fields(layer), _fields(part.layers[i])):
-                mine.index_copy_(0, torch.tensor(rows, device=mine.device), theirs.to(mine.device))
+                mine.index_copy_(0, index.on(mine.device), theirs.to(mine.device))
 
     @property
     def free(self) -> int:
@@ -173,3 +169,15 @@ class CloverCache:
 
 def _fields(layer: AttentionCache | GDNCache) -> tuple[torch.Tensor, torch.Tensor]:
     return (layer.k, layer.v) if isinstance(layer, AttentionCache) else (layer.ring, layer.state)
+
+
+class _RowIndex:
+    """Batch rows as an index tensor, made once per device (a placed model's cache spans several)."""
+
+    def __init__(self, rows: list[int]):
+        self.rows, self._on = rows, {}
+
+    def on(self, device) -> torch.Tensor:
+        if device not in self._on:
+            self._on[device] = torch.tensor(self.rows, device=device)
+        return self._on[device]

@@ -323,3 +323,14 @@ def test_the_batch_benchmark_runs_and_its_batches_give_batch_1s_tokens(tmp_path)
     rows = json.loads(result.read_text())["rows"]
     assert [(r["mode"], r["batch_size"]) for r in rows] == [("diffusion", 1), ("diffusion", 4), ("ar", 1), ("ar", 4)]
     assert all(r["same_tokens"] and r["new_tokens"] == 64 for r in rows)
+
+
+def test_a_batch_whose_cache_does_not_fit_is_refused_up_front(tiny_engine, monkeypatch):
+    from clover_lab.cache import cache_bytes
+    from clover_lab.engine import requests
+
+    one = cache_bytes(tiny_engine.model.config, 10 + 40, 1, dtype=tiny_engine.model.dtype)
+    monkeypatch.setattr(requests, "available_bytes", lambda device: 2 * one)  # room for two rows, not three
+    assert len(tiny_engine.generate([[1] * 10, [2] * 10], **KW)) == 2
+    with pytest.raises(GenerationError, match=r"the cache for 3 rows of 50 positions needs .* batch fewer prompts"):
+        tiny_engine.generate([[1] * 10, [2] * 10, [3] * 10], **KW)

@@ -20,12 +20,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..cache import cache_bytes
 from ..hooks.events import Where
 from ..sampling import SamplerSettings
-from .requests import GenerationError
 from .results import Clock, GenerationResult
-from .run import Run
+from .run import Run, allocation_error
 
 
 class BatchRow(Run):
@@ -105,9 +103,7 @@ class BatchRun:
         try:
             self.cache = model.new_cache(length, len(prompts))
         except (torch.OutOfMemoryError, RuntimeError) as e:
-            need = cache_bytes(model.config, length, len(prompts), dtype=model.dtype)
-            raise GenerationError(f"cannot allocate a cache of {len(prompts)} rows x {length} positions "
-                                  f"({need / 2**30:.2f} GiB) on {self.device}: {e}") from e
+            raise allocation_error(model, length, len(prompts), e) from e
 
     def where(self, phase: str, block: int | None = None, step: int | None = None,
               commit_block: int | None = None, rows: list[int] | None = None) -> Where:
@@ -143,11 +139,11 @@ class BatchRun:
                                              logits=logits, where=self.where("prefill", rows=names))
             finally:
                 self.clock.stop()
-            span = self.clock.spans["prefill"][-1]
+            span, forwards = self.clock.spans["prefill"][-1], math.ceil(len(rows[0].prompt_ids) / chunk)
             for row in rows:
                 row.clock.spans["prefill"].append(span)
-                row.stats.prefill_forwards = math.ceil(len(row.prompt_ids) / chunk)
-            self.stats.prefill_forwards += math.ceil(len(rows[0].prompt_ids) / chunk)
+                row.stats.prefill_forwards = forwards
+            self.stats.prefill_forwards += forwards
             if 1 < len(names) < len(self.rows):
                 self.cache.put(names, cache)
             if out is not None:

@@ -178,13 +178,8 @@ def run_batch_ar(batch) -> Iterator[StreamUpdate]:
     """One token per row per forward; rows leave at EOS or a stop string."""
     try:
         logits = batch.prefill("last")  # [B, V]
-    except StopGeneration:
-        rows = batch.live()
-        for row in rows:
-            row.stats.cache_complete = False
-            row.finish("hook")
-        batch.drop([row.row for row in rows])
-        return (yield from _batch_done(batch, rows, 0))
+    except StopGeneration:  # a model hook stopped a prompt's prefill: no tokens for any row
+        return (yield from _stopped(batch, 0))
     for i in range(batch.max_new):
         rows = batch.live()
         tokens, health = [], []
@@ -207,11 +202,7 @@ def run_batch_ar(batch) -> Iterator[StreamUpdate]:
         try:
             out = batch.commit(ids, batch.where("decode", commit_block=i), logits=None if last else "last")
         except StopGeneration:  # a model hook stopped the forward: each row keeps its token, not cached
-            for row in rows:
-                row.stats.cache_complete = False
-                row.finish("hook")
-            batch.drop([row.row for row in rows])
-            return (yield from _batch_done(batch, rows, i))
+            return (yield from _stopped(batch, i))
         ending = []
         for row, t in zip(rows, host):
             row.stats.blocks += 1
@@ -232,6 +223,16 @@ def run_batch_ar(batch) -> Iterator[StreamUpdate]:
             break
         logits = out[keep, -1]
     yield from _batch_done(batch, [], batch.max_new)
+
+
+def _stopped(batch, index: int) -> Iterator[StreamUpdate]:
+    """A model hook stopped a shared forward: every row still going ends, not all in the cache."""
+    rows = batch.live()
+    for row in rows:
+        row.stats.cache_complete = False
+        row.finish("hook")
+    batch.drop([row.row for row in rows])
+    yield from _batch_done(batch, rows, index)
 
 
 def _batch_done(batch, rows, index: int) -> Iterator[StreamUpdate]:

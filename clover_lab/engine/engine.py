@@ -30,7 +30,7 @@ from .ar import run_ar
 from .batch import BatchRun
 from .batch_loops import run_batch_ar, run_batch_diffusion
 from .diffusion import run_diffusion
-from .requests import (GenerationError, check_batch_memory, check_coreset, check_request, encode_prompt, is_batch,
+from .requests import (GenerationError, check_coreset, check_memory, check_request, encode_prompt, is_batch,
                        stop_list)
 from .results import GenerationResult, StreamUpdate
 from .run import Run
@@ -241,10 +241,10 @@ class Engine:
         for r, prompt in enumerate(prompts):
             try:
                 ids.append(self.encode(prompt, thinking))
-                self.check_request(len(ids[-1]), max_new_tokens, mode)
+                check_request(self.model, self.mask_token_id, len(ids[-1]), max_new_tokens, mode, memory=False)
             except GenerationError as e:
                 raise GenerationError(f"prompt {r} of the batch: {e}") from e
-        check_batch_memory(self.model, max(map(len, ids)) + max_new_tokens, len(ids))
+        check_memory(self.model, max(map(len, ids)) + max_new_tokens, len(ids))
         return BatchRun(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
 
     # ---------------------------------------------------------------- generation

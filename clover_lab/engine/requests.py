@@ -66,8 +66,10 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
     return [int(t) for t in ids]
 
 
-def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tokens: int, mode: str) -> None:
-    """Refuse up front what cannot run: unknown mode, no mask token, context or memory overflow."""
+def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tokens: int, mode: str,
+                  memory: bool = True) -> None:
+    """Refuse up front what cannot run: unknown mode, no mask token, context or memory overflow
+    (``memory=False``: a batch checks its whole cache once, :func:`check_memory`)."""
     if mode not in MODES:
         raise GenerationError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -82,12 +84,8 @@ def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tok
         raise GenerationError(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) is "
                               f"{prompt_len + max_new_tokens} positions, over the context length "
                               f"max_position_embeddings={ctx}; shorten the prompt or lower max_new_tokens")
-    need = cache_bytes(model.config, prompt_len + max_new_tokens, dtype=model.dtype)
-    free = available_bytes(model.device)
-    if free is not None and need > free:
-        raise GenerationError(f"the cache for {prompt_len + max_new_tokens} positions needs "
-                              f"{need / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB is free on "
-                              f"{model.device}; lower max_new_tokens or shorten the prompt")
+    if memory:
+        check_memory(model, prompt_len + max_new_tokens)
 
 
 def is_batch(prompt) -> bool:
@@ -97,14 +95,16 @@ def is_batch(prompt) -> bool:
             and all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt))
 
 
-def check_batch_memory(model, length: int, rows: int) -> None:
-    """Refuse a batch whose cache (``rows`` x ``length`` positions) does not fit in free memory."""
+def check_memory(model, length: int, rows: int = 1) -> None:
+    """Refuse a cache of ``rows`` x ``length`` positions that does not fit in free memory."""
     need = cache_bytes(model.config, length, rows, dtype=model.dtype)
     free = available_bytes(model.device)
     if free is not None and need > free:
-        raise GenerationError(f"the cache for {rows} rows of {length} positions needs {need / 2**30:.2f} GiB, but "
-                              f"only {free / 2**30:.2f} GiB is free on {model.device}; batch fewer prompts, "
-                              f"lower max_new_tokens or shorten the prompts")
+        what, fix = ((f"{length} positions", "lower max_new_tokens or shorten the prompt") if rows == 1 else
+                     (f"{rows} rows of {length} positions",
+                      "batch fewer prompts, lower max_new_tokens or shorten the prompts"))
+        raise GenerationError(f"the cache for {what} needs {need / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB "
+                              f"is free on {model.device}; {fix}")
 
 
 def check_coreset(config, size: int | None) -> None:

@@ -60,9 +60,7 @@ class Run:
                                                     engine.compile_steps and self.device.type != "cuda")
             self.cache = self.graphs.reset() if self.graphs is not None else model.new_cache(length)
         except (torch.OutOfMemoryError, RuntimeError) as e:
-            raise GenerationError(f"cannot allocate a cache of {length} positions "
-                                  f"({cache_bytes(model.config, length, dtype=model.dtype) / 2**30:.2f} GiB) "
-                                  f"on {self.device}: {e}") from e
+            raise allocation_error(model, length, 1, e) from e
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -170,3 +168,11 @@ class Run:
                 text = self.stop_strings.cut(text)
         self.result = GenerationResult(list(self.committed), text, list(self.prompt_ids), self.stats)
         return self.result
+
+
+def allocation_error(model, length: int, rows: int, e: BaseException) -> GenerationError:
+    """A cache of ``rows`` x ``length`` positions could not be allocated: what it needed, where."""
+    what = f"{length} positions" if rows == 1 else f"{rows} rows x {length} positions"
+    return GenerationError(f"cannot allocate a cache of {what} "
+                           f"({cache_bytes(model.config, length, rows, dtype=model.dtype) / 2**30:.2f} GiB) "
+                           f"on {model.device}: {e}")
