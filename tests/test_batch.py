@@ -314,8 +314,8 @@ def test_the_batch_benchmark_runs_and_its_batches_give_batch_1s_tokens(tmp_path)
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "bench" / "bench_batch.py"
-    proc = subprocess.run([sys.executable, str(script), "--model", "random", "--prompts", "4", "--batch-sizes", "1", "4",
-                           "--max-new-tokens", "16", "--threshold", "0.3", "--rounds", "1", "--threads", "1",
+    proc = subprocess.run([sys.executable, str(script), "--model", "random", "--prompts", "4",
+                           "--batch-sizes", "1", "4", "--max-new-tokens", "16", "--threshold", "0.3", "--rounds", "1", "--threads", "1",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
