@@ -6,6 +6,7 @@ argument honoured, nothing kept on the host) and with a dtype change on the CPU,
 GPU, every tensor is read through the map and copied elsewhere. Peak RSS is measured in fresh
 processes from /proc/self/status (VmHWM, reset through /proc/self/clear_refs after a warm-up)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -60,8 +61,12 @@ def checkpoint(tmp_path_factory):
 
 
 def _load_in_child(path, device, dtype):
+    # a fixed mmap threshold: glibc's moving one keeps some freed transient tensors in the heap
+    # or not from run to run (measured 602-651 MB of growth for the same load, 602 MB every time
+    # with the threshold fixed), which is the allocator's noise, not what the loader holds
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
     out = subprocess.run([sys.executable, "-c", CHILD, str(path), device, dtype], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if not got["reset"]:
