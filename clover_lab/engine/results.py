@@ -11,7 +11,8 @@ import torch
 @dataclass
 class GenerationStats:
     """Figures of one generation. Forwards and times exclude the prompt prefill unless named
-    ``prefill_*``; ``tokens_per_second`` is new tokens over ``decode_seconds`` (wall time after
+    ``prefill_*``: ``tokens_per_forward`` is new tokens over the forwards after the prefill
+    (``forward_split`` the parts they add up from); ``tokens_per_second`` is new tokens over ``decode_seconds`` (wall time after
     the prefill). ``preview_seconds`` covers every forward with a preview part (fused ones
     included), ``commit_seconds`` the commit-only forwards after the prefill."""
 
@@ -43,6 +44,14 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def forward_split(self) -> dict[str, int]:
+        """``forwards`` in parts that add up: "preview" (preview only), "fused" (the previous
+        block's commit and a preview in one forward; ``preview_forwards`` counts them too) and
+        "commit" (commit only: AR steps, a last block's commit)."""
+        return {"preview": self.preview_forwards - self.fused_forwards, "fused": self.fused_forwards,
+                "commit": self.commit_forwards}
 
     def __getitem__(self, key: str):
         if key not in self.__dataclass_fields__:
