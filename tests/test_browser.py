@@ -35,7 +35,8 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
          "--disable-sync", "--no-first-run"]
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-WINDOW = {"width": 1400, "height": 1000}  # with the file browser open: ~1000 px of notebook
+WINDOW = {"width": 1400, "height": 7000}  # 1400 px wide (~1000 px of notebook with the file browser open);
+# tall: JupyterLab draws a plotly FigureWidget that starts out of view empty, and it stays empty
 # the README's pictures: notebook -> (selector, file name)
 README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
                 "06_patching_and_lens": [(".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")]}
@@ -217,7 +218,8 @@ def photograph(page, element, path: Path, min_bytes: int = 3_000) -> None:
     element, and screenshot it once plotly is done; a near-empty image fails."""
     box = element.bounding_box()
     height = int(box["height"]) + 200 if box else WINDOW["height"]
-    page.set_viewport_size({"width": WINDOW["width"], "height": max(WINDOW["height"], min(height, 6000))})
+    if height > WINDOW["height"]:
+        page.set_viewport_size({"width": WINDOW["width"], "height": min(height, 12000)})
     element.scroll_into_view_if_needed()
     page.wait_for_timeout(400)  # let plotly finish its last redraw
     element.screenshot(path=str(path))

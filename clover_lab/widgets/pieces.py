@@ -15,6 +15,19 @@ def require_notebook():
         raise ImportError(f"clover_lab.widgets needs the notebook extra: pip install 'clover-lab[notebook]' ({e})") from e
 
 
+# distinct colours for up to 24 series (plotly's 10-colour cycle repeats across 12 heads), one
+# series one colour in every subplot of a view
+SERIES_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
+                  "#7f7f7f", "#bcbd22", "#393b79", "#ad494a", "#637939", "#7b4173", "#e7969c", "#3182bd",
+                  "#31a354", "#fd8d3c", "#756bb1", "#636363", "#843c39", "#8ca252", "#ce6dbd", "#6baed6")
+# a legend under the plot, wrapped horizontally: it never widens the figure past its width or clips
+LEGEND_BELOW = dict(orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top", font=dict(size=9))
+
+
+def series_colour(i: int) -> str:
+    return SERIES_COLOURS[i % len(SERIES_COLOURS)]
+
+
 def figure_html(fig) -> str:
     """A figure (FigureWidget or Figure) as a div + script, without plotly.js (see :func:`page`)."""
     import plotly.graph_objects as go
