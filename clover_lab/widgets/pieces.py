@@ -24,6 +24,16 @@ SERIES_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17bec
 LEGEND_BELOW = dict(orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top", font=dict(size=9))
 
 
+def finite_rows(z) -> list[list[float | None]]:
+    """A 2-D array as lists with None where a value is NaN or infinite: a widget's state is JSON,
+    which has no NaN (ipywidgets would write "Out of range float values" to stderr); plotly leaves
+    a None cell blank."""
+    import numpy as np
+
+    z = np.asarray(z, dtype=float)
+    return [[float(v) if np.isfinite(v) else None for v in row] for row in z]
+
+
 def series_colour(i: int) -> str:
     return SERIES_COLOURS[i % len(SERIES_COLOURS)]
 
