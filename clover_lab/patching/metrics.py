@@ -25,16 +25,23 @@ class Metric:
         return float(self.fn(logits))
 
 
-def logit_diff(position: int, token: int, other: int) -> Metric:
-    """logit[token] - logit[other] at ``position``: how much the model prefers ``token``."""
+def _named(token: int, tokenizer) -> str:
+    """A token in a metric's name: its text when a tokenizer is given, else its id."""
+    return repr(tokenizer.decode([int(token)])) if tokenizer is not None else str(token)
+
+
+def logit_diff(position: int, token: int, other: int, tokenizer=None) -> Metric:
+    """logit[token] - logit[other] at ``position``: how much the model prefers ``token``
+    (``tokenizer``: the name shows the tokens' text instead of their ids)."""
     return Metric(int(position), lambda lg: lg[token] - lg[other],
-                  f"logit[{token}] - logit[{other}] at position {position}")
+                  f"logit[{_named(token, tokenizer)}] - logit[{_named(other, tokenizer)}] at position {position}")
 
 
-def probability(position: int, token: int) -> Metric:
+def probability(position: int, token: int, tokenizer=None) -> Metric:
     """The probability of ``token`` at ``position`` (softmax over the vocabulary, mask excluded
     in previews, as the engine decides)."""
-    return Metric(int(position), lambda lg: lg.softmax(-1)[token], f"p({token}) at position {position}")
+    return Metric(int(position), lambda lg: lg.softmax(-1)[token],
+                  f"p({_named(token, tokenizer)}) at position {position}")
 
 
 def measure(engine, prompt, metric: Metric, block: int | None, step: int | None, hooks: dict | None = None,
