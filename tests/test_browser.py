@@ -194,10 +194,10 @@ CLIPPED_LEGENDS = """() => {
 def run_all(page, lab, notebook: Path, watch_live: bool) -> int:
     """Open ``notebook`` in JupyterLab, Run All and wait for every cell; returns how many times the
     most changing view redrew meanwhile (0 when not watched). Fails on any traceback."""
-    page.goto(f"{lab}/lab/tree/{notebook.name}")
+    page.goto(f"{lab}/lab/tree/{notebook.name}?reset")  # ?reset: not the tabs the last test left open
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     page.wait_for_function(KERNEL_IDLE, timeout=90_000)
-    width = page.evaluate("document.querySelector('.jp-NotebookPanel').getBoundingClientRect().width")
+    width = page.evaluate("window.jupyterapp.shell.currentWidget.node.getBoundingClientRect().width")
     assert 900 <= width <= 1150, f"the notebook is {width:.0f} px wide; the checks are for about 1000 px"
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")  # not awaited
     seen: dict[int, set] = {}
