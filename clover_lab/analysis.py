@@ -22,6 +22,7 @@ import torch
 
 from .context import ForwardContext
 from .hooks import points
+from .writes import atomic_path
 
 MODES = ("commit", "preview")
 TEXT_SUFFIXES = {".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js", ".ts", ".json", ".jsonl",
@@ -101,14 +102,20 @@ class RouteStats:
                           self.tokens + other.tokens, keys, slots)
 
     def save(self, path) -> Path:
+        """``path`` (.npz added when missing), whole or not at all."""
         path = Path(path)
+        path = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+        with atomic_path(path) as tmp:
+            self._write(tmp)
+        return path
+
+    def _write(self, path: Path) -> None:
         np.savez_compressed(path, mode=np.array(self.mode), vocab_size=self.vocab_size, top_k=self.top_k,
                             counts=self.counts, coactivation=self.coactivation, mass=self.mass,
                             entropy_sum=self.entropy_sum,
                             tokens=self.tokens, token_keys=self.token_keys, token_slots=self.token_slots,
                             entropy=self.entropy(), load_entropy=self.load_entropy(),
                             load_balance=self.load_balance())
-        return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
 
     @classmethod
     def load(cls, path) -> "RouteStats":

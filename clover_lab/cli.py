@@ -18,6 +18,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 from .arguments import ArgumentParser
 from .cli_view import LiveView, print_batch, print_interrupted, print_result
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             train_main(argv[1:])
         except CloverError as e:
             return _fail(str(e))
+        except KeyboardInterrupt:  # inside a step: the run said what it resumes from
+            return EXIT_INTERRUPTED
         return 0
     if argv[:1] == ["adapt"]:
         from .train.adapt import main as adapt_main
@@ -301,6 +304,7 @@ def cmd_routes(args) -> int:
 
     from .analysis import route_stats
     from .errors import CloverError
+    from .writes import check_writable
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -309,6 +313,7 @@ def cmd_routes(args) -> int:
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         dist.init_process_group("nccl" if gpu else "gloo")
     try:
+        check_writable(Path(args.out).parent, what="--out")  # found now, not after the corpus
         engine = load_engine(args)
         stats = route_stats(engine, args.data, mode=args.mode, batch_size=args.batch_size, seq_len=args.seq_len)
         if world > 1:  # every rank done with gloo before any tears it down (a peer gone aborts the other)
