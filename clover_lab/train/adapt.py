@@ -146,7 +146,7 @@ class Adaptation:
                     if self.step % checkpoint_every == 0:
                         self.checkpoint()
                 if stops and main:
-                    print(f"\ninterrupted ({stops.names}): saving a checkpoint to resume from", file=sys.stderr)
+                    print(f"\ninterrupted: saving a checkpoint to resume from ({stops.names})", file=sys.stderr)
                 self.checkpoint()
         except KeyboardInterrupt:
             if main:

@@ -140,7 +140,7 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
                 if step % checkpoint_every == 0:
                     checkpoint()
             if stops:
-                print(f"\ninterrupted ({stops.names}): saving a checkpoint to resume from", file=sys.stderr)
+                print(f"\ninterrupted: saving a checkpoint to resume from ({stops.names})", file=sys.stderr)
             checkpoint()
     except KeyboardInterrupt:
         print(interrupted_inside(step, saved), file=sys.stderr)

@@ -1,0 +1,268 @@
+"""Issue 29, writes and training: nothing a user had is destroyed by a failed write, nothing
+half-written loads as something else, and a training run stopped at any boundary resumes as if it
+had never stopped.
+
+Faults are injected where they can land: a full disk (OSError ENOSPC after half a file is
+written) and an interrupt (KeyboardInterrupt) at every write of a save, a crash between the
+renames that put a save in place, and Ctrl-C / SIGTERM delivered (or a KeyboardInterrupt raised)
+inside the optimizer step, the log line and the checkpoint of a training step.
+"""
+import errno
+import json
+import os
+import pathlib
+import shutil
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+import clover_lab
+from clover_lab import CheckpointError, CloverError, CloverModel
+from clover_lab.analysis import RouteStats
+from clover_lab.hooks.records import Record
+from clover_lab.hooks.trace import Trace, load_trace
+from clover_lab.writes import MARKER, OutputError, is_own_temp
+
+FULL = OSError(errno.ENOSPC, "No space left on device")
+
+
+def leftovers(directory) -> list[str]:
+    return sorted(p.name for p in pathlib.Path(directory).rglob("*") if is_own_temp(p))
+
+
+class Writes:
+    """Counts the writes of a save (each safetensors file and each text file) and fails the
+    ``fail_at``-th with ``error``; a full disk writes half the file first."""
+
+    def __init__(self, monkeypatch, fail_at: int | None = None, error: BaseException = FULL):
+        import safetensors.torch
+
+        self.calls, self.fail_at, self.error = 0, fail_at, error
+        real_save, real_text = safetensors.torch.save_file, pathlib.Path.write_text
+
+        def save_file(tensors, filename, metadata=None):
+            self._write(lambda: real_save(tensors, filename, metadata=metadata), filename)
+
+        def write_text(path, data, *a, **k):
+            return self._write(lambda: real_text(path, data, *a, **k), path)
+
+        for module in ("clover_lab.saving", "clover_lab.hooks.trace"):
+            monkeypatch.setattr(f"{module}.save_file", save_file)
+        monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+
+    def _write(self, write, filename):
+        self.calls += 1
+        if self.calls != self.fail_at:
+            return write()
+        if isinstance(self.error, OSError):  # the disk filled up halfway through the file
+            write()
+            size = os.path.getsize(filename)
+            with open(filename, "r+b") as f:
+                f.truncate(size // 2)
+        raise self.error
+
+
+def same_weights(a: CloverModel, b: CloverModel) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# --------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("shards", [1, 3], ids=["one-file", "sharded"])
+@pytest.mark.parametrize("error", [FULL, KeyboardInterrupt()], ids=["disk-full", "interrupt"])
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch, shards, error):
+    """At every write of save_pretrained over an existing checkpoint: the old one still loads,
+    exactly, and nothing of the failed save is left."""
+    old, new = CloverModel.random("clover-tiny", seed=1), CloverModel.random("clover-tiny", seed=2)
+    limit = None if shards == 1 else sum(p.numel() * 4 for p in old.parameters()) // shards + 1
+    with monkeypatch.context() as m:
+        counted = Writes(m)
+        new.save_pretrained(tmp_path / "count", max_shard_bytes=limit)
+    n = counted.calls
+    weight_files = len(list((tmp_path / "count").glob("model*.safetensors")))
+    assert (weight_files > 1) == (shards > 1)
+    assert n == 1 + weight_files + (weight_files > 1) + 1  # config, the weights (and the index), the commit's marker
+    for k in range(1, n + 1):
+        d = tmp_path / f"at-{k}"
+        old.save_pretrained(d, max_shard_bytes=limit)
+        (d / "tokenizer.json").write_text("{}")  # a user's file beside the checkpoint
+        before = sorted(p.name for p in d.iterdir())
+        with monkeypatch.context() as m:
+            Writes(m, fail_at=k, error=error)
+            with pytest.raises(type(error)):
+                new.save_pretrained(d, max_shard_bytes=limit)
+        assert sorted(p.name for p in d.iterdir()) == before and not leftovers(d), k
+        assert same_weights(CloverModel.from_pretrained(d), old), k
+    new.save_pretrained(d, max_shard_bytes=limit)  # and the next save goes through
+    assert same_weights(CloverModel.from_pretrained(d), new) and (d / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("layouts", [(None, 3), (3, None), (3, 2)], ids=["one-to-shards", "shards-to-one", "3-to-2"])
+def test_a_save_stopped_between_its_renames_is_refused_until_saved_again(tmp_path, monkeypatch, layouts):
+    """A crash while the new files are renamed into place (only a kill can land there: the
+    renames hold Ctrl-C and SIGTERM off) leaves a directory that would load as a mix of the
+    two saves: the loader refuses it, naming the save; saving again repairs it."""
+    old, new = CloverModel.random("clover-tiny", seed=1), CloverModel.random("clover-tiny", seed=2)
+    total = sum(p.numel() * 4 for p in old.parameters())
+    limit = [None if s is None else total // s + 1 for s in layouts]
+    old.save_pretrained(tmp_path, max_shard_bytes=limit[0])
+    real, calls = os.replace, []
+
+    def crash(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:  # the marker, the first new file, then the crash
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        new.save_pretrained(tmp_path, max_shard_bytes=limit[1])
+    monkeypatch.undo()
+    assert (tmp_path / MARKER).exists()
+    with pytest.raises(CheckpointError, match=r"an unfinished save: it stopped while putting .*config\.json.* in "
+                                              r"place, so the directory may mix two saves and is incomplete"):
+        CloverModel.from_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="an unfinished save"):
+        clover_lab.load(tmp_path)
+    new.save_pretrained(tmp_path, max_shard_bytes=limit[1])
+    assert not (tmp_path / MARKER).exists() and not leftovers(tmp_path)
+    assert same_weights(CloverModel.from_pretrained(tmp_path), new)
+
+
+def test_a_save_replaces_only_the_checkpoints_own_files(tmp_path):
+    """Shards of the previous save go once the new set is in; files clover_lab did not write
+    (a tokenizer, notes, a user's own safetensors file) stay."""
+    model = CloverModel.random("clover-tiny", seed=1)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    model.save_pretrained(tmp_path, max_shard_bytes=total // 3 + 1)
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 2
+    for name in ("tokenizer.json", "notes.txt", "model_backup.safetensors"):
+        (tmp_path / name).write_text("mine")
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors", "model_backup.safetensors",
+                                                         "notes.txt", "tokenizer.json"]
+    assert same_weights(CloverModel.from_pretrained(tmp_path), model)
+
+
+def test_an_index_naming_a_missing_shard_is_refused_as_incomplete(tmp_path):
+    model = CloverModel.random("clover-tiny", seed=1)
+    model.save_pretrained(tmp_path, max_shard_bytes=sum(p.numel() * 4 for p in model.parameters()) // 2 + 1)
+    next(tmp_path.glob("model-00002-of-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match=r"names shard 'model-00002-of-0000\d\.safetensors' .* is missing: "
+                                              r"the checkpoint is incomplete"):
+        CloverModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("error", [FULL, KeyboardInterrupt()], ids=["disk-full", "interrupt"])
+def test_a_failed_quantization_leaves_the_previous_one(tmp_path, monkeypatch, error):
+    from clover_lab.fp8.quantize import quantize_checkpoint
+
+    src = tmp_path / "src"
+    CloverModel.random("clover-tiny", seed=1).save_pretrained(src)
+    dst = tmp_path / "fp8"
+    quantize_checkpoint(src, dst, block=(32, 32), max_shard_bytes=1 << 16)
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    CloverModel.random("clover-tiny", seed=2).save_pretrained(src)
+    with monkeypatch.context() as m:
+        Writes(m, fail_at=3, error=error)  # the third shard
+        with pytest.raises(type(error)):
+            quantize_checkpoint(src, dst, block=(32, 32), max_shard_bytes=1 << 16)
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+    with pytest.raises(OutputError, match="is the input"):  # and never onto its own source
+        quantize_checkpoint(src, src)
+
+
+# --------------------------------------------------------------------------- traces
+def small_trace(value: float) -> Trace:
+    records = [Record("denoise.step", 0, "decode", 0, s, {"canvas": torch.full((1, 4), value + s), "unmask": [s]})
+               for s in range(3)]
+    return Trace(records, ["denoise.step"], {"prompt": "p"})
+
+
+def test_a_trace_is_never_saved_over_other_files(tmp_path, monkeypatch):
+    """``save('.')`` used to empty the working directory: a directory holding anything but a
+    trace is refused, and left as it was."""
+    (tmp_path / "notebook.ipynb").write_text("{}")
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutputError, match=r"\. holds files that are not a trace's \(data, notebook\.ipynb\)"):
+        small_trace(1.0).save(".")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notebook.ipynb"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="is a file"):
+        small_trace(1.0).save("file")
+    small_trace(1.0).save("run")  # a new directory, and then a trace replaced by another
+    small_trace(2.0).save("run")
+    assert float(load_trace("run")["denoise.step"][0]["canvas"][0, 0]) == 2.0
+    assert isinstance(OutputError("x"), CloverError) and isinstance(OutputError("x"), ValueError)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2], ids=["tensors", "json"])
+@pytest.mark.parametrize("error", [FULL, KeyboardInterrupt()], ids=["disk-full", "interrupt"])
+def test_a_failed_trace_save_leaves_the_previous_trace(tmp_path, monkeypatch, fail_at, error):
+    small_trace(1.0).save(tmp_path / "t")
+    with monkeypatch.context() as m:
+        Writes(m, fail_at=fail_at, error=error)
+        with pytest.raises(type(error)):
+            small_trace(2.0).save(tmp_path / "t")
+    assert float(load_trace(tmp_path / "t")["denoise.step"][0]["canvas"][0, 0]) == 1.0
+    assert not leftovers(tmp_path)
+    with monkeypatch.context() as m:  # a first save that fails leaves no directory that loads
+        Writes(m, fail_at=fail_at, error=error)
+        with pytest.raises(type(error)):
+            small_trace(2.0).save(tmp_path / "new")
+    with pytest.raises(FileNotFoundError):
+        load_trace(tmp_path / "new")
+
+
+def test_an_unfinished_trace_is_refused(tmp_path, monkeypatch):
+    small_trace(1.0).save(tmp_path / "t")
+    real, calls = os.replace, []
+
+    def crash(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:  # the marker, the tensors, then the crash before trace.json
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        small_trace(2.0).save(tmp_path / "t")
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"an unfinished save: it stopped while putting tensors\.safetensors, "
+                                              r"trace\.json in place"):
+        load_trace(tmp_path / "t")
+
+
+# --------------------------------------------------------------------------- single files
+def route_stats(scale: int) -> RouteStats:
+    counts = np.full((2, 4), scale, np.int64)
+    return RouteStats("commit", 16, 2, counts, np.zeros((2, 4, 4)), np.zeros((2, 4)), np.zeros(2), scale * 4)
+
+
+@pytest.mark.parametrize("error", [FULL, KeyboardInterrupt()], ids=["disk-full", "interrupt"])
+def test_a_failed_single_file_write_leaves_the_previous_file(tmp_path, monkeypatch, error):
+    """The routes file and config.json (every single file goes through writes.atomic_path)."""
+    path = route_stats(1).save(tmp_path / "routes.npz")
+    clover_lab.CloverConfig.preset("clover-tiny").save(tmp_path)
+    config = (tmp_path / "config.json").read_text()
+    real = np.savez_compressed
+
+    def savez(file, **arrays):
+        real(file, **arrays)
+        if isinstance(error, OSError):
+            with open(file, "r+b") as f:
+                f.truncate(100)
+        raise error
+
+    with monkeypatch.context() as m:
+        m.setattr(np, "savez_compressed", savez)
+        with pytest.raises(type(error)):
+            route_stats(2).save(path)
+        Writes(m, fail_at=1, error=error)
+        with pytest.raises(type(error)):
+            clover_lab.CloverConfig.preset("clover-tiny", num_hidden_layers=8).save(tmp_path)
+    assert RouteStats.load(path).tokens == 4 and (tmp_path / "config.json").read_text() == config
+    assert not leftovers(tmp_path)
