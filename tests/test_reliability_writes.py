@@ -266,3 +266,163 @@ def test_a_failed_single_file_write_leaves_the_previous_file(tmp_path, monkeypat
             clover_lab.CloverConfig.preset("clover-tiny", num_hidden_layers=8).save(tmp_path)
     assert RouteStats.load(path).tokens == 4 and (tmp_path / "config.json").read_text() == config
     assert not leftovers(tmp_path)
+
+
+# --------------------------------------------------------------------------- adapt's outputs
+from test_adapt import clover_init, data  # noqa: E402,F401 - the same small init and corpus
+
+from clover_lab.cli import main as cli_main  # noqa: E402
+
+STEPS = ["--steps", "4", "--seq-len", "32", "--batch-size", "2", "--log-every", "1", "--checkpoint-every", "2",
+         "--seed", "3", "--train", "all"]
+
+
+def adapt(*argv) -> int:
+    return cli_main(["adapt", *map(str, argv)])
+
+
+def test_adapt_refuses_to_write_over_its_init(tmp_path, clover_init, capsys):
+    init = tmp_path / "init"
+    shutil.copytree(clover_init, init)
+    before = {p.name: p.read_bytes() for p in init.iterdir()}
+    assert adapt("--init", init, "--data", "stdlib", "--out", init, *STEPS) == 2
+    assert "--out (equal to --init): the output" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in init.iterdir()} == before
+
+
+def test_adapt_finds_an_unwritable_out_before_the_run(tmp_path, clover_init, data, capsys):
+    (tmp_path / "a-file").write_text("x")
+    for out in (tmp_path / "a-file" / "out", tmp_path / "a-file"):
+        assert adapt("--init", clover_init, "--data", data, "--out", out, *STEPS) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: {tmp_path / 'a-file'} is a file, not a directory" in err, err
+        assert "mask token" not in err  # nothing was loaded or trained
+
+
+def test_a_refused_adapt_run_leaves_nothing_to_resume(tmp_path, clover_init, data, capsys):
+    """A first run refused after its data was encoded (too few tokens for --seq-len) removes
+    what it made, so the corrected command (other --data) starts instead of being refused as
+    the resume of a run that never was."""
+    out = tmp_path / "out"
+    assert adapt("--init", clover_init, "--data", data, "--out", out, *STEPS[:2], "--seq-len", "1000000") == 2
+    assert "fewer than one --seq-len" in capsys.readouterr().err
+    assert not out.exists()
+    files = sorted(map(str, data.iterdir()))
+    assert adapt("--init", clover_init, "--data", *files, "--out", out, *STEPS) == 0
+    assert json.loads((out / "training" / "loss_log.jsonl").read_text().splitlines()[-1])["step"] == 4
+
+
+# --------------------------------------------------------------------------- training stops
+def log_of(out) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "training" / "loss_log.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "time"} for r in rows]
+
+
+def trained_state(out) -> int:
+    return torch.load(out / "training" / "state.pt", weights_only=False)["step"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, clover_init, data):
+    out = tmp_path_factory.mktemp("uninterrupted") / "out"
+    assert adapt("--init", clover_init, "--data", data, "--out", out, *STEPS) == 0
+    return out
+
+
+def _at(n: int, action: str):
+    """What happens at the n-th call of a boundary: a signal delivered there (noted, acted on
+    after the step), a KeyboardInterrupt raised after the real call (a step applied but not
+    counted: the worst place), or a full disk before it."""
+    calls = []
+
+    def wrap(real):
+        def wrapper(*a, **k):
+            calls.append(1)
+            if len(calls) == n and action in ("SIGINT", "SIGTERM"):
+                signal.raise_signal(getattr(signal, action))
+            if len(calls) == n and action == "disk-full":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            out = real(*a, **k)
+            if len(calls) == n and action == "raise":
+                raise KeyboardInterrupt
+            return out
+        return wrapper
+
+    return wrap
+
+
+class _LogJson:
+    """adapt's json module with a boundary at the log line of one step."""
+
+    def __init__(self, step: int, wrap):
+        self._step, self._wrapped = step, wrap(json.dumps)
+
+    def dumps(self, obj, *a, **k):
+        if isinstance(obj, dict) and obj.get("step") == self._step:
+            return self._wrapped(obj, *a, **k)
+        return json.dumps(obj, *a, **k)
+
+    def __getattr__(self, name):
+        return getattr(json, name)
+
+
+def _patch(monkeypatch, boundary: str, wrap):
+    import clover_lab.train.adapt as adapt_module
+
+    if boundary == "optimizer step 3":
+        monkeypatch.setattr(torch.optim.AdamW, "step", wrap(torch.optim.AdamW.step))
+    elif boundary == "log line 3":
+        monkeypatch.setattr(adapt_module, "json", _LogJson(3, wrap))
+    elif boundary == "checkpoint 2 (DCP)":
+        monkeypatch.setattr(adapt_module, "save_checkpoint", wrap(adapt_module.save_checkpoint))
+    elif boundary == "checkpoint 4 (state)":
+        real = torch.save
+        wrapped = wrap(real)
+        monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (wrapped if "state" in str(f) else real)(obj, f, *a, **k))
+    else:
+        raise AssertionError(boundary)
+
+
+# (boundary, action, n-th call) -> the step the run stopped at with a checkpoint (or None: kept its last)
+STOPS = [("optimizer step 3", "SIGINT", 3, 3), ("optimizer step 3", "SIGTERM", 3, 3), ("optimizer step 3", "raise", 3, 2),
+         ("log line 3", "SIGINT", 1, 3), ("log line 3", "raise", 1, 2),
+         ("checkpoint 2 (DCP)", "SIGTERM", 1, 2), ("checkpoint 2 (DCP)", "raise", 1, None),
+         ("checkpoint 2 (DCP)", "disk-full", 2, 2), ("checkpoint 4 (state)", "raise", 2, 2),
+         ("checkpoint 4 (state)", "disk-full", 2, 2)]
+
+
+@pytest.mark.parametrize("boundary, action, n, saved", STOPS, ids=[f"{b}-{a}" for b, a, _, _ in STOPS])
+def test_an_adapt_run_stopped_at_any_boundary_resumes_as_if_never_stopped(
+        tmp_path, monkeypatch, capsys, clover_init, data, uninterrupted, boundary, action, n, saved):
+    """Ctrl-C and SIGTERM are acted on only after the step in progress, its log line and its
+    checkpoint: the run stops with a checkpoint of that whole, logged step. A KeyboardInterrupt
+    raised inside a step (or a full disk in a checkpoint) saves nothing of it: the previous
+    checkpoint stays whole. Either way the rerun resumes to the uninterrupted run's log and
+    weights, exactly."""
+    out = tmp_path / "out"
+    argv = ("--init", clover_init, "--data", data, "--out", out, *STEPS)
+    with monkeypatch.context() as m:
+        _patch(m, boundary, _at(n, action))
+        code = adapt(*argv)
+    err = capsys.readouterr().err
+    assert code == {"SIGINT": 0, "SIGTERM": 0, "raise": 130, "disk-full": 2}[action], err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are restored
+    state = out / "training" / "state.pt"
+    assert (trained_state(out) if state.exists() else None) == saved
+    logged = [r["step"] for r in log_of(out)]
+    if action in ("SIGINT", "SIGTERM"):  # stopped after a whole step: checkpointed, logged and exported
+        assert "interrupted: saving a checkpoint to resume from" in err and logged == list(range(1, saved + 1))
+        assert (out / "model.safetensors").is_file()
+    if action == "raise":
+        assert "nothing of it was saved; the run resumes from" in err
+    assert not leftovers(out) and not list((out / "training").glob(".checkpoint-*"))
+    assert adapt(*argv) == 0
+    assert log_of(out) == log_of(uninterrupted)
+    want, got = (load_file_dict(d / "model.safetensors") for d in (uninterrupted, out))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def load_file_dict(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))

@@ -105,7 +105,12 @@ class Adaptation:
         if self.shard.is_main:
             shutil.rmtree(partial, ignore_errors=True)  # left by a run that was killed while saving
         self.shard.barrier()
-        save_checkpoint(partial, self.model, self.opt, set(self.names))
+        try:
+            save_checkpoint(partial, self.model, self.opt, set(self.names))
+        except BaseException:
+            if self.shard.is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
         self.shard.barrier()
         if self.shard.is_main:
             shutil.rmtree(path, ignore_errors=True)  # a checkpoint of this step that no state names
@@ -207,6 +212,8 @@ def adapt(out, data, s: AdaptSettings, settings: TrainSettings, *, pattern: str 
             if shard.is_main:
                 print(f"resuming {out} at step {state['step']} of {settings.max_steps}", flush=True)
             job.resume(state)
+        elif shard.is_main:
+            trim_log(run.log, 0)  # steps logged by a run stopped before its first checkpoint
         job.train(minutes, stop_at, checkpoint_every, log_every)
         job.export()
     finally:

@@ -93,6 +93,7 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
         settings = settings or TrainSettings()
         model = CloverModel.random(config, device=device, seed=settings.seed)
         state, step = None, 0
+        trim_log(out / "loss_log.jsonl", 0)  # steps logged by a run stopped before its first checkpoint
     model.train()
     for p in model.parameters():
         p.requires_grad_(True)
