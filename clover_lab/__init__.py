@@ -8,11 +8,12 @@ from .hooks import Capture, CommitEvent, HookError, Record, StepEvent, StopGener
 from .loading import CheckpointError
 from .model import CloverModel, StepOutput
 from .sampling import SamplerSettings, SettingsError
+from .writes import OutputError
 
 __version__ = "0.1.0"
 __all__ = [
     "CloverError", "CloverConfig", "ConfigError", "PRESETS", "CloverModel", "CloverCache", "CacheFullError", "Coreset",
     "StepOutput", "CheckpointError", "HookError", "StopGeneration",
     "Engine", "load", "BatchResult", "BatchStats", "GenerationResult", "GenerationStats", "GenerationError", "SamplerSettings", "SettingsError",
-    "StepEvent", "CommitEvent", "StreamUpdate", "Capture", "Record", "Trace", "load_trace",
+    "StepEvent", "CommitEvent", "StreamUpdate", "Capture", "Record", "Trace", "load_trace", "OutputError",
 ]

@@ -113,13 +113,15 @@ class FileSet:
         self._temps.append(tmp)
         return tmp
 
-    def temp_dir(self) -> Path:
-        """A temporary directory in ``directory`` for a writer that fills a directory (a
-        tokenizer); its files are ``put`` in place, the rest removed with it."""
+    def put_written_by(self, write, directory: Path) -> None:
+        """The files ``write(tmp_dir)`` puts in a directory (a tokenizer's ``save_pretrained``)
+        as members of this set, bound for ``directory``."""
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".files{TMP_TAG}", dir=self.directory))
         self._temps.append(tmp)
-        return tmp
+        write(tmp)
+        for f in sorted(p for p in tmp.iterdir() if p.is_file()):
+            self.put(f, Path(directory) / f.name)
 
     def put(self, written: Path, final: Path) -> None:
         """``written`` (a temporary of this set) becomes ``final`` at the commit."""

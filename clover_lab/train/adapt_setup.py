@@ -165,8 +165,5 @@ def write_clover_dir(out: Path, config, state: dict, tokenizer, init: str) -> No
         generation = {**generation, **json.loads((Path(init) / "generation_config.json").read_text())}
     with FileSet(out) as files:
         stage_model(model.to(dtype), files, out)
-        tokenizer_files = files.temp_dir()
-        tokenizer.save_pretrained(str(tokenizer_files))
-        for f in sorted(p for p in tokenizer_files.iterdir() if p.is_file()):
-            files.put(f, out / f.name)
+        files.put_written_by(lambda tmp: tokenizer.save_pretrained(str(tmp)), out)
         files.path(out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

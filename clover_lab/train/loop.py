@@ -293,6 +293,8 @@ def main(argv=None):
     ap.add_argument("--export", metavar="DIR", help="after training, write a model directory here")
     args = ap.parse_args(argv)
     _check_numbers(ap, args)
+    if args.export:  # found now, not after the training
+        check_writable(args.export, what="--export")
     overrides = _config_overrides(ap, args.preset, args.set)
     if not 0 <= args.distill_share <= 1:
         ap.error("--distill-share must be in [0, 1]")
