@@ -19,7 +19,7 @@ from clover_kernels.fp8 import naive
 
 from .. import loading
 from ..saving import ShardWriter
-from ..writes import FileSet, refuse_same
+from ..writes import FileSet, check_writable, refuse_same
 from .checkpoint import QWEN_UNQUANTIZED, scale_name
 
 SKIPPED = QWEN_UNQUANTIZED
@@ -34,6 +34,7 @@ def quantize_checkpoint(src, dst, block=(128, 128), scale_dtype=torch.float32, s
     src, dst = Path(src), Path(dst)
     loading.load_config(src)  # the same checks and messages as loading it
     refuse_same(dst, src, "quantize_checkpoint")
+    check_writable(dst, what="quantize_checkpoint: the destination")  # now, not a shard in
     files = loading.checkpoint_files(src)
     with FileSet(dst) as out:
         writer = ShardWriter(out, dst, max_shard_bytes)
