@@ -462,3 +462,27 @@ def test_a_training_run_stopped_inside_a_step_resumes_as_if_never_stopped(tmp_pa
              for line in (d / "loss_log.jsonl").read_text().splitlines()] for d in (tmp_path / "whole", run)]
     assert logs[0] == logs[1] and [r["step"] for r in logs[0]] == [1, 2, 3, 4]
     assert same_weights(*(CloverModel.from_pretrained(d / "checkpoint") for d in (tmp_path / "whole", run)))
+
+
+def test_signals_are_noted_and_passed_on():
+    from clover_lab.signals import NotedSignals
+
+    with NotedSignals() as noted:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)
+    assert noted.names == "SIGINT, SIGTERM"
+    with pytest.raises(KeyboardInterrupt), NotedSignals(second_raises=True):  # the user insists
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt), NotedSignals(redeliver=True):  # a commit's renames: after them
+        signal.raise_signal(signal.SIGINT)
+        done.append(True)
+    assert done == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job ignores Ctrl-C: still ignored
+    try:
+        with NotedSignals() as noted:
+            signal.raise_signal(signal.SIGINT)
+        assert not noted
+    finally:
+        signal.signal(signal.SIGINT, previous)

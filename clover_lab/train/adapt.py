@@ -139,7 +139,9 @@ class Adaptation:
         bar = tqdm(desc=f"adapt ({self.s.train})", unit="step", initial=self.step, total=end, disable=not main)
         log = open(self.run.log, "a") if main else None
         try:
-            with NotedSignals(second_raises=True) as stops:
+            # under torchrun a Ctrl-C reaches each process twice (the terminal's SIGINT, then the
+            # agent's SIGTERM): only a single process takes a second signal as "stop at once"
+            with NotedSignals(second_raises=self.shard.world == 1) as stops:
                 while self.step < end and not self._stopping(stops, deadline):
                     parts = self.train_step()
                     bar.update(1)
