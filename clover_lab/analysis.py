@@ -106,16 +106,13 @@ class RouteStats:
         path = Path(path)
         path = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
         with atomic_path(path) as tmp:
-            self._write(tmp)
+            np.savez_compressed(tmp, mode=np.array(self.mode), vocab_size=self.vocab_size, top_k=self.top_k,
+                                counts=self.counts, coactivation=self.coactivation, mass=self.mass,
+                                entropy_sum=self.entropy_sum,
+                                tokens=self.tokens, token_keys=self.token_keys, token_slots=self.token_slots,
+                                entropy=self.entropy(), load_entropy=self.load_entropy(),
+                                load_balance=self.load_balance())
         return path
-
-    def _write(self, path: Path) -> None:
-        np.savez_compressed(path, mode=np.array(self.mode), vocab_size=self.vocab_size, top_k=self.top_k,
-                            counts=self.counts, coactivation=self.coactivation, mass=self.mass,
-                            entropy_sum=self.entropy_sum,
-                            tokens=self.tokens, token_keys=self.token_keys, token_slots=self.token_slots,
-                            entropy=self.entropy(), load_entropy=self.load_entropy(),
-                            load_balance=self.load_balance())
 
     @classmethod
     def load(cls, path) -> "RouteStats":

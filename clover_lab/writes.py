@@ -22,6 +22,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from .errors import CheckpointError, CloverError
@@ -93,6 +94,7 @@ class FileSet:
 
     def __init__(self, directory):
         self.directory = Path(directory)
+        self._started = time.time()
         self._temps: list[Path] = []
         self._moves: list[tuple[Path, Path]] = []
         self._stale: list[Path] = []
@@ -156,14 +158,26 @@ class FileSet:
                 _fsync(self.directory)
         finally:
             self.discard()  # the temporaries not moved, temporary directories with the rest
+        self._remove_killed_saves_temps()
+
+    def _remove_killed_saves_temps(self) -> None:
+        """Temporaries that a save killed before it could remove them left here (they can hold a
+        whole checkpoint's size): those untouched since before this set began."""
+        for p in self.directory.iterdir():
+            if p.name != MARKER and is_own_temp(p) and p.stat().st_mtime < self._started:
+                _remove(p)
 
     def discard(self) -> None:
         for tmp in self._temps:
-            if tmp.is_dir():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                tmp.unlink(missing_ok=True)
+            _remove(tmp)
         self._temps, self._moves, self._stale = [], [], []
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _rel(path: Path, directory: Path) -> str:

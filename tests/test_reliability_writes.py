@@ -486,3 +486,18 @@ def test_signals_are_noted_and_passed_on():
         assert not noted
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_save_removes_the_temporaries_a_killed_save_left(tmp_path):
+    """A kill (no Python cleanup runs) leaves hidden temporaries, possibly a checkpoint's size:
+    the next save into the directory removes those, and nothing else."""
+    model = CloverModel.random("clover-tiny", seed=1)
+    model.save_pretrained(tmp_path)
+    killed = [tmp_path / ".model.clover-tmp-0a1b2c3d.safetensors", tmp_path / ".files.clover-tmp-x1y2"]
+    killed[0].write_bytes(b"half a shard")
+    killed[1].mkdir()
+    (tmp_path / ".hidden-of-mine").write_text("mine")
+    for p in killed:
+        os.utime(p, (1, 1))
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hidden-of-mine", "config.json", "model.safetensors"]
