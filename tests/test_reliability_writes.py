@@ -299,6 +299,25 @@ def test_adapt_finds_an_unwritable_out_before_the_run(tmp_path, clover_init, dat
         assert "mask token" not in err  # nothing was loaded or trained
 
 
+def test_the_other_commands_find_an_unwritable_output_before_the_run(tmp_path, monkeypatch, capsys):
+    """routes, train and distill: the output checked before the model is loaded or trained."""
+    import clover_lab.cli as cli
+
+    (tmp_path / "a-file").write_text("x")
+    bad = tmp_path / "a-file" / "sub"
+    monkeypatch.setattr(cli, "load_engine", lambda args: pytest.fail("loaded before checking --out"))
+    assert cli_main(["routes", "--data", str(tmp_path), "--out", str(bad / "r.npz")]) == 2
+    assert cli_main(["train", "--out", str(bad), "--minutes", "1"]) == 2
+    assert cli_main(["train", "--out", str(tmp_path / "run"), "--export", str(bad), "--minutes", "1"]) == 2
+    assert not (tmp_path / "run").exists()
+    from clover_lab.train import distill
+
+    with pytest.raises(SystemExit):
+        distill.main(["--model", str(tmp_path), "--tokens", str(tmp_path / "a-file"), "--out", str(bad / "d.pt")])
+    err = capsys.readouterr().err
+    assert err.count(f"--out {bad}: {tmp_path / 'a-file'} is a file") == 3 and f"--export {bad}: " in err, err
+
+
 def test_a_refused_adapt_run_leaves_nothing_to_resume(tmp_path, clover_init, data, capsys):
     """A first run refused after its data was encoded (too few tokens for --seq-len) removes
     what it made, so the corrected command (other --data) starts instead of being refused as
