@@ -348,6 +348,27 @@ def uninterrupted(tmp_path_factory, clover_init, data):
     return out
 
 
+@pytest.mark.parametrize("error", [FULL, KeyboardInterrupt()], ids=["disk-full", "interrupt"])
+def test_a_failed_adapt_export_leaves_the_previous_export(tmp_path, monkeypatch, clover_init, data, uninterrupted,
+                                                          error):
+    """At every write of the export (rerunning a finished run exports it again): the previous
+    export stays whole and loadable."""
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted, out)
+    argv = ("--init", clover_init, "--data", data, "--out", out, *STEPS)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with monkeypatch.context() as m:
+        counted = Writes(m)
+        assert adapt(*argv) == 0
+    assert counted.calls >= 4  # config, weights, generation_config.json, the marker
+    for k in range(1, counted.calls + 1):
+        with monkeypatch.context() as m:
+            Writes(m, fail_at=k, error=error)
+            assert adapt(*argv) == (2 if isinstance(error, OSError) else 130), k
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before and not leftovers(out), k
+    assert CloverModel.from_pretrained(out) is not None
+
+
 def _at(n: int, action: str):
     """What happens at the n-th call of a boundary: a signal delivered there (noted, acted on
     after the step), a KeyboardInterrupt raised after the real call (a step applied but not
