@@ -79,8 +79,8 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         for name, shard in weight_map.items():
             shard_path = path / shard
             if not shard_path.exists():
-                raise CheckpointError(f"{index} names shard {shard!r} for tensor {name!r}, but {shard_path} is missing: "
-                                      f"the checkpoint is incomplete")
+                raise CheckpointError(f"{index} names shard {shard!r} for tensor {name!r}, but {shard_path} is "
+                                      f"missing: the checkpoint is incomplete")
             files[name] = shard_path
         return files
     if single.exists():

@@ -141,8 +141,8 @@ def test_a_save_replaces_only_the_checkpoints_own_files(tmp_path):
     for name in ("tokenizer.json", "notes.txt", "model_backup.safetensors"):
         (tmp_path / name).write_text("mine")
     model.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors", "model_backup.safetensors",
-                                                         "notes.txt", "tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors",
+                                                         "model_backup.safetensors", "notes.txt", "tokenizer.json"]
     assert same_weights(CloverModel.from_pretrained(tmp_path), model)
 
 
@@ -418,13 +418,15 @@ def _patch(monkeypatch, boundary: str, wrap):
     elif boundary == "checkpoint 4 (state)":
         real = torch.save
         wrapped = wrap(real)
-        monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (wrapped if "state" in str(f) else real)(obj, f, *a, **k))
+        monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (wrapped if "state" in str(f) else real)(obj, f,
+                                                                                                             *a, **k))
     else:
         raise AssertionError(boundary)
 
 
 # (boundary, action, n-th call) -> the step the run stopped at with a checkpoint (or None: kept its last)
-STOPS = [("optimizer step 3", "SIGINT", 3, 3), ("optimizer step 3", "SIGTERM", 3, 3), ("optimizer step 3", "raise", 3, 2),
+STOPS = [("optimizer step 3", "SIGINT", 3, 3), ("optimizer step 3", "SIGTERM", 3, 3),
+         ("optimizer step 3", "raise", 3, 2),
          ("log line 3", "SIGINT", 1, 3), ("log line 3", "raise", 1, 2),
          ("checkpoint 2 (DCP)", "SIGTERM", 1, 2), ("checkpoint 2 (DCP)", "raise", 1, None),
          ("checkpoint 2 (DCP)", "disk-full", 2, 2), ("checkpoint 4 (state)", "raise", 2, 2),
