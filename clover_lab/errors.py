@@ -15,3 +15,29 @@ class CloverError(Exception):
 
 class CheckpointError(CloverError, ValueError):
     """A checkpoint directory or file that cannot be loaded; the message names what and where."""
+
+
+class InputError(CloverError, ValueError, TypeError):
+    """An argument of a lens, sweep, patch, corpus or save that is not what it must be, or that names
+    a block, step, position, row or point the run it refers to does not have; the message names the
+    argument and what was expected."""
+
+
+class CorpusError(InputError):
+    """A corpus (``route_stats`` / ``clover-lab routes`` data) that is empty, unreadable, binary,
+    ambiguous or of the wrong type; the message names it."""
+
+
+class CorpusNotFoundError(CorpusError, FileNotFoundError):
+    """A corpus path that does not exist."""
+
+
+def flag(name: str, value, none: bool = True):
+    """``value`` as a boolean setting: True or False (numpy's bools too), or None where ``none``;
+    never a string ("false" is truthy) or a number taken for one."""
+    if value is None and none:
+        return None
+    if type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise InputError(f"{name}={value!r}: expected True or False{' or None' if none else ''}, "
+                     f"got {type(value).__name__}")
