@@ -77,3 +77,96 @@ def test_cli_routes_checks_the_corpus_and_out_before_loading(gen_text_model_dir,
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert match in err and len(err.strip().splitlines()) == 1 and "not-loaded" not in err
+
+
+# --------------------------------------------------------------------------- 2. lenses and patching
+KW = dict(max_new_tokens=32, threshold=0.3)
+OTHER = [7, 8, 9, 200, 300]
+
+
+def test_the_routing_lens_of_a_batch_is_read_per_row(tiny_engine):
+    from clover_lab import lens
+
+    for r, prompt in enumerate([PROMPT, OTHER]):
+        alone = lens.routing_lens(tiny_engine, prompt, **KW)
+        row = lens.routing_lens(tiny_engine, [PROMPT, OTHER], row=r, **KW)
+        assert [(x["layer"], x["block"], x["step"]) for x in row.rows] == \
+               [(x["layer"], x["block"], x["step"]) for x in alone.rows]
+        for a, b in zip(alone.by_layer(), row.by_layer()):
+            assert b["step_flip_rate"] == pytest.approx(a["step_flip_rate"], abs=0.05)
+            assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-3)
+    with pytest.raises(InputError, match=r"batch of rows 0..1.*row=0 .. 1"):
+        lens.routing_lens(tiny_engine, [PROMPT, OTHER], **KW)
+    with pytest.raises(InputError, match="one generation"):
+        lens.routing_lens(tiny_engine, PROMPT, row=0, **KW)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda e, lens, pt: lens.logit_lens(e, PROMPT, k=0, **KW), "k=0"),
+    (lambda e, lens, pt: lens.logit_lens(e, PROMPT, k=-3, **KW), "k=-3"),
+    (lambda e, lens, pt: lens.logit_lens(e, [PROMPT, OTHER], **KW), "batch of 2"),
+    (lambda e, lens, pt: lens.coreset_sweep(e, [PROMPT], sizes=[2], mode="ar", max_new_tokens=4), "mode='ar'"),
+    (lambda e, lens, pt: lens.coreset_sweep(e, [PROMPT], sizes=4, **KW), "sizes=4"),
+    (lambda e, lens, pt: lens.coreset_sweep(e, [PROMPT], sizes=["4"], **KW), "ints"),
+    (lambda e, lens, pt: lens.coreset_sweep(e, [PROMPT], sizes=[2.5], **KW), "ints"),
+    (lambda e, lens, pt: pt.Site("layers.0.output", 0, 0, positions=5), r"positions=5.*\(5,\)"),
+    (lambda e, lens, pt: pt.Site("layers.0.output", 0, 0, positions=[]), "one or more"),
+    (lambda e, lens, pt: pt.Site("layers.0.output", -1, 0), "block=-1"),
+    (lambda e, lens, pt: pt.Site("layers.0.output", None, 2), "without a block"),
+    (lambda e, lens, pt: pt.Site("layers.x.output", 0, 0), "layers.x.output"),
+    (lambda e, lens, pt: pt.record(e, [PROMPT, OTHER], **KW), "batch"),
+    (lambda e, lens, pt: pt.measure(e, PROMPT, pt.probability(11, 512), 0, 0, **KW), r"\[512\].*vocabulary"),
+    (lambda e, lens, pt: pt.logit_diff(11, 3, -1), "token=-1"),
+])
+def test_lens_and_patching_arguments_are_named(tiny_engine, call, match):
+    from clover_lab import lens, patching
+
+    with pytest.raises(InputError, match=match):
+        call(tiny_engine, lens, patching)
+    assert len(tiny_engine.generate(PROMPT, max_new_tokens=4).token_ids) == 4
+
+
+def test_coreset_sweep_takes_one_prompt_as_one(tiny_engine):
+    from clover_lab import lens
+
+    rows = lens.coreset_sweep(tiny_engine, PROMPT, sizes=[2], max_new_tokens=8, threshold=0.3)
+    assert [r["prompts"] for r in rows] == [1, 1]
+
+
+def test_patch_sites_must_exist_in_the_source(tiny_engine):
+    from clover_lab import patching
+
+    a = patching.record(tiny_engine, PROMPT, points="layers.*[0-9].output", **KW)
+    site = patching.Site("layers.1.output", 0, 0, positions=(len(PROMPT) + 2,))
+    assert patching.patch(tiny_engine, PROMPT[::-1], a, [site], **KW).applied  # same length: patched
+    with pytest.raises(InputError, match="10 tokens and this prompt has 5"):
+        patching.patch(tiny_engine, OTHER, a, "all", **KW)
+    with pytest.raises(InputError, match="batch"):
+        patching.patch(tiny_engine, [PROMPT, PROMPT], a, "all", **KW)
+    for bad, match in [(patching.Site("layers.1.output", 99, 0), "no layers.1.output at block 99, step 0"),
+                       (patching.Site("layers.1.output", 0, 99), "at block 0, step 99"),
+                       (patching.Site("layers.1.output", 0, 0, positions=(5000,)), r"positions \[5000\]"),
+                       (patching.Site("layers.1.input", 0, 0), "did not record layers.1.input")]:
+        with pytest.raises(InputError, match=match):
+            patching.patch(tiny_engine, PROMPT, a, [bad], **KW)
+    with pytest.raises(InputError, match="list of Site"):
+        patching.patch(tiny_engine, PROMPT, a, site, **KW)
+
+
+def test_sweeps_refuse_forwards_steps_and_positions_that_do_not_exist(tiny_engine):
+    from clover_lab import patching
+
+    metric = patching.probability(len(PROMPT) + 1, 7)
+    corrupt = PROMPT[:3] + [200] + PROMPT[4:]
+    for kwargs, match in [(dict(block=0, step=99), "metric's block 0, step 99: the clean run has no such forward"),
+                          (dict(block=0, step=0, patch_at=(7, 0)), "patch_at block 7"),
+                          (dict(block=0, step=0, positions=[]), "positions is empty"),
+                          (dict(block=0, step=0, positions=[9999]), r"positions \[9999\]")]:
+        with pytest.raises(InputError, match=match):
+            patching.sweep_layers_positions(tiny_engine, PROMPT, corrupt, metric, **kwargs, **KW)
+    for kwargs, match in [(dict(steps=[]), "steps is empty"), (dict(steps=[0, 99]), "step 99"),
+                          (dict(steps=5), "steps=5")]:
+        with pytest.raises(InputError, match=match):
+            patching.sweep_steps_layers(tiny_engine, PROMPT, corrupt, metric, block=0, **kwargs, **KW)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        patching.sweep_steps_layers(tiny_engine, PROMPT, corrupt, patching.logit_diff(11, 0, 10**6), block=0, **KW)
