@@ -41,3 +41,12 @@ def flag(name: str, value, none: bool = True):
         return bool(value)
     raise InputError(f"{name}={value!r}: expected True or False{' or None' if none else ''}, "
                      f"got {type(value).__name__}")
+
+
+def count(name: str, value) -> int:
+    """``value`` as a positive int (numpy's too); never 0 or a negative standing for a default."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InputError(f"{name}={value!r}: expected a positive integer")
+    return int(value)

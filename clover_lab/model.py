@@ -24,6 +24,7 @@ from . import loading, saving
 from .cache import CloverCache
 from .config import CloverConfig
 from .context import Coreset, ForwardContext
+from .errors import count
 from .hooks import points
 from .hooks.events import NOWHERE, Where
 from .hooks.registry import HookRegistry
@@ -159,6 +160,9 @@ class CloverModel(nn.Module):
                                   placement=placement, check_finite=check_finite)
 
     def save_pretrained(self, path, max_shard_bytes: int | None = None) -> None:
+        """``max_shard_bytes``: shards of at most that many bytes (None: 5 GiB)."""
+        if max_shard_bytes is not None:
+            max_shard_bytes = count("max_shard_bytes", max_shard_bytes)
         saving.save_model(self, path, max_shard_bytes=max_shard_bytes)
 
     @torch.no_grad()

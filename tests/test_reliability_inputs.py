@@ -170,3 +170,107 @@ def test_sweeps_refuse_forwards_steps_and_positions_that_do_not_exist(tiny_engin
             patching.sweep_steps_layers(tiny_engine, PROMPT, corrupt, metric, block=0, **kwargs, **KW)
     with pytest.raises(InputError, match="outside the vocabulary"):
         patching.sweep_steps_layers(tiny_engine, PROMPT, corrupt, patching.logit_diff(11, 0, 10**6), block=0, **KW)
+
+
+# --------------------------------------------------------------------------- 3. FP8 checkpoints
+@pytest.fixture
+def fp8_dir(gen_model_dir, tmp_path):
+    from clover_lab.fp8.quantize import quantize_checkpoint
+
+    return quantize_checkpoint(gen_model_dir, tmp_path / "fp8", block=(16, 16))
+
+
+def _rewrite(path, fn):
+    from safetensors.torch import load_file, save_file
+
+    save_file(fn(load_file(path / "model.safetensors")), path / "model.safetensors")
+
+
+FP8_WEIGHT = "model.layers.1.mlp.experts.2.down_proj.weight"
+FP8_SCALE = FP8_WEIGHT + "_scale_inv"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_fp8_scales_must_be_finite_and_positive(fp8_dir, value, keep):
+    def damage(t):
+        t[FP8_SCALE][0, 0] = value
+        return t
+
+    _rewrite(fp8_dir, damage)
+    with pytest.raises(clover_lab.CheckpointError, match=rf"scale tensor '{FP8_SCALE}' holds 1 entries that are "
+                                                         r"not finite and positive"):
+        clover_lab.CloverModel.from_pretrained(fp8_dir, keep_fp8=keep)
+
+
+def test_nan_in_kept_fp8_weights_is_found_at_load(fp8_dir):
+    def damage(t):
+        raw = t[FP8_WEIGHT].view(torch.uint8).clone()
+        raw[0, 0] = 0x7F  # float8_e4m3fn's NaN
+        t[FP8_WEIGHT] = raw.view(torch.float8_e4m3fn)
+        return t
+
+    _rewrite(fp8_dir, damage)
+    for keep in (True, False):
+        with pytest.raises(clover_lab.CheckpointError, match=rf"tensor '{FP8_WEIGHT}' holds NaN"):
+            clover_lab.CloverModel.from_pretrained(fp8_dir, keep_fp8=keep)
+    clover_lab.CloverModel.from_pretrained(fp8_dir, keep_fp8=True, check_finite=False)  # asked not to look
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block=(0, 0)), r"block=0"), (dict(block=(16,)), "two block sizes"), (dict(block=16), "two block sizes"),
+    (dict(block=(16, -4)), "block=-4"), (dict(max_shard_bytes=0), "max_shard_bytes=0"),
+])
+def test_quantize_checkpoint_arguments(gen_model_dir, tmp_path, kwargs, match):
+    from clover_lab.fp8.quantize import quantize_checkpoint
+
+    with pytest.raises(InputError, match=match):
+        quantize_checkpoint(gen_model_dir, tmp_path / "q", **kwargs)
+    assert not (tmp_path / "q").exists()  # refused before anything is written
+
+
+# --------------------------------------------------------------------------- 4. booleans, placement, shards
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(keep_fp8="false"), "keep_fp8='false'"), (dict(check_finite=1), "check_finite=1"),
+    (dict(progress="no"), "progress='no'"), (dict(pin_memory=None), "pin_memory=None"),
+    (dict(coreset_size=1), r"load\(coreset_size=1\): .*num_experts_per_tok"),
+    (dict(coreset_size="4"), r"load\(coreset_size='4'\): expected an int"),
+    (dict(max_memory={"cpu": "1GiB"}), "without a device_map it would be ignored"),
+    (dict(device_map={"": "cpu"}, max_memory={"cpu": "1GiB"}), "it would be ignored"),
+    (dict(device_map={"": -1}), r'"" -> -1 is not a device'),
+    (dict(device_map={"": "meta"}), "'meta' holds shapes but no weights"),
+    (dict(device_map={"": "cuda:x"}), "'cuda:x' is not a device"),
+    (dict(device_map="everywhere"), "expected 'auto' or a dict"),
+    (dict(device_map="auto", max_memory=5), "max_memory: expected a dict"),
+])
+def test_load_arguments_are_named_before_anything_is_read(gen_model_dir, kwargs, match):
+    with pytest.raises(CloverError, match=match):
+        clover_lab.load(gen_model_dir, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without CUDA")
+def test_a_gpu_placement_without_cuda_is_one_line(gen_model_dir, capsys):
+    for kwargs in (dict(device_map={"": 0}), dict(device_map="auto", max_memory={0: "1GiB", "cpu": "4GiB"}),
+                   dict(device_map={"": "cuda:0"})):
+        with pytest.raises(clover_lab.CheckpointError, match="no CUDA device is available"):
+            clover_lab.load(gen_model_dir, **kwargs)
+    from clover_lab.cli import main
+
+    assert main(["generate", "--model", str(gen_model_dir), "--prompt-ids", "1,2", "--device-map", "auto",
+                 "--max-memory", "0=1GiB", "--no-live"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no CUDA device is available" in err and len(err.splitlines()) == 1
+
+
+def test_max_memory_none_with_auto_plans_on_what_is_free(gen_model_dir):
+    engine = clover_lab.load(gen_model_dir, device_map="auto", max_memory=None)
+    assert len(engine.generate(PROMPT, max_new_tokens=4).token_ids) == 4
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, "1GB", True])
+def test_max_shard_bytes_must_be_a_positive_int(tiny_model, tmp_path, value):
+    with pytest.raises(InputError, match="max_shard_bytes"):
+        tiny_model.save_pretrained(tmp_path / "m", max_shard_bytes=value)
+    assert not (tmp_path / "m").exists()
+    tiny_model.save_pretrained(tmp_path / "m", max_shard_bytes=200_000)  # a real limit: several shards
+    assert len(list((tmp_path / "m").glob("model-*.safetensors"))) > 1

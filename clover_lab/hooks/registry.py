@@ -246,7 +246,7 @@ class HookRegistry:
             for _, fn in calls:
                 try:
                     fn(event)
-                except StopGeneration:
+                except (StopGeneration, HookError):  # a HookError already names its hook: not wrapped again
                     raise
                 except Exception as e:  # noqa: BLE001 - re-raised with the point's name
                     raise HookError(name, e) from e
