@@ -274,3 +274,83 @@ def test_max_shard_bytes_must_be_a_positive_int(tiny_model, tmp_path, value):
     assert not (tmp_path / "m").exists()
     tiny_model.save_pretrained(tmp_path / "m", max_shard_bytes=200_000)  # a real limit: several shards
     assert len(list((tmp_path / "m").glob("model-*.safetensors"))) > 1
+
+
+# --------------------------------------------------------------------------- 5. the first harness's remainder
+def test_diffusion_settings_in_an_ar_request_are_said_and_stats_true(tiny_engine):
+    from clover_lab.engine.requests import IgnoredSettingWarning
+
+    with pytest.warns(IgnoredSettingWarning, match="coreset_size, threshold|threshold, .*coreset_size"):
+        r = tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4, threshold=0.5, coreset_size=4)
+    assert r.stats.coreset_size is None and r.stats.mode == "ar"
+    with pytest.warns(IgnoredSettingWarning, match="threshold"):
+        tiny_engine.generate([PROMPT, OTHER], mode="ar", max_new_tokens=4, threshold=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # settings AR reads, or diffusion with its own: not a word
+        tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4, temperature=0)
+        assert tiny_engine.generate(PROMPT, max_new_tokens=4, coreset_size=4).stats.coreset_size == 4
+
+
+def test_thinking_is_for_chat_messages_and_a_boolean(tiny_text_engine):
+    for prompt in ("w1 w2", [1, 2, 3]):
+        with pytest.raises(GenerationError, match="thinking=True applies to chat messages"):
+            tiny_text_engine.generate(prompt, thinking=True, max_new_tokens=4)
+    with pytest.raises(InputError, match="thinking='false'"):
+        tiny_text_engine.generate([{"role": "user", "content": "w1"}], thinking="false", max_new_tokens=4)
+    on = tiny_text_engine.encode([{"role": "user", "content": "w1"}], thinking=True)
+    off = tiny_text_engine.encode([{"role": "user", "content": "w1"}], thinking=False)
+    assert on != off
+
+
+def test_reentrant_generation_past_the_limit_is_one_hook_error(tiny_engine):
+    def again(ev):
+        tiny_engine.generate(PROMPT, max_new_tokens=4)
+
+    with tiny_engine.hooks({"denoise.step": again}):
+        with pytest.raises(clover_lab.HookError) as info:
+            tiny_engine.generate(PROMPT, max_new_tokens=4)
+    message = str(info.value)
+    assert message.count("HookError") == 0 and message.count("hook on") == 1 and "4 levels deep" in message
+
+
+# --------------------------------------------------------------------------- 6. obscure errors named
+def test_a_batch_rows_no_progress_limit_names_the_row(tiny_engine):
+    def veto(ev):
+        ev.unmask = []
+
+    with tiny_engine.hooks({"denoise.step": veto}):
+        with pytest.raises(clover_lab.HookError, match=r"row 0, block 0: hooks kept positions masked"):
+            tiny_engine.generate([PROMPT, OTHER], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("prompt,match", [
+    (["w1 w2", None], "prompt 1 of the batch is NoneType"), ([[1, 2], 5], "prompt 1 of the batch is int"),
+    ([1, 2, None], "item 2 is NoneType"), ([1, "a"], "prompt 0 of the batch is int"),
+])
+def test_a_list_that_is_neither_a_prompt_nor_a_batch_names_its_item(tiny_text_engine, prompt, match):
+    with pytest.raises(GenerationError, match=match):
+        tiny_text_engine.generate(prompt, max_new_tokens=4)
+
+
+def test_malformed_point_names_are_named(tiny_engine):
+    from clover_lab.hooks import points as P
+
+    for name in ("layers.x.output", "layers.3", "layers..output"):
+        with pytest.raises(InputError, match="expected layers"):
+            P.parse(name)
+        with pytest.raises(KeyError, match=f"unknown hook point '{name}'"):  # a KeyError still
+            tiny_engine.capture(name)
+    with pytest.raises(CloverError, match="named by a string"):
+        tiny_engine.capture([3])
+
+
+def test_a_bad_default_coreset_is_blamed_on_what_set_it(gen_model_dir, tmp_path):
+    import shutil
+
+    with pytest.raises(GenerationError, match=r"load\(coreset_size=1\)") as info:
+        clover_lab.load(gen_model_dir, coreset_size=1)
+    assert "generation_config.json" not in str(info.value)
+    shutil.copytree(gen_model_dir, tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"coreset_size": 1}))
+    with pytest.raises(clover_lab.CheckpointError, match="generation_config.json: coreset_size=1"):
+        clover_lab.load(tmp_path / "m")
