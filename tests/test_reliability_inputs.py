@@ -354,3 +354,45 @@ def test_a_bad_default_coreset_is_blamed_on_what_set_it(gen_model_dir, tmp_path)
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"coreset_size": 1}))
     with pytest.raises(clover_lab.CheckpointError, match="generation_config.json: coreset_size=1"):
         clover_lab.load(tmp_path / "m")
+
+
+# --------------------------------------------------------------------------- 7. training arguments
+@pytest.mark.parametrize("option,match", [
+    (["--stop-at", "0"], "--stop-at=0: expected a positive integer"),
+    (["--stop-at", "-2"], "--stop-at=-2"),
+    (["--minutes", "-1"], "--minutes=-1.0: expected a positive number"),
+    (["--minutes", "0"], "--minutes=0.0"), (["--minutes", "nan"], "--minutes=nan"),
+])
+def test_adapt_stops_are_checked_before_anything_runs(gen_text_model_dir, tmp_path, capsys, option, match):
+    from clover_lab.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["adapt", "--init", str(gen_text_model_dir), "--data", str(gen_text_model_dir), "--out",
+              str(tmp_path / "o"), *option])
+    assert info.value.code == 2 and match in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_adapt_api_refuses_the_same_stops(gen_text_model_dir, tmp_path):
+    from clover_lab.train.adapt import AdaptSettings, adapt
+    from clover_lab.train.objective import TrainSettings
+
+    for kwargs, match in [(dict(stop_at=0), "stop_at=0"), (dict(minutes=-1), "minutes=-1")]:
+        with pytest.raises(InputError, match=match):
+            adapt(tmp_path / "o", [str(gen_text_model_dir)], AdaptSettings(init=str(gen_text_model_dir)),
+                  TrainSettings(), **kwargs)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_refused_before_training(gen_text_model_dir, gen_tokenizer,
+                                                                           tmp_path, capsys):
+    from clover_lab.cli import main
+
+    big = gen_tokenizer.__class__.from_pretrained(str(gen_text_model_dir))
+    big.add_tokens([f"extra{i}" for i in range(20)])
+    big.save_pretrained(str(tmp_path / "tok"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.py").write_text("w1 w2 w3\n" * 50)
+    assert main(["adapt", "--init", str(gen_text_model_dir), "--tokenizer", str(tmp_path / "tok"), "--data",
+                 str(tmp_path / "data"), "--out", str(tmp_path / "o"), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "has 532 tokens, but the init's embedding has 512 rows" in err and not (tmp_path / "o").exists()
