@@ -396,3 +396,88 @@ def test_a_tokenizer_past_the_models_vocabulary_is_refused_before_training(gen_t
                  str(tmp_path / "data"), "--out", str(tmp_path / "o"), "--steps", "2"]) == 2
     err = capsys.readouterr().err
     assert "has 532 tokens, but the init's embedding has 512 rows" in err and not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------- 8. traces
+@pytest.fixture
+def saved_trace(tiny_engine, tmp_path):
+    points = ["denoise.step", "block.commit", "layers.0.moe.route", "layers.1.output"]
+    with tiny_engine.capture(points) as cap:
+        tiny_engine.generate(PROMPT, **KW)
+    cap.save(tmp_path / "t")
+    return tmp_path / "t"
+
+
+def _edit(path, fn):
+    doc = json.loads((path / "trace.json").read_text())
+    fn(doc)
+    (path / "trace.json").write_text(json.dumps(doc))
+
+
+def _first(doc, point):
+    return next(r for r in doc["records"] if r["point"] == point)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d.update(records={}), "'records' must be a list"),
+    (lambda d: d["records"].append(5), "record .*: expected an object"),
+    (lambda d: d["records"][0].pop("run"), "field 'run' is missing"),
+    (lambda d: d["records"][0].update(block="zero"), "field 'block' = 'zero'"),
+    (lambda d: d["records"][0].update(phase="later"), "field 'phase'"),
+    (lambda d: d["records"][0].update(point="layers.9.nowhere"), "a point listed in 'points'"),
+    (lambda d: d["records"][0].update(where=[1, 2]), "field 'where'"),
+    (lambda d: _first(d, "layers.0.moe.route")["data"].pop("expert_ids"), "field 'expert_ids' is missing"),
+    (lambda d: _first(d, "layers.0.moe.route")["data"].update(expert_ids=[[1, 2]]), "'expert_ids' must be a tensor"),
+    (lambda d: _first(d, "layers.0.moe.route")["data"].update(expert_ids={"tensor": "nope"}), "'nope' is missing"),
+    (lambda d: _first(d, "layers.0.moe.route")["data"].update(
+        weights=_first(d, "layers.0.moe.route")["data"]["router_probs"]), "route fields disagree in shape"),
+    (lambda d: _first(d, "layers.0.moe.route")["data"].update(mode="sideways"), "field 'mode' = 'sideways'"),
+    (lambda d: _first(d, "layers.0.moe.route")["data"].update(positions={"dict": 3}), "field 'positions' cannot be"),
+    (lambda d: _first(d, "layers.1.output")["data"].update(
+        value=_first(d, "layers.0.moe.route")["data"]["router_probs"]), "'value' must be a floating tensor of 3"),
+    (lambda d: _first(d, "denoise.step")["data"].update(
+        canvas=_first(d, "denoise.step")["data"]["confidences"]), "'canvas' must be an integer tensor"),
+    (lambda d: _first(d, "block.commit")["data"].update(steps="3"), "'steps' must be int"),
+])
+def test_an_edited_trace_is_named_at_load(saved_trace, edit, match):
+    _edit(saved_trace, edit)
+    with pytest.raises(clover_lab.TraceError, match=match) as info:
+        clover_lab.load_trace(saved_trace)
+    assert "trace.json" in str(info.value)
+
+
+def test_route_records_are_checked_against_the_recorded_model(saved_trace, tiny_engine):
+    from safetensors.torch import load_file, save_file
+
+    doc = json.loads((saved_trace / "trace.json").read_text())
+    name = _first(doc, "layers.0.moe.route")["data"]["expert_ids"]["tensor"]
+    tensors = load_file(saved_trace / "tensors.safetensors")
+    tensors[name] = tensors[name] + 100  # ids past the model's experts
+    save_file(tensors, saved_trace / "tensors.safetensors")
+    assert "config" in doc["meta"]  # a capture saves the recorded model's config
+    with pytest.raises(clover_lab.TraceError, match=r"expert_ids outside \[0, 8\)"):
+        clover_lab.load_trace(saved_trace)
+
+
+def test_a_damaged_tensor_file_is_named(saved_trace):
+    f = saved_trace / "tensors.safetensors"
+    f.write_bytes(f.read_bytes()[:200])  # truncated
+    with pytest.raises(clover_lab.TraceError, match="tensors.safetensors: cannot be read as safetensors"):
+        clover_lab.load_trace(saved_trace)
+
+
+def test_view_row_past_a_batched_traces_rows_is_an_error(tiny_engine, tmp_path):
+    pytest.importorskip("ipywidgets")
+    from clover_lab.widgets import DenoiseView
+
+    with tiny_engine.capture(["denoise.step", "block.commit"]) as cap:
+        tiny_engine.generate([PROMPT, OTHER], **KW)
+    cap.save(tmp_path / "b")
+    view = DenoiseView(fps=1000)
+    view.row = 5
+    with pytest.raises(InputError, match=r"row=5: the trace is of a batch of rows 0..1"):
+        view.replay(clover_lab.load_trace(tmp_path / "b"))
+    view.row = 1
+    view.replay(clover_lab.load_trace(tmp_path / "b"))
+    assert view.frames
+    view.close()
