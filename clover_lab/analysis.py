@@ -22,7 +22,7 @@ import torch
 
 from .context import ForwardContext
 from .corpus import TEXT_SUFFIXES, corpus_documents  # noqa: F401 - TEXT_SUFFIXES: the old import place
-from .errors import CorpusError
+from .errors import CorpusError, flag
 from .hooks import points
 
 MODES = ("commit", "preview")
@@ -195,6 +195,7 @@ def route_stats(engine, data, mode: str = "commit", batch_size: int = 8, seq_len
     every rank returns the all-reduced sums."""
     model = getattr(engine, "model", engine)
     c = model.config
+    progress = flag("progress", progress)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

@@ -481,3 +481,20 @@ def test_view_row_past_a_batched_traces_rows_is_an_error(tiny_engine, tmp_path):
     view.replay(clover_lab.load_trace(tmp_path / "b"))
     assert view.frames
     view.close()
+
+
+def test_records_of_a_batch_or_of_another_type_are_refused_where_one_run_is_read(tiny_engine):
+    from clover_lab import patching
+
+    with tiny_engine.capture("layers.*[0-9].output") as cap:
+        tiny_engine.generate([PROMPT, OTHER], **KW)
+    with pytest.raises(InputError, match="batched generation"):
+        patching.Source(cap.records)
+    with pytest.raises(clover_lab.TraceError, match="Record objects"):
+        clover_lab.Trace([{"point": "denoise.step"}], ["denoise.step"])
+    with pytest.raises(InputError, match="pack_weights enabled='no'"):
+        tiny_engine.model.pack_weights("no")
+    from clover_lab.analysis import route_stats
+
+    with pytest.raises(InputError, match="progress='yes'"):
+        route_stats(tiny_engine, [[1, 2, 3]], progress="yes")

@@ -111,6 +111,11 @@ class Trace(RecordSet):
     """A saved recording, read back on the CPU: the same reading API as ``Capture``."""
 
     def __init__(self, records: list[Record], points: list[str], meta: dict | None = None, path=None):
+        records = list(records)
+        odd = next((r for r in records if not isinstance(r, Record)), None)
+        if odd is not None:
+            raise TraceError(f"Trace: records must be Record objects (a Capture's or a loaded trace's), got "
+                             f"{type(odd).__name__}")
         self.records, self.points, self.meta, self.path = records, list(points), dict(meta or {}), path
 
     def __repr__(self):

@@ -67,6 +67,11 @@ class Source:
         self.result = result
         self.prompt_ids = prompt_ids
         self._rows: dict[tuple, dict[int, tuple[torch.Tensor, int]]] = {}
+        records = list(records)
+        batched = next((rec for rec in records if rec.rows is not None), None)
+        if batched is not None:  # several rows' positions: patching by position would mix them
+            raise InputError(f"Source: the records are of a batched generation (rows {list(batched.rows)}); "
+                             f"record one prompt at a time (patching.record(engine, prompt))")
         for rec in records:
             if "value" not in rec.data:
                 continue
