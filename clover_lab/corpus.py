@@ -45,8 +45,8 @@ def _documents(data, name: str) -> list:
         raise CorpusError(f"{name}={data!r:.80} is a bare string, which could be a path or a text: pass "
                           f"Path(...) to read a file or folder, or a list [text, ...] of texts")
     if isinstance(data, torch.Tensor):
-        if data.dim() == 2:  # [documents, T]
-            return [_tensor_ids(row, f"{name}[{i}]") for i, row in enumerate(data)] or [_tensor_ids(data, name)]
+        if data.dim() == 2 and data.shape[0]:  # [documents, T]
+            return [_tensor_ids(row, f"{name}[{i}]") for i, row in enumerate(data)]
         return [_tensor_ids(data, name)]
     if not isinstance(data, (list, tuple)):
         raise CorpusError(f"{name}: {WHAT}; got {type(data).__name__} {data!r:.80}")

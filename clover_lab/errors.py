@@ -8,6 +8,8 @@ working. Anything else escaping clover_lab is a bug.
 """
 from __future__ import annotations
 
+import numbers
+
 
 class CloverError(Exception):
     """Base of clover_lab's errors; the message names what was wrong and what was expected."""
@@ -45,8 +47,6 @@ def flag(name: str, value, none: bool = True):
 
 def count(name: str, value) -> int:
     """``value`` as a positive int (numpy's too); never 0 or a negative standing for a default."""
-    import numbers
-
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise InputError(f"{name}={value!r}: expected a positive integer")
     return int(value)

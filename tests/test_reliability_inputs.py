@@ -95,10 +95,16 @@ def test_the_routing_lens_of_a_batch_is_read_per_row(tiny_engine):
         for a, b in zip(alone.by_layer(), row.by_layer()):
             assert b["step_flip_rate"] == pytest.approx(a["step_flip_rate"], abs=0.05)
             assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-3)
-    with pytest.raises(InputError, match=r"batch of rows 0..1.*row=0 .. 1"):
+    with pytest.raises(InputError, match=r"batch of 2 prompts.*row=0 .. 1"):
         lens.routing_lens(tiny_engine, [PROMPT, OTHER], **KW)
     with pytest.raises(InputError, match="one generation"):
         lens.routing_lens(tiny_engine, PROMPT, row=0, **KW)
+    with tiny_engine.capture("layers.*.moe.route") as cap:  # a recording of a batch, read per row
+        tiny_engine.generate([PROMPT, OTHER], **KW)
+    with pytest.raises(InputError, match=r"batch of rows 0..1.*row=0 .. 1"):
+        lens.routing_lens(cap)
+    assert lens.routing_lens(cap, row=1).by_layer() == lens.routing_lens(tiny_engine, [PROMPT, OTHER], row=1,
+                                                                          **KW).by_layer()
 
 
 @pytest.mark.parametrize("call,match", [

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InputError
+from ..engine.requests import is_batch
 from ..hooks import points as P
+from ..hooks.events import RouteEvent
 from ..hooks.records import Record, RecordSet
 
 
@@ -57,13 +59,14 @@ def _of_row(records: list[Record], row: int | None) -> list[Record]:
     for r in records:
         if row not in r.rows:
             continue
-        i, n = r.rows.index(row), len(r.rows)
-        T = r["expert_ids"].shape[0] // n
-        data = dict(r.data)
-        for key in ("positions", "expert_ids", "router_probs"):
-            data[key] = r[key][i * T:(i + 1) * T]
-        out.append(Record(r.point, r.run, r.phase, r.block, r.step, data, r.where))
+        # the event's own narrowing: its tensors are flattened over the batch, row by row
+        ev = RouteEvent(**{k: r.data.get(k) for k in _ROUTE_FIELDS}, where=r.where).for_row(row)
+        out.append(Record(r.point, r.run, r.phase, r.block, r.step,
+                          {**r.data, **{k: getattr(ev, k) for k in _ROUTE_FIELDS}}, ev.where))
     return out
+
+
+_ROUTE_FIELDS = ("layer", "mode", "positions", "router_probs", "expert_ids", "weights", "selectable")
 
 
 @dataclass
@@ -100,6 +103,10 @@ def routing_lens(source, prompt=None, row: int | None = None, **generate) -> Rou
     or of a fresh generation: ``routing_lens(engine, prompt, **generate)``. A batched generation
     (a list of prompts, or a recording of one) is read one request row at a time: ``row=i``."""
     if not isinstance(source, RecordSet):
+        if is_batch(prompt) != (row is not None):  # said before the generation, not after it
+            raise InputError(f"routing_lens row={row!r}: " + (
+                f"a batch of {len(prompt)} prompts is read one row at a time; pass row=0 .. {len(prompt) - 1}"
+                if row is None else "the prompt is one generation, not a batch; leave row out"))
         with source.capture(P.every_layer(P.MOE_ROUTE)) as cap:
             source.generate(prompt, **generate)
         source = cap
