@@ -301,6 +301,7 @@ def cmd_routes(args) -> int:
     from .analysis import route_stats
     from .corpus import corpus_documents
     from .errors import CloverError
+    from .load_checks import resolve_device
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -308,7 +309,9 @@ def cmd_routes(args) -> int:
         if gpu:
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         dist.init_process_group("nccl" if gpu else "gloo")
-    try:  # the corpus and the output checked before the model loads
+    try:  # the device, the corpus and the output checked before the model loads
+        if getattr(args, "device_map", None) is None:
+            resolve_device(args.device)
         data = corpus_documents([Path(d) for d in args.data], "--data")
         writable_file(args.out, "--out")
         engine = load_engine(args)
