@@ -25,16 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import CheckpointError, CloverError
+from .errors import CheckpointError, OutputError
 from .signals import NotedSignals
 
 MARKER = ".clover-save-incomplete"
 TMP_TAG = ".clover-tmp-"
-
-
-class OutputError(CloverError, ValueError):
-    """An output clover_lab refuses to write: it is one of the inputs, it would replace files
-    clover_lab did not write, or it cannot be written; the message names it."""
 
 
 def is_own_temp(path: Path) -> bool:

@@ -19,11 +19,12 @@ import pytest
 import torch
 
 import clover_lab
-from clover_lab import CheckpointError, CloverError, CloverModel
+from clover_lab import CheckpointError, CloverError, CloverModel, TraceError
 from clover_lab.analysis import RouteStats
 from clover_lab.hooks.records import Record
 from clover_lab.hooks.trace import Trace, load_trace
-from clover_lab.writes import MARKER, OutputError, is_own_temp
+from clover_lab.errors import OutputError
+from clover_lab.writes import MARKER, is_own_temp
 
 FULL = OSError(errno.ENOSPC, "No space left on device")
 
@@ -176,9 +177,10 @@ def test_a_failed_quantization_leaves_the_previous_one(tmp_path, monkeypatch, er
 
 # --------------------------------------------------------------------------- traces
 def small_trace(value: float) -> Trace:
-    records = [Record("denoise.step", 0, "decode", 0, s, {"canvas": torch.full((1, 4), value + s), "unmask": [s]})
+    records = [Record("layers.0.output", 0, "decode", 0, s, dict(layer=0, mode="preview", positions=torch.arange(4),
+                                                                  value=torch.full((1, 4, 8), value + s)))
                for s in range(3)]
-    return Trace(records, ["denoise.step"], {"prompt": "p"})
+    return Trace(records, ["layers.0.output"], {"prompt": "p"})
 
 
 def test_a_trace_is_never_saved_over_other_files(tmp_path, monkeypatch):
@@ -195,7 +197,7 @@ def test_a_trace_is_never_saved_over_other_files(tmp_path, monkeypatch):
         small_trace(1.0).save("file")
     small_trace(1.0).save("run")  # a new directory, and then a trace replaced by another
     small_trace(2.0).save("run")
-    assert float(load_trace("run")["denoise.step"][0]["canvas"][0, 0]) == 2.0
+    assert float(load_trace("run")["layers.0.output"][0]["value"][0, 0, 0]) == 2.0
     assert isinstance(OutputError("x"), CloverError) and isinstance(OutputError("x"), ValueError)
 
 
@@ -207,7 +209,7 @@ def test_a_failed_trace_save_leaves_the_previous_trace(tmp_path, monkeypatch, fa
         Writes(m, fail_at=fail_at, error=error)
         with pytest.raises(type(error)):
             small_trace(2.0).save(tmp_path / "t")
-    assert float(load_trace(tmp_path / "t")["denoise.step"][0]["canvas"][0, 0]) == 1.0
+    assert float(load_trace(tmp_path / "t")["layers.0.output"][0]["value"][0, 0, 0]) == 1.0
     assert not leftovers(tmp_path)
     with monkeypatch.context() as m:  # a first save that fails leaves no directory that loads
         Writes(m, fail_at=fail_at, error=error)
@@ -231,7 +233,7 @@ def test_an_unfinished_trace_is_refused(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         small_trace(2.0).save(tmp_path / "t")
     monkeypatch.undo()
-    with pytest.raises(CheckpointError, match=r"an unfinished save: it stopped while putting tensors\.safetensors, "
+    with pytest.raises(TraceError, match=r"an unfinished save: it stopped while putting tensors\.safetensors, "
                                               r"trace\.json in place"):
         load_trace(tmp_path / "t")
 
@@ -299,14 +301,11 @@ def test_adapt_finds_an_unwritable_out_before_the_run(tmp_path, clover_init, dat
         assert "mask token" not in err  # nothing was loaded or trained
 
 
-def test_the_other_commands_find_an_unwritable_output_before_the_run(tmp_path, monkeypatch, capsys):
-    """routes, train and distill: the output checked before the model is loaded or trained."""
-    import clover_lab.cli as cli
-
+def test_the_other_commands_find_an_unwritable_output_before_the_run(tmp_path, capsys):
+    """train and distill: the output checked before the model is loaded or trained (routes:
+    tests/test_reliability_inputs.py)."""
     (tmp_path / "a-file").write_text("x")
     bad = tmp_path / "a-file" / "sub"
-    monkeypatch.setattr(cli, "load_engine", lambda args: pytest.fail("loaded before checking --out"))
-    assert cli_main(["routes", "--data", str(tmp_path), "--out", str(bad / "r.npz")]) == 2
     assert cli_main(["train", "--out", str(bad), "--minutes", "1"]) == 2
     assert cli_main(["train", "--out", str(tmp_path / "run"), "--export", str(bad), "--minutes", "1"]) == 2
     assert not (tmp_path / "run").exists()
@@ -315,7 +314,7 @@ def test_the_other_commands_find_an_unwritable_output_before_the_run(tmp_path, m
     with pytest.raises(SystemExit):
         distill.main(["--model", str(tmp_path), "--tokens", str(tmp_path / "a-file"), "--out", str(bad / "d.pt")])
     err = capsys.readouterr().err
-    assert err.count(f"--out {bad}: {tmp_path / 'a-file'} is a file") == 3 and f"--export {bad}: " in err, err
+    assert err.count(f"--out {bad}: {tmp_path / 'a-file'} is a file") == 2 and f"--export {bad}: " in err, err
 
 
 def test_a_refused_adapt_run_leaves_nothing_to_resume(tmp_path, clover_init, data, capsys):

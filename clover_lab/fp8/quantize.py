@@ -18,6 +18,7 @@ from safetensors import safe_open
 from clover_kernels.fp8 import naive
 
 from .. import loading
+from ..errors import InputError, count
 from ..saving import ShardWriter
 from ..writes import FileSet, check_writable, refuse_same
 from .checkpoint import QWEN_UNQUANTIZED, scale_name
@@ -32,6 +33,10 @@ def quantize_checkpoint(src, dst, block=(128, 128), scale_dtype=torch.float32, s
     new files are put in place together at the end (``writes.FileSet``): a failed or interrupted
     run leaves ``dst`` as it was."""
     src, dst = Path(src), Path(dst)
+    if not isinstance(block, (list, tuple)) or len(block) != 2:
+        raise InputError(f"quantize_checkpoint block={block!r}: expected two block sizes (rows, columns)")
+    block = tuple(count("quantize_checkpoint block", b) for b in block)
+    max_shard_bytes = count("quantize_checkpoint max_shard_bytes", max_shard_bytes)
     loading.load_config(src)  # the same checks and messages as loading it
     refuse_same(dst, src, "quantize_checkpoint")
     check_writable(dst, what="quantize_checkpoint: the destination")  # now, not a shard in
