@@ -8,6 +8,9 @@ from pathlib import Path
 
 import torch
 
+from ..corpus import folder_files
+from ..writes import FileSet
+
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -67,8 +70,8 @@ def train_tokenizer(files: list[Path], vocab_size: int, out_dir: Path):
                                    mask_token="<|mask|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 8192
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(out_dir))
+    with FileSet(out_dir) as files:
+        files.put_written_by(lambda tmp: fast.save_pretrained(str(tmp)), out_dir)
     return fast
 
 
@@ -99,8 +102,7 @@ def text_files(paths, pattern: str = "*.py") -> list[tuple[Path, Path]]:
         if path.is_file():
             out.append((path, path.parent))
         elif path.is_dir():
-            found = [f for f in sorted(path.rglob(pattern)) if f.is_file()
-                     and not any(p.startswith(".") or p == "__pycache__" for p in f.relative_to(path).parts[:-1])]
+            found = folder_files(path, lambda f: f.match(pattern))
             if not found:
                 raise ValueError(f"--data: the directory {path} has no files matching {pattern!r}")
             out += [(f, path) for f in found]
