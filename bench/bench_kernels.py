@@ -10,7 +10,7 @@ reference. Prints a table and writes JSON to bench/results/ (date and device in 
     python bench/bench_kernels.py --interpret   # tiny CPU smoke run under TRITON_INTERPRET=1
 
 Times include the launch overhead of each call (no CUDA graphs): at batch 1 that is part of
-the real cost. Without CUDA and without --interpret the script refuses (exit 2).
+the real cost. The JSON is rewritten after every case ("complete": false until the end). Without CUDA and without --interpret the script refuses (exit 2).
 """
 from __future__ import annotations
 
@@ -107,6 +107,23 @@ def nbytes(*tensors):
 
 
 ROWS = []
+STARTED = dt.datetime.now()
+
+
+def write_json(complete: bool) -> Path:
+    """The rows so far (after every case too: a run cut short keeps what it measured)."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
+    out_dir = Path(ARGS.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"kernels_{STARTED:%Y-%m-%d_%H%M}_{slug}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dict(
+        date=STARTED.isoformat(timespec="seconds"), device=device_name(), interpret=ARGS.interpret,
+        dtype=str(DTYPE), torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        hbm_roofline_bytes_per_s=HBM_BYTES_PER_S, dims=DIMS, complete=complete, rows=ROWS,
+    ), indent=2))
+    tmp.replace(path)  # never half a file under the name readers look for
+    return path
 
 
 def record(op, shape, kernel, reference, args, bytes_moved, extra=None):
@@ -126,6 +143,7 @@ def record(op, shape, kernel, reference, args, bytes_moved, extra=None):
         row["triton_error"] = f"{type(exc).__name__}: {exc}"[:300]
     row.update(extra or {})
     ROWS.append(row)
+    write_json(complete=False)
     return row
 
 
@@ -258,17 +276,7 @@ def main():
     if ARGS.interpret:
         print("(interpreter smoke run: times and bandwidths mean nothing)")
     print_table()
-    now = dt.datetime.now()
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
-    out_dir = Path(ARGS.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"kernels_{now:%Y-%m-%d_%H%M}_{slug}.json"
-    path.write_text(json.dumps(dict(
-        date=now.isoformat(timespec="seconds"), device=device_name(), interpret=ARGS.interpret,
-        dtype=str(DTYPE), torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-        hbm_roofline_bytes_per_s=HBM_BYTES_PER_S, dims=DIMS, rows=ROWS,
-    ), indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {write_json(complete=True)}")
     return 1 if any("triton_error" in r for r in ROWS) else 0
 
 
