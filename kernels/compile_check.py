@@ -365,6 +365,9 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
                     _meta(1, m, C, dtype=dt), _meta(1, C, K - 1, dtype=dt), _meta(C, K, dtype=dt),
                     _meta(C, K - 1, dtype=dt), _meta(1, Hv, dk, dv, dtype=f32), _meta(Hv, dtype=dt), _meta(Hv, dtype=dt),
                     _meta(Hv, dtype=dt), Hk, dk, dv, history))
+        for T in moe_rows:  # the router's rule over T tokens' logits: every expert, or a coreset
+            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k))
+            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k, _meta(E, dtype=torch.bool)))
         for T in moe_rows:  # routed experts of T tokens (coreset routing changes ids, not shapes)
             yield "moe_experts", label, T, ("moe_experts", (
                 _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),

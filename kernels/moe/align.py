@@ -17,7 +17,7 @@ import triton.language as tl
 
 @triton.jit
 def _align_kernel(ids_ptr, pair_ptr, blk_e_ptr, P, E, NB,
-                  BM: tl.constexpr, EB: tl.constexpr, CP: tl.constexpr, CB: tl.constexpr):
+                  BM: tl.constexpr, EB: tl.constexpr, CP: tl.constexpr, CB: tl.constexpr, FB: tl.constexpr):
     experts = tl.arange(0, EB)
     lane = tl.arange(0, CP)
     counts = tl.zeros([EB], dtype=tl.int32)
@@ -28,9 +28,9 @@ def _align_kernel(ids_ptr, pair_ptr, blk_e_ptr, P, E, NB,
     blocks = (counts + BM - 1) // BM
     block_end = tl.cumsum(blocks, axis=0)  # [EB]
     block_start = block_end - blocks
-    for r0 in range(0, NB * BM, CB):  # the whole table: padding until a pair is stored
-        r = r0 + tl.arange(0, CB)
-        tl.store(pair_ptr + r, tl.full([CB], 0, tl.int32) + P, mask=r < NB * BM)
+    for r0 in range(0, NB * BM, FB):  # the whole table: padding until a pair is stored
+        r = r0 + tl.arange(0, FB)
+        tl.store(pair_ptr + r, tl.full([FB], 0, tl.int32) + P, mask=r < NB * BM)
     tl.debug_barrier()
     seen = tl.zeros([EB], dtype=tl.int32)  # pairs of each expert in the chunks before this one
     earlier = lane[None, :] < lane[:, None]  # [CP, CP]: column j is before row i
@@ -60,5 +60,5 @@ def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int, num_b
     EB = triton.next_power_of_2(num_experts)
     CP = max(16, min(64, 8192 // EB, triton.next_power_of_2(P)))  # [CP, EB] one-hot tiles of at most 8k
     _align_kernel[(1,)](flat, pair_of_row, expert_of_block, P, num_experts, num_blocks,
-                        BM=block_m, EB=EB, CP=CP, CB=max(16, min(1024, 8192 // EB)), num_warps=4)
+                        BM=block_m, EB=EB, CP=CP, CB=max(16, min(1024, 8192 // EB)), FB=1024, num_warps=4)
     return pair_of_row, expert_of_block

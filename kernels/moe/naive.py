@@ -53,3 +53,19 @@ def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     pair_of_row = torch.where(valid_row, order[sorted_pos], P).to(torch.int32).reshape(-1)
     expert_of_block = torch.where(valid_blk, blk_e, -1).to(torch.int32)
     return pair_of_row, expert_of_block
+
+
+def route(logits: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None):
+    """The routing rule: logits [T, E] -> (probs [T, E], softmax over every expert in fp32; expert
+    ids [T, k] and weights [T, k] fp32 as ``select``)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return (probs, *select(probs, top_k, allowed))
+
+
+def select(probs: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None):
+    """probs [T, E] -> (the top k among the allowed experts ([E] or [T, E] bool, None: all) [T, k],
+    their probabilities renormalised to sum to 1 [T, k]). Probabilities are >= 0, so a disallowed
+    expert (-1) is never among the top k while k experts are allowed."""
+    choice = probs if allowed is None else probs.masked_fill(~allowed, -1.0)
+    top, ids = choice.topk(top_k, dim=-1)
+    return ids, top / top.sum(-1, keepdim=True)
