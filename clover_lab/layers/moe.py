@@ -19,7 +19,7 @@ from ..context import ForwardContext
 from ..hooks import points
 from ..hooks.events import RouteEvent, edit_count
 from ..hooks.registry import HookError, HookRegistry
-from .linear import Linear, SwiGLU
+from .linear import FusedProjections, Linear, SwiGLU
 
 # route weights are mixture weights (the router's are in [0, 1] and sum to 1); a hook's beyond this
 # would push the residual stream past float32's range in the next norm's mean square, which
@@ -105,6 +105,9 @@ class SparseMoE(nn.Module):
         self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.route_point = points.layer_point(layer, points.MOE_ROUTE)
+        # one GEMM for the router logits and the shared expert's gate and up (its one-column gate scalar
+        # stays apart: a GEMV there, and columns of a GEMM differ from it in the last bit on the CPU)
+        self.projections = FusedProjections("gate", "shared_expert.gate_proj", "shared_expert.up_proj")
 
     def route(self, logits: torch.Tensor, mode: str, ctx: ForwardContext, lo: int, hi: int, batch: int,
               dtype: torch.dtype):
@@ -145,7 +148,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, H = x.shape
-        logits = self.gate.logits(x)  # [B, T, E]
+        logits, shared_gate, shared_up = self.projections(self, x)  # [B, T, E], [B, T, Is] twice
         ids, weights = [], []
         for mode, lo, hi in (("commit", 0, ctx.c), ("preview", ctx.c, ctx.c + ctx.m)):
             if hi > lo:
@@ -157,8 +160,8 @@ class SparseMoE(nn.Module):
         flat = x.reshape(B * T, H)
         coreset = None if ctx.coreset is None else ctx.coreset.experts.get(self.layer)
         routed = self.experts(flat, ids, weights, coreset)
-        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return (routed + shared).view(B, T, H)
+        shared = self.shared_expert.down(shared_gate, shared_up)
+        return routed.view(B, T, H) + torch.sigmoid(self.shared_expert_gate(x)) * shared
 
 
 def checked_route(event: RouteEvent, point: str, rows: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
