@@ -383,6 +383,7 @@ FP8_BLOCK = 128  # Qwen's and DeepSeek's weight_block_size [128, 128]
 # the FP8 kernels take bf16 / fp16 activations: fp32 ones run the torch path (their tiles spill)
 FP8_DTYPES = ("bf16", "fp16")
 KERNEL_DTYPES = {name: set(FP8_DTYPES) for name in ("_fp8_linear_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel")}
+KERNEL_DTYPES["_align_kernel"] = {"bf16"}  # reads only expert ids: one binary for every activation dtype
 
 
 def _fp8_calls(label, dt, d, rows):
