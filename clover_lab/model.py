@@ -30,7 +30,7 @@ from .hooks.events import NOWHERE, Where
 from .hooks.registry import HookRegistry
 from .layers.attention import GatedAttention
 from .layers.gdn import GatedDeltaNet
-from .layers.linear import Linear
+from .layers.linear import FusedProjections, Linear
 from .layers.moe import Experts, Router, SparseMoE
 from .layers.norm import RMSNorm
 from .layers.residual import fire_head_rows, fire_residual
@@ -156,14 +156,34 @@ class CloverModel(nn.Module):
         """The model in the Hugging Face directory ``path`` (see ``clover_lab.loading``; ``keep_fp8``
         and ``placement`` there); ``check_finite`` refuses weights holding NaN or inf (default: for
         checkpoints up to 4 GiB)."""
-        return loading.load_model(cls, path, device=device, dtype=dtype, progress=progress, keep_fp8=keep_fp8,
-                                  placement=placement, check_finite=check_finite)
+        model = loading.load_model(cls, path, device=device, dtype=dtype, progress=progress, keep_fp8=keep_fp8,
+                                   placement=placement, check_finite=check_finite)
+        model.fuse_projections()
+        return model
 
     def save_pretrained(self, path, max_shard_bytes: int | None = None) -> None:
         """``max_shard_bytes``: shards of at most that many bytes (None: 5 GiB)."""
         if max_shard_bytes is not None:
             max_shard_bytes = count("max_shard_bytes", max_shard_bytes)
         saving.save_model(self, path, max_shard_bytes=max_shard_bytes)
+
+    def projection_groups(self):
+        """(module, FusedProjections) for every group of projections that share an input."""
+        for module in self.modules():
+            for group in vars(module).values():
+                if isinstance(group, FusedProjections):
+                    yield module, group
+
+    def fuse_projections(self) -> int:
+        """Each group of projections reading one input as one GEMM, their weights views of one
+        tensor (``layers.linear.FusedProjections``); run after loading and after every move or
+        cast (``_apply``). Returns the groups fused."""
+        return sum(group.fuse(module) for module, group in self.projection_groups())
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(), to_empty(): the parts are new tensors
+        out = super()._apply(fn, *args, **kwargs)
+        self.fuse_projections()
+        return out
 
     @torch.no_grad()
     def reset_preview_parameters(self) -> None:
@@ -202,8 +222,15 @@ class CloverModel(nn.Module):
             packed.get(weight)
             return packed
 
+        fused = set()  # parts of a fused GEMM: its one weight is packed instead
+        for module, group in self.projection_groups():
+            if group.weight is not None:
+                group.packed = pack(group.weight) if enabled and ops.can_pack(group.weight) else None
+                fused.update(id(m) for m in group.modules(module))
         for module in self.modules():  # FP8 weights and offloaded experts are not packed
-            if isinstance(module, (Linear, Router)) and ops.can_pack(module.weight):
+            if id(module) in fused:
+                module.packed = None
+            elif isinstance(module, (Linear, Router)) and ops.can_pack(module.weight):
                 module.packed = pack(module.weight) if enabled else None
             elif isinstance(module, Experts) and module.store is None and ops.can_pack(module.gate_up_proj):
                 module.packed = ([pack(w) for w in module.gate_up_proj],
@@ -211,6 +238,9 @@ class CloverModel(nn.Module):
         return sum(p.nbytes for p in self._packs())
 
     def _packs(self):
+        for _, group in self.projection_groups():
+            if group.packed is not None:
+                yield group.packed
         for module in self.modules():
             if isinstance(module, (Linear, Router)) and module.packed is not None:
                 yield module.packed
