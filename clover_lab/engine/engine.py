@@ -27,14 +27,12 @@ from ..model import CloverModel
 from ..placement import plan_placement
 from ..sampling import SamplerSettings
 from .ar import run_ar
-from .batch import BatchRun
-from .batch_loops import run_batch_ar, run_batch_diffusion
 from .diffusion import run_diffusion
+from .graphs import FastPath
 from .requests import (GenerationError, check_coreset, check_memory, check_request, encode_prompt, is_batch,
                        stop_list)
 from .results import GenerationResult, StreamUpdate
 from .run import Run
-from .runner import FastPath
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -230,22 +228,20 @@ class Engine:
         return s, stop, self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
 
     def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> Run:
+        """A generation of one prompt or (a list) a batch: checked, its cache allocated."""
         s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
-        ids = self.encode(prompt, thinking)
-        self.check_request(len(ids), max_new_tokens, mode)
-        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
-
-    def _start_batch(self, prompts, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> BatchRun:
-        s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
+        batched = is_batch(prompt)
         ids = []
-        for r, prompt in enumerate(prompts):
+        for r, one in enumerate(prompt if batched else [prompt]):
             try:
-                ids.append(self.encode(prompt, thinking))
+                ids.append(self.encode(one, thinking))
                 check_request(self.model, self.mask_token_id, len(ids[-1]), max_new_tokens, mode, memory=False)
             except GenerationError as e:
+                if not batched:
+                    raise
                 raise GenerationError(f"prompt {r} of the batch: {e}") from e
         check_memory(self.model, max(map(len, ids)) + max_new_tokens, len(ids))
-        return BatchRun(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
+        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched)
 
     # ---------------------------------------------------------------- generation
     def stream(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
@@ -256,11 +252,7 @@ class Engine:
         whose ``result`` is the GenerationResult. Requests are checked before the first update.
         A list of prompts streams a batch: updates carry their ``row``, a "done" per row as it
         ends, and a last "batch" update whose ``result`` is the :class:`BatchResult`."""
-        if is_batch(prompt):
-            batch = self._start_batch(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True)
-            return run_batch_diffusion(batch) if mode == "diffusion" else run_batch_ar(batch)
-        run = self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True)
-        return self._drive(run)
+        return self._drive(self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True))
 
     def _drive(self, run: Run) -> Iterator[StreamUpdate]:
         # no inference_mode around the yields: it would leak into the consumer's code between updates
@@ -287,15 +279,10 @@ class Engine:
         (a list of GenerationResults, one per prompt, with the batch's figures in ``stats``).
         Greedy rows give the tokens each prompt gives alone; a ``seed`` seeds every row alike.
         """
-        if is_batch(prompt):
-            batch = self._start_batch(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=False)
-            for _ in run_batch_diffusion(batch) if mode == "diffusion" else run_batch_ar(batch):
-                pass
-            return batch.result
         run = self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=False)
         for _ in self._drive(run):
             pass
-        return run.result
+        return run.result if run.batched else run.result[0]
 
 
 def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dict | None = None,
