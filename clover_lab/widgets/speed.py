@@ -162,7 +162,8 @@ class SpeedView(View):
     def summary(self, state=None) -> list[dict]:
         """One row per run: mode, tokens, forwards, tokens/s, tokens per forward, steps per block,
         seconds per preview step and per fused commit+preview step (live estimates), and the
-        engine's own figures when the result was added."""
+        engine's own figures when the result was added, the path its forwards took among them
+        (the fast path or the eager forward, and why: SpeedView never times the eager path unsaid)."""
         rows = []
         for r in (state or self._live)["runs"].values():
             st = r["stats"] or {}
@@ -182,6 +183,7 @@ class SpeedView(View):
                 "prefill s": st.get("prefill_seconds"),
                 "preview s": st.get("preview_seconds"),
                 "commit s": st.get("commit_seconds"),
+                "path": st.get("path"),  # which forward ran (engine/runner.py): "compiled", "eager: a hook on ..."
             })
         return rows
 
