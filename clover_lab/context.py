@@ -5,8 +5,9 @@ which cache, and the per-block expert coreset. Three layouts, one named construc
   [c, c + m) are a block previewed after them. The cache advances only when the forward succeeds.
   A batch whose rows stand at different lengths (``cache.ragged``) has positions [B, c + m],
   each row from its own length.
-- ``static``: the same with static shapes for CUDA graphs and torch.compile: the committed
-  length is a 0-d device tensor and attention runs over the cache's whole buffer with a mask.
+- ``static``: the same with static shapes for CUDA graphs and torch.compile: the rows'
+  committed lengths are a [B] device tensor (positions [B, c + m], each row from its own length)
+  and attention runs over the cache's whole buffer with a mask.
 - ``training``: no cache. Rows [0, L) are a clean sequence from position 0, run causally; rows
   [L, 2L) a noisy copy, each block of ``block_size`` rows previewed against the clean prefix
   before it, exactly as the engine previews it against its cache.
@@ -53,15 +54,24 @@ class Coreset:
         """A batch lost rows mid-block: keep the per-row coresets of these rows, in this order."""
         for layer, ids in list(self.experts.items()):
             if ids.dim() == 2:
-                self.record(layer, ids[torch.tensor(rows, device=ids.device)])
+                kept = ids[torch.tensor(rows, device=ids.device)]
+                self.record(layer, kept[0] if len(rows) == 1 else kept)  # one row's coreset is [size]
 
     def record(self, layer: int, ids: torch.Tensor) -> None:
-        buf = self._buffers.get(layer)
-        if buf is None or buf.shape != ids.shape or buf.device != ids.device:
-            buf = self._buffers[layer] = ids.clone()
+        """A layer's coreset: ``ids`` [size] (one row) or [rows, size], into the buffer kept for
+        that shape (a batch of another size has buffers of its own: a CUDA graph keeps reading its own)."""
+        key = (layer, tuple(ids.shape))
+        buf = self._buffers.get(key)
+        if buf is None or buf.device != ids.device:
+            buf = self._buffers[key] = ids.clone()
         else:
             buf.copy_(ids)
         self.experts[layer] = buf
+
+    def buffers(self, rows: int) -> dict[int, torch.Tensor]:
+        """layer -> the buffer a batch of ``rows`` rows records into (what a replayed graph wrote)."""
+        lead = () if rows == 1 else (rows,)
+        return {layer: buf for (layer, shape), buf in self._buffers.items() if shape[:-1] == lead}
 
 
 class RouterStats:
@@ -88,7 +98,7 @@ class ForwardContext:
     positions: torch.Tensor  # [c + m] absolute positions of the rows ([B, c + m] when the rows differ)
     cache: CloverCache | None = None
     n: int | None = None  # committed length before the forward (cached layout)
-    n_dev: torch.Tensor | None = None  # the same as a 0-d device tensor (static layout)
+    n_dev: torch.Tensor | None = None  # the rows' committed lengths [B] on the device (static layout)
     block_size: int | None = None  # training layout: the block size the noisy copy is split into
     coreset: Coreset | None = None
     router_stats: RouterStats | None = None  # training: (router probs, expert ids) per MoE part
@@ -110,7 +120,8 @@ class ForwardContext:
     @classmethod
     def static(cls, cache: CloverCache, n: torch.Tensor, c: int, m: int,
                coreset: Coreset | None = None) -> "ForwardContext":
-        return cls(c, m, n + torch.arange(c + m, device=n.device), cache=cache, n_dev=n, coreset=coreset,
+        """``n``: each row's committed length, [B] on the device."""
+        return cls(c, m, n[:, None] + torch.arange(c + m, device=n.device), cache=cache, n_dev=n, coreset=coreset,
                    hooks=False)
 
     @classmethod
@@ -118,6 +129,11 @@ class ForwardContext:
         clean = torch.arange(length, device=device)
         return cls(length, length, torch.cat([clean, clean]), block_size=block_size,  # noisy rows at clean positions
                    router_stats=None if router_stats is None else RouterStats(router_stats))
+
+    def publish(self) -> None:
+        """The forward succeeded: its deferred cache writes (GDN rings and states) land."""
+        for dst, src in self.pending:
+            dst.copy_(src)
 
     def flat_positions(self, lo: int, hi: int, batch: int) -> torch.Tensor:
         """Positions of rows [lo, hi) of every batch row, flattened over the batch: [batch * (hi - lo)]."""

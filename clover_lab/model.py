@@ -303,11 +303,16 @@ class CloverModel(nn.Module):
                              f"{self.config.max_position_embeddings}")
         ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where)
         x = self.hidden_states(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], ctx)
-        # the forward succeeded: publish the commit
-        for dst, src in ctx.pending:
-            dst.copy_(src)
+        ctx.publish()  # the forward succeeded: the commit lands
         cache.advance(c)
+        return self.heads(x, ctx, commit_logits, preview_positions)
 
+    def heads(self, x: torch.Tensor, ctx: ForwardContext, commit_logits: str | None = "last",
+              preview_positions=None) -> StepOutput:
+        """The forward's tail after the layers (every layout's, the static steps' too): logits of
+        the commit rows ("last", "all" or None) and of the block rows (only ``preview_positions``,
+        when given)."""
+        c, m = ctx.c, ctx.m
         out_commit = out_preview = None
         if c and commit_logits is not None:
             lo = c - 1 if commit_logits == "last" else 0

@@ -334,3 +334,136 @@ def test_a_batch_whose_cache_does_not_fit_is_refused_up_front(tiny_engine, monke
     assert len(tiny_engine.generate([[1] * 10, [2] * 10], **KW)) == 2
     with pytest.raises(GenerationError, match=r"the cache for 3 rows of 50 positions needs .* batch fewer prompts"):
         tiny_engine.generate([[1] * 10, [2] * 10, [3] * 10], **KW)
+
+
+# --------------------------------------------------------------------------- one row state (issue 24)
+TIMINGS = {"prefill_seconds", "preview_seconds", "commit_seconds", "seconds_per_preview", "seconds_per_commit",
+           "decode_seconds", "total_seconds", "tokens_per_second"}
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_prompt_and_a_batch_of_it_alone_are_the_same_generation(tiny_engine, mode, fast):
+    """A single prompt is a batch of one: ``generate(p)`` and ``generate([p])[0]`` give the same
+    tokens and every figure but the clock's (forwards of each kind, steps per block, the stop)."""
+    tiny_engine.step_graphs = fast
+    kw = dict(KW, coreset_size=4) if mode == "diffusion" else KW
+    for prompt in PROMPTS[1:3]:
+        single = tiny_engine.generate(prompt, mode=mode, **kw)
+        (one,) = tiny_engine.generate([prompt], mode=mode, **kw)
+        assert one.token_ids == single.token_ids and one.text == single.text
+        a, b = single.stats.to_dict(), one.stats.to_dict()
+        assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
+        assert a["forwards"] > 0 and a["preview_forwards" if mode == "diffusion" else "commit_forwards"] > 0
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_batches_take_the_fast_path_and_give_the_eager_batchs_tokens(tiny_engine, mode):
+    """The static steps serve any number of rows at their own lengths: a batch of 4, then of 3
+    (a bucket of 4 with a padded row), rows leaving one by one at an EOS (the bucket shrinks
+    to 2 and 1), with a coreset, give the eager batch's tokens and figures."""
+    base = one_by_one(tiny_engine, PROMPTS, mode=mode, **KW)
+    tiny_engine.eos_token_ids = [next(t for t in base[1].token_ids[18:] if t not in base[3].token_ids)]
+    kw = dict(KW, coreset_size=4) if mode == "diffusion" else KW
+    for prompts in (PROMPTS, PROMPTS[1:]):
+        tiny_engine.step_graphs = False
+        eager = tiny_engine.generate(prompts, mode=mode, **kw)
+        tiny_engine.step_graphs = True
+        fast = tiny_engine.generate(prompts, mode=mode, **kw)
+        assert_rows_equal(fast, eager)
+        assert fast.stats.forwards == eager.stats.forwards
+        for a, b in zip(fast, eager):
+            assert a.stats.forwards == b.stats.forwards and a.stats.cache_complete
+    # 3 rows step in a bucket of 4, then, once the EOS row has left, in a bucket of 2
+    assert set(tiny_engine._fast_path.graphs._caches) == {1, 2, 4}
+
+
+def test_a_model_hook_attached_mid_batch_moves_the_rows_to_the_eager_forward(tiny_engine):
+    tiny_engine.step_graphs = False
+    want = tiny_engine.generate(PROMPTS[:3], **KW)
+    tiny_engine.step_graphs = True
+    seen, handles, results = [], [], None
+    for u in tiny_engine.stream(PROMPTS[:3], **KW):  # 3 rows: a bucket of 4, one row padding
+        if u.kind == "commit" and not handles:
+            handles.append(tiny_engine.add_hook("layers.*.moe.route", lambda e: seen.append(e.where.rows)))
+        if u.kind == "batch":
+            results = u.result
+    handles[0].remove()
+    assert_rows_equal(results, want)
+    assert seen and all(rows is None or len(rows) <= 3 for rows in seen)  # no padding row in an event
+
+
+# --------------------------------------------------------------------------- the decoding seam (issue 24)
+def test_a_new_decoding_policy_needs_no_loop_change(tiny_engine):
+    """A rule of its own through ``engine.policy``: one position per step, left to right, with a
+    memo of the block's logits over its steps; batched rows each get their own blocks and memos."""
+    import torch
+
+    from clover_lab.engine.policy import DecodingPolicy, Proposal
+
+    class LeftToRight(DecodingPolicy):
+        def __init__(self):
+            self.memos = []
+
+        def begin_block(self, row, block):
+            self.memos.append([])
+            return self.memos[-1]
+
+        def propose(self, row, block, logits, finish):
+            block.memo.append(logits.shape[0])  # N masked positions this step
+            unmask = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+            unmask[0] = True
+            return Proposal(logits.argmax(-1), logits.softmax(-1).amax(-1), unmask | finish)
+
+    want = tiny_engine.generate(PROMPTS[0], **KW).token_ids  # today's rule, the default
+    policy = tiny_engine.policy = LeftToRight()
+    with tiny_engine.capture("denoise.step") as cap:
+        batch = tiny_engine.generate(PROMPTS[:2], **KW)
+    for r in batch:
+        assert r.stats.steps_per_block == [16, 16, 8] and len(r.token_ids) == 40
+    assert [rec["unmask"] for rec in cap["denoise.step"] if rec.row == 0][:3] == [[0], [1], [2]]
+    assert policy.memos[0] == list(range(16, 0, -1)) and len(policy.memos) == 2 * 3  # rows x blocks
+
+    class Idle(DecodingPolicy):
+        def propose(self, row, block, logits, finish):
+            return Proposal(logits.argmax(-1), logits.amax(-1), torch.zeros_like(logits[:, 0], dtype=torch.bool))
+
+    tiny_engine.policy = Idle()
+    with pytest.raises(GenerationError, match="Idle.propose: block 0, step 0: a step must unmask at least one"):
+        tiny_engine.generate(PROMPTS[0], **KW)
+    with pytest.raises(ValueError, match="policy must be a DecodingPolicy"):
+        tiny_engine.policy = "threshold"
+    from clover_lab.engine.policy import ThresholdPolicy
+
+    tiny_engine.policy = ThresholdPolicy()
+    assert tiny_engine.generate(PROMPTS[0], **KW).token_ids == want  # the engine stays usable
+
+
+# --------------------------------------------------------------------------- which path ran (issue 24)
+def test_the_stats_say_which_path_ran_and_why(tiny_engine):
+    tiny_engine.step_graphs = False
+    off = tiny_engine.generate(PROMPTS[0], **KW)
+    assert off.stats.path == "eager: engine.step_graphs is False"
+    tiny_engine.step_graphs = None  # a CPU without compile_steps
+    assert tiny_engine.generate(PROMPTS, **KW).stats.path.startswith("eager: on a CPU the fast path takes")
+    tiny_engine.step_graphs = True
+    fast = tiny_engine.generate(PROMPTS, **KW)
+    assert fast.stats.path == "static" and all(r.stats.path == "static" for r in fast)
+    with tiny_engine.hooks({"layers.2.moe.route": lambda e: None}):
+        hooked = tiny_engine.generate(PROMPTS[0], mode="ar", max_new_tokens=4)
+    assert hooked.stats.path == "eager: a hook on layers.2.moe.route"
+    assert [r.token_ids for r in fast] == [r.token_ids for r in tiny_engine.generate(PROMPTS, **KW)]
+
+
+def test_speed_view_shows_which_path_ran(view_engine):
+    from clover_lab.widgets import SpeedView
+
+    view = SpeedView(view_engine, fps=1000)
+    try:
+        view_engine.step_graphs = False
+        view.add_result(view_engine.generate("w5 w17", max_new_tokens=8, threshold=0.3))
+        assert view.summary()[-1]["path"] == "eager: engine.step_graphs is False"
+        assert "eager: engine.step_graphs is False" in view.table_html(view.summary())
+    finally:
+        view_engine.step_graphs = None
+        view.close()

@@ -1,20 +1,22 @@
-"""Block diffusion (spec section 4): after the prompt's prefill, each block starts as mask tokens
-and is resolved by previews, one denoising step each, until no position is masked. The first
-preview of a block is fused with the commit of the previous block (one forward); the last
-block is committed on its own, so the cache ends up holding the whole response.
+"""Block diffusion (spec section 4), one loop for one row or many: after the prompts' prefill,
+each block starts as mask tokens and is resolved by previews, one denoising step each, until
+no position is masked. The first preview of a block is fused with the commit of the previous
+block (one forward); a row's last block is committed on its own, so the cache ends up holding
+the whole response.
 
-Cost discipline: one device-to-host transfer per denoising step (the unmask decision, the
-candidates, which the loop needs to know what is left to do, and whether the step's logits were
-finite: NaN or inf logits end the run with a GenerationError naming block, step and source,
-never a garbage token); ``denoise.step`` events are built only when a hook is attached, and
-never add a transfer.
+Cost discipline: one device-to-host transfer per denoising step and row (the unmask decision,
+the candidates, which the loop needs to know what is left to do, and whether the step's logits
+were finite: NaN or inf logits end the run with a GenerationError naming block, step and
+source, never a garbage token); ``denoise.step`` events are built only when a hook is
+attached, and never add a transfer.
 
 Ending early: ``event.stop()`` or StopGeneration in a ``denoise.step`` hook keeps the block's
 resolved contiguous prefix, commits it and fires ``block.commit``; in a ``block.commit`` hook it
-ends the run after that block. StopGeneration raised inside a forward (a model hook) abandons
-that forward, which changed nothing; a finished block whose fused commit was abandoned is
-still returned, and ``stats.cache_complete`` is then False. Raised during the prompt's prefill,
-it ends the run with no tokens (``stop_reason`` "hook").
+ends the row after that block. StopGeneration raised inside a forward (a model hook) abandons
+that forward, which changed nothing, and ends every row (their shared forward did not happen);
+a finished block whose fused commit was abandoned is still returned, and
+``stats.cache_complete`` is then False. Raised during the prefill, it ends the rows with no
+tokens (``stop_reason`` "hook").
 """
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ from typing import Iterator
 
 import torch
 
-from .. import sampling
 from ..hooks import points
 from ..hooks.events import StepEvent
 from ..hooks.registry import HookError, StopGeneration
 from .faults import check_logits, collapsed, logits_health
+from .requests import GenerationError
 from .results import StreamUpdate
 
 
@@ -45,6 +47,7 @@ class Block:
         self.step = 0
         # without hooks a block never needs more than its length in steps (each unmasks >= 1)
         self.limit = min(max_steps or length, length)
+        self.memo = None  # the decoding policy's own, per row and block (DecodingPolicy.begin_block)
 
     def __len__(self) -> int:
         return len(self.host)
@@ -76,128 +79,153 @@ class Block:
 
 # --------------------------------------------------------------------------- the block loop
 def run_diffusion(run) -> Iterator[StreamUpdate]:
-    """Generate ``run.max_new`` tokens at most, block by block; yields "step" and "commit"
-    updates (when the run emits) and a last "done" update."""
+    """Generate ``run.max_new`` tokens at most per row, block by block; yields "step" and
+    "commit" updates (when the run emits), a "done" per row and, for a batch, a last "batch"."""
     loop = BlockLoop(run)
     try:
         run.prefill(None)
-    except StopGeneration:  # a model hook stopped the prompt's prefill: no tokens, the prompt half cached
-        run.stats.cache_complete = False
-        loop.reason = "hook"
+    except StopGeneration:  # a model hook stopped a prompt's prefill: no tokens, the prompts half cached
+        yield from run.end(run.active, "hook", cache_complete=False)
     else:
         try:
             yield from loop.run_blocks()
         except StopGeneration:  # a model hook stopped a forward; that forward changed nothing
-            loop.abandon()
-    run.finish(loop.reason)
-    if run.emit:
-        yield run.update("done", loop.index, None)
+            yield from loop.abandon()
+    yield from run.finish(loop.index)
 
 
 class BlockLoop:
-    """The loop's bookkeeping: the finished block waiting for its fused commit (``pending``), the
-    block being resolved (``index``) and why the run ends."""
+    """The rows resolve their block ``index`` together. Each row decides its own unmasking from
+    its own logits, so rows finish their blocks at different steps; a row whose block is done
+    sits out the others' remaining previews. The finished blocks wait (``row.pending``) to be
+    committed fused with the next block's first preview; a row that ends (EOS, a stop string,
+    its length, a hook) commits its last block on its own and leaves. Greedy rows give the
+    tokens they would give alone."""
 
     def __init__(self, run):
         self.run = run
-        self.coreset = run.new_coreset()
-        self.pending: list[int] | None = None
-        self.pending_steps = 0
+        self.coreset = run.runner.new_coreset(run.s.coreset_size)
         self.index = 0
-        self.reason = "length"
-
-    def produced(self) -> int:
-        return len(self.run.committed) + len(self.pending or ())
 
     def run_blocks(self) -> Iterator[StreamUpdate]:
         run, engine = self.run, self.run.engine
-        while self.produced() < run.max_new:
-            block = Block(self.index, min(engine.block_size, run.max_new - self.produced()),
-                          engine.mask_token_id, run.device, run.s.max_steps_per_block)
+        while run.active:
+            first = run.rows[run.active[0]]  # every row still going has produced as many tokens
+            produced = len(first.committed) + len(first.pending[0] if first.pending else ())
+            size = min(engine.block_size, run.max_new - produced)
+            blocks = {r: Block(self.index, size, engine.mask_token_id, run.device, run.s.max_steps_per_block)
+                      for r in run.active}
+            for r, block in blocks.items():
+                block.memo = run.policy.begin_block(run.rows[r], block)
             if self.coreset is not None:
                 self.coreset.reset()
-            if (yield from self.resolve(block)):
-                return
-            tokens = block.tokens()
-            if block.end_reason is not None:
-                self.reason = block.end_reason
-            if block.end_reason is not None or len(run.committed) + len(tokens) >= run.max_new:
-                yield from self.commit_last(block.index, tokens, block.step)
-                return
-            self.pending, self.pending_steps = tokens, block.step
+            yield from self.resolve(blocks)
+            leaving = []
+            for r in run.active:
+                block, tokens = blocks[r], blocks[r].tokens()
+                if block.end_reason is not None or produced + len(tokens) >= run.max_new:
+                    leaving.append((r, tokens, block))
+                else:
+                    run.rows[r].pending = (tokens, block.step)
+            yield from self.commit_last(leaving)
             self.index += 1
 
-    def resolve(self, block: Block) -> Iterator[StreamUpdate]:
-        """Denoising steps until no position of ``block`` is masked; returns True when a
-        ``block.commit`` hook ended the run at the fused commit of the previous block."""
+    def resolve(self, blocks: dict[int, Block]) -> Iterator[StreamUpdate]:
+        """Previews until no active row's block has a masked position."""
         run = self.run
-        while block.masked:
-            idx = block.masked_index()
-            if block.step == 0 and self.pending is not None:
-                where = run.where("decode", block.index, 0, commit_block=block.index - 1)
-                logits = run.preview(block.canvas, idx, self.coreset, where, pending=self.pending)
-                if (yield from self.publish_pending()):
-                    self.reason = "hook"
-                    return True
+        step = 0
+        while rows := [r for r in run.active if blocks[r].masked]:  # a row whose block is done waits
+            canvas = torch.stack([blocks[r].canvas for r in rows])
+            one = blocks[rows[0]].masked_index() if len(rows) == 1 else None  # one row: logits where masked
+            if run.rows[rows[0]].pending is not None:  # the block's first step: every row takes part
+                pending = torch.tensor([run.rows[r].pending[0] for r in rows], device=run.device)
+                where = run.where("decode", self.index, step, commit_block=self.index - 1)
+                logits = run.preview(rows, canvas, where, pending=pending, positions=one)
+                yield from self.publish_pending(rows)
             else:
-                logits = run.preview(block.canvas, idx, self.coreset, run.where("decode", block.index, block.step))
-            unmask, stop_now = denoise_step(run, block, logits, idx)
+                logits = run.preview(rows, canvas, run.where("decode", self.index, step, rows=rows), positions=one)
+            for i, r in enumerate(rows):
+                block = blocks[r]
+                if r not in run.active:  # a commit hook ended the row
+                    continue
+                idx = block.masked_index()
+                mine = logits[i:i + 1] if idx is None or one is not None else logits[i:i + 1, idx]
+                unmask, _ = denoise_step(run.rows[r], block, mine, idx)
+                if run.emit:
+                    yield run.rows[r].update("step", block.index, block.step - 1, block.host, unmask)
+            step += 1
+
+    def publish_pending(self, rows: list[int]) -> Iterator[StreamUpdate]:
+        """The fused forward committed each row's previous block: it joins the row's response and
+        fires ``block.commit``; a row whose hook asks to stop ends here."""
+        run = self.run
+        stopped = []
+        for r in rows:
+            row = run.rows[r]
+            (tokens, steps), row.pending = row.pending, None
+            start = len(row.prompt_ids) + len(row.committed)
+            row.record_block(tokens, steps)
+            if row.fire_commit(self.index - 1, tokens, steps, start):
+                stopped.append(r)
             if run.emit:
-                yield run.update("step", block.index, block.step - 1, block.host, unmask)
-            if stop_now:
-                break
-        return False
+                yield row.update("commit", self.index - 1, None)
+        yield from run.end(stopped, "hook", index=self.index)
 
-    def publish_pending(self) -> Iterator[StreamUpdate]:
-        """The fused forward committed the previous block: it joins the response and fires
-        ``block.commit``; returns True when a hook asked to stop."""
+    def commit_last(self, leaving: list[tuple]) -> Iterator[StreamUpdate]:
+        """The last blocks of the rows that end now, committed on their own (rows whose blocks are
+        as long share a forward), so that the cache holds each row's whole response."""
         run = self.run
-        start = len(run.prompt_ids) + len(run.committed)
-        tokens, self.pending = self.pending, None
-        run.record_block(tokens, self.pending_steps)
-        stopped = run.fire_commit(self.index - 1, tokens, self.pending_steps, start)
-        if run.emit:
-            yield run.update("commit", self.index - 1, None)
-        return stopped
+        by_length: dict[int, list[tuple]] = {}
+        for item in leaving:
+            by_length.setdefault(len(item[1]), []).append(item)
+        reasons = {}
+        for length, group in by_length.items():
+            rows = [r for r, _, _ in group]
+            reasons.update({r: block.end_reason or "length" for r, _, block in group})
+            if not length:
+                continue
+            starts = {r: len(run.rows[r].prompt_ids) + len(run.rows[r].committed) for r in rows}
+            ids = torch.tensor([tokens for _, tokens, _ in group], device=run.device)
+            try:
+                run.commit(rows, ids, run.where("decode", commit_block=self.index, rows=rows))
+            except StopGeneration:  # a model hook stopped it: the blocks are the rows' last, not cached
+                for r, tokens, block in group:
+                    run.rows[r].record_block(tokens, block.step)
+                    reasons[r] = "hook"
+                yield from run.end(rows, reasons, cache_complete=False, index=self.index)
+                continue
+            for r, tokens, block in group:
+                row = run.rows[r]
+                row.record_block(tokens, block.step)
+                row.fire_commit(self.index, tokens, block.step, starts[r])  # the row ends anyway
+                if run.emit:
+                    yield row.update("commit", self.index, None)
+        yield from run.end([r for r, _, _ in leaving], reasons, index=self.index)
 
-    def commit_last(self, index: int, tokens: list[int], steps: int) -> Iterator[StreamUpdate]:
-        """The last block, committed on its own so that the cache holds the whole response."""
-        run = self.run
-        if not tokens:
-            return
-        start = len(run.prompt_ids) + len(run.committed)
-        try:
-            run.commit(tokens, index)
-        except StopGeneration:
-            run.record_block(tokens, steps)
-            run.stats.cache_complete = False
-            self.reason = "hook"
-            return
-        run.record_block(tokens, steps)
-        run.fire_commit(index, tokens, steps, start)  # the run ends anyway
-        if run.emit:
-            yield run.update("commit", index, None)
-
-    def abandon(self) -> None:
-        """A model hook stopped a forward: a finished block that was waiting for its (fused)
-        commit is part of the response, but not in the cache."""
-        self.reason = "hook"
-        if self.pending:
-            self.run.record_block(self.pending, self.pending_steps)
-            self.run.stats.cache_complete = False
+    def abandon(self) -> Iterator[StreamUpdate]:
+        """A model hook stopped a shared forward: every row ends; a finished block that was
+        waiting for its fused commit is part of its row's response, but not in the cache."""
+        for row in self.run.live():
+            if row.pending is not None:
+                (tokens, steps), row.pending = row.pending, None
+                row.record_block(tokens, steps)
+                row.stats.cache_complete = False
+        yield from self.run.end(list(self.run.active), "hook", index=self.index)
 
 
 # --------------------------------------------------------------------------- one denoising step
 def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | None) -> tuple[list[int], bool]:
-    """Decide, let ``denoise.step`` hooks change the decision, apply it to the canvas and the
-    host copy. ``logits`` [1, N, V] at the masked positions ``idx`` (None: all). Returns (the
-    positions unmasked, whether a hook asked to stop)."""
+    """The row's policy decides, ``denoise.step`` hooks may change the decision, and it is
+    applied to the canvas and the host copy. ``run``: the row; ``logits`` [1, N, V] at the
+    masked positions ``idx`` (None: all). Returns (the positions unmasked, whether a hook asked
+    to stop)."""
     mask_id = run.engine.mask_token_id
     logits = logits[0].float()  # [N, V]
     flat = collapsed(logits)  # before the mask column is -inf
     logits[:, mask_id] = float("-inf")  # the mask token is never a candidate
-    force = block.step + 1 >= block.limit
-    cand, conf, flags = sampling.decide(logits, run.counts, run.s, run.generator, force_all=force)
+    finish = run.policy.finishes_block(run, block)
+    proposal = run.policy.propose(run, block, logits, finish)  # the decoding rule (policy.py)
+    cand, conf, flags = proposal.tokens, proposal.confidences, proposal.unmask
     # the one host transfer per step: decision, candidates, and whether the logits could be used
     # (NaN or inf logits make their row's confidence NaN, equal ones carry no answer: argmax would
     # pick token 0 either way)
@@ -205,6 +233,10 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     host = torch.cat([flags.long(), cand, logits_health(flat, conf).reshape(1)]).tolist()
     flags_host, cand_host = host[:N], host[N:2 * N]
     check_logits(run, host[2 * N], f"block {block.index}, step {block.step}", block.canvas)
+    if finish and not all(flags_host) or not any(flags_host):
+        raise GenerationError(f"{type(run.policy).__name__}.propose: block {block.index}, step {block.step}: "
+                              f"{'the last step must unmask every' if finish else 'a step must unmask at least one'} "
+                              f"masked position ({sum(map(bool, flags_host))} of {N})")
     unmask = [block.masked[i] for i, f in enumerate(flags_host) if f]
     chosen = dict(zip(block.masked, cand_host))
     overrides: dict[int, int] = {}

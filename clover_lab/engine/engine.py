@@ -29,14 +29,13 @@ from ..placement import plan_placement
 from ..placement.plan import check_usable
 from ..sampling import SamplerSettings
 from .ar import run_ar
-from .batch import BatchRun
-from .batch_loops import run_batch_ar, run_batch_diffusion
 from .diffusion import run_diffusion
+from .graphs import FastPath
+from .policy import DecodingPolicy, ThresholdPolicy
 from .requests import (GenerationError, check_coreset, check_memory, check_mode_settings, check_request, encode_prompt,
                        is_batch, stop_list)
 from .results import GenerationResult, StreamUpdate
 from .run import Run
-from .runner import FastPath
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -80,14 +79,22 @@ class Engine:
         # shape on first use, then steps 2-3x faster: bench/compare_transformers.py)
         self.compile_steps = False
         self._fast_path = FastPath()
+        self.policy = ThresholdPolicy()  # which block positions a denoising step unmasks (policy.py)
 
-    def _uses_fast_path(self) -> bool:
+    def _fast_path_off(self) -> str | None:
+        """Why generations take the eager forward (what their stats' ``path`` says), or None
+        when the fast path applies."""
         placement = self.model.placement
         if placement is not None and not placement.graph_safe:  # several devices, or experts staged
-            return False
-        if self.step_graphs is not None:
-            return self.step_graphs
-        return self.model.device.type == "cuda" or self.compile_steps
+            return "the model is placed over several devices or stages experts from host memory"
+        if self.step_graphs is False:
+            return "engine.step_graphs is False"
+        if self.step_graphs is None and self.model.device.type != "cuda" and not self.compile_steps:
+            return "on a CPU the fast path takes engine.compile_steps = True (or step_graphs = True)"
+        return None
+
+    def _uses_fast_path(self) -> bool:
+        return self._fast_path_off() is None
 
     def __repr__(self):
         c = self.model.config
@@ -174,6 +181,18 @@ class Engine:
         self._compile_steps = value
 
     @property
+    def policy(self) -> DecodingPolicy:
+        """The decoding rule block diffusion asks, per row and step, which positions to unmask with
+        which tokens and when a block is done (``clover_lab.engine.policy``)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: DecodingPolicy) -> None:
+        if not isinstance(value, DecodingPolicy):
+            raise ValueError(f"policy must be a DecodingPolicy (clover_lab.engine.policy), got {type(value).__name__}")
+        self._policy = value
+
+    @property
     def block_size(self) -> int:
         return self._block_size
 
@@ -233,22 +252,20 @@ class Engine:
         return s, stop, self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
 
     def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> Run:
+        """A generation of one prompt or (a list) a batch: checked, its cache allocated."""
         s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
-        ids = self.encode(prompt, thinking)
-        self.check_request(len(ids), max_new_tokens, mode)
-        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
-
-    def _start_batch(self, prompts, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> BatchRun:
-        s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
+        batched = is_batch(prompt)
         ids = []
-        for r, prompt in enumerate(prompts):
+        for r, one in enumerate(prompt if batched else [prompt]):
             try:
-                ids.append(self.encode(prompt, thinking))
+                ids.append(self.encode(one, thinking))
                 check_request(self.model, self.mask_token_id, len(ids[-1]), max_new_tokens, mode, memory=False)
             except GenerationError as e:
+                if not batched:
+                    raise
                 raise GenerationError(f"prompt {r} of the batch: {e}") from e
         check_memory(self.model, max(map(len, ids)) + max_new_tokens, len(ids))
-        return BatchRun(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
+        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched)
 
     # ---------------------------------------------------------------- generation
     def stream(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
@@ -259,11 +276,7 @@ class Engine:
         whose ``result`` is the GenerationResult. Requests are checked before the first update.
         A list of prompts streams a batch: updates carry their ``row``, a "done" per row as it
         ends, and a last "batch" update whose ``result`` is the :class:`BatchResult`."""
-        if is_batch(prompt):
-            batch = self._start_batch(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True)
-            return run_batch_diffusion(batch) if mode == "diffusion" else run_batch_ar(batch)
-        run = self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True)
-        return self._drive(run)
+        return self._drive(self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True))
 
     def _drive(self, run: Run) -> Iterator[StreamUpdate]:
         # no inference_mode around the yields: it would leak into the consumer's code between updates
@@ -290,15 +303,10 @@ class Engine:
         (a list of GenerationResults, one per prompt, with the batch's figures in ``stats``).
         Greedy rows give the tokens each prompt gives alone; a ``seed`` seeds every row alike.
         """
-        if is_batch(prompt):
-            batch = self._start_batch(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=False)
-            for _ in run_batch_diffusion(batch) if mode == "diffusion" else run_batch_ar(batch):
-                pass
-            return batch.result
         run = self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=False)
         for _ in self._drive(run):
             pass
-        return run.result
+        return run.result if run.batched else run.result[0]
 
 
 def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dict | None = None,

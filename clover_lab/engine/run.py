@@ -1,133 +1,194 @@
-"""One generation's state and the forwards it runs; nothing here outlives the generation.
+"""One generation's state; nothing here outlives the generation. A single prompt is a batch of
+one: the same rows, loops and runner serve both.
 
-The loops (``diffusion.py``, ``ar.py``) decide; a ``Run`` holds what they share: the cache (a
-fresh one, or the fast path's), the sampler's generator and penalty counts, the response so
-far, the clock and the stats, where the generation stands for the events it fires, and the
-hooks that apply to it (the engine's permanent ones and the scopes open where it started: every
-forward runs inside ``hooks.applied()`` so that the model's events see the same ones).
+The loops (``diffusion.py``, ``ar.py``) decide; a ``Run`` holds what the rows share: the runner
+(``runner.py``: the cache and every forward), the clock and the batch's figures, where the
+generation stands for the events it fires, and the hooks that apply to it (the engine's
+permanent ones and the scopes open where it started). A ``Row`` holds one prompt's own: its
+response so far, the block it is resolving and the finished block waiting for its fused commit,
+its sampler generator, penalty counts, stop strings and stats.
 """
 from __future__ import annotations
 
 import math
 import random
 import time
+from contextlib import contextmanager
 
 import torch
 
-from ..context import Coreset
 from ..hooks import points
 from ..hooks.events import CommitEvent, Where
 from ..hooks.registry import StopGeneration
 from ..sampling import SamplerSettings
-from .requests import GenerationError, StopStrings
+from .batch import BatchResult, BatchStats
+from .requests import StopStrings
 from .results import Clock, GenerationResult, GenerationStats, StreamUpdate
-from ..cache import cache_bytes
+from .runner import Runner
 
 
 class Run:
-    row: int | None = None  # the request row, in a batch (engine/batch.py)
+    """The rows of one generation. ``batched``: the request was a list of prompts (events and
+    updates then carry their row, and the result is a BatchResult)."""
 
-    def __init__(self, engine, prompt_ids: list[int], mode: str, max_new_tokens: int, s: SamplerSettings,
-                 stop: list[str], emit: bool, number: int):
+    def __init__(self, engine, prompts: list[list[int]], mode: str, max_new_tokens: int, s: SamplerSettings,
+                 stop: list[str], emit: bool, number: int, batched: bool):
         model = engine.model
         self.engine, self.model, self.s, self.mode, self.emit = engine, model, s, mode, emit
+        self.number, self.batched = number, batched  # number: counts generations on the engine
         self.device = model.device
-        self.prompt_ids = prompt_ids
         self.max_new = max_new_tokens
         self.hooks = model.hooks.view()
-        self.number = number  # counts generations on the engine: events carry it
-        self.seed = s.seed if s.seed is not None else random.SystemRandom().randrange(2**63)
-        self.generator = None if s.greedy else torch.Generator(device=self.device).manual_seed(self.seed)
-        self.counts = (torch.zeros(model.config.vocab_size, device=self.device, dtype=torch.float32)
-                       if s.has_penalties else None)
-        self.stop_strings = StopStrings(engine.tokenizer, stop) if stop else None
-        self.eos = set(engine.eos_token_ids)
-        self.clock = Clock(self.device)
-        self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt_ids), seed=s.seed if s.greedy else self.seed,
-                                     block_size=engine.block_size if mode == "diffusion" else None,
-                                     coreset_size=(s.coreset_size or None) if mode == "diffusion" else None)
-        self.committed: list[int] = []  # final response tokens
+        self.policy = engine.policy  # the decoding rule (policy.py), for every row
         self.t0 = time.perf_counter()
         self.t_decode = self.t0
-        self.result: GenerationResult | None = None
-        self.open_cache(len(prompt_ids) + max_new_tokens)
+        self.rows = [Row(self, r, ids, stop) for r, ids in enumerate(prompts)]
+        self.clock = Clock(self.device)
+        self.stats = BatchStats(mode=mode, rows=len(prompts), prompt_tokens=sum(map(len, prompts)))
+        self.result: BatchResult | None = None
+        self.runner = Runner(engine, self, max(map(len, prompts)) + max_new_tokens, len(prompts))
 
-    def open_cache(self, length: int) -> None:
-        """The generation's cache: the fast path's when it applies, else a fresh one."""
-        engine, model = self.engine, self.model
-        try:
-            self.graphs = engine._fast_path.acquire(self, model, length, engine._uses_fast_path(),
-                                                    engine.compile_steps and self.device.type != "cuda")
-            self.cache = self.graphs.reset() if self.graphs is not None else model.new_cache(length)
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            raise allocation_error(model, length, 1, e) from e
+    @property
+    def active(self) -> list[int]:
+        """The request rows still going, in the cache's order."""
+        return self.runner.rows
+
+    def live(self) -> list["Row"]:
+        return [self.rows[r] for r in self.active]
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
     def where(self, phase: str, block: int | None = None, step: int | None = None,
-              commit_block: int | None = None) -> Where:
-        return Where(self.number, phase, block, step, commit_block, None if self.row is None else (self.row,))
+              commit_block: int | None = None, rows: list[int] | None = None) -> Where:
+        rows = (tuple(self.active if rows is None else rows)) if self.batched else None
+        return Where(self.number, phase, block, step, commit_block, rows)
 
-    def new_coreset(self) -> Coreset | None:
-        """The run's expert coreset (on the fast path, the one whose buffers its graphs share)."""
-        size = self.s.coreset_size
-        if not size:
-            return None
-        return self.graphs.coreset(size) if self.graphs is not None else Coreset(size)
-
-    # ---------------------------------------------------------------- forwards
-    def prefill(self, logits: str | None):
-        """Commit the prompt; a model hook raising StopGeneration meanwhile propagates (the loops
-        end the run with no tokens)."""
-        chunk = self.engine.prefill_chunk_size
-        self.clock.start("prefill")
+    # ---------------------------------------------------------------- forwards, timed and counted
+    @contextmanager
+    def timed(self, kind: str, rows: list[int], fused: bool = False):
+        """One forward of ``kind``: its time goes to the batch and to each of ``rows``; a forward
+        that succeeded counts for them (a prefill's are counted by :meth:`prefill`)."""
+        self.clock.start(kind)
         try:
-            with self.hooks.applied():
-                out = self.model.prefill(self.cache, self.prompt_ids, chunk_size=chunk, logits=logits,
-                                         where=self.where("prefill"))
+            yield
         finally:
             self.clock.stop()
-        self.stats.prefill_forwards = math.ceil(len(self.prompt_ids) / chunk)
+            span = self.clock.spans[kind][-1]
+            for r in rows:
+                self.rows[r].clock.spans[kind].append(span)
+        if kind == "prefill":
+            return
+        self.stats.forwards += 1
+        for r in rows:
+            st = self.rows[r].stats
+            if kind == "preview":
+                st.preview_forwards += 1
+                st.fused_forwards += fused
+            else:
+                st.commit_forwards += 1
+
+    def prefill(self, logits: str | None) -> torch.Tensor | None:
+        """Commit every prompt; returns the last-position logits [R, V] when ``logits`` is "last".
+        A model hook raising StopGeneration meanwhile propagates (the loops end the rows)."""
+        chunk = self.engine.prefill_chunk_size
+
+        @contextmanager
+        def timed(rows):
+            with self.timed("prefill", rows):
+                yield
+            forwards = math.ceil(len(self.rows[rows[0]].prompt_ids) / chunk)
+            self.stats.prefill_forwards += forwards
+            for r in rows:
+                self.rows[r].stats.prefill_forwards = forwards
+
+        outs = self.runner.prefill({row.index: row.prompt_ids for row in self.rows}, chunk, logits,
+                                   lambda rows: self.where("prefill", rows=rows), timed)
         if self.clock.cuda:  # once per generation: decode time starts after the prefill really ended
             torch.cuda.synchronize(self.device)
         self.t_decode = time.perf_counter()
-        return out
+        return torch.stack([outs[r] for r in range(len(self.rows))]) if outs else None
 
-    def fast(self) -> bool:
-        """Take the static-shape step (a CUDA graph on CUDA): no hook inside the model right now."""
-        return self.graphs is not None and not self.hooks.model_hooks_attached()
+    def preview(self, rows: list[int], canvas: torch.Tensor, where: Where, pending: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Preview logits of ``rows``' blocks (``Runner.preview``), timed and counted."""
+        with self.timed("preview", rows, fused=pending is not None):
+            return self.runner.preview(rows, canvas, where, pending, positions)
 
-    def preview(self, canvas: torch.Tensor, idx, coreset, where: Where, pending: list[int] | None = None):
-        """Preview logits [1, N, V] of the block ``canvas`` at positions ``idx`` (None: all), after
-        committing ``pending`` (the previous block) in the same forward when given."""
-        self.clock.start("preview")
-        with self.hooks.applied():
-            if self.fast():
-                ids = canvas if pending is None else torch.cat([torch.tensor(pending, device=self.device), canvas])
-                logits = self.graphs.step(ids[None], len(pending or ()), len(canvas), coreset=coreset)[1]
-                logits = logits if idx is None else logits[:, idx]
-            elif pending is None:
-                logits = self.model.preview(self.cache, canvas[None], positions=idx, coreset=coreset, where=where)
-            else:
-                logits = self.model.commit_and_preview(self.cache, pending, canvas[None], positions=idx,
-                                                       coreset=coreset, where=where).preview_logits
-        self.clock.stop()
-        self.stats.preview_forwards += 1
-        self.stats.fused_forwards += pending is not None
-        return logits
+    def commit(self, rows: list[int], ids: torch.Tensor, where: Where, logits: str | None = None):
+        """Commit ``ids`` [R, c] for ``rows`` (``Runner.commit``), timed and counted."""
+        with self.timed("commit", rows):
+            return self.runner.commit(rows, ids, where, logits)
 
-    def commit(self, ids: list[int], block: int, logits: str | None = None):
-        self.clock.start("commit")
-        with self.hooks.applied():
-            if len(ids) == 1 and self.fast():  # the AR step
-                out = self.graphs.step(torch.tensor([ids], device=self.device), 1, 0, commit_logits=True)[0]
-            else:
-                out = self.model.commit(self.cache, ids, logits=logits,
-                                        where=self.where("decode", commit_block=block))
-        self.clock.stop()
-        self.stats.commit_forwards += 1
-        return out
+    # ---------------------------------------------------------------- rows end
+    def end(self, rows: list[int], reason: str | dict[int, str], cache_complete: bool = True,
+            index: int = 0):
+        """These rows are done: their results (a "done" update each), and out of the cache."""
+        rows = [r for r in rows if r in self.active]
+        for r in rows:
+            row = self.rows[r]
+            if not cache_complete:
+                row.stats.cache_complete = False
+            row.finish(reason if isinstance(reason, str) else reason[r])
+            if self.emit:
+                yield row.update("done", index, None)
+        self.runner.drop(rows)
+
+    def finish(self, index: int):
+        """Every row has ended: the batch's figures; a batched stream's last update."""
+        if self.clock.cuda:
+            torch.cuda.synchronize(self.device)
+        end = time.perf_counter()
+        st = self.stats
+        results = [row.result for row in self.rows]
+        st.new_tokens = sum(len(r.token_ids) for r in results)
+        st.stop_reasons = [r.stop_reason for r in results]
+        st.tokens_per_forward = st.new_tokens / st.forwards if st.forwards else 0.0
+        st.prefill_seconds = self.clock.total("prefill")
+        st.decode_seconds = end - self.t_decode
+        st.total_seconds = end - self.t0
+        st.tokens_per_second = st.new_tokens / st.decode_seconds if st.decode_seconds > 0 else 0.0
+        st.path = self.runner.path()
+        self.result = BatchResult(results, st)
+        if self.emit and self.batched:
+            yield StreamUpdate("batch", index, None, [], [], result=self.result)
+
+
+class Row:
+    """One prompt of a generation: its response and figures; the run runs its forwards."""
+
+    def __init__(self, run: Run, index: int, prompt_ids: list[int], stop: list[str]):
+        engine, s = run.engine, run.s
+        self.run, self.index, self.prompt_ids = run, index, prompt_ids
+        self.row = index if run.batched else None  # the request row events and errors name
+        self.engine, self.model, self.s, self.hooks, self.device = engine, run.model, s, run.hooks, run.device
+        self.policy = run.policy
+        self.seed = s.seed if s.seed is not None else random.SystemRandom().randrange(2**63)
+        self.generator = None if s.greedy else torch.Generator(device=self.device).manual_seed(self.seed)
+        self.counts = (torch.zeros(self.model.config.vocab_size, device=self.device, dtype=torch.float32)
+                       if s.has_penalties else None)
+        self.stop_strings = StopStrings(engine.tokenizer, stop) if stop else None
+        self.eos = set(engine.eos_token_ids)
+        self.clock = Clock(self.device)
+        self.stats = GenerationStats(mode=run.mode, prompt_tokens=len(prompt_ids),
+                                     seed=s.seed if s.greedy else self.seed,
+                                     block_size=engine.block_size if run.mode == "diffusion" else None,
+                                     coreset_size=(s.coreset_size or None) if run.mode == "diffusion" else None)
+        self.committed: list[int] = []  # final response tokens
+        self.pending: tuple[list[int], int] | None = None  # a finished block waiting for its fused commit, its steps
+        self.result: GenerationResult | None = None
+
+    @property
+    def cache(self):
+        """This row's part of the cache, as a cache of its own (a copy: the error path inspects it)."""
+        return self.run.runner.row_cache(self.index)
+
+    def now(self) -> float:
+        return self.run.now()
+
+    def where(self, phase: str, block: int | None = None, step: int | None = None,
+              commit_block: int | None = None) -> Where:
+        return Where(self.run.number, phase, block, step, commit_block, None if self.row is None else (self.row,))
 
     # ---------------------------------------------------------------- the response
     def record_block(self, tokens: list[int], steps: int) -> None:
@@ -159,7 +220,8 @@ class Run:
             torch.cuda.synchronize(self.device)
         self.stats.stop_reason = reason
         self.stats.new_tokens = len(self.committed)
-        self.clock.fill(self.stats, self.t0, self.t_decode)
+        self.stats.path = self.run.runner.path()
+        self.clock.fill(self.stats, self.run.t0, self.run.t_decode)
         text = None
         tok = self.engine.tokenizer
         if tok is not None:
@@ -168,11 +230,3 @@ class Run:
                 text = self.stop_strings.cut(text)
         self.result = GenerationResult(list(self.committed), text, list(self.prompt_ids), self.stats)
         return self.result
-
-
-def allocation_error(model, length: int, rows: int, e: BaseException) -> GenerationError:
-    """A cache of ``rows`` x ``length`` positions could not be allocated: what it needed, where."""
-    what = f"{length} positions" if rows == 1 else f"{rows} rows x {length} positions"
-    return GenerationError(f"cannot allocate a cache of {what} "
-                           f"({cache_bytes(model.config, length, rows, dtype=model.dtype) / 2**30:.2f} GiB) "
-                           f"on {model.device}: {e}")

@@ -1,233 +1,199 @@
-"""The runner's no-hook fast path: static-shape forwards, replayed as CUDA graphs (or compiled on
-a CPU). Everything here runs without autograd.
+"""The runner: the only caller of the model during a generation. It owns the generation's cache,
+whose batch rows (``slots``) hold the request rows still going, and runs the prefill, the
+previews and the commits the loops ask for, picking per step the static step (``graphs.py``: a
+CUDA graph on CUDA, compiled or eager static steps on a CPU) or the eager forward.
 
-At batch 1 a step of a big MoE model is hundreds of small kernels; launching them one by one
-from Python costs more than running them. ``StepGraphs`` owns one preallocated cache and, per
-step shape (commit rows c, block rows m, whether the last commit row's logits are wanted),
-one captured graph of :func:`static_step`: a preview of a block (c = 0), the fused
-commit of the previous block with the preview of the next (c = m = block size) and an AR step
-(c = 1). Replaying a graph writes the step's ids and the committed length into static input
-buffers and launches the whole forward at once.
-
-On a CPU (or with ``capture=False``) the same static-shape forwards run eagerly, so that the
-path is tested everywhere; with ``compile=True`` they run through ``torch.compile`` (inductor
-fuses the few hundred small ops of a step and contracts the experts hit without a host sync:
-steps 2-3x faster than eager on 2 CPU cores, see bench/compare_transformers.py); a compile
-costs ~10 s per step shape, once per process. The engine takes this path only while no hook
-is attached inside the model (engine points ``denoise.step`` / ``block.commit`` are fine: they
-run between forwards); anything else takes the ordinary forward. With an expert coreset, a block's first preview
-(which records the coreset) and its later previews (which route within it) are two graphs
-that share the coreset's buffers, owned here (``coreset(size)``).
+A single prompt is a batch of one. On the static path the cache has a bucket of rows (1, 2, 4,
+8, ...): rows that leave become padding (filler ids, never read) until the rows left fit a
+smaller bucket, and then move into that bucket's cache; so rows finishing one by one do not
+compile or capture a step per row count. The eager forward runs on the rows exactly: a row
+whose block is done sits out the others' previews (they preview against a copy of their own
+cache rows), and a padded cache is compacted before it. Every forward runs inside
+``hooks.applied()``, so that the model's events see the generation's hooks.
 """
 from __future__ import annotations
 
-import warnings
-import weakref
-
 import torch
 
-from ..cache import CloverCache
-from ..context import Coreset, ForwardContext
-from ..model import CloverModel
+from ..cache import CloverCache, cache_bytes
+from ..context import Coreset
+from .graphs import StepGraphs, bucket, static_step  # noqa: F401 - StepGraphs and static_step: the runner's steps
+from .requests import GenerationError
 
 
-# --------------------------------------------------------------------------- one static step
-@torch.no_grad()
-def static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, n: torch.Tensor, c: int, m: int,
-                commit_logits: bool = False, coreset: Coreset | None = None
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``CloverModel.forward`` with static shapes and no host synchronisation, the body of a CUDA
-    graph: ids [B, c + m] on the model's device, ``n`` the committed length as a 0-d device
-    tensor. Writes the cache (K,V rows at n.., GDN ring and state when c > 0) but leaves
-    ``cache.length`` to the caller. Refused while a hook is attached inside the model: a graph
-    replays kernels and would never call it.
-    Returns (logits of the last commit row or None, logits of every block row or None)."""
-    check_static_step(model, cache, ids, c, m)
-    return static_body(model, cache, ids, n, c, m, commit_logits, coreset)
+class Runner:
+    FILL = 0  # the token id padding rows carry
 
-
-def check_static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, c: int, m: int) -> None:
-    """What a static step refuses, checked outside any traced or captured code."""
-    if model.hooks.model_hooks_attached():
-        raise RuntimeError("static_step: hooks are attached to model points; use forward()")
-    if cache.batch_size != ids.shape[0] or ids.shape[1] != c + m:
-        raise ValueError(f"static_step: ids {tuple(ids.shape)} do not match batch {cache.batch_size}, "
-                         f"c + m = {c + m}")
-
-
-@torch.no_grad()
-def static_body(model: CloverModel, cache, ids, n, c, m, commit_logits, coreset):
-    """What ``torch.compile`` traces for a static step: no hook lookups, so that attaching an
-    engine hook does not invalidate the compiled code; no autograd history either."""
-    ctx = ForwardContext.static(cache, n, c, m, coreset)
-    x = model.hidden_states(ids, ctx)
-    for dst, src in ctx.pending:
-        dst.copy_(src)
-    out_commit = model.head(x[:, c - 1:c]) if c and commit_logits else None
-    out_preview = model.head(x[:, c:]) if m else None
-    return out_commit, out_preview
-
-
-# --------------------------------------------------------------------------- graphs per step shape
-
-
-class StepGraphs:
-    MAX_COMPILED = 6  # step shapes compiled at most (torch._dynamo keeps 8 per function)
-
-    def __init__(self, model: CloverModel, max_len: int, capture: bool | None = None, compile: bool = False):
-        self.model = model
-        self.device, self.dtype = model.device, model.dtype
-        self.cache: CloverCache = model.new_cache(max_len)
-        self.capture = (self.device.type == "cuda") if capture is None else capture
-        if self.capture and self.device.type != "cuda":
-            raise ValueError("StepGraphs: capture needs a CUDA device")
-        self._n = torch.zeros((), dtype=torch.long, device=self.device)
-        self._graphs: dict[tuple, tuple] = {}  # (c, m, commit_logits, coreset phase) -> (graph, ids, outputs)
-        self._coresets: dict[int, Coreset] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.disabled: str | None = None  # why capture failed, once it has
-        self.compile = compile and not self.capture
-        self._compiled = torch.compile(static_body, dynamic=False) if self.compile else None
-        self._compiled_keys: set = set()
-        self.compile_failed: str | None = None
+    def __init__(self, engine, run, length: int, rows: int):
+        model = engine.model
+        self.model, self.hooks = model, run.hooks
+        self.coreset: Coreset | None = None
+        self.off = engine._fast_path_off()  # why this generation has no fast path, or None
+        self.paths: dict[str, int] = {}  # which path the forwards after the prefill took -> how many
+        try:
+            self.graphs = engine._fast_path.acquire(run, model, length, self.off is None,
+                                                    engine.compile_steps and model.device.type != "cuda")
+            if self.graphs is None and self.off is None:
+                self.off = "another generation holds the fast path (a stream left open?)"
+            if self.graphs is not None:
+                self.cache = self.graphs.reset(bucket(rows))
+            else:
+                self.cache = model.new_cache(length, rows)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            raise allocation_error(model, length, rows, e) from e
+        self.slots: list[int | None] = list(range(rows)) + [None] * (self.cache.batch_size - rows)
 
     @property
-    def max_len(self) -> int:
-        return self.cache.max_len
+    def rows(self) -> list[int]:
+        """The request rows still going, in the cache's order."""
+        return [r for r in self.slots if r is not None]
 
-    def fits(self, length: int) -> bool:
-        return length <= self.cache.max_len
+    def fast(self) -> bool:
+        """Take the static step: the fast path applies and no hook is inside the model right now."""
+        return self.graphs is not None and not self.hooks.model_hooks_attached()
 
-    def coreset(self, size: int) -> Coreset:
-        """The coreset of this size whose buffers the graphs read and write (emptied)."""
-        core = self._coresets.setdefault(size, Coreset(size))
-        core.reset()
-        return core
+    def path(self) -> str | None:
+        """Which path the forwards took, and why the eager forward where it ran: "compiled",
+        "eager: a hook on layers.2.moe.route", or each with its count when they changed."""
+        if len(self.paths) <= 1:
+            return next(iter(self.paths), None)
+        return "; ".join(f"{label} ({n} forwards)" for label, n in self.paths.items())
 
-    def reset(self) -> CloverCache:
-        """The cache, emptied for a new generation (its buffers, and so every graph, are kept)."""
-        self.cache.reset()
-        return self.cache
-
-    # ------------------------------------------------------------------ a step
-    def step(self, ids: torch.Tensor, c: int, m: int, commit_logits: bool = False, coreset: Coreset | None = None):
-        """Run one step on the owned cache: ids [1, c + m]; advances ``cache.length`` by c.
-        ``coreset``: one from :meth:`coreset`; empty, the step records it, else routes within it.
-        Returns (commit logits [1, 1, V] or None, preview logits [1, m, V] or None), fresh tensors."""
-        if coreset is not None and self._coresets.get(coreset.size) is not coreset:
-            raise ValueError("StepGraphs.step: pass a coreset made by StepGraphs.coreset(size)")
-        cache = self.cache
-        # block rows are written as scratch past the committed rows; the cache is never longer
-        # than the context (CloverCache.allocate refuses it), so this bounds the positions too
-        cache.check_room(c + m)
-        ids = ids.to(self.device, torch.long)
-        phase = None if coreset is None else (coreset.size, "use" if coreset.experts else "record")
-        key = (c, m, bool(commit_logits), phase)
-        graph = self._graphs.get(key) if self.capture and not self.disabled else None
-        if graph is None and self.capture and not self.disabled:
-            graph = self._capture(key)
-        self._n.fill_(cache.length)  # a capture above restored the cache, and so its length
-        if graph is None:
-            out = self._compiled_step(key, ids, coreset) if self._compiled is not None else None
-            if out is None:  # eager static step
-                out = static_step(self.model, cache, ids, self._n, c, m, commit_logits, coreset)
+    def _took(self, fast: bool) -> None:
+        if fast:
+            label = self.graphs.last
         else:
-            g, static_ids, static_out = graph
-            static_ids.copy_(ids)
-            g.replay()
-            if phase is not None and phase[1] == "record":  # the graph wrote every layer's buffer
-                coreset.experts.update(coreset._buffers)
-            # outputs live in the graphs' shared pool: the next replay may overwrite them
-            out = tuple(None if t is None else t.clone() for t in static_out)
-        cache.length += c
-        return out
+            hooked = self.hooks.model_points() if self.graphs is not None else []
+            label = "eager: " + (self.off if not hooked else "a hook on " + ", ".join(hooked[:3])
+                                 + (f" and {len(hooked) - 3} more points" if len(hooked) > 3 else ""))
+        self.paths[label] = self.paths.get(label, 0) + 1
 
-    def _compiled_step(self, key, ids, coreset):
-        """The step through torch.compile, or None to run it eagerly (compilation failed once, or
-        too many shapes already compiled)."""
-        if self.compile_failed or (key not in self._compiled_keys and len(self._compiled_keys) >= self.MAX_COMPILED):
+    def new_coreset(self, size: int | None) -> Coreset | None:
+        """The generation's expert coreset (on the fast path, the one whose buffers its steps share)."""
+        if not size:
             return None
-        c, m, commit_logits, _ = key
-        check_static_step(self.model, self.cache, ids, c, m)
-        try:
-            out = self._compiled(self.model, self.cache, ids, self._n, c, m, commit_logits, coreset)
-        except Exception as e:  # noqa: BLE001 - a first compilation fails before anything runs
-            if key in self._compiled_keys:
-                raise
-            self.compile_failed = f"{type(e).__name__}: {e}"
-            warnings.warn(f"torch.compile of the step failed, running steps eagerly from now on "
-                          f"({self.compile_failed})", RuntimeWarning, stacklevel=3)
-            return None
-        self._compiled_keys.add(key)
-        return out
+        self.coreset = self.graphs.coreset(size) if self.graphs is not None else Coreset(size)
+        return self.coreset
 
-    def _capture(self, key):
-        c, m, commit_logits, phase = key
-        cache, model = self.cache, self.model
-        coreset = None if phase is None else self._coresets[phase[0]]
-        recorded = None if coreset is None else dict(coreset.experts)
+    def row_cache(self, row: int) -> CloverCache:
+        """Row ``row``'s part of the cache, as a cache of its own (a copy: the error path inspects it)."""
+        return self.cache.select([self.slots.index(row)])
 
-        def run():
-            if coreset is not None:  # every run starts from the coreset the step was asked with
-                coreset.experts.clear()
-                coreset.experts.update(recorded)
-            return static_step(model, cache, static_ids, self._n, c, m, commit_logits, coreset)
+    # ---------------------------------------------------------------- forwards
+    def prefill(self, prompts: dict[int, list[int]], chunk: int, logits: str | None, where, timed) -> dict:
+        """Every row's prompt into its row of the cache, the prompts of one length in one forward
+        (no padding inside the model). ``where(rows)`` and ``timed(rows)`` give each forward's
+        place and clock. Returns row -> last-position logits [V] when ``logits`` is "last"."""
+        groups: dict[int, list[int]] = {}
+        for r, ids in prompts.items():
+            groups.setdefault(len(ids), []).append(r)
+        outs = {}
+        for rows in groups.values():
+            index = [self.slots.index(r) for r in rows]
+            if len(rows) == self.cache.batch_size:
+                cache = self.cache
+            elif len(rows) == 1:
+                cache = self.cache.row(index[0])  # views: the commit lands in this cache
+            else:
+                cache = self.model.new_cache(self.cache.max_len, len(rows))
+            with timed(rows), self.hooks.applied():
+                out = self.model.prefill(cache, [prompts[r] for r in rows], chunk_size=chunk, logits=logits,
+                                         where=where(rows))
+            if 1 < len(rows) < self.cache.batch_size:
+                self.cache.put(index, cache)
+            if out is not None:
+                outs.update(zip(rows, out[:, -1]))
+        self.cache.set_row_lengths([0 if r is None else len(prompts[r]) for r in self.slots])
+        return outs
 
-        static_ids = torch.zeros(1, c + m, dtype=torch.long, device=self.device)
-        snapshot = cache.clone()  # warm-up runs write the cache; capture itself runs nothing
-        try:
-            self._n.fill_(cache.length)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # compiles the Triton kernels, settles the allocator
-                for _ in range(2):
-                    run()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            # thread_local: a notebook thread touching CUDA meanwhile must not break the capture
-            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-                static_out = run()
-        except Exception as e:  # noqa: BLE001 - the eager static step is always there
-            self.disabled = f"{type(e).__name__}: {e}"
-            warnings.warn(f"CUDA graph capture failed, running steps eagerly from now on ({self.disabled})",
-                          RuntimeWarning, stacklevel=3)
-            return None
-        finally:
-            cache.restore(snapshot)
-            if coreset is not None:
-                coreset.experts.clear()
-                coreset.experts.update(recorded)
-        self._graphs[key] = (g, static_ids, static_out)
-        return self._graphs[key]
+    def preview(self, rows: list[int], canvas: torch.Tensor, where, pending: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Preview logits [R, m, V] of these rows' blocks ``canvas`` [R, m], after committing
+        ``pending`` [R, c] (each row's previous block: every row then) in the same forward.
+        ``positions``: one row's block positions whose logits are wanted ([1, N, V])."""
+        c = 0 if pending is None else pending.shape[1]
+        ids = canvas if pending is None else torch.cat([pending, canvas], dim=1)
+        with self.hooks.applied():
+            if self.fast():
+                logits = self._static(rows, ids, c, canvas.shape[1])[1]
+                self._took(True)
+                return logits if positions is None else logits[:, positions]
+            logits = self._eager(rows, ids, c, canvas.shape[1], where, None, positions).preview_logits
+            self._took(False)
+            return logits
+
+    def commit(self, rows: list[int], ids: torch.Tensor, where, logits: str | None = None) -> torch.Tensor | None:
+        """Commit ``ids`` [R, c] (a token or a block per row); the last row's logits [R, 1, V] when
+        ``logits`` is "last" (the static AR step always gives them). Every row: in place; some rows
+        only (their last block, as they leave): on a copy of their rows, the others' untouched."""
+        with self.hooks.applied():
+            if rows != self.rows:
+                index = [self.slots.index(r) for r in rows]
+                return self.model.commit(self.cache.select(index), ids, logits=logits, where=where)
+            if ids.shape[1] == 1 and self.fast():
+                out = self._static(rows, ids, 1, 0, commit_logits=True)[0]
+                self._took(True)
+                return out
+            out = self._eager(rows, ids, ids.shape[1], 0, where, logits, None).commit_logits
+            if ids.shape[1] == 1 or self.graphs is None:  # a block's own commit is eager by design
+                self._took(False)
+            return out
+
+    def _static(self, rows, ids, c: int, m: int, commit_logits: bool = False):
+        self._arrange(fast=True)
+        if rows == self.slots:
+            return self.graphs.step(ids, c, m, commit_logits, self.coreset)
+        index = torch.tensor([self.slots.index(r) for r in rows], device=ids.device)
+        full = ids.new_full((len(self.slots), c + m), self.FILL)
+        full[index] = ids
+        out = self.graphs.step(full, c, m, commit_logits, self.coreset)
+        return tuple(None if t is None else t[index.to(t.device)] for t in out)
+
+    def _eager(self, rows, ids, c: int, m: int, where, commit_logits, positions):
+        """The ordinary forward over these rows: in place when they are every row of the cache,
+        else (a preview of some rows) against a copy of their rows."""
+        self._arrange(fast=False)
+        cache, coreset = self.cache, self.coreset
+        if rows != self.slots:
+            index = [self.slots.index(r) for r in rows]
+            cache, coreset = cache.select(index), None if coreset is None else coreset.subset(index)
+        return self.model.forward(cache, ids[:, :c] if c else None, ids[:, c:] if m else None,
+                                  commit_logits=commit_logits, preview_positions=positions, coreset=coreset,
+                                  where=where)
+
+    # ---------------------------------------------------------------- rows leave
+    def drop(self, rows: list[int]) -> None:
+        """These rows have finished: their slots become padding (rearranged at the next forward)."""
+        self.slots = [None if r in rows else r for r in self.slots]
+        if self.graphs is None and self.rows:
+            self._arrange(fast=False)  # the eager path frees the rows at once
+
+    def _arrange(self, fast: bool) -> None:
+        """The cache as the next forward needs it: the static step a bucket's cache of the graphs
+        (the rows first, then padding), the eager forward exactly the rows."""
+        rows = self.rows
+        keep = [self.slots.index(r) for r in rows]
+        if fast:
+            size = bucket(len(rows))
+            if len(self.slots) == size and self.cache is self.graphs.cache:
+                return
+            part = self.cache if keep == list(range(self.cache.batch_size)) else self.cache.select(keep)
+            self.cache = self.graphs.adopt(part, size)
+            keep += keep[:1] * (size - len(rows))  # padding rows' coresets: any row's
+            self.slots = rows + [None] * (size - len(rows))
+        elif None in self.slots:
+            self.cache = self.cache.select(keep)
+            self.slots = rows
+        else:
+            return
+        if self.coreset is not None and self.coreset.experts:
+            self.coreset.keep(keep)
 
 
-# --------------------------------------------------------------------------- which graphs a run uses
-class FastPath:
-    """An engine's StepGraphs, handed to one generation at a time: a stream left open holds them,
-    and a generation started meanwhile takes the plain path."""
+def allocation_error(model, length: int, rows: int, e: BaseException) -> GenerationError:
+    """A cache of ``rows`` x ``length`` positions could not be allocated: what it needed, where."""
+    what = f"{length} positions" if rows == 1 else f"{rows} rows x {length} positions"
+    return GenerationError(f"cannot allocate a cache of {what} "
+                           f"({cache_bytes(model.config, length, rows, dtype=model.dtype) / 2**30:.2f} GiB) "
+                           f"on {model.device}: {e}")
 
-    def __init__(self):
-        self.graphs: StepGraphs | None = None
-        self._holder = None  # weakref to the generation running on them
-
-    def acquire(self, run, model: CloverModel, length: int, use: bool, compile: bool) -> StepGraphs | None:
-        """The StepGraphs for ``run``, a generation of ``length`` positions, or None for the plain
-        path (``use`` False, or another unfinished generation holds them)."""
-        if not use:
-            return None
-        if self._holder is not None and self._holder() is not None:
-            return None
-        self._holder = weakref.ref(run)
-        g = self.graphs
-        if (g is None or not g.fits(length) or (g.device, g.dtype) != (model.device, model.dtype)
-                or g.compile != compile):
-            size = max(1024, 1 << (length - 1).bit_length())  # a power of two: few re-allocations
-            size = min(size, model.config.max_position_embeddings)
-            self.graphs = None  # free the old cache and graphs first
-            self.graphs = StepGraphs(model, size, compile=compile)
-        return self.graphs
-
-    def release(self, run) -> None:
-        """``run`` ended, failed or was abandoned: the graphs' cache is free for the next one."""
-        if self._holder is not None and self._holder() is run:
-            self._holder = None

@@ -75,15 +75,17 @@ class GatedAttention(nn.Module):
 
     @staticmethod
     def _attend_static(q, k, v, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:
-        """Static shapes for CUDA graphs: every row's K,V is written at its position (rows past the
-        committed length are scratch until a commit publishes them), then one attention over the
-        whole buffer. Commit rows see the prefix causally; block rows see the prefix and the block."""
-        pos = ctx.positions  # [c + m] = n + arange
-        cache.k.index_copy_(2, pos, k)
-        cache.v.index_copy_(2, pos, v)
-        last = pos[:ctx.c] if not ctx.m else torch.cat([pos[:ctx.c], pos[-1:].expand(ctx.m)])
-        allowed = torch.arange(cache.k.shape[2], device=q.device)[None, :] <= last[:, None]  # [T, max_len]
-        return F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=allowed, enable_gqa=True)
+        """Static shapes for CUDA graphs: every row's K,V is written at its position (positions
+        [B, c + m], each batch row from its own length; rows past the committed length are scratch
+        until a commit publishes them), then one attention over the whole buffer. Commit rows see
+        the prefix causally; block rows see the prefix and the block."""
+        pos = ctx.positions  # [B, c + m]
+        at = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, H_kv, c + m, D]
+        cache.k.scatter_(2, at, k)
+        cache.v.scatter_(2, at, v)
+        last = pos if not ctx.m else torch.cat([pos[:, :ctx.c], pos[:, -1:].expand(-1, ctx.m)], dim=1)
+        allowed = torch.arange(cache.k.shape[2], device=q.device)[None, None, :] <= last[:, :, None]  # [B, T, L]
+        return F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=allowed[:, None], enable_gqa=True)
 
     @staticmethod
     def _attend_ragged(q, k, v, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:

@@ -167,7 +167,8 @@ class SpeedView(View):
     def summary(self, state=None) -> list[dict]:
         """One row per run: mode, tokens, forwards, tokens/s, tokens per forward, steps per block,
         seconds per preview step and per fused commit+preview step (live estimates), and the
-        engine's own figures when the result was added."""
+        engine's own figures when the result was added, the path its forwards took among them
+        (the fast path or the eager forward, and why: SpeedView never times the eager path unsaid)."""
         rows = []
         for r in (state or self._live)["runs"].values():
             st = r["stats"] or {}
@@ -190,6 +191,7 @@ class SpeedView(View):
                 "preview s": st.get("preview_seconds", sum(r["preview"]) + sum(r["fused"]) if r["mode"] == "diffusion"
                                     else (0.0 if r["mode"] == "ar" else None)),
                 "commit s": st.get("commit_seconds", sum(r["commit"]) if r["mode"] == "ar" else None),
+                "path": st.get("path"),  # which forward ran (engine/runner.py): "compiled", "eager: a hook on ..."
             })
         return rows
 

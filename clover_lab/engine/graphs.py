@@ -1,0 +1,269 @@
+"""Static-shape steps, replayed as CUDA graphs (or compiled on a CPU); the runner
+(``runner.py``) picks them per step. Everything here runs without autograd.
+
+At batch 1 a step of a big MoE model is hundreds of small kernels; launching them one by one
+from Python costs more than running them. ``StepGraphs`` owns preallocated caches (one per
+batch bucket: 1, 2, 4, 8, ... rows) and, per step shape (rows B, commit rows c, block rows m,
+whether the last commit row's logits are wanted, the coreset's phase), one captured graph of
+:func:`static_step`: a preview of a block (c = 0), the fused commit of the previous block with
+the preview of the next (c = m = block size) and an AR step (c = 1). Rows stand at their own
+committed lengths (a [B] device tensor). Replaying a graph writes the step's ids and the
+lengths into static input buffers and launches the whole forward at once.
+
+On a CPU (or with ``capture=False``) the same static-shape forwards run eagerly, so that the
+path is tested everywhere; with ``compile=True`` they run through ``torch.compile`` (inductor
+fuses the few hundred small ops of a step and contracts the experts hit without a host sync:
+steps 2-3x faster than eager on 2 CPU cores, see bench/compare_transformers.py); a compile
+costs ~10 s per step shape, once per process. With an expert coreset, a block's first preview
+(which records the coreset) and its later previews (which route within it) are two graphs
+that share the coreset's buffers, owned here (``coreset(size)``).
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+
+from ..cache import CloverCache
+from ..context import Coreset, ForwardContext
+from ..model import CloverModel
+
+
+# --------------------------------------------------------------------------- one static step
+@torch.no_grad()
+def static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, n: torch.Tensor, c: int, m: int,
+                commit_logits: bool = False, coreset: Coreset | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``CloverModel.forward`` with static shapes and no host synchronisation, the body of a CUDA
+    graph: ids [B, c + m] on the model's device, ``n`` the rows' committed lengths, [B] on the
+    device. Writes the cache (K,V rows at n.., GDN ring and state when c > 0) but leaves its
+    lengths to the caller. Refused while a hook is attached inside the model: a graph replays
+    kernels and would never call it.
+    Returns (logits of the last commit row or None, logits of every block row or None)."""
+    check_static_step(model, cache, ids, c, m)
+    return static_body(model, cache, ids, n, c, m, commit_logits, coreset)
+
+
+def check_static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, c: int, m: int) -> None:
+    """What a static step refuses, checked outside any traced or captured code."""
+    if model.hooks.model_hooks_attached():
+        raise RuntimeError("static_step: hooks are attached to model points; use forward()")
+    if cache.batch_size != ids.shape[0] or ids.shape[1] != c + m:
+        raise ValueError(f"static_step: ids {tuple(ids.shape)} do not match batch {cache.batch_size}, "
+                         f"c + m = {c + m}")
+
+
+@torch.no_grad()
+def static_body(model: CloverModel, cache, ids, n, c, m, commit_logits, coreset):
+    """What ``torch.compile`` traces for a static step: no hook lookups, so that attaching an
+    engine hook does not invalidate the compiled code; no autograd history either. The tail is
+    the ordinary forward's (``ForwardContext.publish``, ``CloverModel.heads``)."""
+    ctx = ForwardContext.static(cache, n, c, m, coreset)
+    x = model.hidden_states(ids, ctx)
+    ctx.publish()
+    out = model.heads(x, ctx, "last" if commit_logits else None)
+    return out.commit_logits, out.preview_logits
+
+
+def bucket(rows: int) -> int:
+    """The batch a static step of ``rows`` rows runs at: the next power of two (the rest padding),
+    so that rows leaving one by one do not compile or capture a step per row count."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+# --------------------------------------------------------------------------- graphs per step shape
+
+
+class StepGraphs:
+    MAX_COMPILED = 24  # step shapes compiled at most (torch._dynamo's recompile limit is raised to match)
+
+    def __init__(self, model: CloverModel, max_len: int, capture: bool | None = None, compile: bool = False):
+        self.model = model
+        self.device, self.dtype = model.device, model.dtype
+        self.max_len = max_len
+        self._caches: dict[int, CloverCache] = {}  # batch -> its preallocated cache
+        self._lengths: dict[int, torch.Tensor] = {}  # batch -> the rows' committed lengths [B] (a graph input)
+        self.cache: CloverCache = self._cache_for(1)
+        self.capture = (self.device.type == "cuda") if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("StepGraphs: capture needs a CUDA device")
+        self._graphs: dict[tuple, tuple] = {}  # (B, c, m, commit_logits, coreset phase) -> (graph, ids, outputs)
+        self._coresets: dict[int, Coreset] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.disabled: str | None = None  # why capture failed, once it has
+        self.compile = compile and not self.capture
+        self._compiled = torch.compile(static_body, dynamic=False) if self.compile else None
+        self._compiled_keys: set = set()
+        self.compile_failed: str | None = None
+        self.last: str | None = None  # how the last step ran: "cuda graph", "compiled" or "static" (eager)
+
+    def fits(self, length: int) -> bool:
+        return length <= self.max_len
+
+    def _cache_for(self, batch: int) -> CloverCache:
+        if batch not in self._caches:
+            self._caches[batch] = self.model.new_cache(self.max_len, batch)
+            self._lengths[batch] = torch.zeros(batch, dtype=torch.long, device=self.device)
+        return self._caches[batch]
+
+    def coreset(self, size: int) -> Coreset:
+        """The coreset of this size whose buffers the graphs read and write (emptied)."""
+        core = self._coresets.setdefault(size, Coreset(size))
+        core.reset()
+        return core
+
+    def reset(self, batch: int = 1) -> CloverCache:
+        """The cache of ``batch`` rows, emptied for a new generation (its buffers, and so every
+        graph, are kept)."""
+        self.cache = self._cache_for(batch)
+        self.cache.reset()
+        return self.cache
+
+    def adopt(self, part: CloverCache, batch: int) -> CloverCache:
+        """The rows of ``part`` (a cache of k <= batch rows) become rows 0..k-1 of the cache of
+        ``batch`` rows, the rest padding at length 0: a batch that lost rows steps at a smaller
+        bucket, a cache the eager forward compacted comes back."""
+        cache = self._cache_for(batch)
+        if part is not cache:
+            cache.put(list(range(part.batch_size)), part)
+            lengths = part.row_lengths or [part.length] * part.batch_size
+            cache.set_row_lengths(lengths + [0] * (batch - part.batch_size))
+        self.cache = cache
+        return cache
+
+    def _load_lengths(self, cache: CloverCache) -> torch.Tensor:
+        n = self._lengths[cache.batch_size]
+        if cache.row_lengths is None or cache.batch_size == 1:
+            n.fill_(cache.length)  # no host-to-device copy for one row
+        else:
+            n.copy_(torch.tensor(cache.row_lengths))
+        return n
+
+    # ------------------------------------------------------------------ a step
+    def step(self, ids: torch.Tensor, c: int, m: int, commit_logits: bool = False, coreset: Coreset | None = None):
+        """Run one step on the owned cache: ids [B, c + m] (B the cache's rows); advances every
+        row's length by c. ``coreset``: one from :meth:`coreset`; empty, the step records it, else
+        routes within it. Returns (commit logits [B, 1, V] or None, preview logits [B, m, V] or
+        None), fresh tensors."""
+        if coreset is not None and self._coresets.get(coreset.size) is not coreset:
+            raise ValueError("StepGraphs.step: pass a coreset made by StepGraphs.coreset(size)")
+        cache = self.cache
+        # block rows are written as scratch past the committed rows; the cache is never longer
+        # than the context (CloverCache.allocate refuses it), so this bounds the positions too
+        cache.check_room(c + m)
+        ids = ids.to(self.device, torch.long)
+        phase = None if coreset is None else (coreset.size, "use" if coreset.experts else "record")
+        key = (cache.batch_size, c, m, bool(commit_logits), phase)
+        graph = self._graphs.get(key) if self.capture and not self.disabled else None
+        if graph is None and self.capture and not self.disabled:
+            graph = self._capture(key)
+        n = self._load_lengths(cache)  # a capture above restored the cache, and so its lengths
+        if graph is None:
+            out = self._compiled_step(key, ids, n, coreset) if self._compiled is not None else None
+            self.last = "compiled"
+            if out is None:  # eager static step
+                out = static_step(self.model, cache, ids, n, c, m, commit_logits, coreset)
+                self.last = "static"
+        else:
+            self.last = "cuda graph"
+            g, static_ids, static_out = graph
+            static_ids.copy_(ids)
+            g.replay()
+            if phase is not None and phase[1] == "record":  # the graph wrote every layer's buffer
+                coreset.experts.update(coreset.buffers(cache.batch_size))
+            # outputs live in the graphs' shared pool: the next replay may overwrite them
+            out = tuple(None if t is None else t.clone() for t in static_out)
+        cache.advance(c)
+        return out
+
+    def _compiled_step(self, key, ids, n, coreset):
+        """The step through torch.compile, or None to run it eagerly (compilation failed once, or
+        too many shapes already compiled)."""
+        if self.compile_failed or (key not in self._compiled_keys and len(self._compiled_keys) >= self.MAX_COMPILED):
+            return None
+        _, c, m, commit_logits, _ = key
+        check_static_step(self.model, self.cache, ids, c, m)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=self.MAX_COMPILED + 2):
+                out = self._compiled(self.model, self.cache, ids, n, c, m, commit_logits, coreset)
+        except Exception as e:  # noqa: BLE001 - a first compilation fails before anything runs
+            if key in self._compiled_keys:
+                raise
+            self.compile_failed = f"{type(e).__name__}: {e}"
+            warnings.warn(f"torch.compile of the step failed, running steps eagerly from now on "
+                          f"({self.compile_failed})", RuntimeWarning, stacklevel=3)
+            return None
+        self._compiled_keys.add(key)
+        return out
+
+    def _capture(self, key):
+        batch, c, m, commit_logits, phase = key
+        cache, model = self.cache, self.model
+        coreset = None if phase is None else self._coresets[phase[0]]
+        recorded = None if coreset is None else dict(coreset.experts)
+
+        def run():
+            if coreset is not None:  # every run starts from the coreset the step was asked with
+                coreset.experts.clear()
+                coreset.experts.update(recorded)
+            return static_step(model, cache, static_ids, n, c, m, commit_logits, coreset)
+
+        static_ids = torch.zeros(batch, c + m, dtype=torch.long, device=self.device)
+        snapshot = cache.clone()  # warm-up runs write the cache; capture itself runs nothing
+        try:
+            n = self._load_lengths(cache)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compiles the Triton kernels, settles the allocator
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            # thread_local: a notebook thread touching CUDA meanwhile must not break the capture
+            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+                static_out = run()
+        except Exception as e:  # noqa: BLE001 - the eager static step is always there
+            self.disabled = f"{type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graph capture failed, running steps eagerly from now on ({self.disabled})",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        finally:
+            cache.restore(snapshot)
+            if coreset is not None:
+                coreset.experts.clear()
+                coreset.experts.update(recorded)
+        self._graphs[key] = (g, static_ids, static_out)
+        return self._graphs[key]
+
+
+# --------------------------------------------------------------------------- which graphs a run uses
+class FastPath:
+    """An engine's StepGraphs, handed to one generation at a time: a stream left open holds them,
+    and a generation started meanwhile takes the plain path."""
+
+    def __init__(self):
+        self.graphs: StepGraphs | None = None
+        self._holder = None  # weakref to the generation running on them
+
+    def acquire(self, run, model: CloverModel, length: int, use: bool, compile: bool) -> StepGraphs | None:
+        """The StepGraphs for ``run``, a generation of ``length`` positions, or None for the plain
+        path (``use`` False, or another unfinished generation holds them)."""
+        if not use:
+            return None
+        if self._holder is not None and self._holder() is not None:
+            return None
+        self._holder = weakref.ref(run)
+        g = self.graphs
+        if (g is None or not g.fits(length) or (g.device, g.dtype) != (model.device, model.dtype)
+                or g.compile != compile):
+            size = max(1024, 1 << (length - 1).bit_length())  # a power of two: few re-allocations
+            size = min(size, model.config.max_position_embeddings)
+            self.graphs = None  # free the old cache and graphs first
+            self.graphs = StepGraphs(model, size, compile=compile)
+        return self.graphs
+
+    def release(self, run) -> None:
+        """``run`` ended, failed or was abandoned: the graphs' cache is free for the next one."""
+        if self._holder is not None and self._holder() is run:
+            self._holder = None
