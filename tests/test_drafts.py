@@ -51,7 +51,7 @@ def test_kept_draft_equals_a_plain_commit_transformers_model(clover_ref, keep):
 def test_kept_draft_equals_a_plain_commit_default_model():
     import clover_lab
 
-    engine = clover_lab.load()
+    engine = clover_lab.load(dtype=torch.float32)
     model, tok = engine.model, engine.tokenizer
     text = "def parse(line):\n    return line.split(',')\n\n\nclass Stack:\n    def push(self, item):\n"
     ids = torch.tensor([tok.encode(text * 2)])
