@@ -28,6 +28,7 @@ from ..placement import plan_placement
 from ..sampling import SamplerSettings
 from .ar import run_ar
 from .diffusion import run_diffusion
+from .speculative import run_speculative
 from .graphs import FastPath
 from .requests import (GenerationError, check_coreset, check_memory, check_request, encode_prompt, is_batch,
                        stop_list)
@@ -223,6 +224,10 @@ class Engine:
                                   f"generates must not do so again unconditionally (at most "
                                   f"{MAX_NESTED_GENERATIONS} nested generations)")
         s = SamplerSettings.from_kwargs(self.settings if settings is None else settings, **sampler)
+        if mode == "speculative" and not s.greedy and s.draft_passes != 1:
+            raise GenerationError(f"sampled speculative decoding takes draft_passes=1 (got {s.draft_passes}): the "
+                                  f"acceptance rule needs each drafted token's own distribution, which only a one-pass "
+                                  f"draft gives")
         check_coreset(self.model.config, s.coreset_size)
         stop = stop_list(stop, self.tokenizer)
         return s, stop, self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
@@ -257,7 +262,7 @@ class Engine:
     def _drive(self, run: Run) -> Iterator[StreamUpdate]:
         # no inference_mode around the yields: it would leak into the consumer's code between updates
         try:
-            yield from (run_diffusion(run) if run.mode == "diffusion" else run_ar(run))
+            yield from LOOPS[run.mode](run)
         finally:  # ended, failed or abandoned: the fast path's cache is free for the next generation
             self._fast_path.release(run)
 
@@ -266,7 +271,9 @@ class Engine:
                  **sampler: Any) -> GenerationResult:
         """Generate a response to ``prompt`` (a string, token ids, or chat messages).
 
-        ``mode``: "diffusion" (block diffusion) or "ar" (one token per forward, the baseline).
+        ``mode``: "diffusion" (block diffusion), "ar" (one token per forward, the baseline) or
+        "speculative" (AR's answer: each block drafted by ``draft_passes`` previews and accepted
+        by one causal commit up to its first disagreement; ``engine/speculative.py``).
         ``max_new_tokens``: default ``engine.max_new_tokens`` (256, or the model directory's
         generation_config.json). ``stop``: stop strings (need a tokenizer). ``thinking``: the chat
         template's ``enable_thinking`` flag. Sampler settings (see :class:`SamplerSettings`) come
@@ -283,6 +290,9 @@ class Engine:
         for _ in self._drive(run):
             pass
         return run.result if run.batched else run.result[0]
+
+
+LOOPS = {"diffusion": run_diffusion, "ar": run_ar, "speculative": run_speculative}
 
 
 def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dict | None = None,

@@ -9,7 +9,7 @@ import torch
 from ..cache import cache_bytes
 from ..errors import CloverError
 
-MODES = ("diffusion", "ar")
+MODES = ("diffusion", "ar", "speculative")
 
 
 class GenerationError(CloverError, ValueError):
@@ -74,8 +74,8 @@ def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tok
         raise GenerationError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
-    if mode == "diffusion" and mask_token_id is None:
-        raise GenerationError("block diffusion needs a mask token, and none was found: not in config.json or "
+    if mode in ("diffusion", "speculative") and mask_token_id is None:
+        raise GenerationError(f"{mode} decoding needs a mask token, and none was found: not in config.json or "
                               "generation_config.json (mask_token_id), not in the tokenizer, and the embedding has "
                               "no row past the tokenizer's vocabulary; set engine.mask_token_id, add mask_token_id "
                               "to generation_config.json, or use mode='ar'")
