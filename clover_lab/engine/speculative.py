@@ -115,11 +115,13 @@ class DraftLoop:
 
     def draft(self, blocks: dict[int, Block]):
         """Up to ``draft_passes`` previews over the rows whose block has masked positions; the
-        penalty counts are the response's again afterwards (a draft is not the response).
+        penalty counts and the stop strings' scan are the response's again afterwards (a draft is
+        not the response).
         Sampled rows keep their draft's distribution (``block.q``). Returns the rows whose step
         hook asked to stop."""
         run = self.run
         counts = {r: run.rows[r].counts.clone() for r in blocks if run.rows[r].counts is not None}
+        scanned = {r: run.rows[r].stop_strings.clean for r in blocks if run.rows[r].stop_strings is not None}
         stopped = set()
         while True:
             rows = [r for r in run.active if blocks[r].masked and r not in stopped]
@@ -144,6 +146,8 @@ class DraftLoop:
                     yield row.update("step", block.index, block.step - 1, block.host, unmask)
         for r, c in counts.items():
             run.rows[r].counts.copy_(c)
+        for r, clean in scanned.items():
+            run.rows[r].stop_strings.clean = clean
         return stopped
 
     def accept(self, row, block: Block, logits: torch.Tensor) -> tuple[int, str]:
@@ -161,8 +165,9 @@ class DraftLoop:
             self.next[row.index] = host[n]
         else:
             p = sampling.sampling_probs(rows, counts, row.s)
+            q = block.q[:d] if d else p[:0]  # nothing drafted (a block of one): the causal token only
             n, self.next[row.index] = speculative_accept(torch.tensor(drafted, device=rows.device, dtype=torch.long),
-                                                         block.q[:d], p, row.generator)
+                                                         q, p, row.generator)
         kept, reason = 0, "length"
         for t in [block.host[0]] + drafted[:n]:
             if row.counts is not None:
