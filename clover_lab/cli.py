@@ -1,6 +1,6 @@
 """``clover-lab``: the command line.
 
-    clover-lab generate --model DIR --prompt "..." [--mode ar] [--max-new-tokens N] [--threshold X]
+    clover-lab generate --model DIR --prompt "..." [--mode ar|speculative] [--max-new-tokens N] [--threshold X]
                         [--temperature T] [--top-p P] [--top-k K] [--confidence RULE] [--seed S]
                         [--coreset-size M] [--json]
 
@@ -21,6 +21,7 @@ import time
 
 from .arguments import ArgumentParser
 from .cli_view import LiveView, print_batch, print_interrupted, print_result
+from .engine.requests import MODES
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
 
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", help="a system message (with --chat)")
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="the chat template's enable_thinking flag (with --chat)")
-    g.add_argument("--mode", choices=("diffusion", "ar"), default="diffusion")
+    g.add_argument("--mode", choices=MODES, default="diffusion",
+                   help="speculative: AR's answer, each block drafted by previews and checked by one causal commit")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: the model's generation_config.json, else 256")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
