@@ -24,11 +24,11 @@ from typing import Iterator
 
 import torch
 
-from .. import sampling
 from ..hooks import points
 from ..hooks.events import StepEvent
 from ..hooks.registry import HookError, StopGeneration
 from .faults import check_logits, collapsed, logits_health
+from .requests import GenerationError
 from .results import StreamUpdate
 
 
@@ -47,6 +47,7 @@ class Block:
         self.step = 0
         # without hooks a block never needs more than its length in steps (each unmasks >= 1)
         self.limit = min(max_steps or length, length)
+        self.memo = None  # the decoding policy's own, per row and block (DecodingPolicy.begin_block)
 
     def __len__(self) -> int:
         return len(self.host)
@@ -114,6 +115,8 @@ class BlockLoop:
             size = min(engine.block_size, run.max_new - produced)
             blocks = {r: Block(self.index, size, engine.mask_token_id, run.device, run.s.max_steps_per_block)
                       for r in run.active}
+            for r, block in blocks.items():
+                block.memo = run.policy.begin_block(run.rows[r], block)
             if self.coreset is not None:
                 self.coreset.reset()
             yield from self.resolve(blocks)
@@ -131,8 +134,7 @@ class BlockLoop:
         """Previews until no active row's block has a masked position."""
         run = self.run
         step = 0
-        while any(blocks[r].masked for r in run.active):
-            rows = [r for r in run.active if blocks[r].masked]  # a row whose block is done waits
+        while rows := [r for r in run.active if blocks[r].masked]:  # a row whose block is done waits
             canvas = torch.stack([blocks[r].canvas for r in rows])
             one = blocks[rows[0]].masked_index() if len(rows) == 1 else None  # one row: logits where masked
             if run.rows[rows[0]].pending is not None:  # the block's first step: every row takes part
@@ -144,7 +146,7 @@ class BlockLoop:
                 logits = run.preview(rows, canvas, run.where("decode", self.index, step, rows=rows), positions=one)
             for i, r in enumerate(rows):
                 block = blocks[r]
-                if r not in run.active or not block.masked:  # a commit hook ended the row
+                if r not in run.active:  # a commit hook ended the row
                     continue
                 idx = block.masked_index()
                 mine = logits[i:i + 1] if idx is None or one is not None else logits[i:i + 1, idx]
@@ -213,15 +215,17 @@ class BlockLoop:
 
 # --------------------------------------------------------------------------- one denoising step
 def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | None) -> tuple[list[int], bool]:
-    """Decide, let ``denoise.step`` hooks change the decision, apply it to the canvas and the
-    host copy. ``logits`` [1, N, V] at the masked positions ``idx`` (None: all). Returns (the
-    positions unmasked, whether a hook asked to stop)."""
+    """The row's policy decides, ``denoise.step`` hooks may change the decision, and it is
+    applied to the canvas and the host copy. ``run``: the row; ``logits`` [1, N, V] at the
+    masked positions ``idx`` (None: all). Returns (the positions unmasked, whether a hook asked
+    to stop)."""
     mask_id = run.engine.mask_token_id
     logits = logits[0].float()  # [N, V]
     flat = collapsed(logits)  # before the mask column is -inf
     logits[:, mask_id] = float("-inf")  # the mask token is never a candidate
-    force = block.step + 1 >= block.limit
-    cand, conf, flags = sampling.decide(logits, run.counts, run.s, run.generator, force_all=force)
+    finish = run.policy.finishes_block(run, block)
+    proposal = run.policy.propose(run, block, logits, finish)  # the decoding rule (policy.py)
+    cand, conf, flags = proposal.tokens, proposal.confidences, proposal.unmask
     # the one host transfer per step: decision, candidates, and whether the logits could be used
     # (NaN or inf logits make their row's confidence NaN, equal ones carry no answer: argmax would
     # pick token 0 either way)
@@ -229,6 +233,10 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     host = torch.cat([flags.long(), cand, logits_health(flat, conf).reshape(1)]).tolist()
     flags_host, cand_host = host[:N], host[N:2 * N]
     check_logits(run, host[2 * N], f"block {block.index}, step {block.step}", block.canvas)
+    if finish and not all(flags_host) or not any(flags_host):
+        raise GenerationError(f"{type(run.policy).__name__}.propose: block {block.index}, step {block.step}: "
+                              f"{'the last step must unmask every' if finish else 'a step must unmask at least one'} "
+                              f"masked position ({sum(map(bool, flags_host))} of {N})")
     unmask = [block.masked[i] for i, f in enumerate(flags_host) if f]
     chosen = dict(zip(block.masked, cand_host))
     overrides: dict[int, int] = {}

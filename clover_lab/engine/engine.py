@@ -30,6 +30,7 @@ from .ar import run_ar
 from .diffusion import run_diffusion
 from .speculative import run_speculative
 from .graphs import FastPath
+from .policy import DecodingPolicy, ThresholdPolicy
 from .requests import (GenerationError, check_coreset, check_memory, check_request, encode_prompt, is_batch,
                        stop_list)
 from .results import GenerationResult, StreamUpdate
@@ -77,14 +78,22 @@ class Engine:
         # shape on first use, then steps 2-3x faster: bench/compare_transformers.py)
         self.compile_steps = False
         self._fast_path = FastPath()
+        self.policy = ThresholdPolicy()  # which block positions a denoising step unmasks (policy.py)
 
-    def _uses_fast_path(self) -> bool:
+    def _fast_path_off(self) -> str | None:
+        """Why generations take the eager forward (what their stats' ``path`` says), or None
+        when the fast path applies."""
         placement = self.model.placement
         if placement is not None and not placement.graph_safe:  # several devices, or experts staged
-            return False
-        if self.step_graphs is not None:
-            return self.step_graphs
-        return self.model.device.type == "cuda" or self.compile_steps
+            return "the model is placed over several devices or stages experts from host memory"
+        if self.step_graphs is False:
+            return "engine.step_graphs is False"
+        if self.step_graphs is None and self.model.device.type != "cuda" and not self.compile_steps:
+            return "on a CPU the fast path takes engine.compile_steps = True (or step_graphs = True)"
+        return None
+
+    def _uses_fast_path(self) -> bool:
+        return self._fast_path_off() is None
 
     def __repr__(self):
         c = self.model.config
@@ -169,6 +178,18 @@ class Engine:
         if not isinstance(value, bool):
             raise ValueError(f"compile_steps must be True or False, got {value!r}")
         self._compile_steps = value
+
+    @property
+    def policy(self) -> DecodingPolicy:
+        """The decoding rule block diffusion asks, per row and step, which positions to unmask with
+        which tokens and when a block is done (``clover_lab.engine.policy``)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: DecodingPolicy) -> None:
+        if not isinstance(value, DecodingPolicy):
+            raise ValueError(f"policy must be a DecodingPolicy (clover_lab.engine.policy), got {type(value).__name__}")
+        self._policy = value
 
     @property
     def block_size(self) -> int:

@@ -46,6 +46,9 @@ class GenerationStats:
     accepted: list[int] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)
     mean_accepted: float | None = None  # accepted drafted tokens per block
+    # which path the forwards after the prefill took ("cuda graph", "compiled", "static" steps, or
+    # "eager: why"), with counts when it changed during the run (engine/runner.py)
+    path: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

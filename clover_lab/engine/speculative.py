@@ -111,6 +111,7 @@ class DraftLoop:
         block.canvas[0] = c0
         block.place({0: c0}, row.eos)
         block.masked = [p for p in range(1, m) if p < block.end]
+        block.memo = row.policy.begin_block(row, block)
         return block
 
     def draft(self, blocks: dict[int, Block]):

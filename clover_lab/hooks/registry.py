@@ -108,6 +108,10 @@ class HookView:
     def model_hooks_attached(self) -> bool:
         return self.registry._model_hooks(self.scopes)
 
+    def model_points(self) -> list[str]:
+        """The points inside the model's forward that have hooks here, sorted."""
+        return self.registry._model_points(self.scopes)
+
     def applied(self) -> "_Applied":
         """``with view.applied():`` model events inside fire this view's hooks."""
         return _Applied(self.registry, self.scopes)
@@ -250,6 +254,13 @@ class HookRegistry:
         if any(is_model_point(name) for name in list(self._fns)):
             return True
         return any(s.open and any(is_model_point(name) for name in s.fns) for s in scopes)
+
+    def _model_points(self, scopes: tuple[_Scope, ...]) -> list[str]:
+        names = {name for name in list(self._fns) if is_model_point(name)}
+        for s in scopes:
+            if s.open:
+                names.update(name for name in s.fns if is_model_point(name))
+        return sorted(names)
 
     def active(self, name: str) -> bool:
         """Whether a hook on ``name`` applies here (permanent, or scoped in this context)."""
