@@ -43,7 +43,7 @@ class DraftCommit:
         if self.kept is not None:
             raise DraftError(f"this draft was already kept at {self.kept}")
         B = self.cache.batch_size
-        lengths = [lengths] * B if isinstance(lengths, int) else list(lengths)
+        lengths = list(lengths) if isinstance(lengths, (list, tuple)) else [lengths] * B
         if len(lengths) != B or any(isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= self.m
                                     for a in lengths):
             raise DraftError(f"keep: expected {B} lengths in [0, {self.m}], got {lengths}")
