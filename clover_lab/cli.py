@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the chat template's enable_thinking flag (with --chat)")
     g.add_argument("--mode", choices=MODES, default="diffusion",
                    help="speculative: AR's answer, each block drafted by previews and checked by one causal commit")
+    g.add_argument("--policy", default=None, metavar="NAME[:K=V,...]",
+                   help="the decoding rule: threshold (default), eb:gamma=0.1 (EB-sampler), topk:k=2 or topk:k=1/2/4")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: the model's generation_config.json, else 256")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
@@ -227,7 +229,7 @@ def cmd_generate(args) -> int:
         if args.block_size is not None:
             _set_block_size(engine, args.block_size)
         stream = engine.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
-                               thinking=args.thinking, **_sampler_kwargs(args))
+                               policy=args.policy, thinking=args.thinking, **_sampler_kwargs(args))
     except (_UsageError, CloverError, ValueError, TypeError) as e:
         return _fail(str(e))
     return _run_stream(engine, args, stream, batch=is_batch(prompt))

@@ -32,14 +32,14 @@ class Run:
     updates then carry their row, and the result is a BatchResult)."""
 
     def __init__(self, engine, prompts: list[list[int]], mode: str, max_new_tokens: int, s: SamplerSettings,
-                 stop: list[str], emit: bool, number: int, batched: bool):
+                 stop: list[str], emit: bool, number: int, batched: bool, policy=None):
         model = engine.model
         self.engine, self.model, self.s, self.mode, self.emit = engine, model, s, mode, emit
         self.number, self.batched = number, batched  # number: counts generations on the engine
         self.device = model.device
         self.max_new = max_new_tokens
         self.hooks = model.hooks.view()
-        self.policy = engine.policy  # the decoding rule (policy.py), for every row
+        self.policy = engine.policy if policy is None else policy  # the decoding rule (policy.py), every row's
         self.t0 = time.perf_counter()
         self.t_decode = self.t0
         self.rows = [Row(self, r, ids, stop) for r, ids in enumerate(prompts)]
