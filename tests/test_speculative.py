@@ -108,3 +108,23 @@ def test_sampled_runs_are_seeded_and_settings_are_checked(tiny_engine):
         tiny_engine.generate(PROMPTS[0], draft_passes=2, **kw)
     with pytest.raises(SettingsError, match="draft_passes"):
         SamplerSettings(draft_passes=0)
+
+
+def test_the_denoising_view_shows_accepted_and_rejected_drafts(default_engine):
+    pytest.importorskip("ipywidgets")
+    from clover_lab.widgets import DenoiseView
+
+    view = DenoiseView(default_engine, fps=1000)
+    try:
+        with default_engine.capture(["block.commit"]) as cap:
+            result = default_engine.generate("def parse(line):\n", mode="speculative", max_new_tokens=24)
+        view.flush()
+        page = view.grid_html(view.state)
+    finally:
+        view.close()
+    commits = cap["block.commit"]
+    assert view.tokens() == result.token_ids and len(commits) == result.stats.blocks
+    # accepted drafted positions that the response kept (the length may cut the last block)
+    assert page.count("accepted by the causal check") == sum(min(c["accepted"], len(c["tokens"]) - 1) for c in commits)
+    assert page.count("rejected by the causal check") == sum(
+        c["drafted"] - c["accepted"] for c in commits if len(c["tokens"]) == c["accepted"] + 1)
