@@ -453,3 +453,17 @@ def test_the_stats_say_which_path_ran_and_why(tiny_engine):
         hooked = tiny_engine.generate(PROMPTS[0], mode="ar", max_new_tokens=4)
     assert hooked.stats.path == "eager: a hook on layers.2.moe.route"
     assert [r.token_ids for r in fast] == [r.token_ids for r in tiny_engine.generate(PROMPTS, **KW)]
+
+
+def test_speed_view_shows_which_path_ran(view_engine):
+    from clover_lab.widgets import SpeedView
+
+    view = SpeedView(view_engine, fps=1000)
+    try:
+        view_engine.step_graphs = False
+        view.add_result(view_engine.generate("w5 w17", max_new_tokens=8, threshold=0.3))
+        assert view.summary()[-1]["path"] == "eager: engine.step_graphs is False"
+        assert "eager: engine.step_graphs is False" in view.table_html(view.summary())
+    finally:
+        view_engine.step_graphs = None
+        view.close()

@@ -178,7 +178,7 @@ class Row:
         self.stats = GenerationStats(mode=run.mode, prompt_tokens=len(prompt_ids),
                                      seed=s.seed if s.greedy else self.seed,
                                      block_size=engine.block_size if run.mode != "ar" else None,
-                                     coreset_size=s.coreset_size or None)
+                                     coreset_size=(s.coreset_size or None) if run.mode == "diffusion" else None)
         self.committed: list[int] = []  # final response tokens
         self.pending: tuple[list[int], int] | None = None  # a finished block waiting for its fused commit, its steps
         self.result: GenerationResult | None = None

@@ -146,7 +146,9 @@ class Runner:
             raise ValueError(f"commit_draft: every row commits its draft together ({self.rows}), got {rows}")
         with self.hooks.applied():
             self._arrange(fast=False)
-            return self.model.commit_draft(self.cache, ids, where=where)
+            out = self.model.commit_draft(self.cache, ids, where=where)
+            self._took(False)
+            return out
 
     def _static(self, rows, ids, c: int, m: int, commit_logits: bool = False):
         self._arrange(fast=True)
