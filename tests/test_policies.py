@@ -14,7 +14,8 @@ POLICIES = [EntropyBoundedPolicy(0.5), EntropyBoundedPolicy(0.0), TopKPolicy(3),
 
 @pytest.mark.parametrize("bad", [dict(cls=EntropyBoundedPolicy, gamma=-1), dict(cls=EntropyBoundedPolicy, gamma="x"),
                                  dict(cls=EntropyBoundedPolicy, gamma=float("nan")), dict(cls=TopKPolicy, k=0),
-                                 dict(cls=TopKPolicy, k=[]), dict(cls=TopKPolicy, k=[2, 1.5]), dict(cls=TopKPolicy, k=True)])
+                                 dict(cls=TopKPolicy, k=[]), dict(cls=TopKPolicy, k=[2, 1.5]),
+                                 dict(cls=TopKPolicy, k=True)])
 def test_settings_are_validated(bad):
     cls = bad.pop("cls")
     with pytest.raises(SettingsError, match=next(iter(bad))):
