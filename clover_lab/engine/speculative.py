@@ -58,6 +58,9 @@ def run_speculative(run) -> Iterator[StreamUpdate]:
 
 
 class DraftLoop:
+    """The rows draft, commit and accept their block ``index`` together (one preview forward per
+    draft pass, one draft commit per cycle); each row accepts on its own and leaves on its own."""
+
     def __init__(self, run):
         self.run = run
         self.index = 0
