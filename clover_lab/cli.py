@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             train_main(argv[1:])
         except CloverError as e:
             return _fail(str(e))
+        except KeyboardInterrupt:  # inside a step: the run said what it resumes from
+            return EXIT_INTERRUPTED
         return 0
     if argv[:1] == ["adapt"]:
         from .train.adapt import main as adapt_main

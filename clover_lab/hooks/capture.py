@@ -97,7 +97,8 @@ class Capture(RecordSet):
 
     def save(self, path, meta: dict | None = None) -> None:
         """Write the records to the directory ``path`` (tensors in safetensors, the rest in JSON):
-        ``clover_lab.load_trace(path)`` reads them back, with no model."""
+        ``clover_lab.load_trace(path)`` reads them back, with no model. ``path`` is a new or empty
+        directory or a trace (replaced); one holding other files is refused (``OutputError``)."""
         config = {} if self.config is None else {"config": self.config.to_dict()}
         save_trace(path, self.records, self.points, {**config, **(meta or {})})
 

@@ -5,6 +5,8 @@ import html
 from pathlib import Path
 from typing import Iterable
 
+from ..writes import write_text
+
 
 def require_notebook():
     """Import ipywidgets and plotly, or say which extra provides them."""
@@ -41,10 +43,7 @@ def page(title: str, sections: Iterable[str]) -> str:
 
 def export_html(views, path, title: str = "clover_lab") -> Path:
     """Several views in one self-contained HTML file (plotly.js embedded once)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page(title, [v.to_html(full_html=False) for v in views]), encoding="utf-8")
-    return path
+    return write_text(path, page(title, [v.to_html(full_html=False) for v in views]))
 
 
 def token_piece(tokenizer, token: int, cache: dict) -> str:
