@@ -1,6 +1,6 @@
 """``clover-lab``: the command line.
 
-    clover-lab generate --model DIR --prompt "..." [--mode ar] [--max-new-tokens N] [--threshold X]
+    clover-lab generate --model DIR --prompt "..." [--mode ar|speculative] [--max-new-tokens N] [--threshold X]
                         [--temperature T] [--top-p P] [--top-k K] [--confidence RULE] [--seed S]
                         [--coreset-size M] [--json]
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .arguments import ArgumentParser, writable_file
 from .cli_view import LiveView, print_batch, print_interrupted, print_result
+from .engine.requests import MODES
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
 # below this many parameters a CPU model runs fastest on one thread: its GEMMs are too small to split,
@@ -61,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", help="a system message (with --chat)")
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="the chat template's enable_thinking flag (with --chat)")
-    g.add_argument("--mode", choices=("diffusion", "ar"), default="diffusion")
+    g.add_argument("--mode", choices=MODES, default="diffusion",
+                   help="speculative: AR's answer, each block drafted by previews and checked by one causal commit")
+    g.add_argument("--policy", default=None, metavar="NAME[:K=V,...]",
+                   help="the decoding rule: threshold (default), eb:gamma=0.1 (EB-sampler), topk:k=2 or topk:k=1/2/4")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: the model's generation_config.json, else 256")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
@@ -232,7 +236,7 @@ def cmd_generate(args) -> int:
         if args.block_size is not None:
             _set_block_size(engine, args.block_size)
         stream = engine.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
-                               thinking=args.thinking, **_sampler_kwargs(args))
+                               policy=args.policy, thinking=args.thinking, **_sampler_kwargs(args))
     except (_UsageError, CloverError, ValueError, TypeError) as e:
         return _fail(str(e))
     return _run_stream(engine, args, stream, batch=is_batch(prompt))

@@ -56,6 +56,10 @@ def print_result(engine, result) -> None:
     ]
     if st.mode == "diffusion":
         rows.append(("blocks / mean steps per block", f"{st.blocks} / {st.mean_steps_per_block or 0:.2f}"))
+    if st.mode == "speculative":
+        rows.append(("blocks / drafted / accepted / rejected",
+                     f"{st.blocks} / {sum(st.drafted)} / {sum(st.accepted)} / {sum(st.rejected)} "
+                     f"({st.mean_accepted or 0:.2f} accepted per block)"))
     if st.seconds_per_preview is not None:
         rows.append(("time per preview", f"{st.seconds_per_preview * 1e3:.2f} ms"))
     if st.seconds_per_commit is not None:

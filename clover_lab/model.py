@@ -24,6 +24,7 @@ from . import loading, saving
 from .cache import CloverCache
 from .config import CloverConfig
 from .context import Coreset, ForwardContext
+from .drafts import DraftCommit
 from .errors import count, flag
 from .hooks import points
 from .hooks.events import NOWHERE, Where
@@ -276,13 +277,15 @@ class CloverModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, cache: CloverCache, commit_ids=None, preview_ids=None, *, commit_logits: str | None = "last",
-                preview_positions=None, coreset: Coreset | None = None, where: Where = NOWHERE) -> StepOutput:
+                preview_positions=None, coreset: Coreset | None = None, where: Where = NOWHERE,
+                drafts: dict | None = None) -> StepOutput:
         """One forward over ``[commit_ids ; preview_ids]`` (either may be None).
 
         ``commit_logits``: "last", "all" or None. ``preview_positions``: block positions whose
         logits are wanted (default: all). ``where``: the generation's block and step, handed to
         the events this forward fires. The cache advances by the committed rows only if the
-        whole forward succeeds; a preview never changes it.
+        whole forward succeeds; a preview never changes it. ``drafts``: a dict the GDN layers fill
+        with what :meth:`commit_draft` needs to keep only a prefix of the commit.
         """
         parts = []
         if commit_ids is not None:
@@ -302,6 +305,7 @@ class CloverModel(nn.Module):
             raise ValueError(f"positions up to {cache.length + c + m} exceed the context length "
                              f"{self.config.max_position_embeddings}")
         ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where)
+        ctx.drafts = drafts
         x = self.hidden_states(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], ctx)
         ctx.publish()  # the forward succeeded: the commit lands
         cache.advance(c)
@@ -381,6 +385,15 @@ class CloverModel(nn.Module):
                            where: Where = NOWHERE) -> StepOutput:
         return self.forward(cache, commit_ids, block_ids, commit_logits=commit_logits,
                             preview_positions=positions, coreset=coreset, where=where)
+
+    def commit_draft(self, cache: CloverCache, ids, where: Where = NOWHERE) -> DraftCommit:
+        """Commit a drafted block ``ids`` [B, m] causally: its logits at every row score each
+        drafted token under the causal model (``.logits`` [B, m, V]); ``.keep(lengths)`` then
+        leaves the cache holding exactly each row's accepted prefix (``drafts.py``)."""
+        records: dict = {}
+        before = list(cache.row_lengths) if cache.row_lengths is not None else [cache.length] * cache.batch_size
+        logits = self.forward(cache, commit_ids=ids, commit_logits="all", where=where, drafts=records).commit_logits
+        return DraftCommit(self, cache, before, logits, records)
 
     def prefill(self, cache: CloverCache, ids, chunk_size: int = 1024, logits: str | None = "last",
                 where: Where = NOWHERE):

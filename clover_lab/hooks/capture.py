@@ -108,7 +108,8 @@ class Capture(RecordSet):
 _FIELDS = {
     P.DENOISE_STEP: dict(canvas=True, masked=False, candidates=False, confidences=False, unmask=False, time=False,
                          tokens=False),
-    P.BLOCK_COMMIT: dict(tokens=False, steps=False, start=False, time=False),
+    P.BLOCK_COMMIT: dict(tokens=False, steps=False, start=False, time=False, drafted=False, accepted=False,
+                         rejected=False),
     P.MOE_ROUTE: dict(layer=False, mode=False, positions=False, router_probs=False, expert_ids=False, weights=False,
                       selectable=False),
     P.GDN_PREVIEW: dict(layer=False, positions=False, history_weights=False, history_reads=False),

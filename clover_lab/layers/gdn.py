@@ -8,6 +8,7 @@ otherwise. Only a changed event is checked, so observing hooks add no host read.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -24,6 +25,21 @@ from ..hooks.events import GDNPreviewEvent, GDNStateEvent, edit_count
 from ..hooks.registry import HookError, HookRegistry
 from .linear import FusedProjections, Linear
 from .norm import GatedRMSNorm
+
+
+@dataclass
+class DraftRows:
+    """A GDN layer's part of a draft commit: the ring and state before it [B, ...] and the
+    commit rows' pre-convolution q,k,v [B, c, C] and gates g, beta [B, c, Hv]."""
+    ring: torch.Tensor
+    state: torch.Tensor
+    mixed: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> "DraftRows":
+        return DraftRows(*(t.index_select(0, index.to(t.device)) for t in
+                           (self.ring, self.state, self.mixed, self.g, self.beta)))
 
 
 class GatedDeltaNet(nn.Module):
@@ -80,6 +96,8 @@ class GatedDeltaNet(nn.Module):
         outs = []
         if c:
             g, beta = self._gates(b[:, :c], a[:, :c])
+            if ctx.drafts is not None:  # a draft commit: what keeping only a prefix of it needs
+                ctx.drafts[self.layer] = DraftRows(ring.clone(), state.clone(), mixed[:, :c], g, beta)
             o, ring, state = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state,
                                             self.num_k_heads, self.head_k_dim, self.head_v_dim)
             if ctx.hooks and self.hooks.active(self.state_point):
@@ -107,6 +125,17 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(B, T, -1))
 
+
+    def kept_state(self, rows: "DraftRows", a: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ring, state) after only the first ``a`` rows of a draft commit: the delta rule over
+        those rows from the state the commit started from (the block's chunk state), on the
+        forward's own projections and gates; no projection, attention or MoE is recomputed."""
+        if a == 0:
+            return rows.ring, rows.state
+        _, ring, state = ops.gdn_commit(rows.mixed[:, :a], rows.ring, self.conv1d.weight[:, 0], rows.g[:, :a],
+                                        rows.beta[:, :a], rows.state, self.num_k_heads, self.head_k_dim,
+                                        self.head_v_dim)
+        return ring, state
 
     def _gates(self, b, a):
         """in_proj_b and in_proj_a's outputs -> (log decay g fp32, beta)."""
