@@ -108,7 +108,11 @@ def trace_points(engine, option) -> list[str] | None:
     if not patterns:
         raise RequestError("clover.trace: name at least one hook point (or pass true)", "clover.trace")
     for p in patterns:
-        if not engine.model.hooks.resolve(p):
+        try:
+            known = engine.model.hooks.resolve(p)
+        except KeyError:
+            known = []
+        if not known:
             raise RequestError(f"clover.trace: {p!r} names no hook point of this model "
                                f"(e.g. {', '.join(schemas.TRACE_POINTS)}, layers.*.moe.route)", "clover.trace")
     return patterns
