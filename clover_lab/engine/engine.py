@@ -227,9 +227,12 @@ class Engine:
         stop = stop_list(stop, self.tokenizer)
         return s, stop, self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
 
-    def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> Run:
+    def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit, join=None,
+               capacity=None) -> Run:
         """A generation of one prompt or (a list) a batch: checked, its cache allocated."""
         s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
+        if join is not None:
+            _check_join(self.model.config, prompt, mode, s, capacity)
         batched = is_batch(prompt)
         ids = []
         for r, one in enumerate(prompt if batched else [prompt]):
@@ -240,19 +243,28 @@ class Engine:
                 if not batched:
                     raise
                 raise GenerationError(f"prompt {r} of the batch: {e}") from e
-        check_memory(self.model, max(map(len, ids)) + max_new_tokens, len(ids))
-        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched)
+        length = max(max(map(len, ids)) + max_new_tokens, capacity or 0)
+        check_memory(self.model, length, len(ids))
+        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched, join, length)
 
     # ---------------------------------------------------------------- generation
     def stream(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
                thinking: bool | None = None, settings: SamplerSettings | None = None,
+               join: Callable[[int], list] | None = None, capacity: int | None = None,
                **sampler: Any) -> Iterator[StreamUpdate]:
         """Like :meth:`generate`, yielding a :class:`StreamUpdate` per denoising step ("step":
         provisional tokens of the current block), per committed block ("commit") and one "done"
         whose ``result`` is the GenerationResult. Requests are checked before the first update.
         A list of prompts streams a batch: updates carry their ``row``, a "done" per row as it
-        ends, and a last "batch" update whose ``result`` is the :class:`BatchResult`."""
-        return self._drive(self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True))
+        ends, and a last "batch" update whose ``result`` is the :class:`BatchResult`.
+
+        ``join`` (a batch in diffusion mode, without a coreset): rows join the running batch at
+        block boundaries. At each, ``join(room)`` returns the token-id prompts (of at most
+        ``room`` tokens) that join now, with this request's settings; they become rows
+        ``len(prompts)``, ``len(prompts) + 1``, ... in the order given. ``capacity``: positions
+        per row of the cache (a joining prompt plus ``max_new_tokens`` must fit in it)."""
+        return self._drive(self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True,
+                                       join=join, capacity=capacity))
 
     def _drive(self, run: Run) -> Iterator[StreamUpdate]:
         # no inference_mode around the yields: it would leak into the consumer's code between updates
@@ -332,6 +344,20 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
     except (TypeError, ValueError) as e:
         raise loading.CheckpointError(f"{path}/generation_config.json: {e}") from None
     return engine
+
+
+def _check_join(config, prompt, mode: str, s: SamplerSettings, capacity) -> None:
+    """Rows join a batch in block diffusion without a coreset (a coreset is shared by the rows of
+    a block), within a cache of ``capacity`` positions per row."""
+    if not is_batch(prompt):
+        raise GenerationError("join: rows join a batch; pass the prompts as a list")
+    if mode != "diffusion" or s.coreset_size:
+        raise GenerationError(f"join: rows join block-diffusion batches without an expert coreset, not mode={mode!r} "
+                              f"coreset_size={s.coreset_size!r}")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or not 1 <= capacity <= config.max_position_embeddings):
+        raise GenerationError(f"capacity={capacity!r}: expected positions per row in [1, "
+                              f"max_position_embeddings={config.max_position_embeddings}]")
 
 
 def _planner(device_map, max_memory, coreset_size, pin_memory):
