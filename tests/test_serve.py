@@ -141,6 +141,32 @@ def test_concurrent_streams_each_equal_their_single_request(server, refs, n):
     assert metric(base, "clover_batches_total") - batches < n  # they shared batches
 
 
+def test_requests_join_the_running_batch_at_block_boundaries(server, refs):
+    base = server[0]
+    joined, batches = metric(base, "clover_joined_rows_total"), metric(base, "clover_batches_total")
+    late, texts = PROMPTS[1:4], {}
+
+    def ask(prompt):
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 20}
+        texts[prompt] = httpx.post(base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in late]
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 20, "stream": True}
+    text = ""
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+                if '"committed"' in line and not threads[0].is_alive() and not texts:
+                    for t in threads:  # the first block is in: the others arrive while it runs
+                        t.start()
+    for t in threads:
+        t.join(120)
+    assert text == refs[(PROMPTS[0], 20)] and texts == {p: refs[(p, 20)] for p in late}
+    assert metric(base, "clover_joined_rows_total") > joined  # at least one joined the running batch
+    assert metric(base, "clover_batches_total") - batches < 1 + len(late)
+
+
 def test_a_client_that_leaves_frees_its_row(server, client, refs):
     base, app = server
     scheduler = app.state.scheduler

@@ -17,6 +17,8 @@ class Metrics:
         self.forwards = Counter("clover_forwards", "model forwards after the prefill (one serves every row "
                                 "of a batch)", registry=r)
         self.batches = Counter("clover_batches", "batches run", registry=r)
+        self.joined = Counter("clover_joined_rows", "rows that joined a running batch at a block boundary",
+                              registry=r)
         self.tokens_per_forward = Gauge("clover_tokens_per_forward", "generated tokens per forward, over every "
                                         "batch so far", registry=r)
         self.queue = Gauge("clover_queue_length", "prompts waiting for a batch", registry=r)

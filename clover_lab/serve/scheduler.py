@@ -4,7 +4,10 @@ thread that runs it), a bounded queue in front of it, and batches.
 At each start the worker takes the oldest waiting job and every waiting job that can share its
 batch (``Job.key``: the same mode, length, stop strings, sampler settings and block size), up to
 ``max_batch`` rows, and runs them as one batched ``engine.stream``: the rows share every forward
-and each leaves as it ends. Greedy float32 rows give the tokens each prompt gives alone, so what
+and each leaves as it ends. In block diffusion (without a coreset) jobs of that key that arrive
+meanwhile join the running batch at its next block boundary (``Engine.stream``'s ``join``), into
+a cache of ``capacity`` positions per row; a job of another key waits for the batch to end, and
+each batch is bounded by its length. Greedy float32 rows give the tokens each prompt gives alone, so what
 else is in the batch never changes a response. A job whose client went away is stopped at its
 next denoising step (a ``denoise.step`` hook stops its row; in AR, ``block.commit``) and its row
 leaves the batch. A full queue refuses new jobs (HTTP 429); a closing scheduler refuses them too
@@ -24,12 +27,16 @@ from .jobs import Job, RequestError
 from .metrics import Metrics
 
 
+DEFAULT_CAPACITY = 4096  # positions per row of a batch that jobs join
+
+
 class Scheduler:
     def __init__(self, engine, max_batch: int = 32, max_queue: int = 256, metrics: Metrics | None = None,
-                 traces: "TraceStore | None" = None):
+                 traces: "TraceStore | None" = None, capacity: int | None = None):
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch}, {max_queue}")
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
+        self.capacity = capacity or min(engine.model.config.max_position_embeddings, DEFAULT_CAPACITY)
         self.metrics = metrics or Metrics()
         self.traces = traces or TraceStore()
         self._cv = threading.Condition()
@@ -117,6 +124,8 @@ class Scheduler:
                 event.stop()
 
         traced = first.trace_points is not None  # a traced job runs alone (Job.key)
+        joins = first.mode == "diffusion" and not first.settings.coreset_size and not traced
+        longest = max(len(job.prompt_ids) for job in batch) + first.max_new_tokens
         block_size = engine.block_size
         self.running = len(batch)
         self.metrics.running.set(len(batch))
@@ -126,20 +135,22 @@ class Scheduler:
                     (engine.capture(first.trace_points, to="cpu") if traced else nullcontext()) as capture:
                 stream = engine.stream([job.prompt_ids for job in batch], mode=first.mode,
                                        max_new_tokens=first.max_new_tokens, stop=first.stop or None,
-                                       settings=first.settings)
+                                       settings=first.settings, join=self._joining(batch) if joins else None,
+                                       capacity=max(longest, self.capacity) if joins else None)
                 for update in stream:
                     if update.kind == "batch":
                         self.metrics.batch(update.result)
                         continue
                     job = batch[update.row]
+                    if update.kind == "done":
+                        with self._cv:
+                            self.running -= 1
+                        self.metrics.running.set(self.running)
                     if job.cancelled.is_set() or (update.kind == "step" and not job.provisional):
                         continue
                     job.send(update)
-                    if update.kind == "done":
-                        self.running -= 1
-                        self.metrics.running.set(self.running)
-                        if not traced:
-                            job.send(None)
+                    if update.kind == "done" and not traced:
+                        job.send(None)
             if traced:
                 self.traces.add(first.id, capture, {"request": first.id})
                 first.send(None)
@@ -150,6 +161,27 @@ class Scheduler:
             engine.block_size = block_size
             self.running = 0
             self.metrics.running.set(0)
+
+
+    def _joining(self, batch: list[Job]):
+        """``Engine.stream``'s join source: waiting jobs of the batch's key whose prompts fit,
+        while the batch has rows free; they are appended to ``batch`` (their row indices)."""
+        key = batch[0].key()
+
+        def join(room: int) -> list[list[int]]:
+            with self._cv:
+                free = self.max_batch - self.running
+                jobs = [job for job in self._waiting if job.key() == key and len(job.prompt_ids) <= room][:free]
+                for job in jobs:
+                    self._waiting.remove(job)
+                self.metrics.queue.set(len(self._waiting))
+                self.running += len(jobs)
+                self.metrics.running.set(self.running)
+                self.metrics.joined.inc(len(jobs))
+            batch.extend(jobs)
+            return [job.prompt_ids for job in jobs]
+
+        return join
 
 
 class TraceStore:
