@@ -7,11 +7,15 @@ by round so that drift in machine load hits them alike; the table gives the best
 tokens per second (every row's new tokens over the wall time), its ratio to batch 1, the
 forwards run, and whether every batch gave the tokens of batch 1 (greedy; in float32, the
 default: in bf16 a batch's GEMMs round differently from a single row's, and a near tie can
-go the other way). Prints a table and writes JSON to bench/results/. A benchmark, not a test.
+go the other way). ``--compiled`` adds a column: the same batches with
+``engine.compile_steps = True`` (the runner's static steps through torch.compile, for any number
+of rows), timed in the same rounds once every shape is warm, its speed over the eager batch's
+and whether it gave the eager batch's tokens. Prints a table and writes JSON to bench/results/.
+A benchmark, not a test.
 
     python bench/bench_batch.py [--model default|DIR] [--preset clover-tiny] [--prompts 16]
                                 [--batch-sizes 1 4 16] [--max-new-tokens 64] [--threshold 0.9]
-                                [--rounds 2] [--threads 2] [--device cpu] [--out DIR]
+                                [--rounds 2] [--threads 2] [--device cpu] [--compiled] [--out DIR]
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--modes", nargs="+", default=["diffusion", "ar"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time every batch with engine.compile_steps = True (a compiled column)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
     if any(b < 1 or args.prompts % b for b in args.batch_sizes):
@@ -91,24 +97,34 @@ def generate_all(engine: Engine, prompts, batch_size: int, mode: str, args):
 
 
 def measure(engine: Engine, prompts, mode: str, args) -> list[dict]:
-    for b in args.batch_sizes:  # warm-up: every batch size's shapes once
-        generate_all(engine, prompts[:b], b, mode, args)
-    best: dict[int, tuple] = {}
+    paths = [False, True] if args.compiled else [False]  # compile_steps: eager batches, compiled ones
+    for compiled in paths:  # warm-up: every batch size's shapes once (the compiled steps compile here)
+        engine.compile_steps = compiled
+        for b in args.batch_sizes:
+            generate_all(engine, prompts[:b], b, mode, args)
+    best: dict[tuple, tuple] = {}
     for _ in range(args.rounds):
         for b in args.batch_sizes:
-            seconds, tokens, forwards = generate_all(engine, prompts, b, mode, args)
-            if b not in best or seconds < best[b][0]:
-                best[b] = (seconds, tokens, forwards)
-    base_tokens = best[min(args.batch_sizes)][1]
+            for compiled in paths:  # side by side, in the same round
+                engine.compile_steps = compiled
+                seconds, tokens, forwards = generate_all(engine, prompts, b, mode, args)
+                if (b, compiled) not in best or seconds < best[b, compiled][0]:
+                    best[b, compiled] = (seconds, tokens, forwards)
+    engine.compile_steps = False
+    base_tokens = best[min(args.batch_sizes), False][1]
     new = sum(len(t) for t in base_tokens)
-    base_tps = new / best[min(args.batch_sizes)][0]
+    base_tps = new / best[min(args.batch_sizes), False][0]
     rows = []
     for b in args.batch_sizes:
-        seconds, tokens, forwards = best[b]
+        seconds, tokens, forwards = best[b, False]
         tps = sum(len(t) for t in tokens) / seconds
-        rows.append(dict(mode=mode, batch_size=b, seconds=seconds, new_tokens=sum(len(t) for t in tokens),
-                         forwards=forwards, tokens_per_second=tps, ratio=tps / base_tps,
-                         same_tokens=tokens == base_tokens))
+        row = dict(mode=mode, batch_size=b, seconds=seconds, new_tokens=sum(len(t) for t in tokens),
+                   forwards=forwards, tokens_per_second=tps, ratio=tps / base_tps, same_tokens=tokens == base_tokens)
+        if args.compiled:
+            c_seconds, c_tokens, _ = best[b, True]
+            row.update(compiled_seconds=c_seconds, compiled_tokens_per_second=sum(len(t) for t in c_tokens) / c_seconds,
+                       compiled_ratio=seconds / c_seconds, compiled_same_tokens=c_tokens == tokens)
+        rows.append(row)
     return rows
 
 
@@ -127,11 +143,14 @@ def main(argv=None) -> int:
     table = Table(title=f"batched generation: {name} ({args.dtype}) on {args.device}, {args.prompts} prompts of 24-64 tokens, "
                         f"{args.max_new_tokens} new tokens, threshold {args.threshold}, {torch.get_num_threads()} "
                         f"threads, best of {args.rounds}")
-    for col in ("mode", "batch", "seconds", "tokens/s", "vs batch 1", "forwards", "same tokens"):
+    compiled_cols = ("compiled tokens/s", "compiled vs eager", "compiled same tokens") if args.compiled else ()
+    for col in ("mode", "batch", "seconds", "tokens/s", "vs batch 1", "forwards", "same tokens") + compiled_cols:
         table.add_column(col, justify="right")
     for r in rows:
+        compiled = ((f"{r['compiled_tokens_per_second']:.1f}", f"{r['compiled_ratio']:.2f}x",
+                     "yes" if r["compiled_same_tokens"] else "NO") if args.compiled else ())
         table.add_row(r["mode"], str(r["batch_size"]), f"{r['seconds']:.2f}", f"{r['tokens_per_second']:.1f}",
-                      f"{r['ratio']:.2f}x", str(r["forwards"]), "yes" if r["same_tokens"] else "NO")
+                      f"{r['ratio']:.2f}x", str(r["forwards"]), "yes" if r["same_tokens"] else "NO", *compiled)
     Console(width=140).print(table)
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
@@ -145,7 +164,7 @@ def main(argv=None) -> int:
         "threads": torch.get_num_threads(), "args": vars(args), "rows": rows,
     }, indent=2) + "\n")
     print(f"wrote {path}")
-    return 0 if all(r["same_tokens"] for r in rows) else 1
+    return 0 if all(r["same_tokens"] and r.get("compiled_same_tokens", True) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -391,3 +391,79 @@ def test_a_model_hook_attached_mid_batch_moves_the_rows_to_the_eager_forward(tin
     handles[0].remove()
     assert_rows_equal(results, want)
     assert seen and all(rows is None or len(rows) <= 3 for rows in seen)  # no padding row in an event
+
+
+# --------------------------------------------------------------------------- the decoding seam (issue 24)
+def test_a_new_decoding_policy_needs_no_loop_change(tiny_engine):
+    """A rule of its own through ``engine.policy``: one position per step, left to right, with a
+    memo of the block's logits over its steps; batched rows each get their own blocks and memos."""
+    import torch
+
+    from clover_lab.engine.policy import DecodingPolicy, Proposal
+
+    class LeftToRight(DecodingPolicy):
+        def __init__(self):
+            self.memos = []
+
+        def begin_block(self, row, block):
+            self.memos.append([])
+            return self.memos[-1]
+
+        def propose(self, row, block, logits, finish):
+            block.memo.append(logits.shape[0])  # N masked positions this step
+            unmask = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+            unmask[0] = True
+            return Proposal(logits.argmax(-1), logits.softmax(-1).amax(-1), unmask | finish)
+
+    want = tiny_engine.generate(PROMPTS[0], **KW).token_ids  # today's rule, the default
+    policy = tiny_engine.policy = LeftToRight()
+    with tiny_engine.capture("denoise.step") as cap:
+        batch = tiny_engine.generate(PROMPTS[:2], **KW)
+    for r in batch:
+        assert r.stats.steps_per_block == [16, 16, 8] and len(r.token_ids) == 40
+    assert [rec["unmask"] for rec in cap["denoise.step"] if rec.row == 0][:3] == [[0], [1], [2]]
+    assert policy.memos[0] == list(range(16, 0, -1)) and len(policy.memos) == 2 * 3  # rows x blocks
+
+    class Idle(DecodingPolicy):
+        def propose(self, row, block, logits, finish):
+            return Proposal(logits.argmax(-1), logits.amax(-1), torch.zeros_like(logits[:, 0], dtype=torch.bool))
+
+    tiny_engine.policy = Idle()
+    with pytest.raises(GenerationError, match="Idle.propose: block 0, step 0: a step must unmask at least one"):
+        tiny_engine.generate(PROMPTS[0], **KW)
+    with pytest.raises(ValueError, match="policy must be a DecodingPolicy"):
+        tiny_engine.policy = "threshold"
+    from clover_lab.engine.policy import ThresholdPolicy
+
+    tiny_engine.policy = ThresholdPolicy()
+    assert tiny_engine.generate(PROMPTS[0], **KW).token_ids == want  # the engine stays usable
+
+
+# --------------------------------------------------------------------------- which path ran (issue 24)
+def test_the_stats_say_which_path_ran_and_why(tiny_engine):
+    tiny_engine.step_graphs = False
+    off = tiny_engine.generate(PROMPTS[0], **KW)
+    assert off.stats.path == "eager: engine.step_graphs is False"
+    tiny_engine.step_graphs = None  # a CPU without compile_steps
+    assert tiny_engine.generate(PROMPTS, **KW).stats.path.startswith("eager: on a CPU the fast path takes")
+    tiny_engine.step_graphs = True
+    fast = tiny_engine.generate(PROMPTS, **KW)
+    assert fast.stats.path == "static" and all(r.stats.path == "static" for r in fast)
+    with tiny_engine.hooks({"layers.2.moe.route": lambda e: None}):
+        hooked = tiny_engine.generate(PROMPTS[0], mode="ar", max_new_tokens=4)
+    assert hooked.stats.path == "eager: a hook on layers.2.moe.route"
+    assert [r.token_ids for r in fast] == [r.token_ids for r in tiny_engine.generate(PROMPTS, **KW)]
+
+
+def test_speed_view_shows_which_path_ran(view_engine):
+    from clover_lab.widgets import SpeedView
+
+    view = SpeedView(view_engine, fps=1000)
+    try:
+        view_engine.step_graphs = False
+        view.add_result(view_engine.generate("w5 w17", max_new_tokens=8, threshold=0.3))
+        assert view.summary()[-1]["path"] == "eager: engine.step_graphs is False"
+        assert "eager: engine.step_graphs is False" in view.table_html(view.summary())
+    finally:
+        view_engine.step_graphs = None
+        view.close()

@@ -1,11 +1,15 @@
-"""The engine: the front door (``engine.py``), the block-diffusion loop (``diffusion.py``), the AR
-loop (``ar.py``), one generation's state (``run.py``), request checks (``requests.py``), static
-steps, CUDA graphs and torch.compile (``runner.py``), what a generation returns (``results.py``),
-and batched generation (``batch.py``: rows sharing forwards; ``batch_loops.py``: their loops)."""
+"""The engine: the front door (``engine.py``), one generation's rows (``run.py``: a single
+prompt is a batch of one), the block-diffusion loop (``diffusion.py``) and the AR loop
+(``ar.py``), each written once, the decoding seam (``policy.py``), the runner (``runner.py``:
+the only caller of the model, it owns the cache and picks per step a static step or the eager
+forward), static steps, CUDA graphs and torch.compile (``graphs.py``), request checks
+(``requests.py``), where non-finite logits came from (``faults.py``) and what a generation
+returns (``results.py``, ``batch.py``)."""
 from .batch import BatchResult, BatchStats
 from .engine import Engine, load
+from .policy import DecodingPolicy, Proposal, ThresholdPolicy
 from .requests import GenerationError
 from .results import GenerationResult, GenerationStats, StreamUpdate
 
-__all__ = ["BatchResult", "BatchStats", "Engine", "load", "GenerationError", "GenerationResult", "GenerationStats",
-           "StreamUpdate"]
+__all__ = ["BatchResult", "BatchStats", "DecodingPolicy", "Engine", "load", "GenerationError", "GenerationResult",
+           "GenerationStats", "Proposal", "StreamUpdate", "ThresholdPolicy"]

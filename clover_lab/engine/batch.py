@@ -26,6 +26,7 @@ class BatchStats:
     total_seconds: float = 0.0
     tokens_per_second: float = 0.0
     stop_reasons: list[str] = field(default_factory=list)
+    path: str | None = None  # which path the shared forwards took (GenerationStats.path)
 
     def to_dict(self) -> dict:
         return asdict(self)

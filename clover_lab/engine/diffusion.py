@@ -24,11 +24,11 @@ from typing import Iterator
 
 import torch
 
-from .. import sampling
 from ..hooks import points
 from ..hooks.events import StepEvent
 from ..hooks.registry import HookError, StopGeneration
 from .faults import check_logits, collapsed, logits_health
+from .requests import GenerationError
 from .results import StreamUpdate
 
 
@@ -47,6 +47,7 @@ class Block:
         self.step = 0
         # without hooks a block never needs more than its length in steps (each unmasks >= 1)
         self.limit = min(max_steps or length, length)
+        self.memo = None  # the decoding policy's own, per row and block (DecodingPolicy.begin_block)
 
     def __len__(self) -> int:
         return len(self.host)
@@ -119,6 +120,8 @@ class BlockLoop:
                 index = row.stats.blocks + (row.pending is not None)
                 blocks[r] = Block(index, min(engine.block_size, run.max_new - produced[r]), engine.mask_token_id,
                                   run.device, run.s.max_steps_per_block)
+            for r, block in blocks.items():
+                block.memo = run.policy.begin_block(run.rows[r], block)
             if self.coreset is not None:
                 self.coreset.reset()
             yield from self.resolve(blocks)
@@ -163,7 +166,7 @@ class BlockLoop:
             logits = run.preview(rows, canvas, run.where("decode", at.index, at.step, rows=rows), positions=one)
         for i, r in enumerate(rows):
             block = blocks[r]
-            if r not in run.active or not block.masked:  # a commit hook ended the row
+            if r not in run.active:  # a commit hook ended the row
                 continue
             idx = block.masked_index()
             mine = logits[i:i + 1] if idx is None or one is not None else logits[i:i + 1, idx]
@@ -231,15 +234,17 @@ class BlockLoop:
 
 # --------------------------------------------------------------------------- one denoising step
 def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | None) -> tuple[list[int], bool]:
-    """Decide, let ``denoise.step`` hooks change the decision, apply it to the canvas and the
-    host copy. ``logits`` [1, N, V] at the masked positions ``idx`` (None: all). Returns (the
-    positions unmasked, whether a hook asked to stop)."""
+    """The row's policy decides, ``denoise.step`` hooks may change the decision, and it is
+    applied to the canvas and the host copy. ``run``: the row; ``logits`` [1, N, V] at the
+    masked positions ``idx`` (None: all). Returns (the positions unmasked, whether a hook asked
+    to stop)."""
     mask_id = run.engine.mask_token_id
     logits = logits[0].float()  # [N, V]
     flat = collapsed(logits)  # before the mask column is -inf
     logits[:, mask_id] = float("-inf")  # the mask token is never a candidate
-    force = block.step + 1 >= block.limit
-    cand, conf, flags = sampling.decide(logits, run.counts, run.s, run.generator, force_all=force)
+    finish = run.policy.finishes_block(run, block)
+    proposal = run.policy.propose(run, block, logits, finish)  # the decoding rule (policy.py)
+    cand, conf, flags = proposal.tokens, proposal.confidences, proposal.unmask
     # the one host transfer per step: decision, candidates, and whether the logits could be used
     # (NaN or inf logits make their row's confidence NaN, equal ones carry no answer: argmax would
     # pick token 0 either way)
@@ -247,6 +252,10 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     host = torch.cat([flags.long(), cand, logits_health(flat, conf).reshape(1)]).tolist()
     flags_host, cand_host = host[:N], host[N:2 * N]
     check_logits(run, host[2 * N], f"block {block.index}, step {block.step}", block.canvas)
+    if finish and not all(flags_host) or not any(flags_host):
+        raise GenerationError(f"{type(run.policy).__name__}.propose: block {block.index}, step {block.step}: "
+                              f"{'the last step must unmask every' if finish else 'a step must unmask at least one'} "
+                              f"masked position ({sum(map(bool, flags_host))} of {N})")
     unmask = [block.masked[i] for i, f in enumerate(flags_host) if f]
     chosen = dict(zip(block.masked, cand_host))
     overrides: dict[int, int] = {}
@@ -308,8 +317,9 @@ def fire_step(run, block: Block, cand, conf, unmask: list[int], logits) -> tuple
     unmask, overrides = checked_decision(event, block.masked, run.model.config.vocab_size, run.engine.mask_token_id)
     bound = len(block)  # the block's real length, not engine.block_size: a short block is bounded as tightly
     if block.step + 1 > block.limit + bound and unmask != block.masked:
+        row = "" if getattr(run, "row", None) is None else f"row {run.row}, "
         raise HookError(points.DENOISE_STEP, RuntimeError(
-            f"block {block.index}: hooks kept positions masked {bound} steps past the step limit"))
+            f"{row}block {block.index}: hooks kept positions masked {bound} steps past the step limit"))
     return unmask, overrides, event.stopped
 
 

@@ -20,17 +20,20 @@ import torch
 
 from .. import defaults as checkpoint_defaults
 from .. import loading, malloc
+from ..errors import flag
 from ..hooks.capture import Capture
 from ..load_checks import resolve_device
 from ..hooks.registry import MAX_NESTED_GENERATIONS, hook_depth
 from ..model import CloverModel
 from ..placement import plan_placement
+from ..placement.plan import check_usable
 from ..sampling import SamplerSettings
 from .ar import run_ar
 from .diffusion import run_diffusion
 from .graphs import FastPath
-from .requests import (GenerationError, check_coreset, check_memory, check_request, encode_prompt, is_batch,
-                       stop_list)
+from .policy import DecodingPolicy, ThresholdPolicy
+from .requests import (GenerationError, check_coreset, check_memory, check_mode_settings, check_request, encode_prompt,
+                       is_batch, stop_list)
 from .results import GenerationResult, StreamUpdate
 from .run import Run
 
@@ -76,14 +79,22 @@ class Engine:
         # shape on first use, then steps 2-3x faster: bench/compare_transformers.py)
         self.compile_steps = False
         self._fast_path = FastPath()
+        self.policy = ThresholdPolicy()  # which block positions a denoising step unmasks (policy.py)
 
-    def _uses_fast_path(self) -> bool:
+    def _fast_path_off(self) -> str | None:
+        """Why generations take the eager forward (what their stats' ``path`` says), or None
+        when the fast path applies."""
         placement = self.model.placement
         if placement is not None and not placement.graph_safe:  # several devices, or experts staged
-            return False
-        if self.step_graphs is not None:
-            return self.step_graphs
-        return self.model.device.type == "cuda" or self.compile_steps
+            return "the model is placed over several devices or stages experts from host memory"
+        if self.step_graphs is False:
+            return "engine.step_graphs is False"
+        if self.step_graphs is None and self.model.device.type != "cuda" and not self.compile_steps:
+            return "on a CPU the fast path takes engine.compile_steps = True (or step_graphs = True)"
+        return None
+
+    def _uses_fast_path(self) -> bool:
+        return self._fast_path_off() is None
 
     def __repr__(self):
         c = self.model.config
@@ -170,6 +181,18 @@ class Engine:
         self._compile_steps = value
 
     @property
+    def policy(self) -> DecodingPolicy:
+        """The decoding rule block diffusion asks, per row and step, which positions to unmask with
+        which tokens and when a block is done (``clover_lab.engine.policy``)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: DecodingPolicy) -> None:
+        if not isinstance(value, DecodingPolicy):
+            raise ValueError(f"policy must be a DecodingPolicy (clover_lab.engine.policy), got {type(value).__name__}")
+        self._policy = value
+
+    @property
     def block_size(self) -> int:
         return self._block_size
 
@@ -224,6 +247,7 @@ class Engine:
                                   f"{MAX_NESTED_GENERATIONS} nested generations)")
         s = SamplerSettings.from_kwargs(self.settings if settings is None else settings, **sampler)
         check_coreset(self.model.config, s.coreset_size)
+        check_mode_settings(mode, sampler)
         stop = stop_list(stop, self.tokenizer)
         return s, stop, self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
 
@@ -316,8 +340,16 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
     offloaded experts in page-locked memory. ``keep_fp8``: an FP8 checkpoint's linears and experts
     stay FP8 (default: when they run on CUDA) or are dequantized as they load. ``progress``: a
     progress bar (default: for checkpoints over 1 GB)."""
+    keep_fp8, progress, check_finite = (flag(n, v) for n, v in (("keep_fp8", keep_fp8), ("progress", progress),
+                                                               ("check_finite", check_finite)))
+    pin_memory = flag("pin_memory", pin_memory, none=False)
     if device_map is None:
         resolve_device(device)  # before anything is read: an unknown or unusable device, or meta
+        if max_memory is not None:
+            raise loading.CheckpointError("max_memory bounds the plan of device_map='auto'; without a device_map "
+                                          "it would be ignored: pass device_map='auto' too, or drop it")
+    else:
+        check_usable(device_map, max_memory)
     if path is None:
         path = os.environ.get("CLOVER_LAB_MODEL") or loading.default_model_dir()
         if path is None:
@@ -325,6 +357,13 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
                 "no default model found (looked for a model directory in "
                 + ", ".join(str(d) for d in loading.DEFAULT_MODEL_ROOTS)
                 + "); pass a model directory: clover_lab.load('path/to/model'), or set CLOVER_LAB_MODEL")
+    if coreset_size is not None:  # the argument's own error, before the weights are read
+        if isinstance(_plain_int(coreset_size), bool) or not isinstance(_plain_int(coreset_size), int):
+            raise GenerationError(f"load(coreset_size={coreset_size!r}): expected an int (or None for no coreset)")
+        try:
+            check_coreset(loading.load_config(path), _plain_int(coreset_size))
+        except GenerationError as e:
+            raise GenerationError(f"load(coreset_size={coreset_size!r}): {e}") from None
     placement = None
     if device_map is not None:
         if device is not None:
@@ -342,7 +381,9 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
         engine.settings = SamplerSettings(**defaults)
         check_coreset(model.config, engine.settings.coreset_size)
     except (TypeError, ValueError) as e:
-        raise loading.CheckpointError(f"{path}/generation_config.json: {e}") from None
+        where = "/generation_config.json" if os.path.isfile(os.path.join(path, "generation_config.json")) else \
+            " (its sampler defaults)"
+        raise loading.CheckpointError(f"{path}{where}: {e}") from None
     return engine
 
 

@@ -96,6 +96,7 @@ class StepGraphs:
         self._compiled = torch.compile(static_body, dynamic=False) if self.compile else None
         self._compiled_keys: set = set()
         self.compile_failed: str | None = None
+        self.last: str | None = None  # how the last step ran: "cuda graph", "compiled" or "static" (eager)
 
     def fits(self, length: int) -> bool:
         return length <= self.max_len
@@ -160,9 +161,12 @@ class StepGraphs:
         n = self._load_lengths(cache)  # a capture above restored the cache, and so its lengths
         if graph is None:
             out = self._compiled_step(key, ids, n, coreset) if self._compiled is not None else None
+            self.last = "compiled"
             if out is None:  # eager static step
                 out = static_step(self.model, cache, ids, n, c, m, commit_logits, coreset)
+                self.last = "static"
         else:
+            self.last = "cuda graph"
             g, static_ids, static_out = graph
             static_ids.copy_(ids)
             g.replay()

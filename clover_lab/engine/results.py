@@ -40,6 +40,9 @@ class GenerationStats:
     block_size: int | None = None
     coreset_size: int | None = None
     cache_complete: bool = True  # the cache holds prompt + every returned token
+    # which path the forwards after the prefill took ("cuda graph", "compiled", "static" steps, or
+    # "eager: why"), with counts when it changed during the run (engine/runner.py)
+    path: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -39,6 +39,7 @@ class Run:
         self.device = model.device
         self.max_new = max_new_tokens
         self.hooks = model.hooks.view()
+        self.policy = engine.policy  # the decoding rule (policy.py), for every row
         self.t0 = time.perf_counter()
         self.t_decode = self.t0
         self.stop, self.join = stop, join  # join: rows joining at block boundaries (Engine.stream)
@@ -167,6 +168,7 @@ class Run:
         st.decode_seconds = end - self.t_decode
         st.total_seconds = end - self.t0
         st.tokens_per_second = st.new_tokens / st.decode_seconds if st.decode_seconds > 0 else 0.0
+        st.path = self.runner.path()
         self.result = BatchResult(results, st)
         if self.emit and self.batched:
             yield StreamUpdate("batch", index, None, [], [], result=self.result)
@@ -180,6 +182,7 @@ class Row:
         self.run, self.index, self.prompt_ids = run, index, prompt_ids
         self.row = index if run.batched else None  # the request row events and errors name
         self.engine, self.model, self.s, self.hooks, self.device = engine, run.model, s, run.hooks, run.device
+        self.policy = run.policy
         self.seed = s.seed if s.seed is not None else random.SystemRandom().randrange(2**63)
         self.generator = None if s.greedy else torch.Generator(device=self.device).manual_seed(self.seed)
         self.counts = (torch.zeros(self.model.config.vocab_size, device=self.device, dtype=torch.float32)
@@ -190,7 +193,7 @@ class Row:
         self.stats = GenerationStats(mode=run.mode, prompt_tokens=len(prompt_ids),
                                      seed=s.seed if s.greedy else self.seed,
                                      block_size=engine.block_size if run.mode == "diffusion" else None,
-                                     coreset_size=s.coreset_size or None)
+                                     coreset_size=(s.coreset_size or None) if run.mode == "diffusion" else None)
         self.committed: list[int] = []  # final response tokens
         self.pending: tuple[list[int], int] | None = None  # a finished block waiting for its fused commit, its steps
         self.result: GenerationResult | None = None
@@ -237,6 +240,7 @@ class Row:
             torch.cuda.synchronize(self.device)
         self.stats.stop_reason = reason
         self.stats.new_tokens = len(self.committed)
+        self.stats.path = self.run.runner.path()
         self.clock.fill(self.stats, self.run.t0, self.run.t_decode)
         text = None
         tok = self.engine.tokenizer

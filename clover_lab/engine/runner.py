@@ -28,9 +28,13 @@ class Runner:
         model = engine.model
         self.model, self.hooks = model, run.hooks
         self.coreset: Coreset | None = None
+        self.off = engine._fast_path_off()  # why this generation has no fast path, or None
+        self.paths: dict[str, int] = {}  # which path the forwards after the prefill took -> how many
         try:
-            self.graphs = engine._fast_path.acquire(run, model, length, engine._uses_fast_path(),
+            self.graphs = engine._fast_path.acquire(run, model, length, self.off is None,
                                                     engine.compile_steps and model.device.type != "cuda")
+            if self.graphs is None and self.off is None:
+                self.off = "another generation holds the fast path (a stream left open?)"
             if self.graphs is not None:
                 self.cache = self.graphs.reset(bucket(rows))
             else:
@@ -47,6 +51,22 @@ class Runner:
     def fast(self) -> bool:
         """Take the static step: the fast path applies and no hook is inside the model right now."""
         return self.graphs is not None and not self.hooks.model_hooks_attached()
+
+    def path(self) -> str | None:
+        """Which path the forwards took, and why the eager forward where it ran: "compiled",
+        "eager: a hook on layers.2.moe.route", or each with its count when they changed."""
+        if len(self.paths) <= 1:
+            return next(iter(self.paths), None)
+        return "; ".join(f"{label} ({n} forwards)" for label, n in self.paths.items())
+
+    def _took(self, fast: bool, why: str | None = None) -> None:
+        if fast:
+            label = self.graphs.last
+        else:
+            hooked = self.hooks.model_points() if self.graphs is not None and why is None else []
+            label = "eager: " + ((why or self.off) if not hooked else "a hook on " + ", ".join(hooked[:3])
+                                 + (f" and {len(hooked) - 3} more points" if len(hooked) > 3 else ""))
+        self.paths[label] = self.paths.get(label, 0) + 1
 
     def new_coreset(self, size: int | None) -> Coreset | None:
         """The generation's expert coreset (on the fast path, the one whose buffers its steps share)."""
@@ -112,10 +132,14 @@ class Runner:
         c = 0 if pending is None else pending.shape[1]
         ids = canvas if pending is None else torch.cat([pending, canvas], dim=1)
         with self.hooks.applied():
-            if self.fast() and (not c or rows == self.rows):  # a static step commits every row of its cache
+            some = bool(c) and rows != self.rows  # a static step commits every row of its cache
+            if self.fast() and not some:
                 logits = self._static(rows, ids, c, canvas.shape[1])[1]
+                self._took(True)
                 return logits if positions is None else logits[:, positions]
-            return self._eager(rows, ids, c, canvas.shape[1], where, None, positions).preview_logits
+            logits = self._eager(rows, ids, c, canvas.shape[1], where, None, positions).preview_logits
+            self._took(False, "a fused commit of some rows (rows joined since)" if some and self.fast() else None)
+            return logits
 
     def commit(self, rows: list[int], ids: torch.Tensor, where, logits: str | None = None) -> torch.Tensor | None:
         """Commit ``ids`` [R, c] (a token or a block per row); the last row's logits [R, 1, V] when
@@ -126,8 +150,13 @@ class Runner:
                 index = [self.slots.index(r) for r in rows]
                 return self.model.commit(self.cache.select(index), ids, logits=logits, where=where)
             if ids.shape[1] == 1 and self.fast():
-                return self._static(rows, ids, 1, 0, commit_logits=True)[0]
-            return self._eager(rows, ids, ids.shape[1], 0, where, logits, None).commit_logits
+                out = self._static(rows, ids, 1, 0, commit_logits=True)[0]
+                self._took(True)
+                return out
+            out = self._eager(rows, ids, ids.shape[1], 0, where, logits, None).commit_logits
+            if ids.shape[1] == 1 or self.graphs is None:  # a block's own commit is eager by design
+                self._took(False)
+            return out
 
     def _static(self, rows, ids, c: int, m: int, commit_logits: bool = False):
         self._arrange(fast=True)

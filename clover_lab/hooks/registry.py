@@ -21,7 +21,7 @@ import itertools
 from contextlib import contextmanager
 from typing import Callable, Iterable
 
-from ..errors import CloverError
+from ..errors import CloverError, InputError
 from .points import is_model_point
 
 # how deeply hook calls are nested in this context (a hook that generates fires hooks again):
@@ -42,6 +42,13 @@ class HookError(CloverError, RuntimeError):
     def __init__(self, point: str, error: BaseException):
         super().__init__(f"hook on {point!r} raised {type(error).__name__}: {error}")
         self.point = point
+
+
+class UnknownPointError(InputError, KeyError):
+    """A hook point name or pattern that names no point of the model (still a KeyError)."""
+
+    def __str__(self) -> str:  # the message, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
 
 
 class StopGeneration(Exception):
@@ -108,6 +115,10 @@ class HookView:
     def model_hooks_attached(self) -> bool:
         return self.registry._model_hooks(self.scopes)
 
+    def model_points(self) -> list[str]:
+        """The points inside the model's forward that have hooks here, sorted."""
+        return self.registry._model_points(self.scopes)
+
     def applied(self) -> "_Applied":
         """``with view.applied():`` model events inside fire this view's hooks."""
         return _Applied(self.registry, self.scopes)
@@ -150,13 +161,13 @@ class HookRegistry:
     def resolve(self, pattern: str) -> list[str]:
         """The known points a name or pattern refers to; unknown names are an error."""
         if not isinstance(pattern, str):
-            raise TypeError(f"a hook point is named by a string, got {type(pattern).__name__} {pattern!r}")
+            raise InputError(f"a hook point is named by a string, got {type(pattern).__name__} {pattern!r}")
         if pattern in self.points:
             return [pattern]
         hits = fnmatch.filter(self.points, pattern)
         if not hits:
             sample = ", ".join(self.points[:6]) + (", ..." if len(self.points) > 6 else "")
-            raise KeyError(f"unknown hook point {pattern!r}; known points look like: {sample}")
+            raise UnknownPointError(f"unknown hook point {pattern!r}; known points look like: {sample}")
         return hits
 
     # ---------------------------------------------------------------- registering
@@ -239,7 +250,7 @@ class HookRegistry:
             for _, fn in calls:
                 try:
                     fn(event)
-                except StopGeneration:
+                except (StopGeneration, HookError):  # a HookError already names its hook: not wrapped again
                     raise
                 except Exception as e:  # noqa: BLE001 - re-raised with the point's name
                     raise HookError(name, e) from e
@@ -250,6 +261,13 @@ class HookRegistry:
         if any(is_model_point(name) for name in list(self._fns)):
             return True
         return any(s.open and any(is_model_point(name) for name in s.fns) for s in scopes)
+
+    def _model_points(self, scopes: tuple[_Scope, ...]) -> list[str]:
+        names = {name for name in list(self._fns) if is_model_point(name)}
+        for s in scopes:
+            if s.open:
+                names.update(name for name in s.fns if is_model_point(name))
+        return sorted(names)
 
     def active(self, name: str) -> bool:
         """Whether a hook on ``name`` applies here (permanent, or scoped in this context)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 
+from ..engine.requests import settings_for_mode
 from ..hooks import points
 from .base import View, figure_html, weak_callback
 
@@ -104,7 +105,8 @@ class SpeedView(View):
         out = {}
         try:
             for mode in modes:
-                res = engine.generate(prompt, mode=mode, max_new_tokens=max_new_tokens, **sampler)
+                res = engine.generate(prompt, mode=mode, max_new_tokens=max_new_tokens,
+                                      **settings_for_mode(mode, sampler))
                 self.add_result(res)
                 out[mode] = res
         finally:
@@ -162,7 +164,8 @@ class SpeedView(View):
     def summary(self, state=None) -> list[dict]:
         """One row per run: mode, tokens, forwards, tokens/s, tokens per forward, steps per block,
         seconds per preview step and per fused commit+preview step (live estimates), and the
-        engine's own figures when the result was added."""
+        engine's own figures when the result was added, the path its forwards took among them
+        (the fast path or the eager forward, and why: SpeedView never times the eager path unsaid)."""
         rows = []
         for r in (state or self._live)["runs"].values():
             st = r["stats"] or {}
@@ -182,6 +185,7 @@ class SpeedView(View):
                 "prefill s": st.get("prefill_seconds"),
                 "preview s": st.get("preview_seconds"),
                 "commit s": st.get("commit_seconds"),
+                "path": st.get("path"),  # which forward ran (engine/runner.py): "compiled", "eager: a hook on ..."
             })
         return rows
 

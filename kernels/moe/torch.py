@@ -36,6 +36,8 @@ def moe_experts(
         return x.new_zeros(T, H)
     if x.device.type == "cpu":
         if torch.compiler.is_compiling():
+            if T * k > TRACED_PAIRS_PER_EXPERT * E:  # a batch's block: the grouped GEMMs, opaque to the trace
+                return _moe_experts_grouped(x, expert_ids, weights, gate_up, down)
             return _moe_experts_traced(x, expert_ids, weights, gate_up, down)
         return _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed)
     order, offsets = group_by_expert(expert_ids, E)
@@ -66,6 +68,25 @@ def _moe_experts_traced(x, expert_ids, weights, gate_up, down):
     act = F.silu(h[:, :I]) * h[:, I:]
     y = (down[flat] * act[:, None, :]).sum(-1).float() * weights.reshape(-1, 1).float()  # [T*k, H]
     return y.view(T, k, H).sum(1).to(x.dtype)
+
+
+# Under torch.compile the traced contraction reads an expert's weights once per (token, slot)
+# pair: it wins while few pairs share an expert (decode, one block), and loses to one GEMM per
+# expert hit past about this many pairs per expert (a batch of blocks: 2x slower at 64 pairs).
+TRACED_PAIRS_PER_EXPERT = 16
+
+
+@torch.library.custom_op("clover_kernels::moe_experts_grouped", mutates_args=())
+def _moe_experts_grouped(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor) -> torch.Tensor:
+    """The CPU path's grouped GEMMs as one op a compiled step calls without tracing into it (its
+    loop over the experts hit reads their count from the host, outside the traced graph)."""
+    return _moe_experts_cpu(x, expert_ids, weights, gate_up, down)
+
+
+@_moe_experts_grouped.register_fake
+def _(x, expert_ids, weights, gate_up, down):
+    return x.new_empty(x.shape)
 
 
 def _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed=None):

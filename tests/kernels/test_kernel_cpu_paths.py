@@ -156,3 +156,20 @@ def test_chunked_delta_rule_equals_the_recurrence(B, T, H, dk, dv, chunk):
         _, at_start = recurrent_gated_delta_rule(q[:, :start], k[:, :start], v[:, :start], log_decay[:, :start],
                                                  beta[:, :start], state)
         torch.testing.assert_close(before[:, i], at_start, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_experts_take_the_grouped_op_past_a_few_pairs_per_expert():
+    """Under torch.compile: few (token, slot) pairs per expert trace the contraction, many (a batch
+    of blocks) call the grouped GEMMs as an opaque op; both equal the loop."""
+    E, H, I, k = 4, 32, 24, 2
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
+    down = torch.randn(E, H, I, generator=g) * I ** -0.5
+    step = torch.compile(moe_torch.moe_experts, dynamic=False)
+    for T in (3, moe_torch.TRACED_PAIRS_PER_EXPERT * E):  # 6 pairs traced; 128 pairs > 16 per expert grouped
+        x = torch.randn(T, H, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        weights = torch.softmax(torch.randn(T, k, generator=g), -1)
+        with torch.inference_mode():
+            out = step(x, ids, weights, gate_up, down)
+        torch.testing.assert_close(out.double(), expert_loop(x, ids, weights, gate_up, down), atol=2e-5, rtol=2e-5)
