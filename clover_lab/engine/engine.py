@@ -32,8 +32,8 @@ from .ar import run_ar
 from .diffusion import run_diffusion
 from .graphs import FastPath
 from .policy import DecodingPolicy, ThresholdPolicy
-from .requests import (GenerationError, check_coreset, check_memory, check_mode_settings, check_request, encode_prompt,
-                       is_batch, stop_list)
+from .requests import (GenerationError, check_coreset, check_join, check_memory, check_mode_settings, check_request,
+                       encode_prompt, is_batch, stop_list)
 from .results import GenerationResult, StreamUpdate
 from .run import Run
 
@@ -256,7 +256,7 @@ class Engine:
         """A generation of one prompt or (a list) a batch: checked, its cache allocated."""
         s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
         if join is not None:
-            _check_join(self.model.config, prompt, mode, s, capacity)
+            check_join(self.model.config, is_batch(prompt), mode, s.coreset_size, capacity)
         batched = is_batch(prompt)
         ids = []
         for r, one in enumerate(prompt if batched else [prompt]):
@@ -385,20 +385,6 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
             " (its sampler defaults)"
         raise loading.CheckpointError(f"{path}{where}: {e}") from None
     return engine
-
-
-def _check_join(config, prompt, mode: str, s: SamplerSettings, capacity) -> None:
-    """Rows join a batch in block diffusion without a coreset (a coreset is shared by the rows of
-    a block), within a cache of ``capacity`` positions per row."""
-    if not is_batch(prompt):
-        raise GenerationError("join: rows join a batch; pass the prompts as a list")
-    if mode != "diffusion" or s.coreset_size:
-        raise GenerationError(f"join: rows join block-diffusion batches without an expert coreset, not mode={mode!r} "
-                              f"coreset_size={s.coreset_size!r}")
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                                 or not 1 <= capacity <= config.max_position_embeddings):
-        raise GenerationError(f"capacity={capacity!r}: expected positions per row in [1, "
-                              f"max_position_embeddings={config.max_position_embeddings}]")
 
 
 def _planner(device_map, max_memory, coreset_size, pin_memory):
