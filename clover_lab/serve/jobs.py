@@ -41,7 +41,8 @@ CLOVER_SAMPLER = ("threshold", "coreset_size", "confidence", "top_k", "max_token
 @dataclass(eq=False)
 class Job:
     """One prompt of a request, as the scheduler's worker runs it. ``updates`` carries the
-    engine's StreamUpdates (and a final None, or an exception) back to the request's event loop."""
+    engine's StreamUpdates (and a final None, or an exception) back to the request's event loop,
+    as (job, item) pairs: a request's jobs share one queue."""
 
     id: str
     index: int
@@ -63,9 +64,6 @@ class Job:
         traced job runs alone, so that its trace is its own."""
         alone = None if self.trace_points is None else id(self)
         return self.mode, self.max_new_tokens, tuple(self.stop), self.settings, self.block_size, alone
-
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop, self.updates = loop, asyncio.Queue()
 
     def send(self, item) -> None:
         """From the worker thread: an update (or None at the end, or an exception) to the request."""
