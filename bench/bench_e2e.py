@@ -13,7 +13,10 @@ restored outside them):
   [CUDA graph]         preview (also with the coreset), commit+preview and AR step again through
                        clover_lab.engine.runner.StepGraphs:
                        the no-hook fast path the engine takes on CUDA, one graph replay per step
-                       (on a CPU the same static-shape steps run eagerly)
+                       (on a CPU the same static-shape steps run eagerly); each such row says
+                       whether its graph was captured (graph_captured, graph_error): a failed
+                       capture relabels the row "static eager (capture failed)" and the script
+                       exits 1
   [batch N]            preview and AR step over N rows at different committed lengths (prompts
                        of --prompt-len down to half of it, as engine.generate([...]) keeps them;
                        eager, logits at every block position); tokens/s counts every row
@@ -44,6 +47,7 @@ import re
 import statistics
 import sys
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -185,6 +189,15 @@ def batch_rows(model: CloverModel, args, prompt, later, token, max_len: int, wri
     return out
 
 
+def graph_status(graphs: StepGraphs, caught) -> dict:
+    """Whether a graph row's step really replayed a captured CUDA graph: the runner falls back to
+    eager static steps (with a RuntimeWarning) when a capture fails, and on a CPU never captures."""
+    failed = [str(w.message) for w in caught if "graph capture failed" in str(w.message)]
+    captured = graphs.capture and graphs.disabled is None and not failed
+    error = graphs.disabled or (failed[0] if failed else None) or (None if graphs.capture else "no CUDA: not captured")
+    return dict(graph_captured=bool(captured), graph_error=error)
+
+
 def device_name(device) -> str:
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -284,11 +297,18 @@ def main(argv=None) -> int:
         if setting == "torch":
             os.environ["CLOVER_KERNELS"] = "torch"
         try:
-            times = timed(call, args, before)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                times = timed(call, args, before)
         finally:
             os.environ.pop("CLOVER_KERNELS", None)
             if handle is not None:
                 handle.remove()
+        for w in caught:  # seen, and passed on
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        graph = graph_status(graphs, caught) if setting == "graph" else {}
+        if graph and not graph["graph_captured"]:  # never eager times under a graph label
+            variant = variant.replace("CUDA graph", "static eager" + (" (capture failed)" if graphs.capture else ""))
         restore()
         g_restore()
         parts = roofline_bytes(model, n, c, m, logits, hit)
@@ -298,7 +318,7 @@ def main(argv=None) -> int:
                          median_s=med, min_s=min(times), times_s=times, experts_hit_per_layer=hit,
                          mean_experts_hit=sum(hit) / max(len(hit), 1), bytes=parts, total_bytes=total,
                          roofline_s=total / HBM_BYTES_PER_S, time_over_roofline=med * HBM_BYTES_PER_S / total,
-                         tokens_per_s=args.tpf / med if m and not c else None))
+                         tokens_per_s=args.tpf / med if m and not c else None, **graph))
         print(f"  {step} [{variant}]: {med * 1e3:.2f} ms", flush=True)
         write(complete=False)
 
@@ -320,6 +340,10 @@ def main(argv=None) -> int:
 
     write(complete=True)
     print(f"wrote {path}")
+    failed = [r for r in rows if r.get("graph_captured") is False and cuda]
+    if failed:  # the graph rows timed eager code: the check must not pass on them
+        print(f"bench_e2e: {len(failed)} CUDA-graph rows ran eagerly: {failed[0]['graph_error']}")
+        return 1
     return 0
 
 

@@ -8,9 +8,10 @@ reference. Prints a table and writes JSON to bench/results/ (date and device in 
 
     python bench/bench_kernels.py [--out DIR] [--repeat N] [--only gdn_commit,moe_experts]
     python bench/bench_kernels.py --interpret   # tiny CPU smoke run under TRITON_INTERPRET=1
+    python bench/bench_kernels.py --count [--interpret]   # kernels per layer of the static steps
 
 Times include the launch overhead of each call (no CUDA graphs): at batch 1 that is part of
-the real cost. Without CUDA and without --interpret the script refuses (exit 2).
+the real cost. The JSON is rewritten after every case ("complete": false until the end). Without CUDA and without --interpret the script refuses (exit 2).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for the JSON")
     p.add_argument("--repeat", type=int, default=50, help="timed calls per case (CUDA)")
     p.add_argument("--only", default="", help="comma-separated op names")
+    p.add_argument("--count", action="store_true",
+                   help="kernels per layer of the engine's static steps instead (bench/step_launches.py)")
     return p.parse_args(argv)
 
 
@@ -107,6 +110,23 @@ def nbytes(*tensors):
 
 
 ROWS = []
+STARTED = dt.datetime.now()
+
+
+def write_json(complete: bool) -> Path:
+    """The rows so far (after every case too: a run cut short keeps what it measured)."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
+    out_dir = Path(ARGS.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"kernels_{STARTED:%Y-%m-%d_%H%M}_{slug}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dict(
+        date=STARTED.isoformat(timespec="seconds"), device=device_name(), interpret=ARGS.interpret,
+        dtype=str(DTYPE), torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        hbm_roofline_bytes_per_s=HBM_BYTES_PER_S, dims=DIMS, complete=complete, rows=ROWS,
+    ), indent=2))
+    tmp.replace(path)  # never half a file under the name readers look for
+    return path
 
 
 def record(op, shape, kernel, reference, args, bytes_moved, extra=None):
@@ -126,6 +146,7 @@ def record(op, shape, kernel, reference, args, bytes_moved, extra=None):
         row["triton_error"] = f"{type(exc).__name__}: {exc}"[:300]
     row.update(extra or {})
     ROWS.append(row)
+    write_json(complete=False)
     return row
 
 
@@ -247,7 +268,23 @@ def print_table():
                 print(f"{'':<15}   {key}: {r[key]}")
 
 
+def count_steps():
+    """Kernels per layer per forward of the static steps (AR, preview, fused, coreset previews) on
+    the embedded model: the table of bench/step_launches.py, its JSON in --out."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step_launches", Path(__file__).with_name("step_launches.py"))
+    step_launches = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_launches)
+    if DEVICE == "cpu":
+        os.environ["CLOVER_KERNELS"] = "triton"  # the kernels in the interpreter
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
+    return step_launches.main(["--json", str(Path(ARGS.out) / f"step-launches_{STARTED:%Y-%m-%d_%H%M}_{slug}.json")])
+
+
 def main():
+    if ARGS.count:
+        return count_steps()
     only = {s for s in ARGS.only.split(",") if s}
     benches = {"rms_norm": bench_norms, "gdn_commit": bench_gdn_commit, "gdn_preview": bench_gdn_preview,
                "moe_experts": bench_moe}
@@ -258,17 +295,7 @@ def main():
     if ARGS.interpret:
         print("(interpreter smoke run: times and bandwidths mean nothing)")
     print_table()
-    now = dt.datetime.now()
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
-    out_dir = Path(ARGS.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"kernels_{now:%Y-%m-%d_%H%M}_{slug}.json"
-    path.write_text(json.dumps(dict(
-        date=now.isoformat(timespec="seconds"), device=device_name(), interpret=ARGS.interpret,
-        dtype=str(DTYPE), torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-        hbm_roofline_bytes_per_s=HBM_BYTES_PER_S, dims=DIMS, rows=ROWS,
-    ), indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {write_json(complete=True)}")
     return 1 if any("triton_error" in r for r in ROWS) else 0
 
 

@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# The GPU check, offline, in under 8 minutes on one H200 (torch 2.11, triton 3.6, Python 3.12):
+# The GPU check, offline, in under 8 minutes on one H200 (torch 2.11, triton 3.6, Python 3.12).
+# Built so that it cannot lose its results: whatever stops it, OUTDIR holds what it had.
 #   0. no CUDA: one line, exit 2, nothing else runs;
 #   1. install the project (editable, no deps, no network) and any wheels carried in .whl/
-#      (flash-linear-attention for the comparison);
-#   2. the kernel tests on CUDA (real Triton compilation, no interpreter, CLOVER_KERNELS unset) and
-#      the CUDA-graph tests (tests/test_graphs.py), in parallel pytest processes; meanwhile, on the
+#      (flash-linear-attention for the comparison); if the project does not import after that,
+#      a fall-back import path (PYTHONPATH: the checkout, and kernels/ as clover_kernels);
+#   2. the CUDA-graph test first, alone in its own process (a failed capture fails it);
+#   3. the kernel tests on CUDA (real Triton compilation, CLOVER_KERNELS unset; the FP8 model test
+#      on the GPU), one pytest process per file and dtype, beside the other fast-path tests
+#      (tests/test_graphs.py less its CPU torch.compile test, which CI runs); meanwhile, on the
 #      CPU, the roofline plan (bench/roofline.py) and the kernels' roofline (bench/kernel_report.py);
-#   3. bench/bench_kernels.py at the 35B shapes (fla's chunked gated delta rule against ours when
+#   4. bench/bench_kernels.py at the 35B shapes (fla's chunked gated delta rule against ours when
 #      fla imports), then its times beside the kernels' roofline;
-#   4. bench/bench_e2e.py at the 35B shapes, random bf16 weights (~70 GB), with the time left.
-# Everything goes to OUTDIR: env.txt, install.log, tests_*.log/xml, *.log, *.json, summary.txt
-# (the one screen to read first).
+#   5. bench/bench_e2e.py at the 35B shapes, random bf16 weights (~70 GB), with the time left; its
+#      CUDA-graph rows say whether the graphs were captured (a failed capture fails the check).
+# Every step runs under `timeout -k` with its own limit (the LIMIT_* below); every benchmark writes
+# its JSON row by row. Logs, XML and JSON are written to a work folder outside OUTDIR; after every
+# step bench/gpu_check_summary.py rewrites OUTDIR/summary.txt (the one screen to read first; its
+# verdict in gpu_check.json) and the work folder is packed into OUTDIR/gpu_check.tar.gz: OUTDIR
+# never holds more than those two files.
 #
 #   bench/gpu_check.sh OUTDIR        (PYTHON=... to choose the interpreter, GPU_CHECK_BUDGET_S=...)
+#   GPU_CHECK_REHEARSE=FAKEDIR bench/gpu_check.sh OUTDIR
+#       the rehearsal, on any machine: no CUDA needed, every step's command replaced by FAKEDIR's
+#       canned output (STEP.log, STEP.rc, files in STEP/), the rest (limits, summary, bundle) real;
+#       GPU_CHECK_REAL="roofline kernels_vs_roofline" runs those CPU-side steps for real in it;
+#       tests/test_gpu_check.py runs both.
 set -uo pipefail
 
 if [ $# -ne 1 ]; then
@@ -20,58 +33,122 @@ if [ $# -ne 1 ]; then
     exit 2
 fi
 HERE=$(cd "$(dirname "$0")/.." && pwd)
+REHEARSE=${GPU_CHECK_REHEARSE:-}
 # the interpreter: $PYTHON, else the checkout's .venv (a development machine), else python on PATH
 PY=${PYTHON:-}
 [ -z "$PY" ] && [ -x "$HERE/.venv/bin/python" ] && PY="$HERE/.venv/bin/python"
 [ -z "$PY" ] && PY=$(command -v python || command -v python3)
 # 0. before anything else: a machine without CUDA stops here, at once, with one line
-"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" >/dev/null 2>&1
-case $? in
-    0) ;;
-    3) echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False): nothing checked"; exit 2 ;;
-    *) echo "gpu_check: no CUDA device here (torch is not importable by ${PY:-python}): nothing checked"; exit 2 ;;
-esac
+if [ -z "$REHEARSE" ]; then
+    "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" >/dev/null 2>&1
+    case $? in
+        0) ;;
+        3) echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False): nothing checked"; exit 2 ;;
+        *) echo "gpu_check: no CUDA device here (torch is not importable by ${PY:-python}): nothing checked"; exit 2 ;;
+    esac
+fi
+
+# Per-step limits, seconds (each step killed 10 s after its TERM); their sum along the critical
+# path (install, graphs, tests, bench_kernels, e2e's minimum) fits the budget with a margin; the
+# CPU-side steps (roofline, kernels_vs_roofline) run beside the GPU ones.
+# tests/test_gpu_check.py holds them against the budget and against measured times.
+BUDGET=${GPU_CHECK_BUDGET_S:-450}   # seconds for the whole check (8 minutes, less a margin)
+LIMIT_INSTALL=45                    # pip, editable, offline: seconds
+LIMIT_GRAPHS=120                    # one test: a small model's kernels compiled cold, 4 captures
+LIMIT_TESTS=150                     # each kernel-test process (about 20 in parallel on 16 cores)
+LIMIT_BENCH=60                      # bench_kernels.py, rows written as they come
+LIMIT_REPORT=60                     # kernel_report.py --costs-only (no compiling), beside bench_e2e
+MIN_E2E=40                          # bench_e2e.py gets the time left, if at least this much
+KILL_AFTER=10
 
 mkdir -p "$1" || exit 2
 OUT=$(cd "$1" && pwd)
+WORK=${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
+mkdir -p "$WORK" || exit 2
 cd "$HERE" || exit 2
 START=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-450}   # seconds for the whole check (8 minutes, less a margin)
 unset CLOVER_KERNELS TRITON_INTERPRET
 export PYTHONDONTWRITEBYTECODE=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( BUDGET - $(elapsed) )); }
-say() { echo "$*" | tee -a "$OUT/summary.txt"; }
-: > "$OUT/summary.txt"
+note() { echo "$*" >> "$WORK/steps.txt"; }   # the summary reads these lines
+: > "$WORK/steps.txt"
+note "budget $BUDGET"
 
-{
-    date -Is
-    nvidia-smi || true
-    "$PY" -c "import sys, torch; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('device', torch.cuda.get_device_name())"
-    "$PY" -c "import triton; print('triton', triton.__version__)"
-} > "$OUT/env.txt" 2>&1
-say "gpu_check on $("$PY" -c "import torch; print(torch.cuda.get_device_name())" 2>/dev/null), torch $("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null), triton $("$PY" -c "import triton; print(triton.__version__)" 2>/dev/null)"
+# run_step NAME LIMIT CMD...: CMD under timeout -k, stdout+stderr to WORK/NAME.log; a line
+# "step NAME rc=.. seconds=.. limit=.." in steps.txt. The rehearsal replays FAKEDIR's NAME.
+run_step() {
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    t0=$(date +%s)
+    if [ -n "$REHEARSE" ] && [[ " ${GPU_CHECK_REAL:-} " != *" $name "* ]]; then
+        cp "$REHEARSE/$name.log" "$WORK/$name.log" 2>/dev/null || : > "$WORK/$name.log"
+        [ -d "$REHEARSE/$name" ] && cp -r "$REHEARSE/$name/." "$WORK/"
+        rc=$(cat "$REHEARSE/$name.rc" 2>/dev/null || echo 0)
+        [ -f "$REHEARSE/$name.seconds" ] && t0=$(( t0 - $(cat "$REHEARSE/$name.seconds") ))
+    else
+        timeout -k "$KILL_AFTER" "$limit" "$@" > "$WORK/$name.log" 2>&1
+        rc=$?
+    fi
+    note "step $name rc=$rc seconds=$(( $(date +%s) - t0 )) limit=$limit"
+    return "$rc"
+}
 
-# 1. install
-"$PY" -m pip install --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1
-RC_INSTALL=$?
-if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (fla and what it needs), offline
-    "$PY" -m pip install --no-deps --no-index .whl/*.whl >> "$OUT/install.log" 2>&1 || RC_INSTALL=1
+# bundle: the summary, then the work folder packed (a temporary name, then renamed: OUTDIR
+# never holds half a tarball); run after every step and on any exit
+bundle() {
+    note "elapsed $(elapsed)"
+    "$PY" "$HERE/bench/gpu_check_summary.py" "$WORK" > "$WORK/summary.txt" 2> "$WORK/summary.err"
+    SUMMARY_RC=$?
+    cp "$WORK/summary.txt" "$OUT/summary.txt.tmp" && mv -f "$OUT/summary.txt.tmp" "$OUT/summary.txt"
+    tar -czf "$OUT/.gpu_check.tar.gz.tmp" -C "$WORK" . 2>/dev/null && mv -f "$OUT/.gpu_check.tar.gz.tmp" "$OUT/gpu_check.tar.gz"
+    return "$SUMMARY_RC"
+}
+trap 'bundle >/dev/null 2>&1' EXIT
+trap 'note "interrupted at $(elapsed)s"; exit 130' INT TERM
+
+if [ -z "$REHEARSE" ]; then
+    {
+        date -Is
+        nvidia-smi || true
+        "$PY" -c "import sys, torch; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('device', torch.cuda.get_device_name())"
+        "$PY" -c "import triton; print('triton', triton.__version__)"
+    } > "$WORK/env.txt" 2>&1
+else
+    echo "rehearsal: no GPU, canned step outputs from $REHEARSE" > "$WORK/env.txt"
 fi
-FLA=$("$PY" -c "import fla; print(fla.__version__)" 2>/dev/null || echo "not importable")
-say "install rc=$RC_INSTALL ($(elapsed)s); fla: $FLA"
 
-# CPU side, in the background while the GPU tests run: the plan the GPU figures are read against
-"$PY" bench/roofline.py --json "$OUT/roofline.json" > "$OUT/roofline.log" 2>&1 &
+# 1. install, and the import path the rest uses
+# (carried wheels in .whl/: fla and what it needs, offline)
+run_step install "$LIMIT_INSTALL" bash -c '"$0" -m pip install --no-build-isolation --no-deps -e . &&
+    if ls .whl/*.whl >/dev/null 2>&1; then "$0" -m pip install --no-deps --no-index .whl/*.whl; fi' "$PY"
+IMPORTS="import clover_lab, clover_kernels, clover_kernels.triton_ops"
+if [ -z "$REHEARSE" ] && ! "$PY" -c "$IMPORTS" >> "$WORK/install.log" 2>&1; then
+    # the fall-back: the checkout itself, with kernels/ under its installed name
+    mkdir -p "$WORK/pypath" && ln -sfn "$HERE/kernels" "$WORK/pypath/clover_kernels"
+    export PYTHONPATH="$HERE:$WORK/pypath${PYTHONPATH:+:$PYTHONPATH}"
+    if "$PY" -c "$IMPORTS" >> "$WORK/install.log" 2>&1; then note "import_path PYTHONPATH"; else note "import_path broken"; fi
+else
+    note "import_path installed"
+fi
+note "fla $("$PY" -c "import fla; print(fla.__version__)" 2>/dev/null || echo "not importable")"
+bundle
+
+# CPU side, in the background from here on: the plans the GPU figures are read against
+( run_step roofline 120 "$PY" bench/roofline.py --json "$WORK/roofline.json" ) &
 PID_ROOF=$!
 
-# 2. tests: a cold run is dominated by Triton compilation, so every kernel test file is split by
+# 2. the CUDA-graph test, first and alone: nothing else compiles meanwhile, so it cannot be lost
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfE)
+run_step tests_graphs_capture "$LIMIT_GRAPHS" "${PYTEST[@]}" \
+    "tests/test_graphs.py::test_cuda_graph_replays_equal_eager" --junitxml="$WORK/tests_graphs_capture.xml"
+bundle
+
+# 3. tests: a cold run is dominated by Triton compilation, so every kernel test file is split by
 #    dtype into its own pytest process (about 20 processes for 16 cores). test_compile_sm90.py is
 #    the CPU-side gate (bench/kernel_report.py --triton covers this image's Triton there).
-RC_TESTS=0
-T_LIMIT=$(( $(left) * 40 / 100 ))
-pids=(); names=()
+pids=()
 for f in tests/kernels/test_*.py; do
     base=$(basename "$f" .py)
     [ "$base" = test_compile_sm90 ] && continue
@@ -82,62 +159,39 @@ for f in tests/kernels/test_*.py; do
             bf16) sel="bfloat16" ;;
             other) sel="not float32 and not float16 and not bfloat16" ;;
         esac
-        name="${base}_${part}"
-        timeout "$T_LIMIT" "$PY" -m pytest "$f" -q -p no:cacheprovider -rfE -k "$sel" \
-            --junitxml="$OUT/tests_$name.xml" > "$OUT/tests_$name.log" 2>&1 &
-        pids+=($!); names+=("$name")
+        name="tests_${base}_${part}"
+        ( run_step "$name" "$LIMIT_TESTS" "${PYTEST[@]}" "$f" -k "$sel" --junitxml="$WORK/$name.xml" ) &
+        pids+=($!)
     done
 done
-# the CUDA-graph fast path (clover_lab.engine.runner): captured replays against eager static steps
-timeout "$T_LIMIT" "$PY" -m pytest tests/test_graphs.py -q -p no:cacheprovider -rfE \
-    --junitxml="$OUT/tests_graphs.xml" > "$OUT/tests_graphs.log" 2>&1 &
-pids+=($!); names+=("graphs")
-declare -A FILE_RC FILE_PASSED FILE_FAILED
-for i in "${!pids[@]}"; do
-    wait "${pids[$i]}"; rc=$?
-    [ $rc -eq 5 ] && rc=0  # nothing selected in this part
-    [ $rc -ne 0 ] && RC_TESTS=1
-    file=${names[$i]%_*}; [ "${names[$i]}" = graphs ] && file=graphs
-    last=$(tail -n 1 "$OUT/tests_${names[$i]}.log")  # pytest's "N passed, M failed, K errors in ..."
-    p=$(grep -oE '[0-9]+ passed' <<< "$last" | grep -oE '[0-9]+')
-    FILE_PASSED[$file]=$(( ${FILE_PASSED[$file]:-0} + ${p:-0} ))
-    for f in $(grep -oE '[0-9]+ (failed|errors?)' <<< "$last" | grep -oE '[0-9]+'); do
-        FILE_FAILED[$file]=$(( ${FILE_FAILED[$file]:-0} + f ))
-    done
-    [ $rc -ne 0 ] && FILE_RC[$file]="rc=$rc in ${names[$i]}"
-done
-while read -r file; do
-    say "tests $file: ${FILE_PASSED[$file]} passed, ${FILE_FAILED[$file]:-0} failed ${FILE_RC[$file]:-}"
-done < <(printf '%s\n' "${!FILE_PASSED[@]}" | sort)
-say "tests done at $(elapsed)s (limit ${T_LIMIT}s per process; logs tests_*.log)"
+# the rest of the fast path on CUDA; its CPU torch.compile test is CI's (it alone outlasts a limit here)
+( run_step tests_graphs "$LIMIT_TESTS" "${PYTEST[@]}" tests/test_graphs.py \
+    -k "not compiled_steps and not cuda_graph_replays" --junitxml="$WORK/tests_graphs.xml" ) &
+pids+=($!)
+for pid in "${pids[@]}"; do wait "$pid"; done
+bundle
 
-# 3. kernel benchmarks, then beside the roofline of each kernel call
-B_LIMIT=$(( $(left) * 35 / 100 ))
-timeout "$B_LIMIT" "$PY" bench/bench_kernels.py --out "$OUT" --repeat 30 > "$OUT/bench_kernels.log" 2>&1
-RC_BENCH=$?
-say "bench_kernels: rc=$RC_BENCH (limit ${B_LIMIT}s, done at $(elapsed)s)"
-KJSON=$(ls -t "$OUT"/kernels_*.json 2>/dev/null | head -n 1)
-if [ -n "$KJSON" ]; then
-    "$PY" bench/kernel_report.py --costs-only --measured "$KJSON" --json "$OUT/kernel_roofline.json" \
-        > "$OUT/kernels_vs_roofline.log" 2>&1
-    sed -n '/^measured on/,/^wrote/p' "$OUT/kernels_vs_roofline.log" | grep -v '^wrote' | tee -a "$OUT/summary.txt"
+# 4. kernel benchmarks (rows written as they come), then beside the roofline of each kernel call
+run_step bench_kernels "$LIMIT_BENCH" "$PY" bench/bench_kernels.py --out "$WORK" --repeat 30
+KJSON=$(ls -t "$WORK"/kernels_*.json 2>/dev/null | head -n 1)
+PID_REPORT=
+if [ -n "$KJSON" ]; then  # on the CPU, beside bench_e2e on the GPU
+    ( run_step kernels_vs_roofline "$LIMIT_REPORT" "$PY" bench/kernel_report.py --costs-only --measured "$KJSON" \
+        --json "$WORK/kernel_roofline.json" ) &
+    PID_REPORT=$!
 fi
+bundle
 
-# 4. end-to-end at the 35B shapes (random bf16 weights on the GPU)
-RC_E2E=0
-E_LIMIT=$(( $(left) - 5 ))
-if [ "$E_LIMIT" -gt 30 ]; then
-    timeout "$E_LIMIT" "$PY" bench/bench_e2e.py --out "$OUT" > "$OUT/bench_e2e.log" 2>&1
-    RC_E2E=$?
-    say "bench_e2e: rc=$RC_E2E (limit ${E_LIMIT}s)"
-    sed -n '/^step /,/^wrote/p' "$OUT/bench_e2e.log" | grep -v '^wrote' | tee -a "$OUT/summary.txt"
+# 5. end-to-end at the 35B shapes (random bf16 weights on the GPU), with the time left
+E_LIMIT=$(( $(left) - KILL_AFTER - 15 ))
+if [ "$E_LIMIT" -ge "$MIN_E2E" ]; then
+    run_step bench_e2e "$E_LIMIT" "$PY" bench/bench_e2e.py --out "$WORK"
 else
-    RC_E2E=1
-    say "bench_e2e: skipped, only ${E_LIMIT}s left"
+    note "skipped bench_e2e: only ${E_LIMIT}s left (at least $MIN_E2E needed)"
 fi
-wait "$PID_ROOF" 2>/dev/null
-say "H200 roofline plan (bench/roofline.py, uniform routing; e2e above counts the experts really hit):"
-grep -E '^(AR step|preview 32|commit\+preview)' "$OUT/roofline.log" | tee -a "$OUT/summary.txt"
-
-say "total $(elapsed)s; install rc=$RC_INSTALL tests rc=$RC_TESTS bench rc=$RC_BENCH e2e rc=$RC_E2E"
-[ $RC_INSTALL -eq 0 ] && [ $RC_TESTS -eq 0 ] && [ $RC_BENCH -eq 0 ] && [ $RC_E2E -eq 0 ]
+wait "$PID_ROOF" $PID_REPORT 2>/dev/null
+trap - EXIT
+bundle
+RC=$?
+cat "$OUT/summary.txt"
+exit "$RC"

@@ -19,7 +19,11 @@ max(bytes / 4.8 TB/s, FLOPs / 790 TFLOP/s bf16).
              LM head at the rows with logits, attention over the prefix and block, the GDN
              rule (chunked for commits, recurrent for one token, the preview operator)
 
-Tokens per second at 1, 2 and 3.5 tokens per forward (TPF) are TPF / step time; the block loop
+  launches   kernels per layer (bench/step_launches.py, counted on the CPU) x layers x 2 us per
+             kernel replayed in a CUDA graph: the launch floor; a step's predicted time is the
+             longer of its roofline and that floor ("bound" says which)
+
+Tokens per second at 1, 2 and 3.5 tokens per forward (TPF) are TPF / predicted step time; the block loop
 rows add what a 32-token block costs at a given TPF: one fused commit+preview forward and
 32/TPF - 1 previews. The memory plan: bf16 weights, cache per 1k tokens, an estimate of the
 peak activations of an 8k prefill on the GPU path (Triton kernels, flash attention; itemised
@@ -134,10 +138,34 @@ def step_kinds(cfg: CloverConfig, context: int):
     ]
 
 
+# The launch floor: kernels per layer per forward as bench/step_launches.py counts them on the CPU
+# (the newest bench/results/step-launches-*.json; these figures when there is none), times the
+# layers, at LAUNCH_S per kernel replayed in a CUDA graph. A step cannot be faster than it.
+LAUNCH_S = 2e-6
+KERNELS_PER_LAYER = {"AR": 36.25, "preview": 31.25, "fused": 43.25, "preview, coreset use": 33.25}
+
+
+def kernels_per_layer() -> dict:
+    results = sorted((Path(__file__).resolve().parent / "results").glob("step-launches-*.json"))
+    if results:
+        steps = json.loads(results[-1].read_text())["steps"]
+        return {k: steps[k]["per_layer"] for k in KERNELS_PER_LAYER if k in steps}
+    return dict(KERNELS_PER_LAYER)
+
+
+def launch_kind(c: int, m: int, coreset) -> str | None:
+    if m and c:
+        return "fused"
+    if m:
+        return "preview, coreset use" if coreset else "preview"
+    return "AR" if c == 1 else None  # prefill: compute- or memory-bound, not launch-bound
+
+
 def plan_steps(model: CloverModel, context: int) -> list[dict]:
     cfg = model.config
     groups = param_groups(model)
     rows = []
+    per_layer = kernels_per_layer()
     for name, n, c, m, logit_rows, coreset in step_kinds(cfg, context):
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         hit = expected_distinct(coreset or E, k, c + m)
@@ -147,12 +175,15 @@ def plan_steps(model: CloverModel, context: int) -> list[dict]:
         flops = step_flops(cfg, groups, n, c, m, logit_rows)
         total_flops = sum(flops.values())
         mem_s, compute_s = (weights + cache) / HBM_BYTES_PER_S, total_flops / BF16_FLOPS_PER_S
-        t = max(mem_s, compute_s)
-        row = dict(step=name, committed_length=n, commit_rows=c, preview_rows=m, logit_rows=logit_rows,
+        kind = launch_kind(c, m, coreset)
+        launch_s = per_layer[kind] * cfg.num_hidden_layers * LAUNCH_S if kind in per_layer else 0.0
+        roof = max(mem_s, compute_s)
+        t = max(roof, launch_s)  # the prediction: the roofline or the launch floor, whichever is longer
+        row = dict(kernels_per_layer=per_layer.get(kind), launch_ms=launch_s * 1e3, step_ms=t * 1e3,step=name, committed_length=n, commit_rows=c, preview_rows=m, logit_rows=logit_rows,
                    coreset=coreset, experts_per_layer=hit, weight_bytes=weights, cache_bytes=cache,
                    bytes=parts, flops=total_flops, flops_parts=flops, memory_ms=mem_s * 1e3,
-                   compute_ms=compute_s * 1e3, roofline_ms=t * 1e3,
-                   bound="memory" if mem_s >= compute_s else "compute")
+                   compute_ms=compute_s * 1e3, roofline_ms=roof * 1e3,
+                   bound=max((mem_s, "memory"), (compute_s, "compute"), (launch_s, "launches"))[1])
         if m:  # a denoising forward: TPF tokens resolved per forward
             row["tokens_per_s"] = {str(tpf): tpf / t for tpf in TPFS}
         elif c == 1:  # AR: one token per forward
@@ -167,14 +198,14 @@ def block_loop(cfg: CloverConfig, rows: list[dict]) -> list[dict]:
     """Steady-state block diffusion: per block one fused commit+preview, then 32/TPF - 1 previews."""
     by = {r["step"]: r for r in rows}
     B = cfg.block_size
-    fused = by[f"commit+preview {B}+{B}"]["roofline_ms"]
+    fused = by[f"commit+preview {B}+{B}"]["step_ms"]
     out = []
     for label, preview in (("no coreset", f"preview {B}, no coreset"), ("coreset 64", f"preview {B}, coreset 64"),
                            ("coreset 48", f"preview {B}, coreset 48")):
-        p = by[preview]["roofline_ms"]
+        p = by[preview]["step_ms"]
         tps = {str(tpf): B / ((fused + (B / tpf - 1) * p) / 1e3) for tpf in TPFS}
         out.append(dict(loop=f"block of {B}, {label}", fused_ms=fused, preview_ms=p, tokens_per_s=tps))
-    out.append(dict(loop="AR decode", tokens_per_s={"1.0": 1e3 / by["AR step"]["roofline_ms"]}))
+    out.append(dict(loop="AR decode", tokens_per_s={"1.0": 1e3 / by["AR step"]["step_ms"]}))
     return out
 
 
@@ -225,7 +256,7 @@ def print_tables(result: dict, file=sys.stdout) -> None:
           f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s, {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s; context {result['context']} "
           f"tokens; experts per layer: uniform routing", file=file)
     head = (f"{'step':<24} {'experts/layer':>13} {'weights GB':>10} {'cache GB':>8} {'GFLOP':>8} {'mem ms':>7} "
-            f"{'math ms':>7} {'roof ms':>7} {'tok/s @1':>9} {'@2':>7} {'@3.5':>7}")
+            f"{'math ms':>7} {'launch ms':>9} {'roof ms':>7} {'step ms':>7} {'tok/s @1':>9} {'@2':>7} {'@3.5':>7}")
     print(head + "\n" + "-" * len(head), file=file)
     for r in result["steps"]:
         tps = r.get("tokens_per_s", {})
@@ -234,7 +265,7 @@ def print_tables(result: dict, file=sys.stdout) -> None:
             cols = [f"{r['prefill_tokens_per_s']:.0f} prefill", "", ""]
         print(f"{r['step']:<24} {r['experts_per_layer']:>13.1f} {r['weight_bytes'] / 1e9:>10.3f} "
               f"{r['cache_bytes'] / 1e9:>8.3f} {r['flops'] / 1e9:>8.0f} {r['memory_ms']:>7.3f} {r['compute_ms']:>7.3f} "
-              f"{r['roofline_ms']:>7.3f} {cols[0]:>9} {cols[1]:>7} {cols[2]:>7}", file=file)
+              f"{r['launch_ms']:>9.3f} {r['roofline_ms']:>7.3f} {r['step_ms']:>7.3f} {cols[0]:>9} {cols[1]:>7} {cols[2]:>7}", file=file)
     print(file=file)
     for r in result["block_loop"]:
         tps = "  ".join(f"TPF {k}: {v:.0f} tok/s" for k, v in r["tokens_per_s"].items())

@@ -2,7 +2,7 @@
 from .cache import CacheFullError, CloverCache
 from .config import PRESETS, CloverConfig, ConfigError
 from .context import Coreset
-from .errors import CloverError, CorpusError, InputError
+from .errors import CloverError, CorpusError, InputError, OutputError
 from .engine import BatchResult, BatchStats, Engine, GenerationError, GenerationResult, GenerationStats, StreamUpdate, load
 from .hooks import Capture, CommitEvent, HookError, Record, StepEvent, StopGeneration, Trace, load_trace
 from .hooks.trace_checks import TraceError
@@ -15,5 +15,5 @@ __all__ = [
     "CloverError", "InputError", "CorpusError", "TraceError", "CloverConfig", "ConfigError", "PRESETS", "CloverModel", "CloverCache", "CacheFullError", "Coreset",
     "StepOutput", "CheckpointError", "HookError", "StopGeneration",
     "Engine", "load", "BatchResult", "BatchStats", "GenerationResult", "GenerationStats", "GenerationError", "SamplerSettings", "SettingsError",
-    "StepEvent", "CommitEvent", "StreamUpdate", "Capture", "Record", "Trace", "load_trace",
+    "StepEvent", "CommitEvent", "StreamUpdate", "Capture", "Record", "Trace", "load_trace", "OutputError",
 ]

@@ -24,6 +24,7 @@ from .context import ForwardContext
 from .corpus import TEXT_SUFFIXES, corpus_documents  # noqa: F401 - TEXT_SUFFIXES: the old import place
 from .errors import CorpusError, flag
 from .hooks import points
+from .writes import atomic_path
 
 MODES = ("commit", "preview")
 
@@ -101,14 +102,17 @@ class RouteStats:
                           self.tokens + other.tokens, keys, slots)
 
     def save(self, path) -> Path:
+        """``path`` (.npz added when missing), whole or not at all."""
         path = Path(path)
-        np.savez_compressed(path, mode=np.array(self.mode), vocab_size=self.vocab_size, top_k=self.top_k,
-                            counts=self.counts, coactivation=self.coactivation, mass=self.mass,
-                            entropy_sum=self.entropy_sum,
-                            tokens=self.tokens, token_keys=self.token_keys, token_slots=self.token_slots,
-                            entropy=self.entropy(), load_entropy=self.load_entropy(),
-                            load_balance=self.load_balance())
-        return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+        path = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+        with atomic_path(path) as tmp:
+            np.savez_compressed(tmp, mode=np.array(self.mode), vocab_size=self.vocab_size, top_k=self.top_k,
+                                counts=self.counts, coactivation=self.coactivation, mass=self.mass,
+                                entropy_sum=self.entropy_sum,
+                                tokens=self.tokens, token_keys=self.token_keys, token_slots=self.token_slots,
+                                entropy=self.entropy(), load_entropy=self.load_entropy(),
+                                load_balance=self.load_balance())
+        return path
 
     @classmethod
     def load(cls, path) -> "RouteStats":

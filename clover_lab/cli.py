@@ -1,6 +1,6 @@
 """``clover-lab``: the command line.
 
-    clover-lab generate --model DIR --prompt "..." [--mode ar] [--max-new-tokens N] [--threshold X]
+    clover-lab generate --model DIR --prompt "..." [--mode ar|speculative] [--max-new-tokens N] [--threshold X]
                         [--temperature T] [--top-p P] [--top-k K] [--confidence RULE] [--seed S]
                         [--coreset-size M] [--json]
 
@@ -22,8 +22,13 @@ from pathlib import Path
 
 from .arguments import ArgumentParser, writable_file
 from .cli_view import LiveView, print_batch, print_interrupted, print_result
+from .engine.requests import MODES
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+# below this many parameters a CPU model runs fastest on one thread: its GEMMs are too small to split,
+# and on a busy machine a second thread waits for a core (the embedded model: 76-123 tokens/s on one
+# thread, 1.3-5.6 on two, on a loaded 2-core machine)
+SMALL_MODEL_PARAMETERS = 100_000_000
 
 
 def _ids(text: str) -> list[int]:
@@ -43,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     g = sub.add_parser("generate", help="generate a response, watching the blocks unmask",
-                       description="Generate a response with block diffusion (or AR) and show it live.")
+                       description="Generate a response with block diffusion (or AR) and show it live: the "
+                                   "prompt, the committed text and the current block (a batch: one line per "
+                                   "row). The statistics count forwards after the prompt's prefill: tokens per "
+                                   "forward is new tokens over those forwards, the prefill not counted.")
     g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (default: the embedded model)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append",
@@ -54,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", help="a system message (with --chat)")
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="the chat template's enable_thinking flag (with --chat)")
-    g.add_argument("--mode", choices=("diffusion", "ar"), default="diffusion")
+    g.add_argument("--mode", choices=MODES, default="diffusion",
+                   help="speculative: AR's answer, each block drafted by previews and checked by one causal commit")
+    g.add_argument("--policy", default=None, metavar="NAME[:K=V,...]",
+                   help="the decoding rule: threshold (default), eb:gamma=0.1 (EB-sampler), topk:k=2 or topk:k=1/2/4")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: the model's generation_config.json, else 256")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
@@ -65,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement_options(g)
     g.add_argument("--check-finite", action=argparse.BooleanOptionalAction, default=None,
                    help="refuse weights holding NaN or inf (default: for checkpoints up to 4 GiB)")
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU (small models "
-                   "often run fastest on 1)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads on the CPU (default: 1 for a model under "
+                        f"{SMALL_MODEL_PARAMETERS // 10**6}M parameters such as the embedded one, whose GEMMs are "
+                        "too small to split; torch's default for a larger one)")
     g.add_argument("--compile", action="store_true",
                    help="CPU: run the steps through torch.compile (about 10 s of compilation per step shape on "
                         "first use, then 2-3x faster steps; pays off over long or repeated generations)")
@@ -135,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             train_main(argv[1:])
         except CloverError as e:
             return _fail(str(e))
+        except KeyboardInterrupt:  # inside a step: the run said what it resumes from
+            return EXIT_INTERRUPTED
         return 0
     if argv[:1] == ["adapt"]:
         from .train.adapt import main as adapt_main
@@ -231,26 +246,37 @@ def cmd_generate(args) -> int:
     from .engine.requests import is_batch
     from .errors import CloverError
 
-    if args.threads is not None:
-        if args.threads < 1:
-            return _fail(f"--threads must be >= 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        return _fail(f"--threads must be >= 1, got {args.threads}")
     try:
         engine = load_engine(args)
     except (CloverError, FileNotFoundError, ValueError, OSError) as e:
         return _fail(str(e))
+    set_threads(engine.model, args.threads)
     engine.compile_steps = args.compile
     try:
         prompt = _prompt(engine, args)
         if args.block_size is not None:
             _set_block_size(engine, args.block_size)
         stream = engine.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
-                               thinking=args.thinking, **_sampler_kwargs(args))
+                               policy=args.policy, thinking=args.thinking, **_sampler_kwargs(args))
     except (_UsageError, CloverError, ValueError, TypeError) as e:
         return _fail(str(e))
     return _run_stream(engine, args, stream, batch=is_batch(prompt))
+
+
+def set_threads(model, threads: int | None) -> int:
+    """torch's intra-op threads for ``model``: ``threads`` when given, else one for a small model
+    on the CPU, else torch's default (left as it is). Returns the count in effect."""
+    import torch
+
+    if threads is None:
+        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+        if on_cpu and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMETERS:
+            threads = 1
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def _prompt(engine, args):
@@ -279,9 +305,10 @@ def _set_block_size(engine, value: int) -> None:
 
 
 def _run_stream(engine, args, stream, batch: bool = False) -> int:
-    """Drive the generation, live or not (a batch: not); Ctrl-C prints what was committed so far
+    """Drive the generation, live (a batch: one line per row) or not; Ctrl-C prints what was committed so far
     (exit 130)."""
-    view = None if (args.json or args.no_live or batch) else LiveView(engine, args)
+    prompts = args.prompt if args.prompt is not None else args.prompt_ids
+    view = None if (args.json or args.no_live) else LiveView(engine, args, prompts)
     committed: dict[int | None, list[int]] = {}  # row (None: a single generation) -> tokens so far
     last = None
     t0 = time.perf_counter()

@@ -50,18 +50,22 @@ def print_result(engine, result) -> None:
     rows = [
         ("mode", st.mode), ("stop reason", st.stop_reason),
         ("prompt / new tokens", f"{st.prompt_tokens} / {st.new_tokens}"),
-        ("forwards", f"{st.forwards} ({st.preview_forwards} previews, {st.fused_forwards} fused, "
-                     f"{st.commit_forwards} commits)"),
-        ("tokens per forward", f"{st.tokens_per_forward:.2f}"),
+        ("forwards (after the prefill)", forwards_line(st)),
+        ("tokens per forward", f"{st.tokens_per_forward:.2f} (new tokens / forwards; the prefill not counted)"),
         ("tokens per second", f"{st.tokens_per_second:.1f}"),
     ]
     if st.mode == "diffusion":
         rows.append(("blocks / mean steps per block", f"{st.blocks} / {st.mean_steps_per_block or 0:.2f}"))
+    if st.mode == "speculative":
+        rows.append(("blocks / drafted / accepted / rejected",
+                     f"{st.blocks} / {sum(st.drafted)} / {sum(st.accepted)} / {sum(st.rejected)} "
+                     f"({st.mean_accepted or 0:.2f} accepted per block)"))
     if st.seconds_per_preview is not None:
         rows.append(("time per preview", f"{st.seconds_per_preview * 1e3:.2f} ms"))
     if st.seconds_per_commit is not None:
         rows.append(("time per commit", f"{st.seconds_per_commit * 1e3:.2f} ms"))
-    rows += [("prefill", f"{st.prefill_seconds * 1e3:.1f} ms"), ("decode", f"{st.decode_seconds:.3f} s")]
+    rows += [("prefill", f"{st.prefill_seconds * 1e3:.1f} ms in {st.prefill_forwards} forward"
+                         + ("s" if st.prefill_forwards != 1 else "")), ("decode", f"{st.decode_seconds:.3f} s")]
     if st.seed is not None:
         rows.append(("seed", str(st.seed)))
     for k, v in rows:
@@ -80,22 +84,52 @@ def print_batch(engine, results) -> None:
         print_result(engine, result)
     st = results.stats
     console.print(Rule("batch"))
-    console.print(f"{st.rows} rows, {st.new_tokens} new tokens in {st.forwards} shared forwards "
+    console.print(f"{st.rows} rows, {st.new_tokens} new tokens in {st.forwards} shared forwards after the prefill "
                   f"({st.tokens_per_forward:.2f} per forward), {st.tokens_per_second:.1f} tokens/s; "
                   f"prefill {st.prefill_seconds * 1e3:.1f} ms, decode {st.decode_seconds:.3f} s", highlight=False)
 
 
-class LiveView:
-    """The committed text, then the current block: provisional tokens in colour, masks as ░."""
+def forwards_line(st) -> str:
+    """The forwards after the prefill, split into parts that add up: preview-only, fused (the
+    previous block's commit and a preview in one forward) and commit-only forwards."""
+    split = st.forward_split
+    names = {"preview": ("preview", "previews"), "fused": ("fused commit+preview",) * 2, "commit": ("commit", "commits")}
+    parts = [f"{n} {names[kind][n != 1]}" for kind, n in split.items() if n]
+    return f"{st.forwards} = " + " + ".join(parts) if parts else "0"
 
-    def __init__(self, engine, args):
+
+def _tail(segments: list[tuple[str, str]], width: int) -> list[tuple[str, str]]:
+    """The last ``width`` characters of styled ``segments`` (text, style) on one line: newlines
+    shown as ⏎, an ellipsis where the start was cut."""
+    flat = [(t.replace("\n", "⏎"), style) for t, style in segments]
+    total = sum(len(t) for t, _ in flat)
+    cut = max(total - width, 0) + (1 if total > width else 0)
+    out = [("…", "dim")] if cut else []
+    for t, style in flat:
+        if cut >= len(t):
+            cut -= len(t)
+            continue
+        out.append((t[cut:], style))
+        cut = 0
+    return out
+
+
+class LiveView:
+    """The prompt (dim), the committed text (bold), then the current block: provisional tokens in
+    colour, masks as ░. A batch: one line per row, the tail of its prompt and text, each row with
+    where it is; the footer counts blocks and steps (block diffusion) or tokens (AR)."""
+
+    def __init__(self, engine, args, prompts: list | None = None):
         from rich.console import Console
 
         self.engine = engine
         self.console = Console()
         self.live = None
         self.last_refresh = 0.0
-        self.blocks = 0
+        self.mode = getattr(args, "mode", None) or "diffusion"
+        self.prompts = list(prompts or [])  # the prompt of each row as the user gave it: text, or token ids
+        self._prompt_cache: dict[int, list[int]] = {}
+        self.rows: dict[int, object] = {}  # a batch: row -> its latest update
 
     def start(self):
         from rich.live import Live
@@ -109,30 +143,100 @@ class LiveView:
             self.live = None
 
     def show(self, update):
+        if update.row is not None:
+            self.rows[update.row] = update
         now = time.perf_counter()
-        if update.kind == "step" and now - self.last_refresh < 0.05:
+        if update.kind not in ("done", "batch") and now - self.last_refresh < 0.05:
             return  # ~20 frames per second at most: the view must not slow generation down
         self.last_refresh = now
         self.live.update(self._render(update), refresh=True)
+
+    # ---------------------------------------------------------------- drawing
+    def _after(self, prev: list[int], ids: list[int], skip_special: bool = True) -> str:
+        """The text of ``ids`` as it reads after the tokens ``prev``: with the spacing the tokenizer
+        puts between them, which decoding ``ids`` alone loses (a word-level tokenizer) or keeps (a
+        byte-level one); no space of its own. Without a tokenizer: the ids, space-separated."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            return (" " if prev else "") + " ".join(map(str, ids))
+        if not prev:
+            return tok.decode(ids, skip_special_tokens=skip_special)
+        head = tok.decode(prev[-1:], skip_special_tokens=skip_special)
+        full = tok.decode(prev[-1:] + ids, skip_special_tokens=skip_special)
+        return full[len(head):] if full.startswith(head) else tok.decode(ids, skip_special_tokens=skip_special)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        """The prompt's tokens, for the spacing after it (the user's text encoded plainly)."""
+        if prompt is None:
+            return []
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.engine.tokenizer is None:
+            return []
+        return self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def _segments(self, update, row: int = 0) -> list[tuple[str, str]]:
+        """(text, style) of the prompt, the committed text and the current block."""
+        given = self.prompts[row] if row < len(self.prompts) else None
+        if row not in self._prompt_cache:
+            self._prompt_cache[row] = self._prompt_ids(given)
+        prev = self._prompt_cache[row]
+        out = [(given if isinstance(given, str) else self._after([], prev), "dim")] if given is not None else []
+        if update.committed:
+            out.append((self._after(prev, update.committed), "bold"))
+            prev = update.committed
+        if update.kind == "step":
+            unmasked = set(update.unmasked)
+            for pos, t in enumerate(update.block_tokens):
+                if t is None:
+                    out.append(((" " if self.engine.tokenizer is None and (out or pos) else "") + MASK_GLYPH, "dim"))
+                    prev = [-1] if self.engine.tokenizer is None else []  # after a mask: no known spacing
+                else:
+                    out.append((self._after(prev, [t], skip_special=False),
+                                "black on yellow" if pos in unmasked else "yellow"))
+                    prev = [t]
+        return out
+
+    def _where(self, update) -> str:
+        n = len(update.committed)
+        if update.kind == "done":
+            return f"done ({update.result.stop_reason}) | {n} tokens"
+        if self.mode == "ar":
+            return f"{n} tokens committed"
+        return (f"block {update.block}" + (f" step {update.step}" if update.step is not None else "")
+                + f" | {n} tokens committed")
 
     def _render(self, update):
         from rich.panel import Panel
         from rich.text import Text
 
-        text = Text()
         if update is None:
             return Panel(Text("prefilling the prompt ...", style="dim"), title="clover-lab")
-        text.append(text_of(self.engine, update.committed), style="bold")
-        if update.kind == "step":
-            if update.committed:
-                text.append(" ")
-            unmasked = set(update.unmasked)
-            for pos, piece in enumerate(update.block_pieces()):
-                if piece is None:
-                    text.append(MASK_GLYPH, style="dim")
-                else:
-                    text.append(piece if self.engine.tokenizer is not None else piece + " ",
-                                style="black on yellow" if pos in unmasked else "yellow")
-        footer = f"block {update.block}" + (f" step {update.step}" if update.step is not None else "") + \
-                 f" | {len(update.committed)} tokens committed | {update.time:.2f} s"
-        return Panel(text, title="clover-lab generate", subtitle=footer)
+        if update.row is not None or update.kind == "batch":
+            return self._render_batch(update)
+        text = Text()
+        for piece, style in self._segments(update):
+            text.append(piece, style=style)
+        return Panel(text, title="clover-lab generate", subtitle=f"{self._where(update)} | {update.time:.2f} s")
+
+    def _render_batch(self, update):
+        from rich.console import Group
+        from rich.panel import Panel
+        from rich.text import Text
+
+        width = max(self.console.width - 4, 20)
+        lines = []
+        for row in range(max(len(self.prompts), max(self.rows, default=-1) + 1)):
+            u = self.rows.get(row)
+            head = f"row {row} "
+            if u is None:
+                lines.append(Text(head + "prefilling ...", style="dim"))
+                continue
+            where = self._where(u)
+            line = Text(f"{head}[{where}] ", style="cyan", no_wrap=True, overflow="crop")
+            for piece, style in _tail(self._segments(u, row), width - len(line)):
+                line.append(piece, style=style)
+            lines.append(line)
+        done = sum(u.kind == "done" for u in self.rows.values())
+        return Panel(Group(*lines), title="clover-lab generate (batch)",
+                     subtitle=f"{done}/{len(lines)} rows done | {max(u.time for u in self.rows.values()):.2f} s")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CloverError
+from .writes import write_text
 
 MODEL_TYPE = "clover_moe"
 ACCEPTED_MODEL_TYPES = (MODEL_TYPE, "qwen3_5_moe_text", "qwen3_5_moe")
@@ -219,10 +220,13 @@ class CloverConfig:
             raise ConfigError(f"{path}: expected a JSON object")
         return cls.from_dict(d, source=str(path))
 
+    def to_json(self) -> str:
+        """config.json's text."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
     def save(self, directory: str | Path) -> Path:
-        path = Path(directory) / "config.json"
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-        return path
+        """``directory``/config.json, whole or not at all."""
+        return write_text(Path(directory) / "config.json", self.to_json())
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "CloverConfig":

@@ -106,6 +106,7 @@ class ForwardContext:
     where: Where = NOWHERE  # where the generation stands, for the events the forward fires
     rope: tuple | None = None  # (cos, sin) [c + m, rotary_dim], shared by every attention layer
     pending: list = field(default_factory=list)  # (destination, source) cache writes, applied on success
+    drafts: dict | None = None  # a draft commit: GDN layer -> what its rollback needs (``drafts.py``)
 
     @classmethod
     def cached(cls, cache: CloverCache, c: int, m: int, device, coreset: Coreset | None = None,

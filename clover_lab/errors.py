@@ -34,6 +34,11 @@ class CorpusNotFoundError(CorpusError, FileNotFoundError):
     """A corpus path that does not exist."""
 
 
+class OutputError(CloverError, ValueError):
+    """An output clover_lab refuses to write: it is one of the inputs, it would replace files
+    clover_lab did not write, or it cannot be written; the message names it."""
+
+
 def flag(name: str, value, none: bool = True):
     """``value`` as a boolean setting: True or False (numpy's bools too), or None where ``none``;
     never a string ("false" is truthy) or a number taken for one."""

@@ -27,6 +27,7 @@ from .config import CloverConfig, ConfigError
 from .errors import CheckpointError, flag  # noqa: F401 - CheckpointError re-exported; defined apart so that fp8/ can raise it
 from .fp8.checkpoint import FP8Checkpoint
 from .load_checks import CHECK_FINITE_MAX_BYTES, refuse_nonfinite, resolve_device
+from .writes import refuse_unfinished
 
 log = logging.getLogger("clover_lab")
 
@@ -78,7 +79,8 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         for name, shard in weight_map.items():
             shard_path = path / shard
             if not shard_path.exists():
-                raise CheckpointError(f"{index} names shard {shard!r} for tensor {name!r}, but {shard_path} is missing")
+                raise CheckpointError(f"{index} names shard {shard!r} for tensor {name!r}, but {shard_path} is "
+                                      f"missing: the checkpoint is incomplete")
             files[name] = shard_path
         return files
     if single.exists():
@@ -145,6 +147,7 @@ def load_config(path) -> CloverConfig:
         raise CheckpointError(f"model directory {path} does not exist")
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory (expected a Hugging Face model directory)")
+    refuse_unfinished(path)  # a save stopped while putting its files in place
     cfg = path / "config.json"
     if not cfg.exists():
         raise CheckpointError(f"{path}: no config.json")

@@ -24,13 +24,14 @@ from . import loading, saving
 from .cache import CloverCache
 from .config import CloverConfig
 from .context import Coreset, ForwardContext
+from .drafts import DraftCommit
 from .errors import count, flag
 from .hooks import points
 from .hooks.events import NOWHERE, Where
 from .hooks.registry import HookRegistry
 from .layers.attention import GatedAttention
 from .layers.gdn import GatedDeltaNet
-from .layers.linear import Linear
+from .layers.linear import FusedProjections, Linear
 from .layers.moe import Experts, Router, SparseMoE
 from .layers.norm import RMSNorm
 from .layers.residual import fire_head_rows, fire_residual
@@ -156,14 +157,34 @@ class CloverModel(nn.Module):
         """The model in the Hugging Face directory ``path`` (see ``clover_lab.loading``; ``keep_fp8``
         and ``placement`` there); ``check_finite`` refuses weights holding NaN or inf (default: for
         checkpoints up to 4 GiB)."""
-        return loading.load_model(cls, path, device=device, dtype=dtype, progress=progress, keep_fp8=keep_fp8,
-                                  placement=placement, check_finite=check_finite)
+        model = loading.load_model(cls, path, device=device, dtype=dtype, progress=progress, keep_fp8=keep_fp8,
+                                   placement=placement, check_finite=check_finite)
+        model.fuse_projections()
+        return model
 
     def save_pretrained(self, path, max_shard_bytes: int | None = None) -> None:
         """``max_shard_bytes``: shards of at most that many bytes (None: 5 GiB)."""
         if max_shard_bytes is not None:
             max_shard_bytes = count("max_shard_bytes", max_shard_bytes)
         saving.save_model(self, path, max_shard_bytes=max_shard_bytes)
+
+    def projection_groups(self):
+        """(module, FusedProjections) for every group of projections that share an input."""
+        for module in self.modules():
+            for group in vars(module).values():
+                if isinstance(group, FusedProjections):
+                    yield module, group
+
+    def fuse_projections(self) -> int:
+        """Each group of projections reading one input as one GEMM, their weights views of one
+        tensor (``layers.linear.FusedProjections``); run after loading and after every move or
+        cast (``_apply``). Returns the groups fused."""
+        return sum(group.fuse(module) for module, group in self.projection_groups())
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(), to_empty(): the parts are new tensors
+        out = super()._apply(fn, *args, **kwargs)
+        self.fuse_projections()
+        return out
 
     @torch.no_grad()
     def reset_preview_parameters(self) -> None:
@@ -202,8 +223,15 @@ class CloverModel(nn.Module):
             packed.get(weight)
             return packed
 
+        fused = set()  # parts of a fused GEMM: its one weight is packed instead
+        for module, group in self.projection_groups():
+            if group.weight is not None:
+                group.packed = pack(group.weight) if enabled and ops.can_pack(group.weight) else None
+                fused.update(id(m) for m in group.modules(module))
         for module in self.modules():  # FP8 weights and offloaded experts are not packed
-            if isinstance(module, (Linear, Router)) and ops.can_pack(module.weight):
+            if id(module) in fused:
+                module.packed = None
+            elif isinstance(module, (Linear, Router)) and ops.can_pack(module.weight):
                 module.packed = pack(module.weight) if enabled else None
             elif isinstance(module, Experts) and module.store is None and ops.can_pack(module.gate_up_proj):
                 module.packed = ([pack(w) for w in module.gate_up_proj],
@@ -211,6 +239,9 @@ class CloverModel(nn.Module):
         return sum(p.nbytes for p in self._packs())
 
     def _packs(self):
+        for _, group in self.projection_groups():
+            if group.packed is not None:
+                yield group.packed
         for module in self.modules():
             if isinstance(module, (Linear, Router)) and module.packed is not None:
                 yield module.packed
@@ -246,13 +277,15 @@ class CloverModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, cache: CloverCache, commit_ids=None, preview_ids=None, *, commit_logits: str | None = "last",
-                preview_positions=None, coreset: Coreset | None = None, where: Where = NOWHERE) -> StepOutput:
+                preview_positions=None, coreset: Coreset | None = None, where: Where = NOWHERE,
+                drafts: dict | None = None) -> StepOutput:
         """One forward over ``[commit_ids ; preview_ids]`` (either may be None).
 
         ``commit_logits``: "last", "all" or None. ``preview_positions``: block positions whose
         logits are wanted (default: all). ``where``: the generation's block and step, handed to
         the events this forward fires. The cache advances by the committed rows only if the
-        whole forward succeeds; a preview never changes it.
+        whole forward succeeds; a preview never changes it. ``drafts``: a dict the GDN layers fill
+        with what :meth:`commit_draft` needs to keep only a prefix of the commit.
         """
         parts = []
         if commit_ids is not None:
@@ -272,6 +305,7 @@ class CloverModel(nn.Module):
             raise ValueError(f"positions up to {cache.length + c + m} exceed the context length "
                              f"{self.config.max_position_embeddings}")
         ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where)
+        ctx.drafts = drafts
         x = self.hidden_states(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], ctx)
         ctx.publish()  # the forward succeeded: the commit lands
         cache.advance(c)
@@ -351,6 +385,15 @@ class CloverModel(nn.Module):
                            where: Where = NOWHERE) -> StepOutput:
         return self.forward(cache, commit_ids, block_ids, commit_logits=commit_logits,
                             preview_positions=positions, coreset=coreset, where=where)
+
+    def commit_draft(self, cache: CloverCache, ids, where: Where = NOWHERE) -> DraftCommit:
+        """Commit a drafted block ``ids`` [B, m] causally: its logits at every row score each
+        drafted token under the causal model (``.logits`` [B, m, V]); ``.keep(lengths)`` then
+        leaves the cache holding exactly each row's accepted prefix (``drafts.py``)."""
+        records: dict = {}
+        before = list(cache.row_lengths) if cache.row_lengths is not None else [cache.length] * cache.batch_size
+        logits = self.forward(cache, commit_ids=ids, commit_logits="all", where=where, drafts=records).commit_logits
+        return DraftCommit(self, cache, before, logits, records)
 
     def prefill(self, cache: CloverCache, ids, chunk_size: int = 1024, logits: str | None = "last",
                 where: Where = NOWHERE):

@@ -56,6 +56,8 @@ class SamplerSettings:
       against the model: at least ``num_experts_per_tok`` and at most ``num_experts``.
     - ``seed``: seeds the run's torch.Generator, in [0, 2**64); None draws a fresh seed (reported in
       the stats).
+    - ``draft_passes``: speculative mode: denoising passes that draft each block (>= 1; the last
+      unmasks every position left). Sampled speculative decoding takes one pass.
 
     Invalid values raise :class:`SettingsError` naming the setting.
     """
@@ -73,6 +75,7 @@ class SamplerSettings:
     frequency_penalty: float = field(default=0.0, metadata={"help": "subtracted per occurrence"})
     coreset_size: int | None = field(default=None, metadata={"help": "per-block expert coreset size (off by default)"})
     seed: int | None = field(default=None, metadata={"help": "seeds sampling; none: a fresh seed, reported"})
+    draft_passes: int = field(default=1, metadata={"help": "speculative mode: denoising passes per drafted block"})
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # numpy scalars and the like as plain Python numbers
@@ -139,6 +142,7 @@ class SamplerSettings:
                 bad(name, f"must be within +-{MAX_ADDITIVE_PENALTY:g} (0 = off); beyond that float32 logits overflow")
         integer("coreset_size", 0, allow_none=True)
         integer("seed", 0, allow_none=True)
+        integer("draft_passes", 1, allow_none=False)
         if self.seed is not None and self.seed > MAX_SEED:
             bad("seed", "must be below 2**64")
 
@@ -193,6 +197,15 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, counts: torch.Tensor | None, s: SamplerSettings) -> torch.Tensor:
+    """The distribution [N, V] fp32 a sampled token is drawn from: ``logits`` [N, V] after the
+    penalties of ``counts`` ([V] or [N, V]; None: none), temperature and top-k / top-p."""
+    logits = logits.float()
+    if counts is not None:
+        logits = apply_penalties(logits, counts, s)
+    return filter_logits(logits / s.temperature, s.top_k, s.top_p).softmax(-1)
+
+
 def candidates(logits: torch.Tensor, s: SamplerSettings, generator: torch.Generator | None = None):
     """Candidate token per row and the model's distribution: (tokens [N] long, probs [N, V] fp32).
 
@@ -201,7 +214,7 @@ def candidates(logits: torch.Tensor, s: SamplerSettings, generator: torch.Genera
     probs = logits.softmax(-1)
     if s.greedy:
         return logits.argmax(-1), probs
-    sample_probs = filter_logits(logits / s.temperature, s.top_k, s.top_p).softmax(-1)
+    sample_probs = sampling_probs(logits, None, s)
     # a row of NaN (non-finite logits) would make multinomial raise, or assert on CUDA: draw from
     # a uniform row instead; the engine sees the NaN confidence of that row and ends the run
     sample_probs = torch.where(sample_probs.isfinite().all(-1, keepdim=True), sample_probs, 1.0)

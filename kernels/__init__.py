@@ -12,11 +12,12 @@ from .dense import PackedWeight, can_pack, linear
 from .dispatch import backend_for, forced_backend, kernel_table
 from .fp8 import torch as _fp8
 from .gdn import torch as _gdn
+from .moe import naive as _moe_naive
 from .moe import torch as _moe
 from .norm import naive as _norm
 
 __all__ = ["linear", "PackedWeight", "can_pack", "rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview",
-           "moe_experts", "linear_fp8", "moe_experts_fp8", "backend_for", "forced_backend"]
+           "moe_experts", "route", "linear_fp8", "moe_experts_fp8", "backend_for", "forced_backend"]
 
 
 def _dispatch(name, reference, *tensors):
@@ -51,6 +52,12 @@ def moe_experts(x, expert_ids, weights, gate_up, down, packed=None):
     if backend_for("moe_experts", x, weights, gate_up, down) == "triton":
         return kernel_table()["moe_experts"](x, expert_ids, weights, gate_up, down)
     return _moe.moe_experts(x, expert_ids, weights, gate_up, down, packed)
+
+
+def route(logits, top_k, allowed=None):
+    """The router's rule over logits [T, E]: (probs fp32 [T, E], expert ids [T, k], weights fp32 [T, k]);
+    ``allowed`` [E] or [T, E] bool restricts the picks (a coreset). One kernel on a GPU."""
+    return _dispatch("route", _moe_naive.route, logits)(logits, top_k, allowed)
 
 
 def _fp32_on_gpu(x: torch.Tensor) -> bool:

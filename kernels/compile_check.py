@@ -365,6 +365,9 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
                     _meta(1, m, C, dtype=dt), _meta(1, C, K - 1, dtype=dt), _meta(C, K, dtype=dt),
                     _meta(C, K - 1, dtype=dt), _meta(1, Hv, dk, dv, dtype=f32), _meta(Hv, dtype=dt), _meta(Hv, dtype=dt),
                     _meta(Hv, dtype=dt), Hk, dk, dv, history))
+        for T in moe_rows:  # the router's rule over T tokens' logits: every expert, or a coreset
+            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k))
+            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k, _meta(E, dtype=torch.bool)))
         for T in moe_rows:  # routed experts of T tokens (coreset routing changes ids, not shapes)
             yield "moe_experts", label, T, ("moe_experts", (
                 _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
@@ -380,6 +383,7 @@ FP8_BLOCK = 128  # Qwen's and DeepSeek's weight_block_size [128, 128]
 # the FP8 kernels take bf16 / fp16 activations: fp32 ones run the torch path (their tiles spill)
 FP8_DTYPES = ("bf16", "fp16")
 KERNEL_DTYPES = {name: set(FP8_DTYPES) for name in ("_fp8_linear_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel")}
+KERNEL_DTYPES["_align_kernel"] = {"bf16"}  # reads only expert ids: one binary for every activation dtype
 
 
 def _fp8_calls(label, dt, d, rows):

@@ -15,6 +15,7 @@ _SOURCES = {
     "gdn_commit": ("clover_kernels.gdn.commit", "gdn_commit"),
     "gdn_preview": ("clover_kernels.gdn.preview", "gdn_preview"),
     "moe_experts": ("clover_kernels.moe.fused", "moe_experts"),
+    "route": ("clover_kernels.moe.route", "route"),
     "linear_fp8": ("clover_kernels.fp8.gemm", "linear"),
     "moe_experts_fp8": ("clover_kernels.fp8.moe", "moe_experts"),
 }

@@ -30,7 +30,9 @@ from ..placement.plan import check_usable
 from ..sampling import SamplerSettings
 from .ar import run_ar
 from .diffusion import run_diffusion
+from .speculative import run_speculative
 from .graphs import FastPath
+from .policies import make_policy
 from .policy import DecodingPolicy, ThresholdPolicy
 from .requests import (GenerationError, check_coreset, check_join, check_memory, check_mode_settings, check_request,
                        encode_prompt, is_batch, stop_list)
@@ -246,13 +248,17 @@ class Engine:
                                   f"generates must not do so again unconditionally (at most "
                                   f"{MAX_NESTED_GENERATIONS} nested generations)")
         s = SamplerSettings.from_kwargs(self.settings if settings is None else settings, **sampler)
+        if mode == "speculative" and not s.greedy and s.draft_passes != 1:
+            raise GenerationError(f"sampled speculative decoding takes draft_passes=1 (got {s.draft_passes}): the "
+                                  f"acceptance rule needs each drafted token's own distribution, which only a one-pass "
+                                  f"draft gives")
         check_coreset(self.model.config, s.coreset_size)
         check_mode_settings(mode, sampler)
         stop = stop_list(stop, self.tokenizer)
         return s, stop, self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
 
-    def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit, join=None,
-               capacity=None) -> Run:
+    def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit, policy=None,
+               join=None, capacity=None) -> Run:
         """A generation of one prompt or (a list) a batch: checked, its cache allocated."""
         s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
         if join is not None:
@@ -269,11 +275,12 @@ class Engine:
                 raise GenerationError(f"prompt {r} of the batch: {e}") from e
         length = max(max(map(len, ids)) + max_new_tokens, capacity or 0)
         check_memory(self.model, length, len(ids))
-        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched, join, length)
+        policy = None if policy is None else make_policy(policy)
+        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched, policy, join, length)
 
     # ---------------------------------------------------------------- generation
     def stream(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
-               thinking: bool | None = None, settings: SamplerSettings | None = None,
+               thinking: bool | None = None, settings: SamplerSettings | None = None, policy=None,
                join: Callable[[int], list] | None = None, capacity: int | None = None,
                **sampler: Any) -> Iterator[StreamUpdate]:
         """Like :meth:`generate`, yielding a :class:`StreamUpdate` per denoising step ("step":
@@ -288,21 +295,25 @@ class Engine:
         ``len(prompts)``, ``len(prompts) + 1``, ... in the order given. ``capacity``: positions
         per row of the cache (a joining prompt plus ``max_new_tokens`` must fit in it)."""
         return self._drive(self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True,
-                                       join=join, capacity=capacity))
+                                       policy=policy, join=join, capacity=capacity))
 
     def _drive(self, run: Run) -> Iterator[StreamUpdate]:
         # no inference_mode around the yields: it would leak into the consumer's code between updates
         try:
-            yield from (run_diffusion(run) if run.mode == "diffusion" else run_ar(run))
+            yield from LOOPS[run.mode](run)
         finally:  # ended, failed or abandoned: the fast path's cache is free for the next generation
             self._fast_path.release(run)
 
     def generate(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
-                 thinking: bool | None = None, settings: SamplerSettings | None = None,
+                 thinking: bool | None = None, settings: SamplerSettings | None = None, policy=None,
                  **sampler: Any) -> GenerationResult:
         """Generate a response to ``prompt`` (a string, token ids, or chat messages).
 
-        ``mode``: "diffusion" (block diffusion) or "ar" (one token per forward, the baseline).
+        ``mode``: "diffusion" (block diffusion), "ar" (one token per forward, the baseline) or
+        "speculative" (AR's answer: each block drafted by ``draft_passes`` previews and accepted
+        by one causal commit up to its first disagreement; ``engine/speculative.py``).
+        ``policy``: this generation's decoding rule instead of ``engine.policy``: a DecodingPolicy,
+        or a name with settings (``"eb:gamma=0.5"``, ``"topk:k=1/2/4"``; ``engine/policies.py``).
         ``max_new_tokens``: default ``engine.max_new_tokens`` (256, or the model directory's
         generation_config.json). ``stop``: stop strings (need a tokenizer). ``thinking``: the chat
         template's ``enable_thinking`` flag. Sampler settings (see :class:`SamplerSettings`) come
@@ -315,10 +326,13 @@ class Engine:
         (a list of GenerationResults, one per prompt, with the batch's figures in ``stats``).
         Greedy rows give the tokens each prompt gives alone; a ``seed`` seeds every row alike.
         """
-        run = self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=False)
+        run = self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=False, policy=policy)
         for _ in self._drive(run):
             pass
         return run.result if run.batched else run.result[0]
+
+
+LOOPS = {"diffusion": run_diffusion, "ar": run_ar, "speculative": run_speculative}
 
 
 def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dict | None = None,

@@ -10,7 +10,7 @@ import torch
 from ..cache import cache_bytes
 from ..errors import CloverError, flag
 
-MODES = ("diffusion", "ar")
+MODES = ("diffusion", "ar", "speculative")
 # sampler settings that only block diffusion reads: an AR request given one would ignore it
 DIFFUSION_SETTINGS = ("threshold", "confidence", "max_tokens_per_step", "max_steps_per_block", "coreset_size")
 
@@ -89,8 +89,8 @@ def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tok
         raise GenerationError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
-    if mode == "diffusion" and mask_token_id is None:
-        raise GenerationError("block diffusion needs a mask token, and none was found: not in config.json or "
+    if mode in ("diffusion", "speculative") and mask_token_id is None:
+        raise GenerationError(f"{mode} decoding needs a mask token, and none was found: not in config.json or "
                               "generation_config.json (mask_token_id), not in the tokenizer, and the embedding has "
                               "no row past the tokenizer's vocabulary; set engine.mask_token_id, add mask_token_id "
                               "to generation_config.json, or use mode='ar'")
@@ -115,6 +115,9 @@ def check_mode_settings(mode: str, sampler: dict) -> None:
         warnings.warn(f"mode='ar' decodes one token per forward and ignores the block-diffusion setting(s) "
                       f"{', '.join(given)}: they have no effect on this run", IgnoredSettingWarning,
                       stacklevel=5)  # the caller of generate / stream
+    if mode == "speculative" and sampler.get("coreset_size"):
+        warnings.warn("mode='speculative' drafts without an expert coreset: coreset_size has no effect on this run",
+                      IgnoredSettingWarning, stacklevel=5)
 
 
 def settings_for_mode(mode: str, sampler: dict) -> dict:

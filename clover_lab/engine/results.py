@@ -11,7 +11,8 @@ import torch
 @dataclass
 class GenerationStats:
     """Figures of one generation. Forwards and times exclude the prompt prefill unless named
-    ``prefill_*``; ``tokens_per_second`` is new tokens over ``decode_seconds`` (wall time after
+    ``prefill_*``: ``tokens_per_forward`` is new tokens over the forwards after the prefill
+    (``forward_split`` the parts they add up from); ``tokens_per_second`` is new tokens over ``decode_seconds`` (wall time after
     the prefill). ``preview_seconds`` covers every forward with a preview part (fused ones
     included), ``commit_seconds`` the commit-only forwards after the prefill."""
 
@@ -40,12 +41,39 @@ class GenerationStats:
     block_size: int | None = None
     coreset_size: int | None = None
     cache_complete: bool = True  # the cache holds prompt + every returned token
+    # speculative mode, per block: tokens drafted (positions after the causal one), drafted
+    # tokens the causal check accepted, and those it rejected
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    rejected: list[int] = field(default_factory=list)
+    mean_accepted: float | None = None  # accepted drafted tokens per block
     # which path the forwards after the prefill took ("cuda graph", "compiled", "static" steps, or
     # "eager: why"), with counts when it changed during the run (engine/runner.py)
     path: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def forward_split(self) -> dict[str, int]:
+        """``forwards`` in parts that add up: "preview" (preview only), "fused" (the previous
+        block's commit and a preview in one forward; ``preview_forwards`` counts them too) and
+        "commit" (commit only: AR steps, a last block's commit)."""
+        return {"preview": self.preview_forwards - self.fused_forwards, "fused": self.fused_forwards,
+                "commit": self.commit_forwards}
+
+    def record_draft(self, drafted: int, accepted: int, steps: int) -> None:
+        """A speculative block: ``drafted`` tokens drafted in ``steps`` previews, ``accepted`` of them kept."""
+        self.blocks += 1
+        self.steps_per_block.append(steps)
+        self.drafted.append(drafted)
+        self.accepted.append(accepted)
+        self.rejected.append(drafted - accepted)
+        self.mean_accepted = sum(self.accepted) / len(self.accepted)
+
+    def acceptance(self, block: int) -> dict:
+        """``drafted``, ``accepted``, ``rejected`` of a speculative block (as ``block.commit`` carries them)."""
+        return dict(drafted=self.drafted[block], accepted=self.accepted[block], rejected=self.rejected[block])
 
     def __getitem__(self, key: str):
         if key not in self.__dataclass_fields__:

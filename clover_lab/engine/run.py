@@ -32,14 +32,15 @@ class Run:
     updates then carry their row, and the result is a BatchResult)."""
 
     def __init__(self, engine, prompts: list[list[int]], mode: str, max_new_tokens: int, s: SamplerSettings,
-                 stop: list[str], emit: bool, number: int, batched: bool, join=None, length: int | None = None):
+                 stop: list[str], emit: bool, number: int, batched: bool, policy=None, join=None,
+                 length: int | None = None):
         model = engine.model
         self.engine, self.model, self.s, self.mode, self.emit = engine, model, s, mode, emit
         self.number, self.batched = number, batched  # number: counts generations on the engine
         self.device = model.device
         self.max_new = max_new_tokens
         self.hooks = model.hooks.view()
-        self.policy = engine.policy  # the decoding rule (policy.py), for every row
+        self.policy = engine.policy if policy is None else policy  # the decoding rule (policy.py), every row's
         self.t0 = time.perf_counter()
         self.t_decode = self.t0
         self.stop, self.join = stop, join  # join: rows joining at block boundaries (Engine.stream)
@@ -140,6 +141,11 @@ class Run:
         self.stats.prompt_tokens += sum(len(row.prompt_ids) for row in rows)
         self.prefill(None, rows)
 
+    def commit_draft(self, rows: list[int], ids: torch.Tensor, where: Where):
+        """Commit every row's drafted block ``ids`` [R, m] (``Runner.commit_draft``), timed and counted."""
+        with self.timed("commit", rows):
+            return self.runner.commit_draft(rows, ids, where)
+
     # ---------------------------------------------------------------- rows end
     def end(self, rows: list[int], reason: str | dict[int, str], cache_complete: bool = True,
             index: int = 0):
@@ -192,7 +198,7 @@ class Row:
         self.clock = Clock(self.device)
         self.stats = GenerationStats(mode=run.mode, prompt_tokens=len(prompt_ids),
                                      seed=s.seed if s.greedy else self.seed,
-                                     block_size=engine.block_size if run.mode == "diffusion" else None,
+                                     block_size=engine.block_size if run.mode != "ar" else None,
                                      coreset_size=(s.coreset_size or None) if run.mode == "diffusion" else None)
         self.committed: list[int] = []  # final response tokens
         self.pending: tuple[list[int], int] | None = None  # a finished block waiting for its fused commit, its steps
@@ -217,12 +223,14 @@ class Row:
         self.stats.blocks += 1
         self.stats.steps_per_block.append(steps)
 
-    def fire_commit(self, block: int, tokens: list[int], steps: int, start: int) -> bool:
-        """``block.commit`` after a commit; True when a hook asked to stop (``event.stop()`` or
+    def fire_commit(self, block: int, tokens: list[int], steps: int, start: int,
+                    acceptance: dict | None = None) -> bool:
+        """``block.commit`` after a commit (``acceptance``: a speculative block's drafted,
+        accepted and rejected counts); True when a hook asked to stop (``event.stop()`` or
         StopGeneration)."""
         if not self.hooks.active(points.BLOCK_COMMIT):
             return False
-        event = CommitEvent(block, list(tokens), steps, start, self.now(),
+        event = CommitEvent(block, list(tokens), steps, start, self.now(), **(acceptance or {}),
                             where=self.where("decode", commit_block=block))
         try:
             self.hooks.fire(points.BLOCK_COMMIT, event)

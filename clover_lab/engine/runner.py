@@ -158,6 +158,17 @@ class Runner:
                 self._took(False)
             return out
 
+    def commit_draft(self, rows: list[int], ids: torch.Tensor, where):
+        """Commit every row's drafted block ``ids`` [R, m] on the eager forward; the
+        ``DraftCommit`` then keeps each row's accepted prefix in the cache (``drafts.py``)."""
+        if rows != self.rows:
+            raise ValueError(f"commit_draft: every row commits its draft together ({self.rows}), got {rows}")
+        with self.hooks.applied():
+            self._arrange(fast=False)
+            out = self.model.commit_draft(self.cache, ids, where=where)
+            self._took(False)
+            return out
+
     def _static(self, rows, ids, c: int, m: int, commit_logits: bool = False):
         self._arrange(fast=True)
         if rows == self.slots:

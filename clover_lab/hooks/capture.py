@@ -97,7 +97,8 @@ class Capture(RecordSet):
 
     def save(self, path, meta: dict | None = None) -> None:
         """Write the records to the directory ``path`` (tensors in safetensors, the rest in JSON):
-        ``clover_lab.load_trace(path)`` reads them back, with no model."""
+        ``clover_lab.load_trace(path)`` reads them back, with no model. ``path`` is a new or empty
+        directory or a trace (replaced); one holding other files is refused (``OutputError``)."""
         config = {} if self.config is None else {"config": self.config.to_dict()}
         save_trace(path, self.records, self.points, {**config, **(meta or {})})
 
@@ -107,7 +108,8 @@ class Capture(RecordSet):
 _FIELDS = {
     P.DENOISE_STEP: dict(canvas=True, masked=False, candidates=False, confidences=False, unmask=False, time=False,
                          tokens=False),
-    P.BLOCK_COMMIT: dict(tokens=False, steps=False, start=False, time=False),
+    P.BLOCK_COMMIT: dict(tokens=False, steps=False, start=False, time=False, drafted=False, accepted=False,
+                         rejected=False),
     P.MOE_ROUTE: dict(layer=False, mode=False, positions=False, router_probs=False, expert_ids=False, weights=False,
                       selectable=False),
     P.GDN_PREVIEW: dict(layer=False, positions=False, history_weights=False, history_reads=False),

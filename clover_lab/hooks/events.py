@@ -342,7 +342,9 @@ class CommitEvent(Event, _Stoppable):
 
     ``tokens`` the block's final tokens (after EOS / stop-string truncation), ``steps`` the
     previews it took, ``start`` its first position in the sequence, ``time`` seconds since the
-    generation started. In AR mode every token is a block of one (``steps`` = 1)."""
+    generation started. In AR mode every token is a block of one (``steps`` = 1). In speculative
+    mode ``drafted`` tokens followed the causal one, the causal check ``accepted`` that many of
+    them (the leading ones) and ``rejected`` the rest; None in the other modes."""
 
     block: int
     tokens: list[int]
@@ -350,6 +352,9 @@ class CommitEvent(Event, _Stoppable):
     start: int
     time: float
     stopped: bool = False
+    drafted: int | None = None
+    accepted: int | None = None
+    rejected: int | None = None
 
     @property
     def step(self) -> None:

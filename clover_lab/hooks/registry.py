@@ -44,6 +44,13 @@ class HookError(CloverError, RuntimeError):
         self.point = point
 
 
+def observer(fn: Callable) -> Callable:
+    """Mark ``fn`` as a hook that only reads: at each point it runs after every other hook, so it
+    sees the event as the forward uses it (a route after bans and forcing, an edited state)."""
+    fn.clover_observer = True
+    return fn
+
+
 class UnknownPointError(InputError, KeyError):
     """A hook point name or pattern that names no point of the model (still a KeyError)."""
 
@@ -245,6 +252,8 @@ class HookRegistry:
         scoped = [(i, fn) for s in scopes if s.open for i, fn in s.fns.get(name, {}).items()]
         if scoped:  # in registration order, as if they were all in one table
             calls = sorted(calls + scoped, key=lambda c: c[0])
+        if any(getattr(fn, "clover_observer", False) for _, fn in calls):  # readers after the writers
+            calls.sort(key=lambda c: getattr(c[1], "clover_observer", False))
         token = _DEPTH.set(_DEPTH.get() + 1)
         try:
             for _, fn in calls:

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import CloverError
+from ..writes import FileSet, refuse_foreign, refuse_unfinished
 from . import points as P
 from .events import Where
 from .records import Record, RecordSet
@@ -65,8 +63,10 @@ def _decode(value, tensors: dict, where: str):
 
 
 def save_trace(path, records: list[Record], points: list[str], meta: dict | None = None) -> None:
-    """Write ``records`` to the directory ``path``; written to a temporary directory first, so an
-    error leaves nothing half-written."""
+    """Write ``records`` to the directory ``path``: a new or empty one, or a trace (replaced).
+    Refused when it holds other files (nothing of a user's is ever removed); the two files are
+    put in place together (``writes.FileSet``), so an error leaves nothing half-written and a
+    trace replaced stays whole until the new one is."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     rows = []
@@ -76,17 +76,10 @@ def save_trace(path, records: list[Record], points: list[str], meta: dict | None
         rows.append(dict(point=r.point, run=r.run, phase=r.phase, block=r.block, step=r.step, where=where, data=data))
     doc = dict(format=FORMAT, version=VERSION, points=list(points), meta=meta or {}, records=rows)
     text = json.dumps(doc)  # fails here, before anything is written, on what JSON cannot hold
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        (tmp / META_FILE).write_text(text)
-        save_file(tensors, str(tmp / TENSOR_FILE))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    refuse_foreign(path, {META_FILE, TENSOR_FILE}, "a trace")
+    with FileSet(path) as files:
+        save_file(tensors, str(files.path(path / TENSOR_FILE)))
+        files.path(path / META_FILE).write_text(text)  # last: the file that makes it a trace
 
 
 @dataclass
@@ -196,6 +189,7 @@ def _differs(a, b, atol: float, rtol: float) -> tuple[str, float | None] | None:
 def load_trace(path) -> Trace:
     """Read a trace written by ``Capture.save`` (a directory); errors name the file at fault."""
     path = Path(path)
+    refuse_unfinished(path, TraceError)
     meta_file, tensor_file = path / META_FILE, path / TENSOR_FILE
     for f in (meta_file, tensor_file):
         if not f.is_file():

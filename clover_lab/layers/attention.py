@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ..cache import AttentionCache
 from ..config import CloverConfig
 from ..context import ForwardContext
-from .linear import Linear
+from .linear import FusedProjections, Linear
 from .norm import RMSNorm
 from .rotary import apply_rotary
 
@@ -30,15 +30,17 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * D, H, bias=bias)
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.qkv_proj = FusedProjections("q_proj", "k_proj", "v_proj")  # one GEMM (bias-free checkpoints)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, _ = x.shape
         D = self.head_dim
-        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)
+        q, k, v = self.qkv_proj(self, x)
+        q, gate = q.reshape(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)
         gate = gate.reshape(B, T, -1)
         q = self.q_norm(q).transpose(1, 2)  # [B, Hq, T, D]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, D)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
+        v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
         cos, sin = ctx.rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if ctx.is_training:

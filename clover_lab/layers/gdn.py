@@ -8,6 +8,7 @@ otherwise. Only a changed event is checked, so observing hooks add no host read.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -22,8 +23,23 @@ from ..context import ForwardContext
 from ..hooks import points
 from ..hooks.events import GDNPreviewEvent, GDNStateEvent, edit_count
 from ..hooks.registry import HookError, HookRegistry
-from .linear import Linear
+from .linear import FusedProjections, Linear
 from .norm import GatedRMSNorm
+
+
+@dataclass
+class DraftRows:
+    """A GDN layer's part of a draft commit: the ring and state before it [B, ...] and the
+    commit rows' pre-convolution q,k,v [B, c, C] and gates g, beta [B, c, Hv]."""
+    ring: torch.Tensor
+    state: torch.Tensor
+    mixed: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> "DraftRows":
+        return DraftRows(*(t.index_select(0, index.to(t.device)) for t in
+                           (self.ring, self.state, self.mixed, self.g, self.beta)))
 
 
 class GatedDeltaNet(nn.Module):
@@ -48,6 +64,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(Hv))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = Linear(Hv * self.head_v_dim, H, bias=False)
+        self.in_proj = FusedProjections("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # one GEMM
         # Clover's preview operator (spec 3.2); defaults make an untrained but well-defined preview
         self.conv1d_right = nn.Conv1d(C, C, K - 1, groups=C, bias=False)
         self.block_scale = nn.Parameter(torch.empty(Hv))
@@ -67,10 +84,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, _ = x.shape
         c, m = ctx.c, ctx.m
-        mixed = self.in_proj_qkv(x)  # [B, T, C]
-        z = self.in_proj_z(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        mixed, z, b, a = self.in_proj(self, x)  # [B, T, C], [B, T, Hv * dv], [B, T, Hv] twice
+        z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
         if ctx.is_training:
-            o = self._mix_blocks(x, mixed, ctx.c, ctx.block_size)
+            o = self._mix_blocks(mixed, b, a, ctx.c, ctx.block_size)
             o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
             return self.out_proj(o.reshape(B, T, -1))
         cache: GDNCache = ctx.cache.layers[self.layer]
@@ -78,7 +95,9 @@ class GatedDeltaNet(nn.Module):
         conv_w = self.conv1d.weight[:, 0]
         outs = []
         if c:
-            g, beta = self._gates(x[:, :c])
+            g, beta = self._gates(b[:, :c], a[:, :c])
+            if ctx.drafts is not None:  # a draft commit: what keeping only a prefix of it needs
+                ctx.drafts[self.layer] = DraftRows(ring.clone(), state.clone(), mixed[:, :c], g, beta)
             o, ring, state = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state,
                                             self.num_k_heads, self.head_k_dim, self.head_v_dim)
             if ctx.hooks and self.hooks.active(self.state_point):
@@ -107,17 +126,29 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, T, -1))
 
 
-    def _gates(self, x):
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+    def kept_state(self, rows: "DraftRows", a: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ring, state) after only the first ``a`` rows of a draft commit: the delta rule over
+        those rows from the state the commit started from (the block's chunk state), on the
+        forward's own projections and gates; no projection, attention or MoE is recomputed."""
+        if a == 0:
+            return rows.ring, rows.state
+        _, ring, state = ops.gdn_commit(rows.mixed[:, :a], rows.ring, self.conv1d.weight[:, 0], rows.g[:, :a],
+                                        rows.beta[:, :a], rows.state, self.num_k_heads, self.head_k_dim,
+                                        self.head_v_dim)
+        return ring, state
+
+    def _gates(self, b, a):
+        """in_proj_b and in_proj_a's outputs -> (log decay g fp32, beta)."""
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return g, beta
 
-    def _mix_blocks(self, x, mixed, L: int, bs: int) -> torch.Tensor:
+    def _mix_blocks(self, mixed, b, a, L: int, bs: int) -> torch.Tensor:
         """Training layout: the clean rows in commit mode, every noisy block previewed against the
         clean state and ring at its boundary, with the same preview op as inference."""
-        B = x.shape[0]
+        B = mixed.shape[0]
         nb = L // bs
-        g, beta = self._gates(x[:, :L])
+        g, beta = self._gates(b[:, :L], a[:, :L])
         conv_w = self.conv1d.weight[:, 0]
         o_clean, rings, states = gdn_commit_blocks(mixed[:, :L], conv_w, g, beta, self.num_k_heads,
                                                    self.head_k_dim, self.head_v_dim, bs)

@@ -12,13 +12,14 @@ import torch
 import torch.nn as nn
 
 import clover_kernels as ops
+from clover_kernels.moe.naive import select
 
 from ..config import CloverConfig
 from ..context import ForwardContext
 from ..hooks import points
 from ..hooks.events import RouteEvent, edit_count
 from ..hooks.registry import HookError, HookRegistry
-from .linear import Linear, SwiGLU
+from .linear import FusedProjections, Linear, SwiGLU
 
 # route weights are mixture weights (the router's are in [0, 1] and sum to 1); a hook's beyond this
 # would push the residual stream past float32's range in the next norm's mean square, which
@@ -39,15 +40,20 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> router probabilities [..., E] in fp32."""
-        return torch.softmax(ops.linear(x, self.weight, packed=self.packed), dim=-1, dtype=torch.float32)
+        return torch.softmax(self.logits(x), dim=-1, dtype=torch.float32)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, packed=self.packed)
+
+    def route(self, logits: torch.Tensor, allowed: torch.Tensor | None = None):
+        """logits [T, E] -> (probs [T, E] fp32, expert ids [T, k], weights [T, k] fp32): softmax and
+        ``select`` in one kernel on a GPU (``clover_kernels.route``)."""
+        return ops.route(logits, self.top_k, allowed)
 
     def select(self, probs: torch.Tensor, allowed: torch.Tensor | None = None):
         """probs [T, E], allowed [E] or [T, E] bool (None: every expert) -> (expert ids [T, k], weights [T, k]
-        fp32). Probabilities are >= 0, so a disallowed expert (-1) is never among the top k while
-        k experts are allowed."""
-        choice = probs if allowed is None else probs.masked_fill(~allowed, -1.0)
-        top, ids = choice.topk(self.top_k, dim=-1)
-        return ids, top / top.sum(-1, keepdim=True)
+        fp32): the top k among the allowed, renormalised (``clover_kernels.moe.naive.select``)."""
+        return select(probs, self.top_k, allowed)
 
 
 class Experts(nn.Module):
@@ -99,29 +105,33 @@ class SparseMoE(nn.Module):
         self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.route_point = points.layer_point(layer, points.MOE_ROUTE)
+        # one GEMM for the router logits and the shared expert's gate and up (its one-column gate scalar
+        # stays apart: a GEMV there, and columns of a GEMM differ from it in the last bit on the CPU)
+        self.projections = FusedProjections("gate", "shared_expert.gate_proj", "shared_expert.up_proj")
 
-    def route(self, probs: torch.Tensor, mode: str, ctx: ForwardContext, lo: int, hi: int, batch: int,
+    def route(self, logits: torch.Tensor, mode: str, ctx: ForwardContext, lo: int, hi: int, batch: int,
               dtype: torch.dtype):
-        """Top-k routing of rows [lo, hi) of every batch row (probs [batch * (hi - lo), E]); a
+        """Top-k routing of rows [lo, hi) of every batch row (router logits [batch * (hi - lo), E]); a
         preview with a coreset records it (the block's first preview) or routes within it.
         Returns (expert_ids [T, k], weights [T, k] in ``dtype``)."""
         coreset = ctx.coreset
-        allowed = None
+        allowed, recording = None, False
         if mode == "preview" and coreset is not None:
             if coreset.size < self.top_k:  # fewer allowed experts than picks would route outside the coreset
                 raise ValueError(f"coreset size {coreset.size} is below num_experts_per_tok={self.top_k}")
             chosen = coreset.experts.get(self.layer)
-            size = min(coreset.size, self.num_experts)
-            if chosen is None:  # first preview of the block: route fully, remember the coreset
-                mass = probs.view(batch, hi - lo, -1).sum(1)  # [batch, E]: each row's block its own coreset
-                coreset.record(self.layer, (mass[0] if batch == 1 else mass).topk(size, dim=-1).indices)
-            elif chosen.dim() == 1:
-                allowed = torch.zeros(self.num_experts, dtype=torch.bool, device=probs.device)
+            recording = chosen is None  # the block's first preview: routed fully, it records the coreset
+            if chosen is not None and chosen.dim() == 1:
+                allowed = torch.zeros(self.num_experts, dtype=torch.bool, device=logits.device)
                 allowed[chosen] = True
-            else:  # a batch: [batch, size] -> each routed token its row's experts, [batch * (hi - lo), E]
-                allowed = torch.zeros(batch, self.num_experts, dtype=torch.bool, device=probs.device)
-                allowed = allowed.scatter_(1, chosen, True).repeat_interleave(hi - lo, dim=0)
-        ids, weights = self.gate.select(probs, allowed)
+            elif chosen is not None:  # a batch: [batch, size] -> each routed token its row's experts
+                allowed = torch.zeros(batch, self.num_experts, dtype=torch.bool, device=logits.device)
+                allowed = allowed.scatter_(1, chosen, True).repeat_interleave(hi - lo, dim=0)  # [batch * (hi - lo), E]
+        probs, ids, weights = self.gate.route(logits, allowed)
+        if recording:
+            mass = probs.view(batch, hi - lo, -1).sum(1)  # [batch, E]: each row's block its own coreset
+            size = min(coreset.size, self.num_experts)
+            coreset.record(self.layer, (mass[0] if batch == 1 else mass).topk(size, dim=-1).indices)
         weights = weights.to(dtype)
         if ctx.router_stats is not None:
             ctx.router_stats.append((probs, ids))
@@ -138,11 +148,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, H = x.shape
-        probs = self.gate(x)  # [B, T, E]
+        logits, shared_gate, shared_up = self.projections(self, x)  # [B, T, E], [B, T, Is] twice
         ids, weights = [], []
         for mode, lo, hi in (("commit", 0, ctx.c), ("preview", ctx.c, ctx.c + ctx.m)):
             if hi > lo:
-                i, w = self.route(probs[:, lo:hi].reshape(-1, self.num_experts), mode, ctx, lo, hi, B, x.dtype)
+                i, w = self.route(logits[:, lo:hi].reshape(-1, self.num_experts), mode, ctx, lo, hi, B, x.dtype)
                 ids.append(i.view(B, hi - lo, -1))
                 weights.append(w.view(B, hi - lo, -1))
         ids = torch.cat(ids, dim=1).reshape(B * T, -1) if len(ids) > 1 else ids[0].reshape(B * T, -1)
@@ -150,8 +160,8 @@ class SparseMoE(nn.Module):
         flat = x.reshape(B * T, H)
         coreset = None if ctx.coreset is None else ctx.coreset.experts.get(self.layer)
         routed = self.experts(flat, ids, weights, coreset)
-        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return (routed + shared).view(B, T, H)
+        shared = self.shared_expert.down(shared_gate, shared_up)
+        return routed.view(B, T, H) + torch.sigmoid(self.shared_expert_gate(x)) * shared
 
 
 def checked_route(event: RouteEvent, point: str, rows: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,16 +40,30 @@ class Metric:
         return float(self.fn(logits))
 
 
-def logit_diff(position: int, token: int, other: int) -> Metric:
-    """logit[token] - logit[other] at ``position``: how much the model prefers ``token``."""
+def _named(token: int, tokenizer) -> str:
+    """A token in a metric's name: its text when a tokenizer is given, else its id (also for an id
+    the tokenizer cannot decode: Metric's own checks name it)."""
+    if tokenizer is None or isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+        return str(token)
+    try:
+        return repr(tokenizer.decode([int(token)]))
+    except Exception:  # noqa: BLE001 - a name only
+        return str(token)
+
+
+def logit_diff(position: int, token: int, other: int, tokenizer=None) -> Metric:
+    """logit[token] - logit[other] at ``position``: how much the model prefers ``token``
+    (``tokenizer``: the name shows the tokens' text instead of their ids)."""
     return Metric(position, lambda lg: lg[token] - lg[other],
-                  f"logit[{token}] - logit[{other}] at position {position}", (token, other))
+                  f"logit[{_named(token, tokenizer)}] - logit[{_named(other, tokenizer)}] at position {position}",
+                  (token, other))
 
 
-def probability(position: int, token: int) -> Metric:
+def probability(position: int, token: int, tokenizer=None) -> Metric:
     """The probability of ``token`` at ``position`` (softmax over the vocabulary, mask excluded
     in previews, as the engine decides)."""
-    return Metric(position, lambda lg: lg.softmax(-1)[token], f"p({token}) at position {position}", (token,))
+    return Metric(position, lambda lg: lg.softmax(-1)[token], f"p({_named(token, tokenizer)}) at position {position}",
+                  (token,))
 
 
 def _index(name: str, value) -> int:

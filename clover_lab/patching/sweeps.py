@@ -113,8 +113,16 @@ def sweep_layers_positions(engine, clean, corrupt, metric: Metric, block: int | 
             values[r, c] = _cell(engine, corrupt, source, site, metric, at, applied, generate)
     return Sweep(values, layers, list(positions), "layer", "position", measure(engine, clean, metric, *at, **generate),
                  measure(engine, corrupt, metric, *at, **generate), metric.name,
-                 f"{kind} patched at block {patch_at[0]}, step {patch_at[1]}; read at block {block}, step {step}",
+                 f"{kind} patched at {_coordinate(*patch_at)}; read at {_coordinate(block, step)}",
                  applied)
+
+
+def _coordinate(block, step) -> str:
+    """A (block, step) coordinate in words: (None, None) is the prompt's prefill, (b, None) block
+    b's commit."""
+    if block is None:
+        return "the prompt's prefill"
+    return f"block {block}'s commit" if step is None else f"block {block}, step {step}"
 
 
 def sweep_steps_layers(engine, clean, corrupt, metric: Metric, block: int, kind: str = P.OUTPUT, position=None,

@@ -22,9 +22,7 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,12 +32,14 @@ import torch
 from ..arguments import ArgumentParser
 from ..errors import CloverError
 from ..loading import load_config, resolve_dtype
+from ..signals import NotedSignals
+from ..writes import atomic_path, check_writable, refuse_same
 from . import lora as lora_
 from .adapt_setup import (DEFAULT_LR, EMBEDDING, MODES, RUN_FIELDS, AdaptSettings, Run, build_model, check_stops,
                           check_tokenizer_fits, init_tokenizer, is_preview, keep_mask_row, optimizer, prepare_data,
                           write_clover_dir)
 from .corpus import text_files
-from .loop import distill_corpus, lr_at, training_batch
+from .loop import distill_corpus, interrupted_inside, lr_at, training_batch, trim_log
 from .objective import TrainSettings, block_diffusion_loss
 from .shard import Shard, from_environment, full_state_dict, load_checkpoint, save_checkpoint, shard_model
 
@@ -76,6 +76,8 @@ class Adaptation:
         self.gen.set_state(state["generator"])
         self.step = self.saved = state["step"]
         self.seconds = state.get("train_seconds", 0.0)
+        if self.shard.is_main:
+            trim_log(self.run.log, self.step)
 
     def train_step(self) -> dict:
         st, t0 = self.settings, time.monotonic()
@@ -94,17 +96,29 @@ class Adaptation:
         return {**parts, "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)}
 
     def checkpoint(self) -> None:
-        """DCP shards of the trained parameters and the optimizer, then (main process) the state
-        that points at them, replaced atomically; older checkpoints go only after that."""
+        """DCP shards of the trained parameters and the optimizer into a temporary directory,
+        renamed when every process has written its part; then (main process) the state that
+        points at it, replaced atomically; older checkpoints go only after that."""
         if self.saved == self.step:
             return
         path = self.run.checkpoint(self.step)
-        save_checkpoint(path, self.model, self.opt, set(self.names))
+        partial = path.with_name(f".{path.name}.partial")
         if self.shard.is_main:
-            tmp = self.run.state.with_suffix(".tmp")
-            torch.save({"step": self.step, "adapt": asdict(self.s), "settings": asdict(self.settings),
-                        "generator": self.gen.get_state(), "train_seconds": self.seconds}, tmp)
-            os.replace(tmp, self.run.state)
+            shutil.rmtree(partial, ignore_errors=True)  # left by a run that was killed while saving
+        self.shard.barrier()
+        try:
+            save_checkpoint(partial, self.model, self.opt, set(self.names))
+        except BaseException:
+            if self.shard.is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        self.shard.barrier()
+        if self.shard.is_main:
+            shutil.rmtree(path, ignore_errors=True)  # a checkpoint of this step that no state names
+            os.replace(partial, path)
+            with atomic_path(self.run.state) as tmp:
+                torch.save({"step": self.step, "adapt": asdict(self.s), "settings": asdict(self.settings),
+                            "generator": self.gen.get_state(), "train_seconds": self.seconds}, tmp)
             for old in self.run.dir.glob("checkpoint-*"):
                 if old != path:
                     shutil.rmtree(old)
@@ -113,8 +127,11 @@ class Adaptation:
 
     def train(self, minutes: float | None = None, stop_at: int | None = None, checkpoint_every: int = 100,
               log_every: int = 10) -> None:
-        """Steps until the schedule ends, ``stop_at`` or ``minutes`` (all processes stop at the
-        same step), checkpointing every ``checkpoint_every`` steps and at the end."""
+        """Steps until the schedule ends, ``stop_at``, ``minutes``, Ctrl-C or SIGTERM (all
+        processes stop at the same step), checkpointing every ``checkpoint_every`` steps and at
+        the end. A signal is acted on only between whole steps (after the optimizer step and its
+        log line), so every checkpoint is of a complete, logged step; a KeyboardInterrupt raised
+        inside a step (a second Ctrl-C) saves nothing, and the run resumes from its last checkpoint."""
         from tqdm.auto import tqdm
 
         end = min(self.settings.max_steps, stop_at or self.settings.max_steps)
@@ -123,8 +140,10 @@ class Adaptation:
         bar = tqdm(desc=f"adapt ({self.s.train})", unit="step", initial=self.step, total=end, disable=not main)
         log = open(self.run.log, "a") if main else None
         try:
-            with _terminate_as_interrupt(self.shard.world == 1):
-                while self.step < end and not (deadline and self.shard.any(time.monotonic() > deadline)):
+            # under torchrun a Ctrl-C reaches each process twice (the terminal's SIGINT, then the
+            # agent's SIGTERM): only a single process takes a second signal as "stop at once"
+            with NotedSignals(second_raises=self.shard.world == 1) as stops:
+                while self.step < end and not self._stopping(stops, deadline):
                     parts = self.train_step()
                     bar.update(1)
                     if main and (self.step % log_every == 0 or self.step == end):
@@ -134,15 +153,22 @@ class Adaptation:
                         log.flush()
                     if self.step % checkpoint_every == 0:
                         self.checkpoint()
+                if stops and main:
+                    print(f"\ninterrupted: saving a checkpoint to resume from ({stops.names})", file=sys.stderr)
+                self.checkpoint()
         except KeyboardInterrupt:
-            if self.shard.world > 1:
-                raise  # the processes stop at different points: resume from the last checkpoint
-            print("\ninterrupted: saving a checkpoint to resume from", file=sys.stderr)
+            if main:
+                print(interrupted_inside(self.step, self.saved), file=sys.stderr)
+            raise
         finally:
             bar.close()
             if log is not None:
                 log.close()
-        self.checkpoint()
+
+    def _stopping(self, stops, deadline) -> bool:
+        """Whether to stop before the next step: a signal or the deadline, on any process."""
+        flag = bool(stops) or (deadline is not None and time.monotonic() > deadline)
+        return self.shard.any(flag) if self.shard.world > 1 else flag
 
     def export(self) -> None:
         """The Clover directory in OUT: adapters merged, in the init's dtype, with the tokenizer
@@ -155,24 +181,6 @@ class Adaptation:
         self.shard.barrier()
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt(enabled: bool):
-    """SIGTERM (``kill``; a job scheduler's stop) handled as Ctrl-C: the single process saves a
-    checkpoint and exports before it ends. In a background job SIGINT is often ignored."""
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def adapt(out, data, s: AdaptSettings, settings: TrainSettings, *, pattern: str = "*.py",
           tokenizer_dir: str | None = None, minutes: float | None = None, stop_at: int | None = None,
           device: str | None = None, checkpoint_every: int = 100, log_every: int = 10,
@@ -180,29 +188,52 @@ def adapt(out, data, s: AdaptSettings, settings: TrainSettings, *, pattern: str 
     """Adapt ``s.init`` on ``data`` into the Clover directory ``out`` (resuming the run there),
     on one process or on all that torchrun started. ``recompute``: activation checkpointing."""
     run = Run(out)
+    for source, option in ((s.init, "--init"), (tokenizer_dir, "--tokenizer")):
+        if source is not None:  # the export would overwrite it
+            refuse_same(run.out, source, f"--out (equal to {option})")
     check_stops(minutes, stop_at)
     config = load_config(s.init)  # the inputs checked before anything is written
     check_tokenizer_fits(init_tokenizer(s, tokenizer_dir), config, tokenizer_dir or s.init)
     if not (run.data.exists() or text_files(data, pattern)):
         raise ValueError(f"--data {' '.join(map(str, data))}: no files")
+    check_writable(run.out, run.dir, what="--out")  # found now, not after the run
     shard = from_environment(device)
     try:
+        made = [p for p in (run.out, run.dir, run.data) if not p.exists()]
         if shard.is_main:
             run.dir.mkdir(parents=True, exist_ok=True)
         shard.barrier()
         state = torch.load(run.state, weights_only=False) if run.state.exists() else None
-        if state is not None:
-            s, settings = resumed_settings(state, s, settings)
-        job = Adaptation(run, s, settings, shard, tokenizer_dir, data, pattern, recompute)
+        try:
+            if state is not None:
+                s, settings = resumed_settings(state, s, settings)
+            job = Adaptation(run, s, settings, shard, tokenizer_dir, data, pattern, recompute)
+        except BaseException:
+            if state is None and shard.is_main:  # refused before it started: no run left to resume
+                _remove_made(made)
+            raise
         if state is not None:
             if shard.is_main:
                 print(f"resuming {out} at step {state['step']} of {settings.max_steps}", flush=True)
             job.resume(state)
+        elif shard.is_main:
+            trim_log(run.log, 0)  # steps logged by a run stopped before its first checkpoint
         job.train(minutes, stop_at, checkpoint_every, log_every)
         job.export()
     finally:
         shard.close()
     return run.out
+
+
+def _remove_made(made: list[Path]) -> None:
+    """What a refused first invocation made (the encoded data, the run's directories if empty), so
+    that the corrected command starts afresh instead of being refused as a resume."""
+    for p in reversed(made):
+        if p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 def resumed_settings(state: dict, s: AdaptSettings, settings: TrainSettings):
@@ -307,6 +338,8 @@ def main(argv=None) -> int:
     except (CloverError, ValueError, OSError) as e:  # one line, like every clover-lab error
         print(f"clover-lab adapt: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # what was saved is said where it stopped
+        return 130
     return 0
 
 

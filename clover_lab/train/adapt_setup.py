@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +14,8 @@ import torch
 from ..errors import CheckpointError, InputError, count
 from ..loading import PREVIEW_PARAMS, load_generation_config, load_tokenizer, resolve_dtype
 from ..model import CloverModel
+from ..saving import stage_model
+from ..writes import FileSet, atomic_path
 from . import lora as lora_
 from .corpus import encode_files, split_files, text_files
 from .mask_token import ensure_mask_token
@@ -132,8 +132,8 @@ def prepare_data(run: Run, data: list[str], pattern: str, tokenizer, shard: Shar
             print(f"data: {len(train_files)} training and {len(held_files)} held-out files", flush=True)
             tokens = {"train": encode_files(tokenizer, train_files), "heldout": encode_files(tokenizer, held_files),
                       "heldout_files": [str(f) for f in held_files], "sources": data}
-            torch.save(tokens, run.data.with_suffix(".tmp"))
-            os.replace(run.data.with_suffix(".tmp"), run.data)
+            with atomic_path(run.data) as tmp:
+                torch.save(tokens, tmp)
     shard.barrier()
     tokens = torch.load(run.data)
     if tokens["sources"] != data:
@@ -175,22 +175,18 @@ def check_tokenizer_fits(tokenizer, config, source) -> None:
 
 
 def write_clover_dir(out: Path, config, state: dict, tokenizer, init: str) -> None:
-    """A model directory in ``out`` from a full state dict, in the dtype config.json names."""
+    """A model directory in ``out`` from a full state dict, in the dtype config.json names: its
+    files put in place together (``writes.FileSet``), so that a failed export leaves the previous
+    one whole."""
     dtype = resolve_dtype(config.dtype) or torch.float32
     with torch.device("meta"):
         model = CloverModel(config)
     model.load_state_dict(state, assign=True)
-    tmp = out / ".export"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(dtype).save_pretrained(tmp)
-    tokenizer.save_pretrained(str(tmp))
     generation = {"threshold": 0.9, "max_new_tokens": 128}
     if (Path(init) / "generation_config.json").is_file():
         load_generation_config(init, ())  # refuses a malformed file, naming it
         generation = {**generation, **json.loads((Path(init) / "generation_config.json").read_text())}
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    for stale in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)
-    for f in tmp.iterdir():
-        os.replace(f, out / f.name)
-    tmp.rmdir()
+    with FileSet(out) as files:
+        stage_model(model.to(dtype), files, out)
+        files.put_written_by(lambda tmp: tokenizer.save_pretrained(str(tmp)), out)
+        files.path(out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

@@ -18,6 +18,7 @@ import torch
 
 from ..engine import load
 from ..hooks import points
+from ..writes import atomic_path, write_text
 from .objective import evaluate, unigram_accuracy
 
 
@@ -92,7 +93,8 @@ def loss_curve(run: Path, dest: Path, distillation: dict | None = None) -> None:
             a.axvline(distillation["from_step"], color="grey", ls="--", lw=1)
         ax[0].text(distillation["from_step"], ax[0].get_ylim()[1], " self-distillation", va="top", fontsize=8)
     fig.tight_layout()
-    fig.savefig(dest, dpi=110)
+    with atomic_path(dest) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
 
 
@@ -133,9 +135,9 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
         b = json.loads(Path(baseline).read_text())
         figures["baseline"] = {k: b[k] for k in ("training_steps", "heldout", "speed_cpu", "speed_cpu_thresholds")
                                if k in b}
-    (model_dir / "card.json").write_text(json.dumps(figures, indent=2) + "\n")
+    write_text(model_dir / "card.json", json.dumps(figures, indent=2) + "\n")
     loss_curve(run, model_dir / "loss_curve.png", figures["distillation"])
-    (model_dir / "README.md").write_text(render(figures, engine.model.config, command))
+    write_text(model_dir / "README.md", render(figures, engine.model.config, command))
     return figures
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..corpus import folder_files
+from ..writes import FileSet
 
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
@@ -69,8 +70,8 @@ def train_tokenizer(files: list[Path], vocab_size: int, out_dir: Path):
                                    mask_token="<|mask|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 8192
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(out_dir))
+    with FileSet(out_dir) as files:
+        files.put_written_by(lambda tmp: fast.save_pretrained(str(tmp)), out_dir)
     return fast
 
 

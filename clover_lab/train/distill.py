@@ -23,6 +23,7 @@ import torch
 
 from ..model import CloverModel
 from ..sampling import SamplerSettings, apply_penalties
+from ..writes import OutputError, atomic_path, check_writable
 
 
 @torch.no_grad()
@@ -117,14 +118,17 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir, tokens_file, out = _sources(ap, args)
+    try:  # found now, not after the generation
+        check_writable(out.parent, what="--out")
+    except OutputError as e:
+        ap.error(str(e))
     model = CloverModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokens = torch.load(tokens_file)["train"]
     t0 = time.monotonic()
     corpus = make_corpus(model, tokens, args.sequences, args.seq_len, batch_size=args.batch_size,
                          repetition_penalty=args.repetition_penalty, seed=args.seed)
-    tmp = out.with_suffix(".tmp")
-    torch.save(corpus, tmp)
-    tmp.replace(out)
+    with atomic_path(out) as tmp:
+        torch.save(corpus, tmp)
     print(f"{out}: {len(corpus['sequences'])} sequences of {args.seq_len} tokens in {time.monotonic() - t0:.0f} s "
           f"({corpus['dropped']} looping continuations dropped)")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict
@@ -18,6 +17,9 @@ import torch
 from ..arguments import ArgumentParser
 from ..config import PRESETS, CloverConfig, ConfigError
 from ..model import CloverModel
+from ..saving import stage_model
+from ..signals import NotedSignals
+from ..writes import FileSet, atomic_path, check_writable, refuse_same, write_text
 from .corpus import encode_files, split_corpus, train_tokenizer
 from .objective import TrainSettings, block_diffusion_loss
 
@@ -50,8 +52,9 @@ def prepare(out: Path, preset: str, vocab_size: int, block_size: int, overrides:
         train_files, held_files = split_corpus()
         print(f"corpus: {len(train_files)} training and {len(held_files)} held-out stdlib modules", flush=True)
         tok = train_tokenizer(train_files, vocab_size, out / "tokenizer")
-        torch.save({"train": encode_files(tok, train_files), "heldout": encode_files(tok, held_files),
-                    "heldout_modules": [str(f.name) for f in held_files]}, data)
+        with atomic_path(data) as tmp:
+            torch.save({"train": encode_files(tok, train_files), "heldout": encode_files(tok, held_files),
+                        "heldout_modules": [str(f.name) for f in held_files]}, tmp)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
@@ -68,10 +71,14 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
           extend_overrides: dict | None = None) -> Path:
     """Train (or resume) the run in ``out`` for at most ``minutes``. ``extend_steps`` continues a
     finished run for that many more steps with a fresh warmup + cosine schedule (peak ``extend_lr``;
-    ``extend_overrides`` replaces other fields of its TrainSettings, e.g. ``distill_data``)."""
+    ``extend_overrides`` replaces other fields of its TrainSettings, e.g. ``distill_data``).
+    Ctrl-C and SIGTERM stop it after the step in progress and its log line, with a checkpoint; a
+    KeyboardInterrupt raised inside a step (a second Ctrl-C) saves nothing: the run resumes from
+    its last checkpoint, which is always of a whole, logged step."""
     from tqdm.auto import tqdm
 
     out = Path(out)
+    check_writable(out, what="--out")
     out.mkdir(parents=True, exist_ok=True)
     if threads:
         torch.set_num_threads(threads)
@@ -81,10 +88,12 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     if state_file.exists():
         state = torch.load(state_file, weights_only=False)
         model, settings, step = _resume(out, state, device, extend_steps, extend_lr, extend_overrides)
+        trim_log(out / "loss_log.jsonl", step)
     else:
         settings = settings or TrainSettings()
         model = CloverModel.random(config, device=device, seed=settings.seed)
         state, step = None, 0
+        trim_log(out / "loss_log.jsonl", 0)  # steps logged by a run stopped before its first checkpoint
     model.train()
     for p in model.parameters():
         p.requires_grad_(True)
@@ -96,40 +105,75 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     tokens = data["train"]
     distilled = distill_corpus(settings)
     log = open(out / "loss_log.jsonl", "a")
+    saved = step if state is not None else None
 
     def checkpoint():
-        model.save_pretrained(out / "checkpoint")
-        torch.save({"step": step, "settings": asdict(settings), "optimizer": opt.state_dict(),
-                    "generator": gen.get_state()}, state_file.with_suffix(".tmp"))
-        os.replace(state_file.with_suffix(".tmp"), state_file)
+        """The weights and the state (step, optimizer, generator) put in place together."""
+        nonlocal saved
+        if saved == step:
+            return
+        with FileSet(out / "checkpoint") as files:
+            stage_model(model, files, out / "checkpoint")
+            torch.save({"step": step, "settings": asdict(settings), "optimizer": opt.state_dict(),
+                        "generator": gen.get_state()}, files.path(state_file))
+        saved = step
 
     deadline = time.monotonic() + minutes * 60
     bar = tqdm(desc="training", unit="step", initial=step)
     try:
-        while time.monotonic() < deadline and step < settings.max_steps:
-            clean = training_batch(tokens, distilled, settings, gen).to(device)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, settings)
-            loss, parts = block_diffusion_loss(model, clean, settings, gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            step += 1
-            bar.update(1)
-            if step % log_every == 0:
-                bar.set_postfix(loss=f"{parts['loss']:.3f}", acc=f"{parts['mask_acc']:.3f}")
-                log.write(json.dumps({"step": step, "time": time.time(), "lr": lr_at(step, settings), **parts}) + "\n")
-                log.flush()
-            if step % checkpoint_every == 0:
-                checkpoint()
+        with NotedSignals(second_raises=True) as stops:
+            while time.monotonic() < deadline and step < settings.max_steps and not stops:
+                clean = training_batch(tokens, distilled, settings, gen).to(device)
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step, settings)
+                loss, parts = block_diffusion_loss(model, clean, settings, gen)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                step += 1
+                bar.update(1)
+                if step % log_every == 0:
+                    bar.set_postfix(loss=f"{parts['loss']:.3f}", acc=f"{parts['mask_acc']:.3f}")
+                    log.write(json.dumps({"step": step, "time": time.time(), "lr": lr_at(step, settings), **parts})
+                              + "\n")
+                    log.flush()
+                if step % checkpoint_every == 0:
+                    checkpoint()
+            if stops:
+                print(f"\ninterrupted: saving a checkpoint to resume from ({stops.names})", file=sys.stderr)
+            checkpoint()
     except KeyboardInterrupt:
-        print("\ninterrupted: saving a checkpoint to resume from", file=sys.stderr)
+        print(interrupted_inside(step, saved), file=sys.stderr)
+        raise
     finally:
         bar.close()
-        checkpoint()
         log.close()
     return out
+
+
+def interrupted_inside(step: int, saved: int | None) -> str:
+    """What a KeyboardInterrupt raised inside a step left: nothing saved of it."""
+    return (f"\ninterrupted inside step {step + 1}: nothing of it was saved; the run resumes from "
+            + (f"its checkpoint at step {saved}" if saved else "the start"))
+
+
+def trim_log(log: Path, step: int) -> None:
+    """The loss log cut back to the steps up to ``step`` (a resume's checkpoint): the steps after
+    it are trained and logged again, so that a resumed run's log is an uninterrupted run's."""
+    if not log.exists():
+        return
+    lines = log.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and _logged_step(line) <= step]
+    if kept != lines:
+        write_text(log, "".join(kept))
+
+
+def _logged_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a torn last line (the process killed while writing it)
 
 
 def _resume(out: Path, state: dict, device, extend_steps, extend_lr, extend_overrides):
@@ -174,13 +218,15 @@ def export(run: str | Path, dest: str | Path, generation_defaults: dict | None =
     import shutil
 
     run, dest = Path(run), Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    for source in (run, run / "checkpoint", run / "tokenizer"):
+        refuse_same(dest, source, "export")
     model = CloverModel.from_pretrained(run / "checkpoint", dtype=dtype)
-    model.save_pretrained(dest)
-    for f in (run / "tokenizer").iterdir():
-        shutil.copy(f, dest / f.name)
     defaults = {"threshold": 0.9, "max_new_tokens": 128, **(generation_defaults or {})}
-    (dest / "generation_config.json").write_text(json.dumps(defaults, indent=2) + "\n")
+    with FileSet(dest) as files:
+        stage_model(model, files, dest)
+        for f in (run / "tokenizer").iterdir():
+            shutil.copy(f, files.path(dest / f.name))
+        files.path(dest / "generation_config.json").write_text(json.dumps(defaults, indent=2) + "\n")
     return dest
 
 
@@ -247,6 +293,8 @@ def main(argv=None):
     ap.add_argument("--export", metavar="DIR", help="after training, write a model directory here")
     args = ap.parse_args(argv)
     _check_numbers(ap, args)
+    if args.export:  # found now, not after the training
+        check_writable(args.export, what="--export")
     overrides = _config_overrides(ap, args.preset, args.set)
     if not 0 <= args.distill_share <= 1:
         ap.error("--distill-share must be in [0, 1]")

@@ -19,6 +19,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from ..writes import write_text
 from .pieces import (export_html, figure_html, page, require_notebook, section,  # noqa: F401
                      to_numpy, token_piece, visible)
 from .throttle import Attachment, Throttle, _weak_hook, weak_callback  # noqa: F401
@@ -293,10 +294,7 @@ class View:
     def export_html(self, path, frame: int | str | None = "all") -> Path:
         """Write :meth:`to_html` to ``path``: by default every frame with a slider (a
         self-contained file; nothing loads from the network)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_html(frame), encoding="utf-8")
-        return path
+        return write_text(path, self.to_html(frame))
 
 
 # --------------------------------------------------------------------------- helpers

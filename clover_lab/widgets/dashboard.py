@@ -21,14 +21,35 @@ from .memory import MemoryView
 from .speed import SpeedView
 
 VIEWS = {"denoise": DenoiseView, "speed": SpeedView, "experts": ExpertView, "memory": MemoryView}
+DEFAULT_PROMPT = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
+
+
+def chat_format(engine) -> bool:
+    """Whether the model was trained on its tokenizer's chat template, so that a prompt is best
+    sent as a chat message: the template exists and a turn it renders ends with one of the
+    engine's EOS tokens (a chat model stops at the end of its turn: Qwen's instruct checkpoints
+    list ``<|im_end|>`` in generation_config.json, base models do not). The embedded model has a
+    template (so that ``--chat`` can be tested) but was trained on plain code: no chat."""
+    tokenizer = engine.tokenizer
+    if getattr(tokenizer, "chat_template", None) is None:
+        return False
+    try:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True,
+                                            add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that does not render is no format to prompt in
+        return False
+    ids = ids.get("input_ids", ids) if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    return bool(set(int(t) for t in ids) & set(engine.eos_token_ids))
 
 
 class Dashboard:
     """All views on one engine, with controls. ``generate()`` starts a run from code as the
-    Generate button does (``wait=True`` blocks until it ends); ``stop()`` is the Stop button."""
+    Generate button does (``wait=True`` blocks until it ends); ``stop()`` is the Stop button.
+    ``chat``: send the prompt as a chat message (default: when the model was trained on its
+    tokenizer's template, :func:`chat_format`; a code model gets its prompt as plain text)."""
 
-    def __init__(self, engine, *, prompt: str = "Write a Python function that reverses a string.",
-                 max_new_tokens: int = 64, fps: float = 10.0, views=("denoise", "speed", "experts", "memory")):
+    def __init__(self, engine, *, prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 64, fps: float = 10.0,
+                 views=("denoise", "speed", "experts", "memory"), chat: bool | None = None):
         require_notebook()
         import ipywidgets as W
 
@@ -45,9 +66,10 @@ class Dashboard:
         s = engine.settings
         c = engine.model.config
         has_chat = getattr(engine.tokenizer, "chat_template", None) is not None
+        chat = chat_format(engine) if chat is None else bool(chat) and has_chat
         wide = {"description_width": "110px"}
         self.prompt = W.Textarea(value=prompt, placeholder="prompt", rows=3, layout=W.Layout(width="98%"))
-        self.chat = W.Checkbox(value=has_chat, description="chat template", disabled=not has_chat, indent=False,
+        self.chat = W.Checkbox(value=chat, description="chat template", disabled=not has_chat, indent=False,
                                layout=W.Layout(width="130px"))
         self.mode = W.ToggleButtons(options=[("block diffusion", "diffusion"), ("AR", "ar")], value="diffusion",
                                     style={"button_width": "130px"})

@@ -1,7 +1,9 @@
 """DenoiseView: every block's canvas as a grid of tokens, step by step.
 
 Fed by ``denoise.step`` (one frame per denoising step) and ``block.commit`` (one frame per
-committed block; in AR mode every token is a block of one). A cell is coloured by the step at
+committed block; in AR mode every token is a block of one; in speculative mode the drafted
+positions the causal check accepted are outlined green, those it rejected struck through in
+red). A cell is coloured by the step at
 which its position was unmasked (or by its confidence); masked cells are dashed and show, faded,
 the candidate of the latest step; hovering a cell lists the top candidates of the latest step's
 distribution there and the best candidate of each step. Blocks are boxed and labelled. The text so far sits beside the grid.
@@ -29,6 +31,8 @@ _CSS = """<style>
 .clover-grid .cl-now{box-shadow:0 0 0 2px #e0f}
 .clover-grid .cl-drop{background:#fff;color:#bbb;text-decoration:line-through;border:1px dotted #ccc}
 .clover-grid .cl-set{outline:2px solid #d00}
+.clover-grid .cl-acc{outline:2px solid #1a1}
+.clover-grid .cl-rej{background:#fff;color:#c33;text-decoration:line-through;border:1px dotted #c33}
 .clover-legend{font-size:10px;color:#555;margin:2px 0 6px}
 .clover-legend span{display:inline-block;width:16px;height:10px;margin-right:1px;vertical-align:middle}
 .clover-text{white-space:pre-wrap;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;margin:0;
@@ -118,8 +122,11 @@ class DenoiseView(View):
         return [list(zip(i, p)) for i, p in zip(ids.tolist(), probs.tolist())]
 
     def _on_commit(self, ev) -> None:
-        part = dict(kind="commit", block=ev.block, tokens=list(ev.tokens), steps=ev.steps, start=ev.start, time=ev.time)
-        self._push(part, None, f"block {ev.block} committed · {len(ev.tokens)} tokens · {ev.steps} steps · {ev.time:.2f}s")
+        part = dict(kind="commit", block=ev.block, tokens=list(ev.tokens), steps=ev.steps, start=ev.start, time=ev.time,
+                    drafted=getattr(ev, "drafted", None), accepted=getattr(ev, "accepted", None))
+        checked = "" if part["accepted"] is None else f" · {part['accepted']} of {part['drafted']} drafted accepted"
+        self._push(part, None, f"block {ev.block} committed · {len(ev.tokens)} tokens · {ev.steps} steps{checked} · "
+                               f"{ev.time:.2f}s")
 
     # ---------------------------------------------------------------- state
     def _empty(self):
@@ -170,7 +177,8 @@ class DenoiseView(View):
             for i, t in enumerate(tokens):  # the committed tokens are the truth
                 if i < len(blk["cells"]):
                     blk["cells"][i]["tok"] = t
-            blk.update(committed=True, length=len(tokens), steps=part["steps"], start=part["start"])
+            blk.update(committed=True, length=len(tokens), steps=part["steps"], start=part["start"],
+                       drafted=part.get("drafted"), accepted=part.get("accepted"))
             state["committed"].extend(tokens)
             state["current"] = b
             state["now"] = (b, ()) if state["steps_seen"] else (b, tuple(range(len(tokens))))
@@ -192,7 +200,12 @@ class DenoiseView(View):
         dropped = blk["committed"] and blk["length"] is not None and p >= blk["length"]
         where = f"block {b}, position {p}" + (f" (sequence {blk['start'] + p})" if blk["start"] is not None else "")
         lines = [where]
-        if cell["tok"] is None or dropped:
+        accepted = blk.get("accepted") if blk["committed"] else None  # speculative: the causal check's verdict
+        if accepted is not None and accepted < p <= blk["drafted"] and cell["tok"] is not None:
+            cls.append("cl-rej")
+            shown = visible(self._piece(cell["tok"]))
+            lines.append(f"{self._piece(cell['tok'])!r}: drafted at step {cell['step']}, rejected by the causal check")
+        elif cell["tok"] is None or dropped:
             cls.append("cl-drop" if dropped else "cl-mask")
             shown = visible(self._piece(cell["last"]), 10) if cell["last"] is not None and not dropped else "·"
             lines.append("dropped (after EOS / stop)" if dropped else "masked")
@@ -208,6 +221,9 @@ class DenoiseView(View):
                          + (" (token set by a hook)" if cell["set"] else ""))
             if cell["set"]:
                 cls.append("cl-set")
+            if accepted is not None and 1 <= p <= accepted:
+                cls.append("cl-acc")
+                lines.append("drafted, accepted by the causal check")
         if p in now:
             cls.append("cl-now")
         if cell["top"] is not None:

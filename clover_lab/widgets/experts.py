@@ -6,9 +6,11 @@ previews, commits or the prompt prefill; the top-k experts and weights of a sele
 every layer; load statistics per layer (normalised entropy, max/mean load, distinct experts per
 forward); and the co-activation of expert pairs in a chosen layer.
 
-"With and without the coreset": in a preview restricted to a coreset (or by a hook's ``ban``),
-the view also records the top-k the router would have picked over all experts, so the same run
-shows both routings side by side.
+Two routings of the same run: *used* (``routing="actual"``), the experts each forward computed
+with, after the coreset and after every hook's ``ban`` / ``force`` (the view's hooks are observers:
+they read after the hooks that intervene, whatever the order of attaching); and the *router's
+proposal* (``routing="without coreset"``), the router's own top-k over all experts before any
+restriction.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from ..hooks import points
 from .base import View, figure_html, to_numpy, token_piece, visible, weak_callback
 
 PHASES = ("preview", "commit", "prefill")
+# routing -> what the controls and tables call it
+ROUTINGS = {"actual": "used (after coreset, bans, forcing)", "without coreset": "router's proposal (top-k of all)"}
 
 
 class ExpertView(View):
@@ -76,8 +80,8 @@ class ExpertView(View):
                                    layout=W.Layout(width="200px"))
         self.metric_dd = W.Dropdown(options=["counts", "router mass"], value=self._metric, description="metric",
                                     layout=W.Layout(width="220px"))
-        self.routing_tb = W.ToggleButtons(options=["actual", "without coreset"], value="actual",
-                                          description="routing", style={"button_width": "130px"})
+        self.routing_tb = W.ToggleButtons(options=[(label, key) for key, label in ROUTINGS.items()], value="actual",
+                                          description="routing", style={"button_width": "230px"})
         self.token_dd = W.Dropdown(options=[("(none yet)", -1)], value=-1, description="token",
                                    layout=W.Layout(width="300px"))
         self.layer_dd = W.Dropdown(options=[0], value=0, description="co-act layer", layout=W.Layout(width="200px"))
@@ -116,9 +120,9 @@ class ExpertView(View):
         w = ev.where
         phase = "prefill" if w.phase == "prefill" else ev.mode
         ids = to_numpy(ev.expert_ids).astype(np.int64)
-        full = None
-        if ev.selectable is not None:  # restricted (coreset or a ban): what full routing would pick
-            full = to_numpy(ev.router_probs.topk(ids.shape[-1], dim=-1).indices).astype(np.int64)
+        # the router's proposal: its top-k over all experts, before the coreset, bans or forcing
+        k = self._dims[2] if self._dims != (1, 1, 1) else ids.shape[-1]  # a forced route may use another k
+        full = to_numpy(ev.router_probs.topk(k, dim=-1).indices).astype(np.int64)
         part = dict(kind="route", layer=ev.layer, phase=phase, ids=ids, weights=to_numpy(ev.weights),
                     mass=to_numpy(ev.router_probs.sum(0)), full=full, positions=to_numpy(ev.positions).astype(np.int64))
         key, label = w, w.label()
@@ -166,8 +170,11 @@ class ExpertView(View):
     # ---------------------------------------------------------------- reading
     def usage(self, phase: str = "preview", metric: str = "counts", routing: str = "actual", state=None) -> np.ndarray:
         """[layers, experts]: top-k counts or router mass summed over tokens of ``phase``
-        ("preview", "commit", "prefill" or "all"); ``routing="without coreset"`` counts the
-        top-k over all experts instead of the restricted one."""
+        ("preview", "commit", "prefill" or "all"). ``routing="actual"`` counts the experts the
+        forwards used (after the coreset and the hooks' bans and forcing); ``"without coreset"``
+        the router's proposal, its top-k over all experts."""
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing={routing!r}: expected one of {', '.join(map(repr, ROUTINGS))}")
         s = state or self._live
         key = "mass" if metric == "router mass" else ("full" if routing == "without coreset" else "counts")
         phases = PHASES if phase == "all" else (phase,)
@@ -277,7 +284,8 @@ class ExpertView(View):
         if not rows:
             return ""
         cols = list(rows[0])
-        head = "".join(f"<th style='padding:2px 6px'>{html.escape(c)}</th>" for c in cols)
+        short = lambda c: c.replace("(actual)", "(used)").replace("(without coreset)", "(proposal)")  # noqa: E731
+        head = "".join(f"<th style='padding:2px 6px'>{html.escape(short(c))}</th>" for c in cols)
         body = "".join("<tr>" + "".join(f"<td style='padding:2px 6px;text-align:right'>"
                                         f"{r[c] if c == 'layer' else format(r[c], '.2f')}</td>" for c in cols) + "</tr>"
                        for r in rows)

@@ -13,6 +13,7 @@ import torch
 
 from ..hooks import points
 from .base import View, figure_html, to_numpy, weak_callback
+from .pieces import LEGEND_BELOW, series_colour
 
 
 class MemoryView(View):
@@ -60,12 +61,12 @@ class MemoryView(View):
             w.observe(weak_callback(self, "redraw"), names="value")
         self.fig_hist = go.FigureWidget(go.Heatmap(z=[[0]], zmin=0, zmax=1, colorscale="Cividis",
                                                    colorbar=dict(thickness=10, title="p_tH")))
-        self.fig_hist.update_layout(title="history weight p_tH", height=320, width=560,
+        self.fig_hist.update_layout(title="history weight p_tH", height=400, width=540,
                                     margin=dict(l=70, r=10, t=40, b=40), xaxis_title="block position")
         self.fig_norm = go.FigureWidget()
-        self.fig_norm.update_layout(title="state norm ||S|| per head", height=320, width=460,
+        self.fig_norm.update_layout(title="state norm ||S|| per head", height=400, width=430,
                                     margin=dict(l=50, r=10, t=40, b=40), xaxis_title="committed length",
-                                    yaxis_title="Frobenius norm", legend=dict(font=dict(size=9)))
+                                    yaxis_title="Frobenius norm", legend=LEGEND_BELOW)
         self.fig_state = go.FigureWidget(go.Heatmap(z=[[0]], colorscale="RdBu", zmid=0, colorbar=dict(thickness=10)))
         self.fig_state.update_layout(title="state matrix", height=360, width=420, margin=dict(l=50, r=10, t=40, b=40),
                                      xaxis_title="d_v", yaxis_title="d_k")
@@ -190,8 +191,9 @@ class MemoryView(View):
         with self.fig_norm.batch_update():
             if self._norm_traces != names:
                 self.fig_norm.data = []
-                self.fig_norm.add_traces([go.Scatter(name=n, mode="lines+markers", marker=dict(size=4))
-                                          for n in names])
+                self.fig_norm.add_traces([go.Scatter(name=n, mode="lines+markers", marker=dict(size=4),
+                                                     line=dict(color=series_colour(i)))
+                                          for i, n in enumerate(names)])
                 self._norm_traces = names
             for trace, (_, x, y) in zip(self.fig_norm.data, series):
                 trace.x, trace.y = x, y

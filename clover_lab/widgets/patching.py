@@ -11,6 +11,7 @@ import html
 import numpy as np
 
 from .base import View, figure_html
+from .pieces import finite_rows
 
 
 class PatchingView(View):
@@ -79,15 +80,18 @@ class PatchingView(View):
         z = self.matrix(state)
         with self.fig.batch_update():
             hm = self.fig.data[0]
-            hm.z = z
+            hm.z = finite_rows(z)
             hm.x = [str(c) for c in d["cols"]]
             hm.y = [str(r) for r in d["rows"]]
             hm.zmid = 0.5 if self.normalized else 0
             self.fig.layout.xaxis.title = d["col_name"]
             self.fig.layout.yaxis.title = d["row_name"]
             self.fig.layout.title = ("restored share of " if self.normalized else "") + d["metric"]
+        blank = int(np.isnan(z).sum())
         self.caption.value = (f"{html.escape(d.get('title', ''))}<br>clean {d['clean']:.4g} · corrupted "
-                              f"{d['corrupt']:.4g}" + (" · 1 = clean, 0 = corrupted" if self.normalized else ""))
+                              f"{d['corrupt']:.4g}" + (" · 1 = clean, 0 = corrupted" if self.normalized else "")
+                              + (f"<br>{blank} blank cells: no value there (a step the run did not take, or "
+                                 "one the sweep has not reached yet)" if blank else ""))
 
     def _html_parts(self, state, frame):
         self._render(state, frame)

@@ -5,6 +5,8 @@ import html
 from pathlib import Path
 from typing import Iterable
 
+from ..writes import write_text
+
 
 def require_notebook():
     """Import ipywidgets and plotly, or say which extra provides them."""
@@ -13,6 +15,29 @@ def require_notebook():
         import plotly  # noqa: F401
     except ImportError as e:  # pragma: no cover - the extra is installed in dev
         raise ImportError(f"clover_lab.widgets needs the notebook extra: pip install 'clover-lab[notebook]' ({e})") from e
+
+
+# distinct colours for up to 24 series (plotly's 10-colour cycle repeats across 12 heads), one
+# series one colour in every subplot of a view
+SERIES_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
+                  "#7f7f7f", "#bcbd22", "#393b79", "#ad494a", "#637939", "#7b4173", "#e7969c", "#3182bd",
+                  "#31a354", "#fd8d3c", "#756bb1", "#636363", "#843c39", "#8ca252", "#ce6dbd", "#6baed6")
+# a legend under the plot, wrapped horizontally: it never widens the figure past its width or clips
+LEGEND_BELOW = dict(orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top", font=dict(size=9))
+
+
+def finite_rows(z) -> list[list[float | None]]:
+    """A 2-D array as lists with None where a value is NaN or infinite: a widget's state is JSON,
+    which has no NaN (ipywidgets would write "Out of range float values" to stderr); plotly leaves
+    a None cell blank."""
+    import numpy as np
+
+    z = np.asarray(z, dtype=float)
+    return [[float(v) if np.isfinite(v) else None for v in row] for row in z]
+
+
+def series_colour(i: int) -> str:
+    return SERIES_COLOURS[i % len(SERIES_COLOURS)]
 
 
 def figure_html(fig) -> str:
@@ -41,10 +66,7 @@ def page(title: str, sections: Iterable[str]) -> str:
 
 def export_html(views, path, title: str = "clover_lab") -> Path:
     """Several views in one self-contained HTML file (plotly.js embedded once)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page(title, [v.to_html(full_html=False) for v in views]), encoding="utf-8")
-    return path
+    return write_text(path, page(title, [v.to_html(full_html=False) for v in views]))
 
 
 def token_piece(tokenizer, token: int, cache: dict) -> str:

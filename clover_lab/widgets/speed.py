@@ -15,6 +15,7 @@ import html
 from ..engine.requests import settings_for_mode
 from ..hooks import points
 from .base import View, figure_html, weak_callback
+from .pieces import LEGEND_BELOW, series_colour
 
 
 class SpeedView(View):
@@ -51,18 +52,18 @@ class SpeedView(View):
 
         self.fig_rate = go.FigureWidget(make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                                                       subplot_titles=("tokens/s (since the start)", "tokens per forward")))
-        self.fig_rate.update_layout(height=380, width=560, margin=dict(l=50, r=10, t=40, b=40),
-                                    legend=dict(font=dict(size=9)))
+        self.fig_rate.update_layout(height=430, width=540, margin=dict(l=50, r=10, t=40, b=40),
+                                    legend=dict(LEGEND_BELOW, y=-0.18))
         self.fig_rate.update_xaxes(title_text="seconds", row=2, col=1)
         self.fig_blocks = go.FigureWidget()
-        self.fig_blocks.update_layout(title="steps per block", height=380, width=420, barmode="group",
+        self.fig_blocks.update_layout(title="steps per block", height=430, width=420, barmode="group",
                                       margin=dict(l=40, r=10, t=40, b=40), xaxis_title="block",
-                                      legend=dict(font=dict(size=9)))
+                                      legend=LEGEND_BELOW)
         self.fig_compare = go.FigureWidget(make_subplots(rows=1, cols=3, horizontal_spacing=0.12,
                                                          subplot_titles=("tokens/s", "tokens per forward",
                                                                          "seconds: prefill / preview / commit")))
-        self.fig_compare.update_layout(height=320, width=1000, barmode="stack", showlegend=True,
-                                       margin=dict(l=40, r=10, t=50, b=80), legend=dict(font=dict(size=9)))
+        self.fig_compare.update_layout(height=360, width=960, barmode="stack", showlegend=True,
+                                       margin=dict(l=40, r=10, t=50, b=40), legend=dict(LEGEND_BELOW, y=-0.45))
         self.table = W.HTML()
         self.clear_button = W.Button(description="forget runs", layout=W.Layout(width="110px"))
         self.clear_button.on_click(weak_callback(self, "clear"))
@@ -121,7 +122,7 @@ class SpeedView(View):
     @staticmethod
     def _new(rid):
         return {"id": rid, "mode": None, "label": None, "t": [], "rate": [], "tpf": [], "committed": 0, "forwards": 0,
-                "unmasked": 0, "steps_per_block": {}, "last": 0.0, "last_step": 0.0, "fused": [], "preview": [], "stats": None}
+                "unmasked": 0, "steps_per_block": {}, "last": 0.0, "last_step": 0.0, "fused": [], "preview": [], "commit": [], "stats": None}
 
     def _apply_part(self, s, part):
         runs = s["runs"]
@@ -152,6 +153,8 @@ class SpeedView(View):
             if r["mode"] == "ar":
                 r["forwards"] += 1
                 r["unmasked"] += part["tokens"]
+                if r["forwards"] > 1:  # the first token's interval includes the prefill
+                    r["commit"].append(t - r["last"])
             r["committed"] += part["tokens"]
             r["steps_per_block"][part["block"]] = part["steps"]
         r["last"] = t
@@ -182,9 +185,12 @@ class SpeedView(View):
                 "steps/block": st.get("mean_steps_per_block") or mean(spb),
                 "s/preview step": mean(r["preview"]),
                 "s/fused step": mean(r["fused"]),
+                # without the engine's stats (add_result), the intervals between the events: previews
+                # (fused ones with their commit) for block diffusion, commits for AR
                 "prefill s": st.get("prefill_seconds"),
-                "preview s": st.get("preview_seconds"),
-                "commit s": st.get("commit_seconds"),
+                "preview s": st.get("preview_seconds", sum(r["preview"]) + sum(r["fused"]) if r["mode"] == "diffusion"
+                                    else (0.0 if r["mode"] == "ar" else None)),
+                "commit s": st.get("commit_seconds", sum(r["commit"]) if r["mode"] == "ar" else None),
                 "path": st.get("path"),  # which forward ran (engine/runner.py): "compiled", "eager: a hook on ..."
             })
         return rows
@@ -197,8 +203,7 @@ class SpeedView(View):
         rows = self.summary(s)
         names = [row["run"] for row in rows]
         ids = [r["id"] for r in runs]
-        palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
-        colour = {rid: palette[i % len(palette)] for i, rid in enumerate(ids)}
+        colour = {rid: series_colour(i) for i, rid in enumerate(ids)}
         with self.fig_rate.batch_update():
             if self._trace_runs != (ids, names):
                 self.fig_rate.data = []

@@ -8,6 +8,8 @@ import time
 import weakref
 from typing import Callable
 
+from ..hooks.registry import observer
+
 
 class Throttle:
     """Coalesces redraw requests: at most ``fps`` draws per second, the latest state wins, and
@@ -140,4 +142,4 @@ def _weak_hook(view, method: str) -> Callable:
             v._dispatch(method, event)
 
     hook.__qualname__ = f"{type(view).__name__}.{method}"
-    return hook
+    return observer(hook)  # a view shows what the forward used: it reads after the hooks that intervene

@@ -3,7 +3,7 @@ Reference: ``moe/naive.py: moe_experts``.
 
 Layout (the scheme of SGLang/vLLM's fused_moe, written for this project's shapes):
 
-1. ``align_blocks`` (a few torch ops, no host synchronisation): the T*k (token, slot) pairs
+1. ``align_blocks`` (one Triton program, ``align.py``; no host synchronisation): the T*k (token, slot) pairs
    are sorted by expert and each expert's group is padded to a multiple of BM rows; the
    result is a table of row blocks, each owned by one expert, holding pair ids (sentinel =
    P for padding). The number of blocks is bounded on the host without looking at the data
@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import align
 from .common import down_block, gate_up_block
 
 BLOCK_M = 16  # rows per expert block: tl.dot's minimum; a 32-token block spreads over many experts
@@ -51,28 +52,10 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
 
 
 def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
-    """(pair_of_row [nb * BM] int32 with sentinel P, expert_of_block [nb] int32 with -1 for unused)."""
-    flat = expert_ids.reshape(-1).to(torch.int64)
-    P = flat.numel()
-    dev = flat.device
-    nb = max_blocks(P, num_experts, block_m)
-    order = torch.argsort(flat, stable=True)  # pair ids sorted by expert
-    # scatter_add, not bincount: bincount on CUDA reads the max id back to the host (a sync)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    starts = counts.cumsum(0) - counts  # first sorted position of each expert
-    blocks = (counts + block_m - 1) // block_m
-    block_ends = blocks.cumsum(0)
-    block_starts = block_ends - blocks
-    bid = torch.arange(nb, device=dev)
-    blk_e = torch.searchsorted(block_ends, bid, right=True)  # == E past the last real block
-    valid_blk = blk_e < num_experts
-    e = blk_e.clamp(max=num_experts - 1)
-    row_in_e = (bid - block_starts[e])[:, None] * block_m + torch.arange(block_m, device=dev)  # [nb, BM]
-    valid_row = valid_blk[:, None] & (row_in_e < counts[e][:, None])
-    sorted_pos = (starts[e][:, None] + row_in_e).clamp(max=P - 1)
-    pair_of_row = torch.where(valid_row, order[sorted_pos], P).to(torch.int32).reshape(-1)
-    expert_of_block = torch.where(valid_blk, blk_e, -1).to(torch.int32)
-    return pair_of_row, expert_of_block
+    """(pair_of_row [nb * BM] int32 with sentinel P, expert_of_block [nb] int32 with -1 for unused):
+    one Triton launch (``align.py``; reference ``naive.align_blocks``)."""
+    P = expert_ids.numel()
+    return align.align_blocks(expert_ids, num_experts, block_m, max_blocks(P, num_experts, block_m))
 
 
 def launch_buffers(x, expert_ids, num_experts: int, inter: int):

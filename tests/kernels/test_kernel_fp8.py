@@ -117,29 +117,43 @@ def test_moe_kernel_rejects_bad_scales(device):
 
 def test_an_fp8_model_through_the_kernels_matches_the_dequantized_model(tmp_path, monkeypatch):
     """A model loaded with keep_fp8 from an FP8 checkpoint, its FP8 linears and experts through
-    the Triton kernels (the other ops on their torch path, to keep the interpreter run short),
-    gives the logits of the same checkpoint loaded dequantized, in commit and preview rows."""
+    the Triton kernels, gives the logits of the same checkpoint loaded dequantized, in commit and
+    preview rows. On a CPU the other ops stay on their torch path (a short interpreter run); with
+    CUDA both models run on the GPU in bf16 with the dispatch's own choices (Triton everywhere:
+    fp32 activations would send the FP8 ops to torch there) and nothing is forced onto CPU tensors."""
     import clover_kernels
     from clover_lab import CloverConfig, CloverModel
     from clover_lab.fp8.quantize import quantize_checkpoint
 
+    on_cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if on_cuda else ("cpu", torch.float32)
     config = CloverConfig.preset("clover-tiny", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     CloverModel.random(config, seed=3).save_pretrained(tmp_path / "src")
     quantize_checkpoint(tmp_path / "src", tmp_path / "fp8", block=(32, 32))
-    deq = CloverModel.from_pretrained(tmp_path / "fp8")
-    kept = CloverModel.from_pretrained(tmp_path / "fp8", keep_fp8=True)
+    deq = CloverModel.from_pretrained(tmp_path / "fp8", device=device, dtype=dtype)
+    kept = CloverModel.from_pretrained(tmp_path / "fp8", keep_fp8=True, device=device, dtype=dtype)
     calls = []
+    chosen = clover_kernels.backend_for
 
     def fp8_ops_on_triton(name, *tensors):
-        calls.append(name)
+        calls.append((name, chosen(name, *tensors)))
+        if on_cuda:
+            return calls[-1][1]
         return "triton" if name in ("linear_fp8", "moe_experts_fp8") else "torch"
 
     monkeypatch.setattr(clover_kernels, "backend_for", fp8_ops_on_triton)
-    ids = torch.randint(0, 500, (1, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 500, (1, 24), generator=torch.Generator().manual_seed(0)).to(device)
     outs = []
     for model in (deq, kept):  # one fused forward: 16 rows committed, 8 previewed
         out = model.forward(model.new_cache(64), ids[:, :16], ids[:, 16:], commit_logits="all")
         outs.append((out.commit_logits, out.preview_logits))
-    assert {"linear_fp8", "moe_experts_fp8"} <= set(calls)
+    assert {"linear_fp8", "moe_experts_fp8"} <= {name for name, _ in calls}
+    if on_cuda:  # the dispatch itself sent the FP8 ops to their kernels
+        assert {"linear_fp8", "moe_experts_fp8"} <= {name for name, backend in calls if backend == "triton"}
     for got, ref in zip(outs[1], outs[0]):
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        assert got.device.type == device
+        if on_cuda:  # bf16 activations: the kernels' K-step order against the dequantized GEMMs
+            scale = ref.float().abs().max().item()
+            torch.testing.assert_close(got.float(), ref.float(), atol=3e-2 * scale, rtol=3e-2)
+        else:
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

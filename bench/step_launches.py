@@ -1,0 +1,127 @@
+"""Kernels per layer of the engine's static steps, counted on any device (issue 26).
+
+The embedded default model (fp32), the runner's static steps (``StepGraphs`` without capture: the
+forward a CUDA graph would record), no hooks, the dispatch's Triton kernels (on a CPU:
+``CLOVER_KERNELS=triton`` under ``TRITON_INTERPRET=1``, set by the caller before triton is
+imported). Each step shape is counted by
+``clover_kernels.launches.LaunchCounter`` (Triton launches plus aten ops that do work) at two
+committed lengths: the counts, the host syncs and whether the op sequence stayed the same.
+
+    python bench/step_launches.py [--json FILE]      (sets the two variables itself)
+
+bench/bench_kernels.py --count prints the same table; tests/kernels/test_step_launches.py holds
+the counts under a budget.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+SHAPES = ("AR", "preview", "fused", "preview, coreset record", "preview, coreset use")
+
+
+def load_model(device: str = "cpu"):
+    import torch
+
+    from clover_lab import CloverModel
+    from clover_lab.loading import default_model_dir
+
+    return CloverModel.from_pretrained(default_model_dir(), dtype=torch.float32).to(device)
+
+
+def count_static_steps(model, lengths=(21, 46), max_len: int = 256, coreset_size: int = 4) -> dict:
+    """shape -> dict(kernels, per_layer, triton, by_name, syncs, same_sequence) at the first of
+    ``lengths``; the others only check that the op sequence does not change with the length.
+    Prefills and a coreset's recording for the routing previews run on the torch path (quick in
+    the interpreter's runs); the counted step through the dispatch as the caller set it."""
+    import torch
+
+    from clover_kernels.launches import LaunchCounter
+    from clover_lab.engine.runner import StepGraphs
+
+    cfg, dev = model.config, model.device
+    B, mask, layers = cfg.block_size, cfg.mask_token_id, cfg.num_hidden_layers
+    graphs = StepGraphs(model, max_len, capture=False)
+    block = torch.full((1, B), mask, device=dev)
+    block[0, ::3] = 7
+    commit = torch.arange(5, 5 + B, device=dev)[None]
+    out = {}
+    for shape in SHAPES:
+        core = graphs.coreset(coreset_size) if "coreset" in shape else None
+        c, m, logits = {"AR": (1, 0, True), "fused": (B, B, False)}.get(shape, (0, B, False))
+        ids = {"AR": commit[:, :1], "fused": torch.cat([commit, block], 1)}.get(shape, block)
+        runs = []
+        for n in lengths:
+            graphs.reset()
+            with torch_path():
+                model.prefill(graphs.cache, torch.arange(2, 2 + n, device=dev)[None], logits=None)
+                if core is not None:  # records the coreset (a routing preview uses it; a recording one
+                    core.reset()      # finds its buffers made, as every block after the first does)
+                    graphs.step(block, 0, B, coreset=core)
+                    if shape.endswith("record"):
+                        core.reset()
+            with LaunchCounter() as count:
+                graphs.step(ids, c, m, commit_logits=logits, coreset=core)
+            runs.append(count)
+        first = runs[0]
+        out[shape] = dict(kernels=first.kernels, per_layer=first.kernels / layers, triton=first.triton,
+                          by_name=dict(first.by_name.most_common()), syncs=sorted({s for r in runs for s in r.syncs}),
+                          same_sequence=all(r.sequence == first.sequence for r in runs[1:]), lengths=list(lengths))
+    return out
+
+
+@contextlib.contextmanager
+def torch_path():
+    """CLOVER_KERNELS=torch meanwhile (the set-up of a count, not what is counted)."""
+    before = os.environ.get("CLOVER_KERNELS")
+    os.environ["CLOVER_KERNELS"] = "torch"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CLOVER_KERNELS")
+        else:
+            os.environ["CLOVER_KERNELS"] = before
+
+
+def print_table(counts: dict, layers: int, file=sys.stdout) -> None:
+    head = f"{'step':<26} {'kernels':>8} {'per layer':>10} {'triton':>7} {'syncs':>6}  same ops at every length"
+    print(head + "\n" + "-" * len(head), file=file)
+    for shape, r in counts.items():
+        print(f"{shape:<26} {r['kernels']:>8} {r['per_layer']:>10.1f} {r['triton']:>7} {len(r['syncs']):>6}  "
+              f"{r['same_sequence']}", file=file)
+    print(f"({layers} layers; most launched: "
+          + ", ".join(f"{k} {v}" for k, v in list(counts['AR']['by_name'].items())[:8]) + " in AR)", file=file)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", help="write the counts here")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["CLOVER_KERNELS"] = "triton"
+    model = load_model("cuda" if torch.cuda.is_available() else "cpu")
+    counts = count_static_steps(model)
+    layers = model.config.num_hidden_layers
+    print_table(counts, layers)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(
+            benchmark="step_launches", date=dt.datetime.now().isoformat(timespec="seconds"), device=str(model.device),
+            kernels_env=os.environ.get("CLOVER_KERNELS"), interpret=os.environ.get("TRITON_INTERPRET") == "1",
+            torch=torch.__version__, python=platform.python_version(), layers=layers, steps=counts), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Writes that are whole or not at all: every file clover_lab puts in a user's directory.
+
+    with atomic_path("runs/a/routes.npz") as tmp:     # one file: written to tmp, renamed when whole
+        np.savez_compressed(tmp, ...)
+
+    with FileSet("ckpt") as files:                      # files that belong together (a checkpoint)
+        save_file(tensors, files.path(Path("ckpt/model.safetensors")))
+        files.path(Path("ckpt/config.json")).write_text(text)
+        files.remove(Path("ckpt/model-00001-of-00002.safetensors"))   # stale: removed once the new are in
+
+A file is written to a hidden temporary name beside where it goes (same directory, so the rename
+is atomic) and renamed onto it only once complete; on an error or an interrupt the temporary is
+removed and what was there stays as it was. A set is renamed into place under a marker file that
+loaders refuse (``refuse_unfinished``): a save stopped in the middle of its renames (a crash: the
+renames themselves hold off Ctrl-C and SIGTERM) never loads as a mix of two saves.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import CheckpointError, OutputError
+from .signals import NotedSignals
+
+MARKER = ".clover-save-incomplete"
+TMP_TAG = ".clover-tmp-"
+
+
+def is_own_temp(path: Path) -> bool:
+    """A temporary file or the marker of a write (by this module), not a user's file."""
+    return path.name == MARKER or (path.name.startswith(".") and TMP_TAG in path.name)
+
+
+def temp_beside(final: Path) -> Path:
+    """A fresh hidden name in ``final``'s directory that keeps its suffix (numpy and matplotlib
+    choose the format by it)."""
+    return final.with_name(f".{final.stem}{TMP_TAG}{secrets.token_hex(4)}{final.suffix}")
+
+
+def _fsync(path: Path) -> None:
+    """The file's (or directory's) data on disk before a rename makes it the real one."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot sync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(final):
+    """A temporary path beside ``final`` to write; renamed onto ``final`` when the block ends
+    without an error, removed otherwise (``final`` then stays as it was)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_beside(final)
+    try:
+        yield tmp
+        _fsync(tmp)
+        with NotedSignals(redeliver=True):
+            os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(final, text: str, encoding: str = "utf-8") -> Path:
+    """``text`` in the file ``final``, whole or not at all."""
+    with atomic_path(final) as tmp:
+        tmp.write_text(text, encoding=encoding)
+    return Path(final)
+
+
+class FileSet:
+    """Files that belong together (weights, config and index; a trace's two files), written under
+    temporary names beside where they go and put in place together by ``commit`` (the end of a
+    ``with`` block that raised nothing): renamed in the order given under the marker in
+    ``directory``, then the stale files removed, then the marker. ``discard`` (an error, an
+    interrupt) removes the temporaries and leaves every existing file as it was."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self._started = time.time()
+        self._temps: list[Path] = []
+        self._moves: list[tuple[Path, Path]] = []
+        self._stale: list[Path] = []
+
+    def __enter__(self) -> "FileSet":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()
+
+    def temp(self, hint: Path) -> Path:
+        """A temporary file beside ``hint``, not yet bound to a final name (see ``put``)."""
+        hint.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_beside(hint)
+        self._temps.append(tmp)
+        return tmp
+
+    def put_written_by(self, write, directory: Path) -> None:
+        """The files ``write(tmp_dir)`` puts in a directory (a tokenizer's ``save_pretrained``)
+        as members of this set, bound for ``directory``."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".files{TMP_TAG}", dir=self.directory))
+        self._temps.append(tmp)
+        write(tmp)
+        for f in sorted(p for p in tmp.iterdir() if p.is_file()):
+            self.put(f, Path(directory) / f.name)
+
+    def put(self, written: Path, final: Path) -> None:
+        """``written`` (a temporary of this set) becomes ``final`` at the commit."""
+        self._moves.append((Path(written), Path(final)))
+
+    def path(self, final: Path) -> Path:
+        """A temporary path to write, renamed onto ``final`` at the commit."""
+        tmp = self.temp(Path(final))
+        self.put(tmp, final)
+        return tmp
+
+    def remove(self, stale: Path) -> None:
+        """``stale`` is removed at the commit, after the new files are in (unless one of them)."""
+        self._stale.append(Path(stale))
+
+    def commit(self) -> None:
+        finals = {final for _, final in self._moves}
+        marker = self.directory / MARKER
+        try:
+            for written, _ in self._moves:
+                _fsync(written)
+            with NotedSignals(redeliver=True):  # the renames are not cut in two by Ctrl-C or SIGTERM
+                write_text(marker, json.dumps({"writing": [_rel(f, self.directory) for _, f in self._moves],
+                                               "removing": [_rel(f, self.directory) for f in self._stale]}) + "\n")
+                for written, final in self._moves:
+                    os.replace(written, final)
+                for stale in self._stale:
+                    if stale not in finals:
+                        stale.unlink(missing_ok=True)
+                _fsync(self.directory)
+                marker.unlink()  # a failure before this leaves the marker: the set is incomplete
+                _fsync(self.directory)
+        finally:
+            self.discard()  # the temporaries not moved, temporary directories with the rest
+        self._remove_killed_saves_temps()
+
+    def _remove_killed_saves_temps(self) -> None:
+        """Temporaries that a save killed before it could remove them left here (they can hold a
+        whole checkpoint's size): those untouched since before this set began."""
+        for p in self.directory.iterdir():
+            if p.name != MARKER and is_own_temp(p) and p.stat().st_mtime < self._started:
+                _remove(p)
+
+    def discard(self) -> None:
+        for tmp in self._temps:
+            _remove(tmp)
+        self._temps, self._moves, self._stale = [], [], []
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _rel(path: Path, directory: Path) -> str:
+    try:
+        return str(path.relative_to(directory))
+    except ValueError:
+        return str(path)
+
+
+def refuse_unfinished(directory, error=CheckpointError) -> None:
+    """An ``error`` naming what an unfinished save (its marker still there) was writing."""
+    marker = Path(directory) / MARKER
+    if not marker.exists():
+        return
+    try:
+        doc = json.loads(marker.read_text())
+        files = ", ".join(doc["writing"]) or "nothing"
+    except (OSError, ValueError, KeyError, TypeError):
+        files = "its files"
+    raise error(f"{directory}: an unfinished save: it stopped while putting {files} in place, so the "
+                f"directory may mix two saves and is incomplete; save it again (or, to load it as it is, "
+                f"delete {marker})")
+
+
+def refuse_foreign(directory: Path, ours: set[str], what: str) -> None:
+    """An OutputError when ``directory`` holds anything but the files named in ``ours`` (and this
+    module's temporaries): writing there would replace or mix with files clover_lab did not write."""
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise OutputError(f"{directory} is a file; {what} is a directory: give a new or empty directory")
+    foreign = sorted(p.name for p in directory.iterdir() if p.name not in ours and not is_own_temp(p))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise OutputError(f"{directory} holds files that are not {what}'s ({shown}); nothing was written: "
+                          f"give a new or empty directory")
+
+
+def refuse_same(out, source, what: str) -> None:
+    """An OutputError when the output ``out`` is the input ``source`` (it would overwrite it)."""
+    if Path(out).resolve() == Path(source).resolve():
+        raise OutputError(f"{what}: the output {out} is the input {source}; writing it would overwrite "
+                          f"the input: give another directory")
+
+
+def check_writable(*directories, what: str = "output") -> None:
+    """An OutputError now, before any work, when a file cannot be created in each of
+    ``directories`` (or, for one that does not exist yet, in the directory that would hold it)."""
+    for directory in map(Path, directories):
+        probe_in = directory
+        while not probe_in.exists() and probe_in != probe_in.parent:
+            probe_in = probe_in.parent
+        if not probe_in.is_dir():
+            raise OutputError(f"{what} {directory}: {probe_in} is a file, not a directory")
+        try:
+            fd, name = tempfile.mkstemp(prefix=f".probe{TMP_TAG}", dir=probe_in)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as e:
+            raise OutputError(f"{what} {directory}: cannot write in {probe_in} ({e.strerror or e})") from None
