@@ -109,12 +109,17 @@ class BlockLoop:
 
     def run_blocks(self) -> Iterator[StreamUpdate]:
         run, engine = self.run, self.run.engine
-        while run.active:
-            first = run.rows[run.active[0]]  # every row still going has produced as many tokens
-            produced = len(first.committed) + len(first.pending[0] if first.pending else ())
-            size = min(engine.block_size, run.max_new - produced)
-            blocks = {r: Block(self.index, size, engine.mask_token_id, run.device, run.s.max_steps_per_block)
-                      for r in run.active}
+        while True:
+            run.admit()  # a block boundary: rows may join (Engine.stream's join)
+            if not run.active:
+                break
+            produced, blocks = {}, {}
+            for r in run.active:  # rows that joined later are at earlier blocks of their own
+                row = run.rows[r]
+                produced[r] = len(row.committed) + len(row.pending[0] if row.pending else ())
+                index = row.stats.blocks + (row.pending is not None)
+                blocks[r] = Block(index, min(engine.block_size, run.max_new - produced[r]), engine.mask_token_id,
+                                  run.device, run.s.max_steps_per_block)
             for r, block in blocks.items():
                 block.memo = run.policy.begin_block(run.rows[r], block)
             if self.coreset is not None:
@@ -123,7 +128,7 @@ class BlockLoop:
             leaving = []
             for r in run.active:
                 block, tokens = blocks[r], blocks[r].tokens()
-                if block.end_reason is not None or produced + len(tokens) >= run.max_new:
+                if block.end_reason is not None or produced[r] + len(tokens) >= run.max_new:
                     leaving.append((r, tokens, block))
                 else:
                     run.rows[r].pending = (tokens, block.step)
@@ -131,29 +136,43 @@ class BlockLoop:
             self.index += 1
 
     def resolve(self, blocks: dict[int, Block]) -> Iterator[StreamUpdate]:
-        """Previews until no active row's block has a masked position."""
+        """Previews until no active row's block has a masked position. The rows previewed
+        together share a block length and whether a finished block is committed in the same
+        forward (rows that joined since differ in both)."""
         run = self.run
-        step = 0
-        while rows := [r for r in run.active if blocks[r].masked]:  # a row whose block is done waits
-            canvas = torch.stack([blocks[r].canvas for r in rows])
-            one = blocks[rows[0]].masked_index() if len(rows) == 1 else None  # one row: logits where masked
-            if run.rows[rows[0]].pending is not None:  # the block's first step: every row takes part
-                pending = torch.tensor([run.rows[r].pending[0] for r in rows], device=run.device)
-                where = run.where("decode", self.index, step, commit_block=self.index - 1)
-                logits = run.preview(rows, canvas, where, pending=pending, positions=one)
-                yield from self.publish_pending(rows)
-            else:
-                logits = run.preview(rows, canvas, run.where("decode", self.index, step, rows=rows), positions=one)
-            for i, r in enumerate(rows):
-                block = blocks[r]
-                if r not in run.active:  # a commit hook ended the row
-                    continue
-                idx = block.masked_index()
-                mine = logits[i:i + 1] if idx is None or one is not None else logits[i:i + 1, idx]
-                unmask, _ = denoise_step(run.rows[r], block, mine, idx)
-                if run.emit:
-                    yield run.rows[r].update("step", block.index, block.step - 1, block.host, unmask)
-            step += 1
+        while any(blocks[r].masked for r in run.active):
+            groups: dict[tuple, list[int]] = {}
+            for r in run.active:
+                if blocks[r].masked:  # a row whose block is done waits
+                    groups.setdefault((len(blocks[r]), run.rows[r].pending is not None), []).append(r)
+            for (_, fused), rows in groups.items():
+                rows = [r for r in rows if r in run.active]  # a commit hook may have ended a row
+                if rows:
+                    yield from self.preview(rows, blocks, fused)
+
+    def preview(self, rows: list[int], blocks: dict[int, Block], fused: bool) -> Iterator[StreamUpdate]:
+        """One denoising step of these rows' blocks, in one forward (fused with the commit of
+        their finished blocks on a block's first step)."""
+        run = self.run
+        canvas = torch.stack([blocks[r].canvas for r in rows])
+        one = blocks[rows[0]].masked_index() if len(rows) == 1 else None  # one row: logits where masked
+        at = blocks[rows[0]]
+        if fused:
+            pending = torch.tensor([run.rows[r].pending[0] for r in rows], device=run.device)
+            where = run.where("decode", at.index, at.step, commit_block=at.index - 1, rows=rows)
+            logits = run.preview(rows, canvas, where, pending=pending, positions=one)
+            yield from self.publish_pending(rows)
+        else:
+            logits = run.preview(rows, canvas, run.where("decode", at.index, at.step, rows=rows), positions=one)
+        for i, r in enumerate(rows):
+            block = blocks[r]
+            if r not in run.active:  # a commit hook ended the row
+                continue
+            idx = block.masked_index()
+            mine = logits[i:i + 1] if idx is None or one is not None else logits[i:i + 1, idx]
+            unmask, _ = denoise_step(run.rows[r], block, mine, idx)
+            if run.emit:
+                yield run.rows[r].update("step", block.index, block.step - 1, block.host, unmask)
 
     def publish_pending(self, rows: list[int]) -> Iterator[StreamUpdate]:
         """The fused forward committed each row's previous block: it joins the row's response and
@@ -163,12 +182,12 @@ class BlockLoop:
         for r in rows:
             row = run.rows[r]
             (tokens, steps), row.pending = row.pending, None
-            start = len(row.prompt_ids) + len(row.committed)
+            start, block = len(row.prompt_ids) + len(row.committed), row.stats.blocks
             row.record_block(tokens, steps)
-            if row.fire_commit(self.index - 1, tokens, steps, start):
+            if row.fire_commit(block, tokens, steps, start):
                 stopped.append(r)
             if run.emit:
-                yield row.update("commit", self.index - 1, None)
+                yield row.update("commit", block, None)
         yield from run.end(stopped, "hook", index=self.index)
 
     def commit_last(self, leaving: list[tuple]) -> Iterator[StreamUpdate]:
@@ -187,7 +206,7 @@ class BlockLoop:
             starts = {r: len(run.rows[r].prompt_ids) + len(run.rows[r].committed) for r in rows}
             ids = torch.tensor([tokens for _, tokens, _ in group], device=run.device)
             try:
-                run.commit(rows, ids, run.where("decode", commit_block=self.index, rows=rows))
+                run.commit(rows, ids, run.where("decode", commit_block=group[0][2].index, rows=rows))
             except StopGeneration:  # a model hook stopped it: the blocks are the rows' last, not cached
                 for r, tokens, block in group:
                     run.rows[r].record_block(tokens, block.step)
@@ -197,9 +216,9 @@ class BlockLoop:
             for r, tokens, block in group:
                 row = run.rows[r]
                 row.record_block(tokens, block.step)
-                row.fire_commit(self.index, tokens, block.step, starts[r])  # the row ends anyway
+                row.fire_commit(block.index, tokens, block.step, starts[r])  # the row ends anyway
                 if run.emit:
-                    yield row.update("commit", self.index, None)
+                    yield row.update("commit", block.index, None)
         yield from run.end([r for r, _, _ in leaving], reasons, index=self.index)
 
     def abandon(self) -> Iterator[StreamUpdate]:

@@ -34,8 +34,8 @@ from .speculative import run_speculative
 from .graphs import FastPath
 from .policies import make_policy
 from .policy import DecodingPolicy, ThresholdPolicy
-from .requests import (GenerationError, check_coreset, check_memory, check_mode_settings, check_request, encode_prompt,
-                       is_batch, stop_list)
+from .requests import (GenerationError, check_coreset, check_join, check_memory, check_mode_settings, check_request,
+                       encode_prompt, is_batch, stop_list)
 from .results import GenerationResult, StreamUpdate
 from .run import Run
 
@@ -257,9 +257,12 @@ class Engine:
         stop = stop_list(stop, self.tokenizer)
         return s, stop, self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
 
-    def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit, policy=None) -> Run:
+    def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit, policy=None,
+               join=None, capacity=None) -> Run:
         """A generation of one prompt or (a list) a batch: checked, its cache allocated."""
         s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
+        if join is not None:
+            check_join(self.model.config, is_batch(prompt), mode, s.coreset_size, capacity)
         batched = is_batch(prompt)
         ids = []
         for r, one in enumerate(prompt if batched else [prompt]):
@@ -270,21 +273,29 @@ class Engine:
                 if not batched:
                     raise
                 raise GenerationError(f"prompt {r} of the batch: {e}") from e
-        check_memory(self.model, max(map(len, ids)) + max_new_tokens, len(ids))
+        length = max(max(map(len, ids)) + max_new_tokens, capacity or 0)
+        check_memory(self.model, length, len(ids))
         policy = None if policy is None else make_policy(policy)
-        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched, policy)
+        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched, policy, join, length)
 
     # ---------------------------------------------------------------- generation
     def stream(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
                thinking: bool | None = None, settings: SamplerSettings | None = None, policy=None,
+               join: Callable[[int], list] | None = None, capacity: int | None = None,
                **sampler: Any) -> Iterator[StreamUpdate]:
         """Like :meth:`generate`, yielding a :class:`StreamUpdate` per denoising step ("step":
         provisional tokens of the current block), per committed block ("commit") and one "done"
         whose ``result`` is the GenerationResult. Requests are checked before the first update.
         A list of prompts streams a batch: updates carry their ``row``, a "done" per row as it
-        ends, and a last "batch" update whose ``result`` is the :class:`BatchResult`."""
+        ends, and a last "batch" update whose ``result`` is the :class:`BatchResult`.
+
+        ``join`` (a batch in diffusion mode, without a coreset): rows join the running batch at
+        block boundaries. At each, ``join(room)`` returns the token-id prompts (of at most
+        ``room`` tokens) that join now, with this request's settings; they become rows
+        ``len(prompts)``, ``len(prompts) + 1``, ... in the order given. ``capacity``: positions
+        per row of the cache (a joining prompt plus ``max_new_tokens`` must fit in it)."""
         return self._drive(self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True,
-                                       policy=policy))
+                                       policy=policy, join=join, capacity=capacity))
 
     def _drive(self, run: Run) -> Iterator[StreamUpdate]:
         # no inference_mode around the yields: it would leak into the consumer's code between updates

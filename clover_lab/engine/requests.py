@@ -159,6 +159,20 @@ def check_coreset(config, size: int | None) -> None:
                               f"restrict nothing; use a size below {E}, or None / 0 for no coreset")
 
 
+def check_join(config, batched: bool, mode: str, coreset_size, capacity) -> None:
+    """Rows join a batch in block diffusion without a coreset (a coreset is shared by the rows of
+    a block), within a cache of ``capacity`` positions per row."""
+    if not batched:
+        raise GenerationError("join: rows join a batch; pass the prompts as a list")
+    if mode != "diffusion" or coreset_size:
+        raise GenerationError(f"join: rows join block-diffusion batches without an expert coreset, not mode={mode!r} "
+                              f"coreset_size={coreset_size!r}")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or not 1 <= capacity <= config.max_position_embeddings):
+        raise GenerationError(f"capacity={capacity!r}: expected positions per row in [1, "
+                              f"max_position_embeddings={config.max_position_embeddings}]")
+
+
 def stop_list(stop, tokenizer) -> list[str]:
     """``stop`` (None, a string or strings) as a list of non-empty strings; they need a tokenizer."""
     if stop is None:

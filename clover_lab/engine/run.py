@@ -32,7 +32,8 @@ class Run:
     updates then carry their row, and the result is a BatchResult)."""
 
     def __init__(self, engine, prompts: list[list[int]], mode: str, max_new_tokens: int, s: SamplerSettings,
-                 stop: list[str], emit: bool, number: int, batched: bool, policy=None):
+                 stop: list[str], emit: bool, number: int, batched: bool, policy=None, join=None,
+                 length: int | None = None):
         model = engine.model
         self.engine, self.model, self.s, self.mode, self.emit = engine, model, s, mode, emit
         self.number, self.batched = number, batched  # number: counts generations on the engine
@@ -42,11 +43,12 @@ class Run:
         self.policy = engine.policy if policy is None else policy  # the decoding rule (policy.py), every row's
         self.t0 = time.perf_counter()
         self.t_decode = self.t0
+        self.stop, self.join = stop, join  # join: rows joining at block boundaries (Engine.stream)
         self.rows = [Row(self, r, ids, stop) for r, ids in enumerate(prompts)]
         self.clock = Clock(self.device)
         self.stats = BatchStats(mode=mode, rows=len(prompts), prompt_tokens=sum(map(len, prompts)))
         self.result: BatchResult | None = None
-        self.runner = Runner(engine, self, max(map(len, prompts)) + max_new_tokens, len(prompts))
+        self.runner = Runner(engine, self, length or max(map(len, prompts)) + max_new_tokens, len(prompts))
 
     @property
     def active(self) -> list[int]:
@@ -88,9 +90,10 @@ class Run:
             else:
                 st.commit_forwards += 1
 
-    def prefill(self, logits: str | None) -> torch.Tensor | None:
-        """Commit every prompt; returns the last-position logits [R, V] when ``logits`` is "last".
-        A model hook raising StopGeneration meanwhile propagates (the loops end the rows)."""
+    def prefill(self, logits: str | None, rows: list["Row"] | None = None) -> torch.Tensor | None:
+        """Commit every prompt (``rows``: those of the rows joining now, into new rows of the
+        cache); returns the last-position logits [R, V] when ``logits`` is "last". A model hook
+        raising StopGeneration meanwhile propagates (the loops end the rows)."""
         chunk = self.engine.prefill_chunk_size
 
         @contextmanager
@@ -102,8 +105,11 @@ class Run:
             for r in rows:
                 self.rows[r].stats.prefill_forwards = forwards
 
-        outs = self.runner.prefill({row.index: row.prompt_ids for row in self.rows}, chunk, logits,
-                                   lambda rows: self.where("prefill", rows=rows), timed)
+        prompts = {row.index: row.prompt_ids for row in (self.rows if rows is None else rows)}
+        outs = self.runner.prefill(prompts, chunk, logits, lambda rows: self.where("prefill", rows=rows), timed,
+                                   join=rows is not None)
+        if rows is not None:
+            return None
         if self.clock.cuda:  # once per generation: decode time starts after the prefill really ended
             torch.cuda.synchronize(self.device)
         self.t_decode = time.perf_counter()
@@ -119,6 +125,21 @@ class Run:
         """Commit ``ids`` [R, c] for ``rows`` (``Runner.commit``), timed and counted."""
         with self.timed("commit", rows):
             return self.runner.commit(rows, ids, where, logits)
+
+    def admit(self) -> None:
+        """At a block boundary: the prompts ``join`` hands over become rows, prefilled into rows
+        of their own added to the cache."""
+        if self.join is None:
+            return
+        prompts = self.join(self.runner.cache.max_len - self.max_new)
+        if not prompts:
+            return
+        start = len(self.rows)
+        rows = [Row(self, start + k, list(ids), self.stop) for k, ids in enumerate(prompts)]
+        self.rows += rows
+        self.stats.rows += len(rows)
+        self.stats.prompt_tokens += sum(len(row.prompt_ids) for row in rows)
+        self.prefill(None, rows)
 
     def commit_draft(self, rows: list[int], ids: torch.Tensor, where: Where):
         """Commit every row's drafted block ``ids`` [R, m] (``Runner.commit_draft``), timed and counted."""

@@ -59,12 +59,12 @@ class Runner:
             return next(iter(self.paths), None)
         return "; ".join(f"{label} ({n} forwards)" for label, n in self.paths.items())
 
-    def _took(self, fast: bool) -> None:
+    def _took(self, fast: bool, why: str | None = None) -> None:
         if fast:
             label = self.graphs.last
         else:
-            hooked = self.hooks.model_points() if self.graphs is not None else []
-            label = "eager: " + (self.off if not hooked else "a hook on " + ", ".join(hooked[:3])
+            hooked = self.hooks.model_points() if self.graphs is not None and why is None else []
+            label = "eager: " + ((why or self.off) if not hooked else "a hook on " + ", ".join(hooked[:3])
                                  + (f" and {len(hooked) - 3} more points" if len(hooked) > 3 else ""))
         self.paths[label] = self.paths.get(label, 0) + 1
 
@@ -80,10 +80,13 @@ class Runner:
         return self.cache.select([self.slots.index(row)])
 
     # ---------------------------------------------------------------- forwards
-    def prefill(self, prompts: dict[int, list[int]], chunk: int, logits: str | None, where, timed) -> dict:
+    def prefill(self, prompts: dict[int, list[int]], chunk: int, logits: str | None, where, timed,
+                join: bool = False) -> dict:
         """Every row's prompt into its row of the cache, the prompts of one length in one forward
         (no padding inside the model). ``where(rows)`` and ``timed(rows)`` give each forward's
-        place and clock. Returns row -> last-position logits [V] when ``logits`` is "last"."""
+        place and clock. Returns row -> last-position logits [V] when ``logits`` is "last".
+        ``join``: these are new rows, joining the rows going on (the cache grows by them)."""
+        lengths = self._grow(list(prompts)) if join else [0] * len(self.slots)
         groups: dict[int, list[int]] = {}
         for r, ids in prompts.items():
             groups.setdefault(len(ids), []).append(r)
@@ -103,23 +106,39 @@ class Runner:
                 self.cache.put(index, cache)
             if out is not None:
                 outs.update(zip(rows, out[:, -1]))
-        self.cache.set_row_lengths([0 if r is None else len(prompts[r]) for r in self.slots])
+        self.cache.set_row_lengths([len(prompts[r]) if r in prompts else n for r, n in zip(self.slots, lengths)])
         return outs
+
+    def _grow(self, rows: list[int]) -> list[int]:
+        """A cache of the rows going on plus ``rows`` (empty, after them); returns its row lengths.
+        The static path adopts it into its bucket at the next step."""
+        going = self.rows
+        keep = [self.slots.index(r) for r in going]
+        old = self.cache
+        lengths = [(old.row_lengths or [old.length] * old.batch_size)[i] for i in keep] + [0] * len(rows)
+        self.cache = self.model.new_cache(old.max_len, len(going) + len(rows))
+        if going:
+            self.cache.put(list(range(len(going))), old if keep == list(range(old.batch_size)) else old.select(keep))
+        self.slots = going + rows
+        return lengths
 
     def preview(self, rows: list[int], canvas: torch.Tensor, where, pending: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Preview logits [R, m, V] of these rows' blocks ``canvas`` [R, m], after committing
         ``pending`` [R, c] (each row's previous block: every row then) in the same forward.
-        ``positions``: one row's block positions whose logits are wanted ([1, N, V])."""
+        ``positions``: one row's block positions whose logits are wanted ([1, N, V]). Some rows
+        only commit too when rows joined since (they have no finished block): eagerly, on a copy
+        of their rows written back."""
         c = 0 if pending is None else pending.shape[1]
         ids = canvas if pending is None else torch.cat([pending, canvas], dim=1)
         with self.hooks.applied():
-            if self.fast():
+            some = bool(c) and rows != self.rows  # a static step commits every row of its cache
+            if self.fast() and not some:
                 logits = self._static(rows, ids, c, canvas.shape[1])[1]
                 self._took(True)
                 return logits if positions is None else logits[:, positions]
             logits = self._eager(rows, ids, c, canvas.shape[1], where, None, positions).preview_logits
-            self._took(False)
+            self._took(False, "a fused commit of some rows (rows joined since)" if some and self.fast() else None)
             return logits
 
     def commit(self, rows: list[int], ids: torch.Tensor, where, logits: str | None = None) -> torch.Tensor | None:
@@ -164,13 +183,23 @@ class Runner:
         """The ordinary forward over these rows: in place when they are every row of the cache,
         else (a preview of some rows) against a copy of their rows."""
         self._arrange(fast=False)
-        cache, coreset = self.cache, self.coreset
+        cache, coreset, index = self.cache, self.coreset, None
         if rows != self.slots:
             index = [self.slots.index(r) for r in rows]
             cache, coreset = cache.select(index), None if coreset is None else coreset.subset(index)
-        return self.model.forward(cache, ids[:, :c] if c else None, ids[:, c:] if m else None,
-                                  commit_logits=commit_logits, preview_positions=positions, coreset=coreset,
-                                  where=where)
+        out = self.model.forward(cache, ids[:, :c] if c else None, ids[:, c:] if m else None,
+                                 commit_logits=commit_logits, preview_positions=positions, coreset=coreset,
+                                 where=where)
+        if index is not None and c and m:  # some rows' blocks committed (rows joined since): theirs now
+            self._write_back(index, cache)
+        return out
+
+    def _write_back(self, index: list[int], part: CloverCache) -> None:
+        self.cache.put(index, part)
+        lengths = list(self.cache.row_lengths or [self.cache.length] * self.cache.batch_size)
+        for i, n in zip(index, part.row_lengths or [part.length] * part.batch_size):
+            lengths[i] = n
+        self.cache.set_row_lengths(lengths)
 
     # ---------------------------------------------------------------- rows leave
     def drop(self, rows: list[int]) -> None:

@@ -1,0 +1,148 @@
+"""clover-lab serve under load: throughput and latency against the number of concurrent streams.
+
+The server runs in this process (uvicorn on a free loopback port, in a thread) over the embedded
+model (or --model DIR). At each concurrency c, c clients each stream ``--requests-per-client``
+completions one after another (prompts from a fixed list, greedy, ``--max-tokens`` each), so
+that requests arrive while others run and join the running batch at block boundaries. Per
+request: the time to its first committed token (request sent to the first chunk with text) and
+the per-token latency (first to last text chunk, over the tokens after the first block); per
+level: generated tokens per second of wall time, the median and p90 of both latencies, and
+whether every response equals that prompt's single-request text. Bounded: c x requests-per-client
+requests per level. Prints a table and writes JSON to bench/results/. A benchmark, not a test.
+
+    python bench/bench_serve.py [--model DIR] [--concurrency 1 4 16 32] [--requests-per-client 2]
+                                [--max-tokens 32] [--threads 2] [--dtype float32] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import platform
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import uvicorn
+
+import clover_lab
+from clover_lab.serve import create_app
+
+PROMPTS = ["def parse(line):\n", "import os\n", "class Stack:\n", "def f(x):\n    return", "for i in range(",
+           "# read a file\n", "x = [", "with open(path) as f:\n", "def main():\n", "try:\n", "if __name__ ==",
+           "from collections import"]
+NAME = "bench"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, metavar="DIR", help="a model directory (default: the embedded model)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    return p.parse_args(argv)
+
+
+def start(engine, max_batch: int):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name=NAME, max_batch=max_batch),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+async def one(client, base, prompt, max_tokens):
+    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    t0 = time.perf_counter()
+    first = last = None
+    text, tokens, first_tokens = "", 0, 0
+    async with client.stream("POST", base + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            piece = chunk["choices"][0]["text"]
+            if chunk.get("clover", {}).get("kind") == "committed":
+                tokens += len(chunk["clover"]["tokens"])
+            if piece:
+                text += piece
+                now = time.perf_counter()
+                if first is None:
+                    first, first_tokens = now, tokens
+                last = now
+    after = tokens - first_tokens
+    return dict(prompt=prompt, text=text, tokens=tokens, ttft=None if first is None else first - t0,
+                per_token=(last - first) / after if first is not None and after > 0 else None)
+
+
+async def level(base, c, per_client, max_tokens):
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def worker(k):
+            return [await one(client, base, PROMPTS[(k * per_client + i) % len(PROMPTS)], max_tokens)
+                    for i in range(per_client)]
+
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(worker(k) for k in range(c)))
+        return [r for rs in out for r in rs], time.perf_counter() - t0
+
+
+def quantile(xs, q):
+    xs = sorted(x for x in xs if x is not None)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine = clover_lab.load(args.model, dtype=getattr(torch, args.dtype))
+    alone = {p: engine.generate(p, max_new_tokens=args.max_tokens).text for p in PROMPTS}
+    server, thread, base = start(engine, max(args.concurrency))
+    rows = []
+    try:
+        asyncio.run(level(base, 1, 1, args.max_tokens))  # warm up
+        for c in args.concurrency:
+            results, wall = asyncio.run(level(base, c, args.requests_per_client, args.max_tokens))
+            tokens = sum(r["tokens"] for r in results)
+            rows.append(dict(concurrency=c, requests=len(results), tokens=tokens, wall_seconds=wall,
+                             tokens_per_second=tokens / wall,
+                             ttft_median=quantile([r["ttft"] for r in results], 0.5),
+                             ttft_p90=quantile([r["ttft"] for r in results], 0.9),
+                             per_token_median=quantile([r["per_token"] for r in results], 0.5),
+                             per_token_p90=quantile([r["per_token"] for r in results], 0.9),
+                             same_text_as_alone=all(r["text"] == alone[r["prompt"]] for r in results)))
+            print(f"concurrency {c}: {rows[-1]['tokens_per_second']:.1f} tokens/s", flush=True)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+    base1 = rows[0]["tokens_per_second"]
+    print("\n| concurrency | requests | tokens/s | vs 1 | first token median / p90 (s) | per token median / p90 (ms) "
+          "| same text as alone |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        pt = " / ".join("-" if x is None else f"{x * 1000:.0f}" for x in (r["per_token_median"], r["per_token_p90"]))
+        print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_second']:.1f} | "
+              f"{r['tokens_per_second'] / base1:.2f}x | {r['ttft_median']:.2f} / {r['ttft_p90']:.2f} | {pt} | "
+              f"{'yes' if r['same_text_as_alone'] else 'NO'} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = out / f"serve-{'default-model' if args.model is None else Path(args.model).name}-cpu-{stamp}.json"
+    path.write_text(json.dumps(dict(args=vars(args), host=platform.node(), torch=torch.__version__,
+                                    threads=args.threads, rows=rows), indent=1))
+    print(f"\n{path}")
+
+
+if __name__ == "__main__":
+    main()

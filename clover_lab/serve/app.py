@@ -1,0 +1,263 @@
+"""The HTTP side: a FastAPI app over one engine and its scheduler.
+
+    GET  /v1/models               the one model served
+    POST /v1/completions          text completion, streamed (server-sent events) or not
+    POST /v1/chat/completions     chat, through the model's chat template (thinking switch)
+    GET  /v1/traces/{id}          a traced request's trace.json; .../tensors.safetensors its tensors
+    GET  /health                  200 while serving, 503 while shutting down
+    GET  /metrics                 Prometheus text format
+
+Bad requests are answered 4xx with OpenAI's error body naming the field, never 500.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from ..hooks.trace import META_FILE, TENSOR_FILE
+from . import responses as R
+from . import schemas
+from .jobs import RequestError, make_jobs
+from .metrics import Metrics
+from .scheduler import Scheduler, TraceStore
+
+
+def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queue: int = 256,
+               trace_dir=None) -> FastAPI:
+    """The server's app. The scheduler's worker starts with the app (its lifespan) and, at
+    shutdown, finishes the jobs it holds."""
+    if engine.tokenizer is None:
+        raise ValueError("serve: the model has no tokenizer; the server answers text, so it needs one")
+    metrics = Metrics()
+    scheduler = Scheduler(engine, max_batch, max_queue, metrics, TraceStore(root=trace_dir))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(scheduler.close)
+
+    app = FastAPI(title="clover-lab", lifespan=lifespan)
+    app.state.engine, app.state.scheduler, app.state.metrics = engine, scheduler, metrics
+    _errors(app, metrics)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        metrics.requests.labels(request.url.path if request.url.path in _COUNTED else "other",
+                                str(response.status_code)).inc()
+        return response
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "clover-lab"}]}
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "shutting_down" if scheduler.closing else "ok", "waiting": scheduler.waiting,
+                "running": scheduler.running}
+        return JSONResponse(body, status_code=503 if scheduler.closing else 200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/traces/{rid}")
+    async def trace(rid: str):
+        return FileResponse(_trace(scheduler, rid) / META_FILE, media_type="application/json")
+
+    @app.get("/v1/traces/{rid}/" + TENSOR_FILE)
+    async def trace_tensors(rid: str):
+        return FileResponse(_trace(scheduler, rid) / TENSOR_FILE, media_type="application/octet-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest, request: Request):
+        _model(body, model_name)
+        if body.logprobs is not None:
+            raise _no_logprobs("logprobs")
+        p = body.prompt
+        prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else p
+        jobs = make_jobs(engine, body, prompts, "prompt", "cmpl", max_tokens=body.max_tokens)
+        return await _answer(request, scheduler, metrics, jobs, body, R.Shape(False, jobs[0].id, model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: schemas.ChatRequest, request: Request):
+        _model(body, model_name)
+        if body.logprobs or body.top_logprobs:
+            raise _no_logprobs("logprobs" if body.logprobs else "top_logprobs")
+        limit, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
+                        is not None else (body.max_tokens, "max_tokens"))
+        jobs = make_jobs(engine, body, [schemas.chat_messages(body)], "messages", "chatcmpl",
+                         thinking=schemas.thinking(body), max_tokens_param=param, max_tokens=limit)
+        return await _answer(request, scheduler, metrics, jobs, body, R.Shape(True, jobs[0].id, model_name))
+
+    return app
+
+
+_COUNTED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+
+
+def _model(body, model_name: str) -> None:
+    if body.model != model_name:
+        raise RequestError(f"model {body.model!r} is not served here; this server serves {model_name!r} "
+                           f"(GET /v1/models)", "model", status=404, code="model_not_found")
+
+
+def _no_logprobs(param: str) -> RequestError:
+    return RequestError(f"{param}: this engine does not report log-probabilities yet", param,
+                        code="unsupported_parameter")
+
+
+def _trace(scheduler, rid: str) -> Path:
+    path = scheduler.traces.get(rid)
+    if path is None:
+        raise RequestError(f"no trace {rid!r}: ask for one with \"clover\": {{\"trace\": true}}; the server keeps "
+                           f"the last {scheduler.traces.keep}", "id", status=404, code="trace_not_found")
+    return path
+
+
+# --------------------------------------------------------------------------- answering a request
+async def _answer(request, scheduler, metrics, jobs, body, shape: R.Shape):
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    for job in jobs:
+        job.loop, job.updates = loop, queue
+    scheduler.submit(jobs)
+    started = time.perf_counter()
+    if body.stream:
+        return StreamingResponse(_stream(scheduler, metrics, jobs, body, shape, started),
+                                 media_type="text/event-stream")
+    try:
+        results = await _collect(jobs, metrics, started)
+    finally:
+        for job in jobs:
+            scheduler.cancel(job)  # a no-op for the finished; frees the rows of a client gone meanwhile
+    return shape.response(results, [r.text for r in results], jobs[0].trace_points is not None)
+
+
+async def _next(queue):
+    """The next (job, update) from the worker; an update None ends the job; an error is raised."""
+    job, item = await queue.get()
+    if isinstance(item, BaseException):
+        raise item
+    return job, item
+
+
+async def _collect(jobs, metrics, started) -> list:
+    results, open_ = {}, {job.index for job in jobs}
+    first = None
+    while open_:
+        job, update = await _next(jobs[0].updates)
+        if update is None:
+            open_.discard(job.index)
+        elif update.kind == "commit" and first is None:
+            first = time.perf_counter() - started
+        elif update.kind == "done":
+            results[job.index] = update.result
+    _observe(metrics, started, first)
+    return [results[i] for i in range(len(jobs))]
+
+
+def _observe(metrics, started, first) -> None:
+    if first is not None:
+        metrics.first_token.observe(first)
+    metrics.request_seconds.observe(time.perf_counter() - started)
+
+
+async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
+    """The server-sent events of one request: per job its text as blocks commit (and, asked for,
+    each denoising step), its finish, then usage (asked for) and [DONE]."""
+    tok = scheduler.engine.tokenizer
+    texts = {job.index: R.TextStream(tok, job.stop) for job in jobs}
+    lengths = {job.index: 0 for job in jobs}
+    results, open_, first = {}, {job.index for job in jobs}, None
+    try:
+        if shape.chat:
+            for job in jobs:
+                yield R.sse(shape.chunk(job.index, "", first=True))
+        while open_:
+            try:
+                job, update = await _next(jobs[0].updates)
+            except Exception as e:  # noqa: BLE001 - the stream has begun: the error is its last event
+                yield R.sse({"error": {"message": f"generation failed: {type(e).__name__}: {e}",
+                                       "type": "server_error", "param": None, "code": None}})
+                break
+            i = job.index
+            if update is None:
+                open_.discard(i)
+            elif update.kind == "step":
+                yield R.sse(shape.chunk(i, "", clover=R.provisional(update)))
+            elif update.kind == "commit":
+                first = first if first is not None else time.perf_counter() - started
+                tokens, lengths[i] = update.committed[lengths[i]:], len(update.committed)
+                yield R.sse(shape.chunk(i, texts[i].delta(update.committed), clover=R.committed(update, tokens)))
+            elif update.kind == "done":
+                r = results[i] = update.result
+                done = {"kind": "done", "stop_reason": r.stop_reason, "stats": r.stats.to_dict()}
+                if job.trace_points is not None:
+                    done["trace_id"] = job.id
+                yield R.sse(shape.chunk(i, texts[i].final(r.text), R.finish_reason(r.stop_reason), clover=done))
+        if len(results) == len(jobs):
+            _observe(metrics, started, first)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield R.sse(shape.usage_chunk([results[i] for i in range(len(jobs))]))
+        yield R.DONE
+    finally:  # ended, or the client went away (the generator is closed): free the rows at once
+        for job in jobs:
+            scheduler.cancel(job)
+
+
+# --------------------------------------------------------------------------- errors, OpenAI's way
+def _errors(app: FastAPI, metrics: Metrics) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(request, e: RequestError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        return JSONResponse(validation_error(e.errors()).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse({"error": {"message": str(e.detail), "type": kind, "param": None, "code": None}},
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def failed(request, e: Exception):  # the server's fault, never the request's: 500
+        return JSONResponse({"error": {"message": f"generation failed: {type(e).__name__}: {e}",
+                                       "type": "server_error", "param": None, "code": None}}, status_code=500)
+
+
+def validation_error(errors: list[dict]) -> RequestError:
+    """pydantic's errors as one RequestError naming the field (the common part of every error's
+    location: a union's alternatives each report one)."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return RequestError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+                            code="invalid_json")
+    locs = [tuple(str(x) for x in err["loc"][1:]) for err in errors]  # past "body"
+    common = []
+    for parts in zip(*locs):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    param = ".".join(common) or None
+    if first["type"] == "extra_forbidden":
+        return RequestError(f"unknown field {param!r}", param, code="unknown_field")
+    if first["type"] == "missing":
+        return RequestError(f"{param}: a required field is missing", param, code="missing_field")
+    if param is None:
+        return RequestError(f"the body must be a JSON object: {first['msg']}")
+    return RequestError(f"{param}: {first['msg']}" + (f" (input {first['input']!r})" if "input" in first and len(
+        repr(first['input'])) < 80 else ""), param)

@@ -1,0 +1,157 @@
+"""A request body, checked by the engine's own rules, as the jobs the scheduler runs (one per
+prompt): token ids, length, stop strings, sampler settings, block size, what to stream and
+record. Whatever is wrong is a :class:`RequestError` naming the field (``param``), raised before
+anything is queued; the server answers it as OpenAI does, ``{"error": {...}}`` with a 4xx status.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..engine.requests import GenerationError, check_coreset, check_request, stop_list
+from ..errors import CloverError
+from ..sampling import SamplerSettings, SettingsError
+from . import schemas
+
+
+class RequestError(CloverError, ValueError):
+    """A request the server refuses: HTTP ``status``, OpenAI's error ``type`` and ``code``, and
+    the body field it is about (``param``, dotted: ``clover.threshold``)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# request field -> SamplerSettings field, for the settings OpenAI's API names and Clover's own
+OPENAI_SAMPLER = {"temperature": "temperature", "top_p": "top_p", "seed": "seed",
+                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+CLOVER_SAMPLER = ("threshold", "coreset_size", "confidence", "top_k", "max_tokens_per_step", "max_steps_per_block",
+                  "repetition_penalty")
+
+
+@dataclass(eq=False)
+class Job:
+    """One prompt of a request, as the scheduler's worker runs it. ``updates`` carries the
+    engine's StreamUpdates (and a final None, or an exception) back to the request's event loop,
+    as (job, item) pairs: a request's jobs share one queue."""
+
+    id: str
+    index: int
+    prompt_ids: list[int]
+    mode: str
+    max_new_tokens: int
+    stop: list[str]
+    settings: SamplerSettings
+    block_size: int
+    provisional: bool = False
+    trace_points: list[str] | None = None
+    created: float = field(default_factory=time.time)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    loop: asyncio.AbstractEventLoop | None = None
+    updates: asyncio.Queue | None = None
+
+    def key(self):
+        """Jobs with equal keys can share a batch (the engine runs one setting per batch); a
+        traced job runs alone, so that its trace is its own."""
+        alone = None if self.trace_points is None else id(self)
+        return self.mode, self.max_new_tokens, tuple(self.stop), self.settings, self.block_size, alone
+
+    def send(self, item) -> None:
+        """From the worker thread: an update (or None at the end, or an exception) to the request."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, (self, item))
+
+
+_ids = itertools.count()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(8)}{next(_ids):x}"
+
+
+def sampler_settings(engine, request: schemas.Common) -> SamplerSettings:
+    """The request's sampler settings over the engine's; a bad value names its field."""
+    given = {name: getattr(request, f) for f, name in OPENAI_SAMPLER.items() if getattr(request, f) is not None}
+    params = {name: f for f, name in OPENAI_SAMPLER.items()}
+    for name in CLOVER_SAMPLER:
+        value = getattr(request.clover, name)
+        if value is not None:
+            given[name], params[name] = value, f"clover.{name}"
+    for name, value in given.items():  # one at a time first: the error names the field
+        try:
+            SamplerSettings.from_kwargs(engine.settings, **{name: value})
+        except SettingsError as e:
+            raise RequestError(str(e), params[name]) from None
+    s = SamplerSettings.from_kwargs(engine.settings, **given)
+    try:
+        check_coreset(engine.model.config, s.coreset_size)
+    except GenerationError as e:
+        raise RequestError(str(e), "clover.coreset_size") from None
+    return s
+
+
+def trace_points(engine, option) -> list[str] | None:
+    if option is False:
+        return None
+    patterns = list(schemas.TRACE_POINTS) if option is True else option
+    if not patterns:
+        raise RequestError("clover.trace: name at least one hook point (or pass true)", "clover.trace")
+    for p in patterns:
+        try:
+            known = engine.model.hooks.resolve(p)
+        except KeyError:
+            known = []
+        if not known:
+            raise RequestError(f"clover.trace: {p!r} names no hook point of this model "
+                               f"(e.g. {', '.join(schemas.TRACE_POINTS)}, layers.*.moe.route)", "clover.trace")
+    return patterns
+
+
+def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str, prefix: str,
+              thinking: bool | None = None, max_tokens_param: str = "max_tokens",
+              max_tokens: int | None = None) -> list[Job]:
+    """The jobs of one request: one per prompt, every check done."""
+    opts = request.clover
+    mode = opts.mode or "diffusion"
+    max_new = max_tokens if max_tokens is not None else engine.max_new_tokens
+    settings = sampler_settings(engine, request)
+    try:
+        stop = stop_list(request.stop, engine.tokenizer)
+    except GenerationError as e:
+        raise RequestError(str(e), "stop") from None
+    if len(stop) > schemas.MAX_STOP_STRINGS:
+        raise RequestError(f"stop: at most {schemas.MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+    if opts.stream_provisional and not request.stream:
+        raise RequestError("clover.stream_provisional needs stream: true", "clover.stream_provisional")
+    if opts.stream_provisional and mode == "ar":
+        raise RequestError("clover.stream_provisional: AR decoding has no denoising steps to stream; "
+                           "use mode diffusion", "clover.stream_provisional")
+    points = trace_points(engine, opts.trace)
+    rid = new_id(prefix)
+    jobs = []
+    ctx = engine.model.config.max_position_embeddings
+    for i, prompt in enumerate(prompts):
+        where = prompt_param if len(prompts) == 1 else f"{prompt_param}.{i}"
+        try:
+            ids = engine.encode(prompt, thinking)
+        except GenerationError as e:
+            raise RequestError(str(e), where) from None
+        try:
+            check_request(engine.model, engine.mask_token_id, len(ids), max_new, mode)
+        except GenerationError as e:
+            over = len(ids) + max_new > ctx
+            param = (where if len(ids) >= ctx else max_tokens_param) if over else (
+                "clover.mode" if "mode" in str(e) or "mask token" in str(e) else max_tokens_param)
+            raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
+        jobs.append(Job(rid, i, ids, mode, max_new, stop, settings, opts.block_size or engine.block_size,
+                        provisional=opts.stream_provisional, trace_points=points))
+    return jobs

@@ -1,0 +1,109 @@
+"""What the server answers, in OpenAI's shapes: a completion or chat completion, the chunks of
+its stream (server-sent events), usage and finish reasons, with Clover's own in ``clover``: each
+chunk says whether it is ``provisional`` (a denoising step's canvas, which may still change) or
+``committed`` (a block that is final), the response its stats and trace id."""
+from __future__ import annotations
+
+import json
+import time
+
+FINISH = {"length": "length"}  # every other stop reason (eos, stop string) is OpenAI's "stop"
+
+
+def finish_reason(stop_reason: str) -> str:
+    return FINISH.get(stop_reason, "stop")
+
+
+def sse(data) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+DONE = sse("[DONE]")
+
+
+class TextStream:
+    """The response text as blocks commit, in pieces whose concatenation is the final text: a
+    trailing partial UTF-8 character, or a tail that may begin a stop string, waits for the next
+    block; text from a stop string on is never sent."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops, self.sent = tokenizer, stops, ""
+
+    def visible(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in self.stops if s in text]
+        if hits:
+            return text[:min(hits)]
+        text = text.rstrip("\ufffd")
+        held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[:len(text) - held]
+
+    def delta(self, ids: list[int]) -> str:
+        return self._advance(self.visible(ids))
+
+    def final(self, text: str) -> str:
+        return self._advance(text)
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self.sent):  # cannot happen with the hold-backs above; never resend
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
+
+
+class Shape:
+    """The response shapes of one endpoint: ``chat`` (chat.completion) or not (text_completion)."""
+
+    def __init__(self, chat: bool, rid: str, model: str):
+        self.chat, self.id, self.model, self.created = chat, rid, model, int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, index: int, text: str, finish: str | None = None, clover: dict | None = None,
+              first: bool = False) -> dict:
+        if self.chat:
+            delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if clover is not None:
+            out["clover"] = clover
+        return out
+
+    def usage_chunk(self, results) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage(results)}
+
+    def response(self, results, texts: list[str], trace: bool) -> dict:
+        choices = []
+        for i, (r, text) in enumerate(zip(results, texts)):
+            c = {"index": i, "logprobs": None, "finish_reason": finish_reason(r.stop_reason)}
+            c.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            choices.append(c)
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage(results), "clover": clover_summary(self.id, results, trace)}
+
+
+def usage(results) -> dict:
+    prompt = sum(len(r.prompt_ids) for r in results)
+    completion = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def clover_summary(rid: str, results, trace: bool) -> dict:
+    out = {"stats": [r.stats.to_dict() for r in results]}
+    if trace:
+        out["trace_id"] = rid
+    return out
+
+
+def provisional(update) -> dict:
+    """A denoising step: the block's canvas (None where still masked) and what this step unmasked."""
+    return {"kind": "provisional", "block": update.block, "step": update.step, "tokens": update.block_tokens,
+            "pieces": update.block_pieces(), "unmasked": update.unmasked}
+
+
+def committed(update, tokens: list[int]) -> dict:
+    return {"kind": "committed", "block": update.block, "tokens": tokens}

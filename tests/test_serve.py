@@ -1,0 +1,323 @@
+"""clover-lab serve on loopback: the real openai client and raw HTTP against the embedded model in
+float32, every answer equal to engine.generate's greedy text, alone or among 32 concurrent
+streams; bad bodies get 4xx JSON naming the field; a client that leaves frees its row; the
+provisional stream and the trace; SIGTERM lets a stream in flight finish."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+import clover_lab
+from clover_lab.serve import create_app
+from clover_lab.serve.jobs import Job, RequestError
+from clover_lab.serve.scheduler import Scheduler
+
+uvicorn = pytest.importorskip("uvicorn")
+
+NAME = "clover-stdlib"
+PROMPTS = ["def parse(line):\n", "import os\n", "class Stack:\n", "def f(x):\n    return", "for i in range(",
+           "# read a file\n", "x = [", "with open(path) as f:\n"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)
+    return clover_lab.load(dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def refs(engine):
+    """Greedy texts from engine.generate, one prompt at a time, before the server owns the engine."""
+    out = {(p, n): engine.generate(p, max_new_tokens=n).text for p in PROMPTS for n in (8, 20)}
+    chat = [{"role": "user", "content": "write a loop"}]
+    out["chat"] = engine.generate(chat, max_new_tokens=20).text
+    out["chat-nothink"] = engine.generate(chat, max_new_tokens=20, thinking=False).text
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(engine, refs):
+    app = create_app(engine, model_name=NAME, max_batch=32)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", app
+    srv.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def sse_events(response) -> list:
+    events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_openai_client_completions_and_chat_equal_generate(client, refs):
+    p = PROMPTS[0]
+    r = client.completions.create(model=NAME, prompt=p, max_tokens=20)
+    assert r.choices[0].text == refs[(p, 20)]
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 20
+    assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + 20
+    chunks = list(client.completions.create(model=NAME, prompt=p, max_tokens=20, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == refs[(p, 20)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20
+    messages = [{"role": "user", "content": "write a loop"}]
+    c = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20)
+    assert c.choices[0].message.content == refs["chat"] and c.choices[0].message.role == "assistant"
+    off = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content == refs["chat-nothink"]
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == refs["chat"]
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_stop_string_and_seeded_sampling(client, engine, server):
+    p = PROMPTS[0]
+    full = client.completions.create(model=NAME, prompt=p, max_tokens=20).choices[0].text
+    stop = full.strip()[3:6]
+    r = client.completions.create(model=NAME, prompt=p, max_tokens=20, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert full.startswith(r.choices[0].text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt=p, max_tokens=20, stop=[stop], stream=True))
+    assert streamed == r.choices[0].text
+    a, b = (client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0.8, seed=5).choices[0].text
+            for _ in range(2))
+    assert a == b
+
+
+@pytest.mark.parametrize("n", [8, 32])
+def test_concurrent_streams_each_equal_their_single_request(server, refs, n):
+    base, app = server
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    batches = metric(base, "clover_batches_total")
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(model=NAME, prompt=prompt, max_tokens=8, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of():
+        aclient = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    texts = asyncio.run(all_of())
+    assert texts == [refs[(p, 8)] for p in prompts]
+    assert metric(base, "clover_batches_total") - batches < n  # they shared batches
+
+
+def test_requests_join_the_running_batch_at_block_boundaries(server, refs):
+    base = server[0]
+    joined, batches = metric(base, "clover_joined_rows_total"), metric(base, "clover_batches_total")
+    late, texts = PROMPTS[1:4], {}
+
+    def ask(prompt):
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 20}
+        texts[prompt] = httpx.post(base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in late]
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 20, "stream": True}
+    text = ""
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+                if '"committed"' in line and not threads[0].is_alive() and not texts:
+                    for t in threads:  # the first block is in: the others arrive while it runs
+                        t.start()
+    for t in threads:
+        t.join(120)
+    assert text == refs[(PROMPTS[0], 20)] and texts == {p: refs[(p, 20)] for p in late}
+    assert metric(base, "clover_joined_rows_total") > joined  # at least one joined the running batch
+    assert metric(base, "clover_batches_total") - batches < 1 + len(late)
+
+
+def test_a_client_that_leaves_frees_its_row(server, client, refs):
+    base, app = server
+    scheduler = app.state.scheduler
+    t0 = time.perf_counter()
+    with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                      json={"model": NAME, "prompt": PROMPTS[1], "max_tokens": 2000, "stream": True}) as r:
+        for line in r.iter_lines():
+            if '"committed"' in line:
+                break  # the first block is in: hang up
+    deadline = time.time() + 30
+    while scheduler.running:
+        assert time.time() < deadline, "the row of a client that left is still running"
+        time.sleep(0.05)
+    assert time.perf_counter() - t0 < 60  # 2000 tokens would take far longer
+    assert client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=8).choices[0].text == refs[(PROMPTS[2], 8)]
+
+
+BAD = [
+    ({"model": NAME, "prompt": "x", "max_tokens": "3"}, "max_tokens"),
+    ({"model": NAME, "prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ({"model": NAME, "prompt": "x", "surprise": 1}, "surprise"),
+    ({"model": NAME, "prompt": ""}, "prompt"),
+    ({"model": NAME, "prompt": []}, "prompt"),
+    ({"model": NAME, "prompt": [1, 2, 10**7]}, "prompt"),
+    ({"model": NAME, "prompt": "x " * 5000, "max_tokens": 4}, "prompt"),
+    ({"model": NAME, "prompt": 5}, "prompt"),
+    ({"model": NAME}, "prompt"),
+    ({"model": NAME, "prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"model": NAME, "prompt": "x", "temperature": 5000}, "temperature"),
+    ({"model": NAME, "prompt": "x", "n": 2}, "n"),
+    ({"model": NAME, "prompt": "x", "stop": ["a", ""]}, "stop"),
+    ({"model": NAME, "prompt": "x", "seed": -1}, "seed"),
+    ({"model": NAME, "prompt": "x", "clover": {"threshold": 2}}, "clover.threshold"),
+    ({"model": NAME, "prompt": "x", "clover": {"coreset_size": 1}}, "clover.coreset_size"),
+    ({"model": NAME, "prompt": "x", "clover": {"mode": "fast"}}, "clover.mode"),
+    ({"model": NAME, "prompt": "x", "clover": {"block_size": 0}}, "clover.block_size"),
+    ({"model": NAME, "prompt": "x", "clover": {"nope": 1}}, "clover.nope"),
+    ({"model": NAME, "prompt": "x", "clover": {"trace": ["no.such.point"]}}, "clover.trace"),
+    ({"model": NAME, "prompt": "x", "clover": {"stream_provisional": True}}, "clover.stream_provisional"),
+    ({"model": NAME, "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": "gpt-4", "prompt": "x"}, "model"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[p for _, p in BAD])
+def test_bad_bodies_get_4xx_json_naming_the_field(server, body, param):
+    r = httpx.post(server[0] + "/v1/completions", json=body, timeout=30)
+    assert 400 <= r.status_code < 500, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_bad_chat_bodies_and_invalid_json(server, client):
+    base = server[0]
+    for body, param in [({"model": NAME, "messages": []}, "messages"),
+                        ({"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+                        ({"model": NAME, "messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+                        ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+                         "max_completion_tokens")]:
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for raw in (b"{bad json", b"[1, 2]", b""):
+        r = httpx.post(base + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", max_tokens=-5)
+    assert e.value.body["param"] == "max_tokens"
+    assert httpx.get(base + "/v1/nowhere").status_code == 404
+
+
+def test_provisional_stream_and_trace_by_id(server, refs, tmp_path):
+    base = server[0]
+    body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 20, "stream": True,
+            "clover": {"stream_provisional": True, "trace": True}}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+        events = sse_events(r)
+    kinds = [e["clover"]["kind"] for e in events]
+    assert kinds.count("provisional") > 0 and kinds.count("committed") == 2 and kinds[-1] == "done"
+    assert "".join(e["choices"][0]["text"] for e in events) == refs[(PROMPTS[3], 20)]
+    blocks = {e["clover"]["block"]: e["clover"]["tokens"] for e in events if e["clover"]["kind"] == "committed"}
+    for e in events:
+        c = e["clover"]
+        if c["kind"] == "provisional":  # an unmasked position keeps its token until the block commits
+            assert e["choices"][0]["text"] == ""
+            final = blocks[c["block"]]
+            assert all(t is None or t == final[i] for i, t in enumerate(c["tokens"][:len(final)]))
+    trace_id = events[-1]["clover"]["trace_id"]
+    meta = httpx.get(f"{base}/v1/traces/{trace_id}")
+    tensors = httpx.get(f"{base}/v1/traces/{trace_id}/tensors.safetensors")
+    assert meta.status_code == 200 and tensors.status_code == 200
+    (tmp_path / "trace.json").write_bytes(meta.content)
+    (tmp_path / "tensors.safetensors").write_bytes(tensors.content)
+    trace = clover_lab.load_trace(tmp_path)
+    assert len(trace["denoise.step"]) == kinds.count("provisional")
+    assert [r["tokens"] for r in trace["block.commit"]] == list(blocks.values())
+    assert httpx.get(f"{base}/v1/traces/cmpl-unknown").status_code == 404
+
+
+def test_health_and_metrics(server):
+    base = server[0]
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+    text = httpx.get(base + "/metrics").text
+    for name in ("clover_requests_total", "clover_generated_tokens_total", "clover_forwards_total",
+                 "clover_tokens_per_forward", "clover_queue_length", "clover_running_rows",
+                 "clover_forward_seconds_bucket", "clover_time_to_first_token_seconds_bucket"):
+        assert name in text
+
+
+def test_a_full_queue_refuses_with_429(engine):
+    scheduler = Scheduler(engine, max_batch=4, max_queue=2)  # not started: nothing leaves the queue
+    job = lambda: Job("cmpl-x", 0, [1, 2], "diffusion", 4, [], engine.settings, engine.block_size)  # noqa: E731
+    scheduler.submit([job(), job()])
+    with pytest.raises(RequestError) as e:
+        scheduler.submit([job()])
+    assert e.value.status == 429 and e.value.body()["error"]["code"] == "queue_full"
+    scheduler.close(timeout=0)
+    with pytest.raises(RequestError) as e:
+        scheduler.submit([job()])
+    assert e.value.status == 503
+
+
+def test_sigterm_lets_the_stream_in_flight_finish(refs):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "clover_lab.cli", "serve", "--port", str(port), "--dtype",
+                             "float32", "--threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "the server did not start"
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 20, "stream": True}
+        text, done, sent = "", False, False
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    if text and not sent:  # the first block is in: shut the server down
+                        proc.send_signal(signal.SIGTERM)
+                        sent = True
+        assert done and text == refs[(PROMPTS[0], 20)]
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
