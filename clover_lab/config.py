@@ -1,7 +1,8 @@
 """CloverConfig: the fields of a Hugging Face ``config.json`` for Clover, and named presets.
 
 Reads ``clover_moe`` configs, plain Qwen3.5/3.6-MoE text configs (``qwen3_5_moe_text``) and the
-multimodal ``qwen3_5_moe`` wrapper (its ``text_config``). Writes ``clover_moe``.
+multimodal ``qwen3_5_moe`` wrapper (its ``text_config``). Writes ``clover_moe`` with the
+release's architecture ``CloverMoeModelLM`` (spec 3.2.1).
 
 A config.json must name every field that decides a tensor's shape (``REQUIRED_FIELDS``: the
 Qwen3.5/3.6-MoE configs all do); the others default to the released model's values. Every
@@ -19,6 +20,7 @@ from pathlib import Path
 from .errors import CloverError
 
 MODEL_TYPE = "clover_moe"
+ARCHITECTURE = "CloverMoeModelLM"  # the release's (spec 3.2.1); what clover_lab writes
 ACCEPTED_MODEL_TYPES = (MODEL_TYPE, "qwen3_5_moe_text", "qwen3_5_moe")
 LAYER_TYPES = ("linear_attention", "full_attention")
 # fields that decide the tensors' shapes: a config.json without one would silently take the 35B
@@ -58,6 +60,7 @@ class CloverConfig:
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
+    num_shared_experts: int = 1  # the release's field: 1, or 0 for a model without a shared expert
     router_aux_loss_coef: float = 0.001
     # common
     hidden_act: str = "silu"
@@ -127,6 +130,9 @@ class CloverConfig:
         need(int(self.head_dim * self.partial_rotary_factor) % 2 == 0, "partial_rotary_factor",
              "head_dim * partial_rotary_factor must be even")
         need(self.hidden_act == "silu", "hidden_act", "only 'silu' is supported")
+        shared = self.num_shared_experts
+        need(isinstance(shared, int) and not isinstance(shared, bool) and shared in (0, 1), "num_shared_experts",
+             "must be 1 (one shared expert, as released) or 0 (none); more are not supported")
 
     # ----------------------------------------------------------------- derived
     @property
@@ -201,7 +207,7 @@ class CloverConfig:
         extra = d.pop("extra")
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
                                 "partial_rotary_factor": d.pop("partial_rotary_factor")}
-        out = {**extra, "model_type": MODEL_TYPE, "architectures": ["CloverForBlockDiffusion"], **d}
+        out = {**extra, "model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], **d}
         if out.get("dtype") is None:
             out.pop("dtype")
         return out

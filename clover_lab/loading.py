@@ -33,13 +33,22 @@ log = logging.getLogger("clover_lab")
 SUPPORTED_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Clover's preview weights (spec 3.2): a checkpoint without them gets the spec's defaults.
-PREVIEW_PARAMS = ("linear_attn.conv1d_right.weight", "linear_attn.block_scale", "linear_attn.history_bias",
-                  "linear_attn.history_log_n")
 # Other spellings of checkpoint names -> this project's names: the one place such mappings live.
 NAME_TABLE = {
     "model.language_model.": "model.",  # multimodal Qwen3.5/3.6 checkpoints
 }
+# Clover's preview weights (spec 3.2, 3.2.1): the release's names (what clover_lab writes) -> the
+# parameters, whose own names (the spec's earlier ones) stay readable. A checkpoint without them
+# gets the spec's defaults.
+RELEASE_NAMES = {
+    "linear_attn.conv_right_weight": "linear_attn.conv1d_right.weight",
+    "linear_attn.bd_softmax_logit_scale": "linear_attn.block_scale",
+    "linear_attn.bd_softmax_history_bias": "linear_attn.history_bias",
+    "linear_attn.bd_softmax_history_c": "linear_attn.history_log_n",
+}
+PREVIEW_PARAMS = tuple(RELEASE_NAMES.values())
+_PARAM_TO_RELEASE = {param: release for release, param in RELEASE_NAMES.items()}
+_LAYER_SUFFIX = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.language_model.visual.")
 PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
@@ -62,7 +71,31 @@ def canonical_name(name: str) -> str | None:
             name = new + name[len(old):]
     if name.startswith(SKIPPED_PREFIXES):
         return None
+    if (mt := _LAYER_SUFFIX.match(name)) is not None and mt.group(2) in RELEASE_NAMES:
+        return mt.group(1) + RELEASE_NAMES[mt.group(2)]
     return name
+
+
+def preview_shapes(name: str, shape: tuple) -> list[tuple] | None:
+    """The stored shapes accepted for the parameter ``name`` of ``shape`` when it is a preview
+    weight (spec 3.2.1: right taps [conv_dim, K-1] or [conv_dim, 1, K-1], each softmax parameter
+    [H_v] or one value for every head), else None."""
+    mt = _LAYER_SUFFIX.match(name)
+    if mt is None or mt.group(2) not in PREVIEW_PARAMS:
+        return None
+    if mt.group(2) == "linear_attn.conv1d_right.weight":
+        return [(shape[0], shape[2]), tuple(shape)]
+    return [tuple(shape), (), (1,)]
+
+
+def stored_form(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A parameter as the release stores it: its name and shape there (right taps [conv_dim, K-1])."""
+    mt = _LAYER_SUFFIX.match(name)
+    if mt is None or mt.group(2) not in _PARAM_TO_RELEASE:
+        return name, tensor
+    if mt.group(2) == "linear_attn.conv1d_right.weight":
+        tensor = tensor[:, 0]
+    return mt.group(1) + _PARAM_TO_RELEASE[mt.group(2)], tensor
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
@@ -253,9 +286,10 @@ def _plan(path: Path, files, reader: "_Reader", names, expected: dict, config: C
         if st_dtype not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{files[stored]}: tensor {stored!r} has dtype {st_dtype}; supported: "
                                   f"{', '.join(_SAFETENSORS_DTYPES)}")
-        if shape != tuple(want_shape):
-            raise CheckpointError(f"{files[stored]}: tensor {stored!r} has shape {list(shape)}, "
-                                  f"expected {list(want_shape)}")
+        accepted = preview_shapes(canonical_name(stored), tuple(want_shape)) or [tuple(want_shape)]
+        if shape not in accepted:
+            raise CheckpointError(f"{files[stored]}: tensor {stored!r} has shape {list(shape)}, expected "
+                                  + " or ".join(str(list(a)) for a in accepted))
 
     plan: dict[str, object] = {}
     missing, untrained = [], []
@@ -303,6 +337,9 @@ def _fill(model, path: Path, files, reader: "_Reader", plan: dict, expected: dic
             tensor = torch.empty(param.shape, dtype=want, device=dev)
         elif isinstance(source, str):
             tensor = reader.get(files[source], source).to(device=dev, dtype=want)
+            if tensor.shape != param.shape:  # a preview weight in another accepted shape (_plan checked it)
+                tensor = tensor.reshape(param.shape) if tensor.numel() == param.numel() else tensor.expand(param.shape)
+                tensor = tensor.contiguous()
         else:  # per-expert tensors gathered into the fused [E, ...] parameter, one expert at a time
             tensor = torch.empty(param.shape, dtype=want, device=dev)
             for (e, w), stored in source.items():

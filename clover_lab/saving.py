@@ -1,5 +1,6 @@
 """CloverModel -> Hugging Face directory: config.json and the weights as safetensors, one file or
-shards with an index (what ``loading.py`` reads back)."""
+shards with an index (what ``loading.py`` reads back), in the release's layout (spec 3.2.1: its
+architecture and its names of the preview weights)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from .errors import CheckpointError
-from .loading import KEPT_DTYPES
+from .loading import KEPT_DTYPES, stored_form
 
 
 def save_model(model, path, max_shard_bytes: int | None = None) -> None:
@@ -22,7 +23,8 @@ def save_model(model, path, max_shard_bytes: int | None = None) -> None:
     path.mkdir(parents=True, exist_ok=True)
     config = model.config.replace(dtype=str(model.dtype).removeprefix("torch."))
     config.save(path)
-    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
+    tensors = dict(stored_form(name, p.detach().to("cpu")) for name, p in model.named_parameters())
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
     limit = max_shard_bytes or (5 << 30)
     shards, current, size = [], {}, 0
     for name, t in tensors.items():

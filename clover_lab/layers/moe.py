@@ -86,7 +86,8 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Softmax router, renormalised top-k, routed experts plus a sigmoid-gated shared expert."""
+    """Softmax router, renormalised top-k, routed experts plus a sigmoid-gated shared expert
+    (none when ``config.num_shared_experts`` is 0)."""
 
     def __init__(self, config: CloverConfig, layer: int, hooks: HookRegistry):
         super().__init__()
@@ -96,8 +97,11 @@ class SparseMoE(nn.Module):
         self.num_experts = config.num_experts
         self.gate = Router(config)
         self.experts = Experts(config)
-        self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        if config.num_shared_experts:
+            self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
         self.route_point = points.layer_point(layer, points.MOE_ROUTE)
 
     def route(self, probs: torch.Tensor, mode: str, ctx: ForwardContext, lo: int, hi: int, batch: int,
@@ -149,9 +153,10 @@ class SparseMoE(nn.Module):
         weights = torch.cat(weights, dim=1).reshape(B * T, -1) if len(weights) > 1 else weights[0].reshape(B * T, -1)
         flat = x.reshape(B * T, H)
         coreset = None if ctx.coreset is None else ctx.coreset.experts.get(self.layer)
-        routed = self.experts(flat, ids, weights, coreset)
-        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return (routed + shared).view(B, T, H)
+        out = self.experts(flat, ids, weights, coreset)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(B, T, H)
 
 
 def checked_route(event: RouteEvent, point: str, rows: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
