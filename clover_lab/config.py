@@ -25,6 +25,13 @@ ACCEPTED_MODEL_TYPES = (MODEL_TYPE, "qwen3_5_moe_text", "qwen3_5_moe")
 LAYER_TYPES = ("linear_attention", "full_attention")
 # fields that decide the tensors' shapes: a config.json without one would silently take the 35B
 # preset's value and fail later on a tensor shape (real Qwen3.5/3.6-MoE configs name them all)
+# How the release's four preview tensors are read (spec 3.2.1: inferred, not read from the release);
+# the first of each is the spec's reading. ``clover-lab check`` measures which fits a checkpoint.
+PREVIEW_READINGS = {
+    "logit_scale": ("log", "multiplier"),  # bd_softmax_logit_scale: exp(stored) | stored, times <q, k>
+    "history_c": ("ln_m", "m"),  # bd_softmax_history_c: the coefficient of ln(m) | of m
+    "right_taps": ("nearest_first", "farthest_first"),  # conv_right_weight[:, d-1] weighs row t+d | t+K-d
+}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                    "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                    "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
@@ -74,6 +81,7 @@ class CloverConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     dtype: str | None = None  # the checkpoint's dtype ("bfloat16", "float32", ...)
+    preview_reading: dict = field(default_factory=dict)  # PREVIEW_READINGS chosen other than the spec's
     extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back as they came
 
     def __post_init__(self):
@@ -130,11 +138,20 @@ class CloverConfig:
         need(int(self.head_dim * self.partial_rotary_factor) % 2 == 0, "partial_rotary_factor",
              "head_dim * partial_rotary_factor must be even")
         need(self.hidden_act == "silu", "hidden_act", "only 'silu' is supported")
+        reading = self.preview_reading
+        need(isinstance(reading, dict) and all(k in PREVIEW_READINGS and v in PREVIEW_READINGS[k]
+                                               for k, v in reading.items()), "preview_reading",
+             "must map some of " + "; ".join(f"{k} to one of {v}" for k, v in PREVIEW_READINGS.items()))
         shared = self.num_shared_experts
         need(isinstance(shared, int) and not isinstance(shared, bool) and shared in (0, 1), "num_shared_experts",
              "must be 1 (one shared expert, as released) or 0 (none); more are not supported")
 
     # ----------------------------------------------------------------- derived
+    def reading(self, key: str) -> str:
+        """How the preview tensor ``key`` of PREVIEW_READINGS is read: the spec's way unless
+        ``preview_reading`` says otherwise."""
+        return self.preview_reading.get(key, PREVIEW_READINGS[key][0])
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
@@ -210,6 +227,8 @@ class CloverConfig:
         out = {**extra, "model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], **d}
         if out.get("dtype") is None:
             out.pop("dtype")
+        if not out["preview_reading"]:  # the spec's reading: nothing to say
+            out.pop("preview_reading")
         return out
 
     @classmethod

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from .config import CloverConfig, ConfigError
 from .errors import CheckpointError  # noqa: F401 - re-exported; defined apart so that fp8/ can raise it
 from .fp8.checkpoint import FP8Checkpoint
-from .load_checks import CHECK_FINITE_MAX_BYTES, refuse_nonfinite, resolve_device
+from .load_checks import CHECK_FINITE_MAX_BYTES, refuse_nonfinite, refuse_unreadable_scales, resolve_device
 
 log = logging.getLogger("clover_lab")
 
@@ -222,6 +222,8 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
     total = sum(p.numel() * dtype.itemsize for p in expected.values())
     if device.type != "meta" and (check_finite or (check_finite is None and total <= CHECK_FINITE_MAX_BYTES)):
         refuse_nonfinite(model, files, reader, plan)
+    if device.type != "meta" and config.reading("logit_scale") == "multiplier":
+        refuse_unreadable_scales(model, files, plan)
     if placed is not None:
         placed.apply(model)
     if untrained:
