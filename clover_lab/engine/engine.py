@@ -34,6 +34,7 @@ from .requests import (GenerationError, check_coreset, check_memory, check_reque
                        stop_list)
 from .results import GenerationResult, StreamUpdate
 from .run import Run
+from .thinking import Thinking, stop_ids
 from .runner import FastPath
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -233,7 +234,13 @@ class Engine:
         s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
         ids = self.encode(prompt, thinking)
         self.check_request(len(ids), max_new_tokens, mode)
-        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
+        return self._think(Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs)), thinking)
+
+    def _think(self, run: Run, thinking: bool | None) -> Run:
+        """The run's thinking tokens (``engine/thinking.py``); with thinking off, ``</think>`` ends it."""
+        run.thinking = Thinking.of(self.tokenizer, run.prompt_ids)
+        run.eos |= stop_ids(run.thinking, thinking)
+        return run
 
     def _start_batch(self, prompts, mode, max_new_tokens, stop, thinking, settings, sampler, emit) -> BatchRun:
         s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
@@ -245,7 +252,10 @@ class Engine:
             except GenerationError as e:
                 raise GenerationError(f"prompt {r} of the batch: {e}") from e
         check_memory(self.model, max(map(len, ids)) + max_new_tokens, len(ids))
-        return BatchRun(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
+        batch = BatchRun(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs))
+        for row in batch.rows:
+            self._think(row, thinking)
+        return batch
 
     # ---------------------------------------------------------------- generation
     def stream(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
@@ -277,7 +287,9 @@ class Engine:
         ``mode``: "diffusion" (block diffusion) or "ar" (one token per forward, the baseline).
         ``max_new_tokens``: default ``engine.max_new_tokens`` (256, or the model directory's
         generation_config.json). ``stop``: stop strings (need a tokenizer). ``thinking``: the chat
-        template's ``enable_thinking`` flag. Sampler settings (see :class:`SamplerSettings`) come
+        template's ``enable_thinking`` flag; with a tokenizer that has ``<think>``/``</think>``, the
+        result's ``reasoning`` and ``answer`` are apart, and with thinking off a ``</think>`` ends
+        the response. Sampler settings (see :class:`SamplerSettings`) come
         as keyword arguments (``threshold=0.9, temperature=0, top_p, top_k, confidence,
         max_tokens_per_step, max_steps_per_block, repetition_penalty, presence_penalty,
         frequency_penalty, coreset_size, seed``) or as ``settings``; they override ``engine.settings``.

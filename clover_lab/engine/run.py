@@ -21,11 +21,13 @@ from ..hooks.registry import StopGeneration
 from ..sampling import SamplerSettings
 from .requests import GenerationError, StopStrings
 from .results import Clock, GenerationResult, GenerationStats, StreamUpdate
+from .thinking import Thinking, texts
 from ..cache import cache_bytes
 
 
 class Run:
     row: int | None = None  # the request row, in a batch (engine/batch.py)
+    thinking: Thinking | None = None  # the tokenizer's <think> tokens and the prompt's state (thinking.py)
 
     def __init__(self, engine, prompt_ids: list[int], mode: str, max_new_tokens: int, s: SamplerSettings,
                  stop: list[str], emit: bool, number: int):
@@ -151,7 +153,8 @@ class Run:
 
     def update(self, kind: str, block: int, step: int | None, block_tokens=(), unmasked=()) -> StreamUpdate:
         return StreamUpdate(kind, block, step, list(self.committed), list(block_tokens), list(unmasked),
-                            self.now(), self.result, tokenizer=self.engine.tokenizer, row=self.row)
+                            self.now(), self.result, tokenizer=self.engine.tokenizer, row=self.row,
+                            thinking=self.thinking)
 
     # ---------------------------------------------------------------- the end
     def finish(self, reason: str) -> GenerationResult:
@@ -162,11 +165,14 @@ class Run:
         self.clock.fill(self.stats, self.t0, self.t_decode)
         text = None
         tok = self.engine.tokenizer
+        cut = self.stop_strings.cut if self.stop_strings is not None and reason == "stop_string" else None
         if tok is not None:
             text = tok.decode(self.committed, skip_special_tokens=True)
-            if self.stop_strings is not None and reason == "stop_string":
-                text = self.stop_strings.cut(text)
-        self.result = GenerationResult(list(self.committed), text, list(self.prompt_ids), self.stats)
+            if cut is not None:
+                text = cut(text)
+        reasoning, answer = texts(tok, self.thinking, self.committed, cut)
+        self.result = GenerationResult(list(self.committed), text, list(self.prompt_ids), self.stats,
+                                       reasoning=reasoning, answer=answer)
         return self.result
 
 
