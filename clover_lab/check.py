@@ -127,7 +127,8 @@ class CheckReport:
         return "\n".join(out)
 
     def to_dict(self) -> dict:
-        return {"rows": [{"label": r.label, "reading": r.reading, "accuracy": {str(k): v for k, v in r.accuracy.items()},
+        return {"rows": [{"label": r.label, "reading": r.reading,
+                          "accuracy": {str(k): v for k, v in r.accuracy.items()},
                           "cross_entropy": {str(k): v for k, v in r.nll.items()}, "mean_accuracy": r.mean,
                           "mean_cross_entropy": r.mean_nll, "tokens_per_forward": r.tokens_per_forward,
                           "note": r.note} for r in self.rows],

@@ -30,6 +30,7 @@ def run_ar(run) -> Iterator[StreamUpdate]:
         # the confidence NaN, equal logits carry no answer; argmax would return token 0 either way)
         t, health = torch.stack([tokens[0], logits_health(collapsed(logits), conf)]).tolist()
         check_logits(run, health, f"token {i} (AR)")
+        run.info.add(0, *run.info.chosen(run.info.distribution(logits, run.counts, run.s), [0], [t])[0])
         if run.counts is not None:
             run.counts[tokens] += 1
         run.committed.append(t)

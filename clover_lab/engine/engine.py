@@ -290,7 +290,7 @@ class Engine:
         template's ``enable_thinking`` flag; with a tokenizer that has ``<think>``/``</think>``, the
         result's ``reasoning`` and ``answer`` are apart, and with thinking off a ``</think>`` ends
         the response. Sampler settings (see :class:`SamplerSettings`) come
-        as keyword arguments (``threshold=0.9, temperature=0, top_p, top_k, confidence,
+        as keyword arguments (``threshold=0.9, temperature=0, top_p, top_k, min_p, confidence,
         max_tokens_per_step, max_steps_per_block, repetition_penalty, presence_penalty,
         frequency_penalty, coreset_size, seed``) or as ``settings``; they override ``engine.settings``.
 

@@ -63,7 +63,12 @@ class GenerationResult:
 
     Thinking mode (``engine/thinking.py``): ``reasoning`` what the response wrote inside
     ``<think>...</think>`` (None when it has no reasoning, or the tokenizer no such tokens),
-    ``answer`` the rest (the whole text then); both without the tags, None without a tokenizer."""
+    ``answer`` the rest (the whole text then); both without the tags, None without a tokenizer.
+
+    Per response token (``engine/token_info.py``): ``unmask_steps`` the denoising step of its
+    block that unmasked it (0 in AR); with ``logprobs`` asked for, ``logprobs`` its
+    log-probability and ``top_logprobs`` the most probable alternatives as (token id,
+    log-probability) pairs (None otherwise)."""
 
     token_ids: list[int]
     text: str | None
@@ -71,6 +76,9 @@ class GenerationResult:
     stats: GenerationStats
     reasoning: str | None = None
     answer: str | None = None
+    unmask_steps: list[int | None] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def stop_reason(self) -> str:
@@ -78,7 +86,8 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         return {"text": self.text, "reasoning": self.reasoning, "answer": self.answer, "token_ids": self.token_ids,
-                "prompt_ids": self.prompt_ids, "stats": self.stats.to_dict()}
+                "prompt_ids": self.prompt_ids, "unmask_steps": self.unmask_steps, "logprobs": self.logprobs,
+                "top_logprobs": self.top_logprobs, "stats": self.stats.to_dict()}
 
 
 @dataclass

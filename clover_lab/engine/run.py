@@ -22,6 +22,7 @@ from ..sampling import SamplerSettings
 from .requests import GenerationError, StopStrings
 from .results import Clock, GenerationResult, GenerationStats, StreamUpdate
 from .thinking import Thinking, texts
+from .token_info import TokenInfo
 from ..cache import cache_bytes
 
 
@@ -49,6 +50,7 @@ class Run:
                                      block_size=engine.block_size if mode == "diffusion" else None,
                                      coreset_size=s.coreset_size or None)
         self.committed: list[int] = []  # final response tokens
+        self.info = TokenInfo(s.logprobs)  # per response token: unmask step, log-probabilities
         self.t0 = time.perf_counter()
         self.t_decode = self.t0
         self.result: GenerationResult | None = None
@@ -135,6 +137,7 @@ class Run:
     def record_block(self, tokens: list[int], steps: int) -> None:
         """A block (an AR token) is final: part of the response, counted in the stats."""
         self.committed += tokens
+        self.info.take(len(tokens))
         self.stats.blocks += 1
         self.stats.steps_per_block.append(steps)
 
@@ -172,7 +175,8 @@ class Run:
                 text = cut(text)
         reasoning, answer = texts(tok, self.thinking, self.committed, cut)
         self.result = GenerationResult(list(self.committed), text, list(self.prompt_ids), self.stats,
-                                       reasoning=reasoning, answer=answer)
+                                       reasoning=reasoning, answer=answer, unmask_steps=list(self.info.steps),
+                                       logprobs=self.info.logprobs, top_logprobs=self.info.top)
         return self.result
 
 
