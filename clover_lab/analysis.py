@@ -3,7 +3,7 @@ evenly, and for which tokens (``route_stats``), one process or data-parallel ove
 torch.distributed (``torchrun``: each rank takes every world-th window, the sums are
 all-reduced, rank 0 writes the file).
 
-    stats = route_stats(engine, ["a.py", "docs/"], mode="commit", batch_size=8)
+    stats = route_stats(engine, [Path("a.py"), Path("docs")], mode="commit", batch_size=8)
     stats.save("routes.npz")                       # ExpertView.from_stats("routes.npz") shows it
 
 ``mode="commit"``: the corpus run causally, as a prompt's prefill routes it. ``mode="preview"``:
@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from .context import ForwardContext
+from .corpus import TEXT_SUFFIXES, corpus_documents  # noqa: F401 - TEXT_SUFFIXES: the old import place
+from .errors import CorpusError, flag
 from .hooks import points
 
 MODES = ("commit", "preview")
-TEXT_SUFFIXES = {".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js", ".ts", ".json", ".jsonl",
-                 ".html", ".css", ".yaml", ".yml", ".toml", ".sh", ".go", ".rs", ".java"}
 
 
 @dataclass
@@ -126,55 +126,24 @@ def _coalesce(keys: np.ndarray, slots: np.ndarray):
 
 
 # --------------------------------------------------------------------------- the corpus
-def corpus_documents(data) -> list:
-    """``data`` as documents: a path (file or folder, read recursively), several paths, texts
-    or token-id lists. Folders keep files with a text suffix; unreadable files are skipped."""
-    if isinstance(data, (str, Path)) and (isinstance(data, Path) or Path(data).exists()):
-        data = [data]
-    if isinstance(data, torch.Tensor):
-        data = [data.reshape(-1).tolist()] if data.dim() < 2 else data.tolist()
-    docs = []
-    for item in data:
-        if isinstance(item, Path) or (isinstance(item, str) and Path(item).exists() and len(item) < 4096):
-            docs += _read_path(Path(item))
-        elif isinstance(item, str):
-            docs.append(item)
-        elif isinstance(item, (list, tuple)) and all(isinstance(t, int) for t in item):
-            docs.append(list(item))
-        else:
-            raise TypeError(f"route_stats data: expected paths, texts or token-id lists, got {type(item).__name__}")
-    return docs
-
-
-def _read_path(path: Path) -> list[str]:
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-    elif path.is_file():
-        files = [path]
-    else:
-        raise FileNotFoundError(f"route_stats data: {path} does not exist")
-    texts = []
-    for f in files:
-        try:
-            texts.append(f.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-    return texts
-
-
 def windows(docs: list, tokenizer, seq_len: int, vocab_size: int) -> list[list[int]]:
     """Every document as token ids, cut into windows of at most ``seq_len`` tokens."""
     out = []
     for doc in docs:
         if isinstance(doc, str):
             if tokenizer is None:
-                raise ValueError("route_stats: text data needs a tokenizer; pass token ids instead")
+                raise CorpusError("route_stats: text data needs a tokenizer, and the engine has none; pass token "
+                                  "ids instead")
             doc = tokenizer(doc, add_special_tokens=False)["input_ids"]
         bad = [t for t in doc if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"route_stats: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+            raise CorpusError(f"route_stats: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         out += [doc[i:i + seq_len] for i in range(0, len(doc), seq_len)]
-    return [w for w in out if w]
+    out = [w for w in out if w]
+    if not out:
+        raise CorpusError(f"route_stats: the corpus holds no tokens ({len(docs)} empty document(s)); "
+                          f"nothing to route")
+    return out
 
 
 # --------------------------------------------------------------------------- collecting
@@ -219,13 +188,14 @@ class _Collector:
 
 def route_stats(engine, data, mode: str = "commit", batch_size: int = 8, seq_len: int | None = None,
                 progress: bool | None = None) -> RouteStats:
-    """Routing statistics of ``data`` (paths, folders, texts or token-id lists; see
-    ``corpus_documents``) run through ``engine``'s model in ``mode`` ("commit" or "preview"),
+    """Routing statistics of ``data`` (a path, a list of paths and texts, or token ids; see
+    ``clover_lab.corpus``) run through ``engine``'s model in ``mode`` ("commit" or "preview"),
     ``batch_size`` windows of ``seq_len`` tokens per forward (default 512, a multiple of the
     block size in preview). Under torch.distributed each rank takes every world-th window and
     every rank returns the all-reduced sums."""
     model = getattr(engine, "model", engine)
     c = model.config
+    progress = flag("progress", progress)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -233,7 +203,7 @@ def route_stats(engine, data, mode: str = "commit", batch_size: int = 8, seq_len
     block = getattr(engine, "block_size", c.block_size)
     mask_id = getattr(engine, "mask_token_id", c.mask_token_id)
     seq_len = _window_length(seq_len, mode, block, c.max_position_embeddings, mask_id)
-    wins = windows(corpus_documents(data), getattr(engine, "tokenizer", None), seq_len, c.vocab_size)
+    wins = windows(corpus_documents(data, "route_stats data"), getattr(engine, "tokenizer", None), seq_len, c.vocab_size)
     rank, world = _rank_world()
     mine = wins[rank::world]
     stats = RouteStats.empty(mode, c.num_hidden_layers, c.num_experts, c.num_experts_per_tok, c.vocab_size)

@@ -21,8 +21,9 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
-from .arguments import ArgumentParser
+from .arguments import ArgumentParser, writable_file
 from .cli_view import LiveView, print_batch, print_interrupted, print_result
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
@@ -197,8 +198,6 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
 def _device_map(text: str):
     if text == "auto":
         return text
-    from pathlib import Path
-
     source = Path(text).read_text() if not text.lstrip().startswith("{") and Path(text).is_file() else text
     try:
         value = json.loads(source)
@@ -337,7 +336,9 @@ def cmd_routes(args) -> int:
     import torch.distributed as dist
 
     from .analysis import route_stats
+    from .corpus import corpus_documents
     from .errors import CloverError
+    from .load_checks import resolve_device
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -345,9 +346,13 @@ def cmd_routes(args) -> int:
         if gpu:
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         dist.init_process_group("nccl" if gpu else "gloo")
-    try:
+    try:  # the device, the corpus and the output checked before the model loads
+        if getattr(args, "device_map", None) is None:
+            resolve_device(args.device)
+        data = corpus_documents([Path(d) for d in args.data], "--data")
+        writable_file(args.out, "--out")
         engine = load_engine(args)
-        stats = route_stats(engine, args.data, mode=args.mode, batch_size=args.batch_size, seq_len=args.seq_len)
+        stats = route_stats(engine, data, mode=args.mode, batch_size=args.batch_size, seq_len=args.seq_len)
         if world > 1:  # every rank done with gloo before any tears it down (a peer gone aborts the other)
             dist.barrier()
     except (CloverError, FileNotFoundError, ValueError, TypeError, OSError) as e:

@@ -8,6 +8,8 @@ working. Anything else escaping clover_lab is a bug.
 """
 from __future__ import annotations
 
+import numbers
+
 
 class CloverError(Exception):
     """Base of clover_lab's errors; the message names what was wrong and what was expected."""
@@ -15,3 +17,36 @@ class CloverError(Exception):
 
 class CheckpointError(CloverError, ValueError):
     """A checkpoint directory or file that cannot be loaded; the message names what and where."""
+
+
+class InputError(CloverError, ValueError, TypeError):
+    """An argument of a lens, sweep, patch, corpus or save that is not what it must be, or that names
+    a block, step, position, row or point the run it refers to does not have; the message names the
+    argument and what was expected."""
+
+
+class CorpusError(InputError):
+    """A corpus (``route_stats`` / ``clover-lab routes`` data) that is empty, unreadable, binary,
+    ambiguous or of the wrong type; the message names it."""
+
+
+class CorpusNotFoundError(CorpusError, FileNotFoundError):
+    """A corpus path that does not exist."""
+
+
+def flag(name: str, value, none: bool = True):
+    """``value`` as a boolean setting: True or False (numpy's bools too), or None where ``none``;
+    never a string ("false" is truthy) or a number taken for one."""
+    if value is None and none:
+        return None
+    if type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise InputError(f"{name}={value!r}: expected True or False{' or None' if none else ''}, "
+                     f"got {type(value).__name__}")
+
+
+def count(name: str, value) -> int:
+    """``value`` as a positive int (numpy's too); never 0 or a negative standing for a default."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InputError(f"{name}={value!r}: expected a positive integer")
+    return int(value)

@@ -32,23 +32,33 @@ def resolve_device(device, allow_meta: bool = False) -> torch.device:
     return dev
 
 
+CHECKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool: no NaN or inf in ``t``. float8_e4m3fn (FP8 weights kept as FP8) has no inf and
+    no isfinite kernel: its NaN is every exponent and mantissa bit set (0x7F / 0xFF)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return ((t.view(torch.uint8) & 0x7F) != 0x7F).all()
+    return torch.isfinite(t).all()
+
+
 def refuse_nonfinite(model, files: dict, reader, plan: dict) -> None:
     """A CheckpointError naming the first stored tensor that holds NaN or inf, for a model just
     filled from ``files`` by ``plan`` (loading.py's: parameter -> stored name, or per-expert
     {(expert, part): stored name}); one host read for the whole model unless one does."""
     params = dict(model.named_parameters())
-    # FP8 weights kept as FP8 are checked through their dequantized reads below only if one fails
-    names = [n for n in plan if n in params and params[n].dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    names = [n for n in plan if n in params and params[n].dtype in CHECKED_DTYPES]
     if not names:
         return
-    finite = torch.stack([torch.isfinite(params[n]).all().cpu() for n in names]).tolist()  # placed: many devices
+    finite = torch.stack([all_finite(params[n]).cpu() for n in names]).tolist()  # placed: many devices
     for name, ok in zip(names, finite):
         if ok:
             continue
         source = plan[name]
         stored = [source] if isinstance(source, str) else list(source.values())
         for st in stored:  # per-expert tensors: the expert that holds them
-            if not bool(torch.isfinite(reader.get(files[st], st)).all()):
+            if not bool(all_finite(reader.get(files[st], st))):
                 raise CheckpointError(f"{files[st]}: tensor {st!r} holds NaN or inf values "
                                       f"(check_finite=False loads it anyway)")
         dtype = str(params[name].dtype).removeprefix("torch.")

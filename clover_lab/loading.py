@@ -24,7 +24,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 from .config import CloverConfig, ConfigError
-from .errors import CheckpointError  # noqa: F401 - re-exported; defined apart so that fp8/ can raise it
+from .errors import CheckpointError, flag  # noqa: F401 - CheckpointError re-exported; defined apart so that fp8/ can raise it
 from .fp8.checkpoint import FP8Checkpoint
 from .load_checks import CHECK_FINITE_MAX_BYTES, refuse_nonfinite, refuse_unreadable_scales, resolve_device
 
@@ -199,6 +199,8 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
     parameter goes and is applied once the weights are in. ``check_finite``: refuse weights
     holding NaN or inf (None: when the weights take at most CHECK_FINITE_MAX_BYTES)."""
     path = Path(path)
+    keep_fp8, progress, check_finite = flag("keep_fp8", keep_fp8), flag("progress", progress), \
+        flag("check_finite", check_finite)  # booleans: "false" would be truthy
     device = resolve_device(device, allow_meta=True)
     config = load_config(path)
     files = checkpoint_files(path)

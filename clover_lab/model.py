@@ -24,6 +24,7 @@ from . import loading, saving
 from .cache import CloverCache
 from .config import CloverConfig
 from .context import Coreset, ForwardContext
+from .errors import count, flag
 from .hooks import points
 from .hooks.events import NOWHERE, Where
 from .hooks.registry import HookRegistry
@@ -159,6 +160,9 @@ class CloverModel(nn.Module):
                                   placement=placement, check_finite=check_finite)
 
     def save_pretrained(self, path, max_shard_bytes: int | None = None) -> None:
+        """``max_shard_bytes``: shards of at most that many bytes (None: 5 GiB)."""
+        if max_shard_bytes is not None:
+            max_shard_bytes = count("max_shard_bytes", max_shard_bytes)
         saving.save_model(self, path, max_shard_bytes=max_shard_bytes)
 
     @torch.no_grad()
@@ -193,6 +197,7 @@ class CloverModel(nn.Module):
         the weights in memory. A weight changed in place or replaced is repacked on its next use;
         writes through ``.data`` are not seen (call ``pack_weights()`` again). Returns the bytes
         packed; ``pack_weights(False)`` drops the copies."""
+        enabled = flag("pack_weights enabled", enabled, none=False)
         if enabled and not ops.can_pack(self.model.embed_tokens.weight):
             raise ValueError(f"pack_weights: packed weights are for fp32/bf16 models on an x86 CPU with oneDNN; "
                              f"this model is {str(self.dtype).removeprefix('torch.')} on {self.device}")

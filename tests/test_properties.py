@@ -217,3 +217,59 @@ def test_hook_actions_end_in_a_result_or_a_clover_error(engine_and_base, plan, m
                                    **extra)
 
     check_outcome(engine, base, run)
+
+
+# --------------------------------------------------------------------------- issue 29: corpora and sites
+corpus_items = st.one_of(
+    st.lists(st.integers(-2, V + 2), max_size=6), st.sampled_from(["w1 w2 w3", "", "a.py", "docs/", ".", "w4"]),
+    st.sampled_from([None, 3, 2.5, b"bytes", {"a": 1}]), st.builds(lambda n: torch.arange(n), st.integers(0, 5)),
+    st.sampled_from(["<here>", "<nowhere>"]))
+corpora = st.one_of(corpus_items, st.lists(corpus_items, max_size=4))
+
+
+def _paths(data, here):
+    """Stand-ins "<here>" / "<nowhere>" as Paths to an existing text file and to nothing."""
+    if isinstance(data, list):
+        return [_paths(d, here) for d in data]
+    return {"<here>": here, "<nowhere>": here.parent / "nowhere.txt"}.get(data, data) if isinstance(data, str) else data
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("corpus") / "a.txt"
+    f.write_text("w1 w2 w3 w4 w5")
+    return f
+
+
+@bounded(40)
+@given(data=corpora)
+def test_a_corpus_gives_statistics_of_real_tokens_or_a_clover_error(engine_and_base, corpus_file, data):
+    from clover_lab.analysis import route_stats
+
+    engine, _ = engine_and_base
+    try:
+        stats = route_stats(engine, _paths(data, corpus_file), seq_len=32)
+    except CloverError:
+        return
+    assert stats.tokens > 0 and (stats.counts.sum(1) == stats.tokens * engine.model.config.num_experts_per_tok).all()
+
+
+@bounded(20)
+@given(block=st.sampled_from([None, 0, 1, 5, -1]), step=st.sampled_from([None, 0, 1, 40]),
+       positions=st.sampled_from([None, (11,), (10, 12), (3000,), (), 5]))
+def test_a_patch_site_is_applied_or_refused_never_a_silent_no_effect(engine_and_base, block, step, positions):
+    from clover_lab import patching
+
+    engine, base = engine_and_base
+    source = patching.record(engine, PROMPT, points="layers.1.output", max_new_tokens=20, threshold=0.3)
+
+    def run():
+        site = patching.Site("layers.1.output", block, step, positions=positions)
+        return patching.patch(engine, PROMPT, source, [site], max_new_tokens=20, threshold=0.3)
+
+    try:
+        patched = run()
+    except CloverError:
+        return
+    assert patched.applied  # run B is run A until the site: it is reached, and patched
+    assert engine.generate(PROMPT, **GREEDY).token_ids == base

@@ -270,8 +270,9 @@ def fire_step(run, block: Block, cand, conf, unmask: list[int], logits) -> tuple
     unmask, overrides = checked_decision(event, block.masked, run.model.config.vocab_size, run.engine.mask_token_id)
     bound = len(block)  # the block's real length, not engine.block_size: a short block is bounded as tightly
     if block.step + 1 > block.limit + bound and unmask != block.masked:
+        row = "" if getattr(run, "row", None) is None else f"row {run.row}, "
         raise HookError(points.DENOISE_STEP, RuntimeError(
-            f"block {block.index}: hooks kept positions masked {bound} steps past the step limit"))
+            f"{row}block {block.index}: hooks kept positions masked {bound} steps past the step limit"))
     return unmask, overrides, event.stopped
 
 

@@ -20,18 +20,20 @@ import torch
 
 from .. import defaults as checkpoint_defaults
 from .. import loading, malloc
+from ..errors import flag
 from ..hooks.capture import Capture
 from ..load_checks import resolve_device
 from ..hooks.registry import MAX_NESTED_GENERATIONS, hook_depth
 from ..model import CloverModel
 from ..placement import plan_placement
+from ..placement.plan import check_usable
 from ..sampling import SamplerSettings
 from .ar import run_ar
 from .batch import BatchRun
 from .batch_loops import run_batch_ar, run_batch_diffusion
 from .diffusion import run_diffusion
-from .requests import (GenerationError, check_coreset, check_memory, check_request, encode_prompt, is_batch,
-                       stop_list)
+from .requests import (GenerationError, check_coreset, check_memory, check_mode_settings, check_request, encode_prompt,
+                       is_batch, stop_list)
 from .results import GenerationResult, StreamUpdate
 from .run import Run
 from .thinking import Thinking, stop_ids
@@ -227,6 +229,7 @@ class Engine:
                                   f"{MAX_NESTED_GENERATIONS} nested generations)")
         s = SamplerSettings.from_kwargs(self.settings if settings is None else settings, **sampler)
         check_coreset(self.model.config, s.coreset_size)
+        check_mode_settings(mode, sampler)
         stop = stop_list(stop, self.tokenizer)
         return s, stop, self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
 
@@ -329,8 +332,16 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
     offloaded experts in page-locked memory. ``keep_fp8``: an FP8 checkpoint's linears and experts
     stay FP8 (default: when they run on CUDA) or are dequantized as they load. ``progress``: a
     progress bar (default: for checkpoints over 1 GB)."""
+    keep_fp8, progress, check_finite = (flag(n, v) for n, v in (("keep_fp8", keep_fp8), ("progress", progress),
+                                                               ("check_finite", check_finite)))
+    pin_memory = flag("pin_memory", pin_memory, none=False)
     if device_map is None:
         resolve_device(device)  # before anything is read: an unknown or unusable device, or meta
+        if max_memory is not None:
+            raise loading.CheckpointError("max_memory bounds the plan of device_map='auto'; without a device_map "
+                                          "it would be ignored: pass device_map='auto' too, or drop it")
+    else:
+        check_usable(device_map, max_memory)
     if path is None:
         path = os.environ.get("CLOVER_LAB_MODEL") or loading.default_model_dir()
         if path is None:
@@ -338,6 +349,13 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
                 "no default model found (looked for a model directory in "
                 + ", ".join(str(d) for d in loading.DEFAULT_MODEL_ROOTS)
                 + "); pass a model directory: clover_lab.load('path/to/model'), or set CLOVER_LAB_MODEL")
+    if coreset_size is not None:  # the argument's own error, before the weights are read
+        if isinstance(_plain_int(coreset_size), bool) or not isinstance(_plain_int(coreset_size), int):
+            raise GenerationError(f"load(coreset_size={coreset_size!r}): expected an int (or None for no coreset)")
+        try:
+            check_coreset(loading.load_config(path), _plain_int(coreset_size))
+        except GenerationError as e:
+            raise GenerationError(f"load(coreset_size={coreset_size!r}): {e}") from None
     placement = None
     if device_map is not None:
         if device is not None:
@@ -355,7 +373,9 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
         engine.settings = SamplerSettings(**defaults)
         check_coreset(model.config, engine.settings.coreset_size)
     except (TypeError, ValueError) as e:
-        raise loading.CheckpointError(f"{path}/generation_config.json: {e}") from None
+        where = "/generation_config.json" if os.path.isfile(os.path.join(path, "generation_config.json")) else \
+            " (its sampler defaults)"
+        raise loading.CheckpointError(f"{path}{where}: {e}") from None
     return engine
 
 

@@ -3,13 +3,16 @@ the context and the memory its cache needs."""
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import torch
 
 from ..cache import cache_bytes
-from ..errors import CloverError
+from ..errors import CloverError, flag
 
 MODES = ("diffusion", "ar")
+# sampler settings that only block diffusion reads: an AR request given one would ignore it
+DIFFUSION_SETTINGS = ("threshold", "confidence", "max_tokens_per_step", "max_steps_per_block", "coreset_size")
 
 
 class GenerationError(CloverError, ValueError):
@@ -20,6 +23,7 @@ class GenerationError(CloverError, ValueError):
 def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = None) -> list[int]:
     """A prompt as token ids: a string (needs a tokenizer), token ids, or chat messages."""
     V = vocab_size
+    thinking = flag("thinking", thinking)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise GenerationError("a text prompt needs a tokenizer, and this engine has none; "
@@ -38,7 +42,7 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
         for i, msg in enumerate(prompt):
             if "role" not in msg or "content" not in msg:
                 raise GenerationError(f"chat message {i}: expected keys 'role' and 'content', got {sorted(msg)}")
-        kwargs = {} if thinking is None else {"enable_thinking": bool(thinking)}
+        kwargs = {} if thinking is None else {"enable_thinking": thinking}
         try:
             out = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
                                                      **kwargs)
@@ -52,12 +56,23 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
             out = out[0]
         ids = list(out)
     elif isinstance(prompt, (list, tuple)):
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-            raise GenerationError("prompt: expected a string, a list of token ids (ints) or chat messages "
-                                  "(dicts with 'role' and 'content')")
+        odd = [(i, t) for i, t in enumerate(prompt) if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if odd and any(isinstance(t, (str, list, tuple, torch.Tensor)) for t in prompt):
+            i, t = next((i, t) for i, t in enumerate(prompt) if not isinstance(t, (str, list, tuple, torch.Tensor)))
+            raise GenerationError(f"prompt {i} of the batch is {type(t).__name__} {t!r:.60}: a batch is a list of "
+                                  f"prompts (strings, token-id lists, tensors or conversations)")
+        if odd:
+            i, t = odd[0]
+            raise GenerationError(f"prompt: expected a string, a list of token ids (ints) or chat messages "
+                                  f"(dicts with 'role' and 'content'); item {i} is {type(t).__name__} {t!r:.60}")
         ids = list(prompt)
     else:
         raise GenerationError(f"prompt: expected a string, token ids or chat messages, got {type(prompt).__name__}")
+    if thinking is not None and not (isinstance(prompt, (list, tuple)) and prompt
+                                     and all(isinstance(m, dict) for m in prompt)):
+        raise GenerationError(f"thinking={thinking!r} applies to chat messages (the chat template's "
+                              f"enable_thinking), and this prompt is {type(prompt).__name__}; pass "
+                              f"[{{'role': 'user', 'content': ...}}] or leave thinking out")
     if not ids:
         raise GenerationError("prompt is empty; give at least one token")
     bad = [t for t in ids if not 0 <= t < V]
@@ -86,6 +101,26 @@ def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tok
                               f"max_position_embeddings={ctx}; shorten the prompt or lower max_new_tokens")
     if memory:
         check_memory(model, prompt_len + max_new_tokens)
+
+
+class IgnoredSettingWarning(UserWarning):
+    """A setting given to a request that its mode does not read (block-diffusion settings in AR)."""
+
+
+def check_mode_settings(mode: str, sampler: dict) -> None:
+    """Block-diffusion settings given to an AR request are not read: said, once per request (a
+    warning, not an error: one set of settings may serve both modes, as comparisons do)."""
+    given = [name for name in DIFFUSION_SETTINGS if sampler.get(name) is not None]
+    if mode == "ar" and given:
+        warnings.warn(f"mode='ar' decodes one token per forward and ignores the block-diffusion setting(s) "
+                      f"{', '.join(given)}: they have no effect on this run", IgnoredSettingWarning,
+                      stacklevel=5)  # the caller of generate / stream
+
+
+def settings_for_mode(mode: str, sampler: dict) -> dict:
+    """``sampler`` without the block-diffusion settings when ``mode`` is "ar": for callers (a view
+    comparing both modes, a dashboard's sliders) that hold one set of settings for either mode."""
+    return sampler if mode != "ar" else {k: v for k, v in sampler.items() if k not in DIFFUSION_SETTINGS}
 
 
 def is_batch(prompt) -> bool:

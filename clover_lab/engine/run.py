@@ -48,7 +48,7 @@ class Run:
         self.clock = Clock(self.device)
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(prompt_ids), seed=s.seed if s.greedy else self.seed,
                                      block_size=engine.block_size if mode == "diffusion" else None,
-                                     coreset_size=s.coreset_size or None)
+                                     coreset_size=(s.coreset_size or None) if mode == "diffusion" else None)
         self.committed: list[int] = []  # final response tokens
         self.info = TokenInfo(s.logprobs)  # per response token: unmask step, log-probabilities
         self.t0 = time.perf_counter()

@@ -204,7 +204,7 @@ class FP8Checkpoint:
         """After loading: every FP8 module's scales, read as fp32 onto its weight's device."""
         def read(stored: str) -> torch.Tensor:
             sname = self.scales[stored]
-            return reader.get(self.files[sname], sname).float()
+            return checked_scale(reader.get(self.files[sname], sname), self.files[sname], sname).float()
 
         for mname, module in model.named_modules():
             if isinstance(module, FP8Linear):
@@ -236,4 +236,16 @@ class _FP8Reader:
         if name not in ck.scales or name in ck.kept:
             return tensor
         sname = ck.scales[name]
-        return dequantize_streaming(tensor, self.inner.get(ck.files[sname], sname), ck.block, self.dtype)
+        scale = checked_scale(self.inner.get(ck.files[sname], sname), ck.files[sname], sname)
+        return dequantize_streaming(tensor, scale, ck.block, self.dtype)
+
+
+def checked_scale(scale: torch.Tensor, file: Path, name: str) -> torch.Tensor:
+    """A block scale as read, refused unless every entry is finite and positive: a zero, negative
+    or non-finite scale turns its block into zeros, flipped signs or NaN without a word."""
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        s = scale.float()
+        bad = s[~(torch.isfinite(s) & (s > 0))]
+        raise CheckpointError(f"{file}: scale tensor {name!r} holds {bad.numel()} entries that are not finite and "
+                              f"positive (e.g. {float(bad[0])}); block scales must be > 0")
+    return scale

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from clover_kernels.fp8 import naive
 
 from .. import loading
+from ..errors import InputError, count
 from .checkpoint import QWEN_UNQUANTIZED, scale_name
 
 SKIPPED = QWEN_UNQUANTIZED
@@ -29,6 +30,10 @@ def quantize_checkpoint(src, dst, block=(128, 128), scale_dtype=torch.float32, s
                         max_shard_bytes: int = 5 << 30) -> Path:
     """``src`` (a model directory) written to ``dst`` as an FP8 checkpoint; returns ``dst``."""
     src, dst = Path(src), Path(dst)
+    if not isinstance(block, (list, tuple)) or len(block) != 2:
+        raise InputError(f"quantize_checkpoint block={block!r}: expected two block sizes (rows, columns)")
+    block = tuple(count("quantize_checkpoint block", b) for b in block)
+    max_shard_bytes = count("quantize_checkpoint max_shard_bytes", max_shard_bytes)
     loading.load_config(src)  # the same checks and messages as loading it
     if dst.resolve() == src.resolve():
         raise ValueError(f"quantize_checkpoint: the destination {dst} is the source")

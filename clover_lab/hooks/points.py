@@ -9,6 +9,8 @@ Everything else (the model, the engine, capture, the widgets) builds and parses 
 """
 from __future__ import annotations
 
+from ..errors import InputError
+
 DENOISE_STEP = "denoise.step"
 BLOCK_COMMIT = "block.commit"
 ENGINE_POINTS = (DENOISE_STEP, BLOCK_COMMIT)
@@ -64,8 +66,11 @@ def parse(name: str) -> tuple[int | None, str]:
     """``"layers.3.moe.route"`` -> ``(3, "moe.route")``; an engine point or ``final_norm.output``
     -> ``(None, name)``."""
     if name.startswith("layers."):
-        _, layer, kind = name.split(".", 2)
-        return int(layer), kind
+        parts = name.split(".", 2)
+        if len(parts) < 3 or not parts[1].isdigit() or not parts[2]:
+            raise InputError(f"point name {name!r}: expected layers.{{i}}.<point> with a layer number i, e.g. "
+                             f"layers.3.moe.route, layers.2.output")
+        return int(parts[1]), parts[2]
     return None, name
 
 

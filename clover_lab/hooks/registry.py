@@ -21,7 +21,7 @@ import itertools
 from contextlib import contextmanager
 from typing import Callable, Iterable
 
-from ..errors import CloverError
+from ..errors import CloverError, InputError
 from .points import is_model_point
 
 # how deeply hook calls are nested in this context (a hook that generates fires hooks again):
@@ -42,6 +42,13 @@ class HookError(CloverError, RuntimeError):
     def __init__(self, point: str, error: BaseException):
         super().__init__(f"hook on {point!r} raised {type(error).__name__}: {error}")
         self.point = point
+
+
+class UnknownPointError(InputError, KeyError):
+    """A hook point name or pattern that names no point of the model (still a KeyError)."""
+
+    def __str__(self) -> str:  # the message, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
 
 
 class StopGeneration(Exception):
@@ -150,13 +157,13 @@ class HookRegistry:
     def resolve(self, pattern: str) -> list[str]:
         """The known points a name or pattern refers to; unknown names are an error."""
         if not isinstance(pattern, str):
-            raise TypeError(f"a hook point is named by a string, got {type(pattern).__name__} {pattern!r}")
+            raise InputError(f"a hook point is named by a string, got {type(pattern).__name__} {pattern!r}")
         if pattern in self.points:
             return [pattern]
         hits = fnmatch.filter(self.points, pattern)
         if not hits:
             sample = ", ".join(self.points[:6]) + (", ..." if len(self.points) > 6 else "")
-            raise KeyError(f"unknown hook point {pattern!r}; known points look like: {sample}")
+            raise UnknownPointError(f"unknown hook point {pattern!r}; known points look like: {sample}")
         return hits
 
     # ---------------------------------------------------------------- registering
@@ -239,7 +246,7 @@ class HookRegistry:
             for _, fn in calls:
                 try:
                     fn(event)
-                except StopGeneration:
+                except (StopGeneration, HookError):  # a HookError already names its hook: not wrapped again
                     raise
                 except Exception as e:  # noqa: BLE001 - re-raised with the point's name
                     raise HookError(name, e) from e

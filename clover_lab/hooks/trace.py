@@ -19,9 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..errors import CloverError
 from . import points as P
 from .events import Where
 from .records import Record, RecordSet
+from .trace_checks import TraceError, check_document, check_record
 
 FORMAT = "clover-lab-trace"
 VERSION = 1
@@ -52,7 +54,7 @@ def _decode(value, tensors: dict, where: str):
     if isinstance(value, dict):
         if "tensor" in value:
             if value["tensor"] not in tensors:
-                raise ValueError(f"{where}: tensor {value['tensor']!r} is missing from {TENSOR_FILE}")
+                raise TraceError(f"{where}: tensor {value['tensor']!r} is missing from {TENSOR_FILE}")
             return tensors[value["tensor"]]
         if "float" in value:
             return float(value["float"])
@@ -109,6 +111,11 @@ class Trace(RecordSet):
     """A saved recording, read back on the CPU: the same reading API as ``Capture``."""
 
     def __init__(self, records: list[Record], points: list[str], meta: dict | None = None, path=None):
+        records = list(records)
+        odd = next((r for r in records if not isinstance(r, Record)), None)
+        if odd is not None:
+            raise TraceError(f"Trace: records must be Record objects (a Capture's or a loaded trace's), got "
+                             f"{type(odd).__name__}")
         self.records, self.points, self.meta, self.path = records, list(points), dict(meta or {}), path
 
     def __repr__(self):
@@ -195,20 +202,34 @@ def load_trace(path) -> Trace:
             raise FileNotFoundError(f"{f}: not found; a trace is a directory written by Capture.save")
     try:
         doc = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{meta_file}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TraceError(f"{meta_file}: not valid JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ValueError(f"{meta_file}: not a clover_lab trace (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+        raise TraceError(f"{meta_file}: not a clover_lab trace (format {doc.get('format') if isinstance(doc, dict) else None!r})")
     if doc.get("version") != VERSION:
-        raise ValueError(f"{meta_file}: trace version {doc.get('version')!r}; this clover_lab reads version {VERSION}")
-    tensors = load_file(str(tensor_file))
-    records = []
+        raise TraceError(f"{meta_file}: trace version {doc.get('version')!r}; this clover_lab reads version {VERSION}")
+    check_document(doc, str(meta_file))
+    try:
+        tensors = load_file(str(tensor_file))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error (truncated, not a header): named
+        raise TraceError(f"{tensor_file}: cannot be read as safetensors ({e}); the trace is damaged") from None
+    trace = Trace([], doc["points"], doc.get("meta"), path)
+    try:
+        config = trace.config
+    except CloverError as e:
+        raise TraceError(f"{meta_file}: meta.config: {e}") from None
     for i, row in enumerate(doc["records"]):
-        where = f"{meta_file}: record {i} ({row.get('point')})"
-        data = {k: _decode(v, tensors, where) for k, v in row["data"].items()}
-        where = None if row.get("where") is None else _where(row["where"])
-        records.append(Record(row["point"], row["run"], row["phase"], row["block"], row["step"], data, where))
-    return Trace(records, doc["points"], doc.get("meta"), path)
+        where = f"{meta_file}: record {i} ({row['point']})"
+        data = {}
+        for k, v in row["data"].items():
+            try:
+                data[k] = _decode(v, tensors, where)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise TraceError(f"{where}: field {k!r} cannot be decoded ({type(e).__name__}: {e})") from None
+        check_record(row["point"], data, where, config)
+        rec_where = None if row.get("where") is None else _where(row["where"])
+        trace.records.append(Record(row["point"], row["run"], row["phase"], row["block"], row["step"], data, rec_where))
+    return trace
 
 
 def _where(fields: list) -> Where:

@@ -6,7 +6,11 @@ per forward, seconds per denoising step).
 """
 from __future__ import annotations
 
+import numbers
 import time
+
+from ..engine.requests import is_batch
+from ..errors import InputError
 
 
 def _same_tokens(a: list[int], b: list[int]) -> int:
@@ -17,15 +21,23 @@ def coreset_sweep(engine, prompts, sizes, repeat: int = 1, **generate) -> list[d
     """One row per size (``0`` or None first: no coreset, the reference): ``tokens_equal`` the share
     of generated tokens equal, position by position, to the reference run's; ``tokens_per_forward``
     and ``seconds_per_step`` (preview seconds over previews, best of ``repeat``), over all prompts."""
+    if generate.get("mode", "diffusion") != "diffusion":
+        raise InputError(f"coreset_sweep mode={generate['mode']!r}: a coreset restricts the experts of a block's "
+                         f"denoising steps, so only block diffusion has one (mode='diffusion')")
     E, k = engine.model.config.num_experts, engine.model.config.num_experts_per_tok
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple, range)):
+        raise InputError(f"coreset_sweep sizes={sizes!r}: expected a list of coreset sizes (ints)")
+    wrong = [s for s in sizes if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral))]
+    if wrong:
+        raise InputError(f"coreset_sweep sizes: expected ints (or None / 0 for no coreset), got {wrong}")
     sizes = [0] + [int(s) for s in sizes if s]
     bad = [s for s in sizes[1:] if not k <= s < E]
     if bad:  # the engine's own rule: a coreset holds at least the top-k and fewer than every expert
-        raise ValueError(f"coreset sizes must be in [{k}, {E - 1}] (top-k to one below the model's {E} experts), "
+        raise InputError(f"coreset sizes must be in [{k}, {E - 1}] (top-k to one below the model's {E} experts), "
                          f"got {bad}")
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not prompts:
-        raise ValueError("coreset_sweep: give at least one prompt")
+    prompts = list(prompts) if is_batch(prompts) else [prompts]  # one prompt, or several
+    if not prompts or prompts == [[]]:
+        raise InputError("coreset_sweep: give at least one prompt")
     reference: list[list[int]] = []
     rows = []
     for size in sizes:

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import InputError
 from ..hooks import points as P
 from ..hooks.events import ResidualEvent
+from ..patching.patch import one_prompt
 
 
 @dataclass
@@ -126,6 +128,9 @@ class _Reader:
 def logit_lens(engine, prompt, k: int = 5, **generate) -> LogitLens:
     """Generate ``prompt`` (diffusion or ``mode="ar"``) with the lens on; returns every step's lens.
     The lens reads the residual stream as it flows, so patches attached alongside are seen."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InputError(f"logit_lens k={k!r}: expected a positive int (the top-k tokens kept per layer)")
+    one_prompt(prompt, "logit_lens")
     reader = _Reader(engine.model, k, engine.mask_token_id)
     with torch.no_grad(), engine.hooks(reader.hooks()):
         result = engine.generate(prompt, **generate)

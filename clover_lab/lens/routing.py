@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import InputError
+from ..engine.requests import is_batch
 from ..hooks import points as P
+from ..hooks.events import RouteEvent
 from ..hooks.records import Record, RecordSet
 
 
@@ -38,6 +41,32 @@ def _common(a: Record, b: Record) -> tuple[torch.Tensor, torch.Tensor]:
     ia = torch.tensor([i for i, _ in keep], dtype=torch.long, device=a["expert_ids"].device)
     ib = torch.tensor([j for _, j in keep], dtype=torch.long, device=b["expert_ids"].device)
     return a["expert_ids"][ia], b["expert_ids"][ib].to(a["expert_ids"].device)
+
+
+def _of_row(records: list[Record], row: int | None) -> list[Record]:
+    """One request row's routing: a batch's records narrowed to ``row`` (its tensors are flattened
+    over the batch, row by row); a single generation's as they are (``row`` None)."""
+    batched = sorted({i for r in records if r.rows is not None for i in r.rows})
+    if not batched:
+        if row is not None:
+            raise InputError(f"routing_lens row={row!r}: the recording is of one generation, not a batch; "
+                             f"leave row out")
+        return records
+    if row is None or isinstance(row, bool) or row not in batched:
+        raise InputError(f"routing_lens row={row!r}: the recording is of a batch of rows {batched[0]}.."
+                         f"{batched[-1]}, whose routing is read one row at a time; pass row=0 .. {batched[-1]}")
+    out = []
+    for r in records:
+        if row not in r.rows:
+            continue
+        # the event's own narrowing: its tensors are flattened over the batch, row by row
+        ev = RouteEvent(**{k: r.data.get(k) for k in _ROUTE_FIELDS}, where=r.where).for_row(row)
+        out.append(Record(r.point, r.run, r.phase, r.block, r.step,
+                          {**r.data, **{k: getattr(ev, k) for k in _ROUTE_FIELDS}}, ev.where))
+    return out
+
+
+_ROUTE_FIELDS = ("layer", "mode", "positions", "router_probs", "expert_ids", "weights", "selectable")
 
 
 @dataclass
@@ -69,22 +98,27 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def routing_lens(source, prompt=None, **generate) -> RoutingLens:
+def routing_lens(source, prompt=None, row: int | None = None, **generate) -> RoutingLens:
     """The routing lens of a Capture / Trace holding ``layers.*.moe.route`` (one run: the first),
-    or of a fresh generation: ``routing_lens(engine, prompt, **generate)``."""
+    or of a fresh generation: ``routing_lens(engine, prompt, **generate)``. A batched generation
+    (a list of prompts, or a recording of one) is read one request row at a time: ``row=i``."""
     if not isinstance(source, RecordSet):
+        if is_batch(prompt) != (row is not None):  # said before the generation, not after it
+            raise InputError(f"routing_lens row={row!r}: " + (
+                f"a batch of {len(prompt)} prompts is read one row at a time; pass row=0 .. {len(prompt) - 1}"
+                if row is None else "the prompt is one generation, not a batch; leave row out"))
         with source.capture(P.every_layer(P.MOE_ROUTE)) as cap:
             source.generate(prompt, **generate)
         source = cap
     records = source[P.every_layer(P.MOE_ROUTE)]
     if not records:
-        raise ValueError("routing_lens: the recording holds no route events")
-    run = records[0].run
+        raise InputError("routing_lens: the recording holds no route events")
+    records = _of_row([r for r in records if r.run == records[0].run], row)
     lens = RoutingLens()
     previews: dict[tuple[int, int], list[Record]] = {}
     commits: dict[tuple[int, int], Record] = {}
     for r in records:
-        if r.run != run or r.phase != "decode":
+        if r.phase != "decode":
             continue
         key = (r["layer"], r.block)
         if r["mode"] == "preview":
@@ -93,12 +127,12 @@ def routing_lens(source, prompt=None, **generate) -> RoutingLens:
             commits[key] = r
     for (layer, block), steps in sorted(previews.items()):
         for i, r in enumerate(steps):
-            row = dict(layer=layer, block=block, step=r.step, entropy=float(entropy(r["router_probs"]).mean()),
-                       overlap=None, flip_rate=None)
+            entry = dict(layer=layer, block=block, step=r.step, entropy=float(entropy(r["router_probs"]).mean()),
+                         overlap=None, flip_rate=None)
             if i:
                 ov = float(overlap(*_common(steps[i - 1], r)).mean())
-                row.update(overlap=ov, flip_rate=1.0 - ov)
-            lens.rows.append(row)
+                entry.update(overlap=ov, flip_rate=1.0 - ov)
+            lens.rows.append(entry)
         if (layer, block) in commits:
             ov = overlap(*_common(steps[-1], commits[(layer, block)]))
             if ov.numel():

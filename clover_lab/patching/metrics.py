@@ -3,23 +3,38 @@ just far enough to read one."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..errors import InputError
 from ..hooks import points as P
 from ..hooks.events import ResidualEvent
 from ..hooks.registry import StopGeneration
+from .patch import one_prompt
 
 
 @dataclass(frozen=True)
 class Metric:
-    """``fn`` of the logits [V] (fp32) at absolute ``position``; ``name`` says what it is."""
+    """``fn`` of the logits [V] (fp32) at absolute ``position``; ``name`` says what it is;
+    ``tokens`` the token ids it reads (checked against the vocabulary before a run)."""
 
     position: int
     fn: Callable[[torch.Tensor], torch.Tensor | float]
     name: str
+    tokens: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "position", _index("position", self.position))
+        object.__setattr__(self, "tokens", tuple(_index("token", t) for t in self.tokens))
+
+    def check(self, vocab_size: int) -> None:
+        """Refuse token ids past the vocabulary before a run, not as an IndexError inside one."""
+        bad = [t for t in self.tokens if t >= vocab_size]
+        if bad:
+            raise InputError(f"metric {self.name!r}: token ids {bad} are outside the vocabulary [0, {vocab_size})")
 
     def __call__(self, logits: torch.Tensor) -> float:
         return float(self.fn(logits))
@@ -27,14 +42,20 @@ class Metric:
 
 def logit_diff(position: int, token: int, other: int) -> Metric:
     """logit[token] - logit[other] at ``position``: how much the model prefers ``token``."""
-    return Metric(int(position), lambda lg: lg[token] - lg[other],
-                  f"logit[{token}] - logit[{other}] at position {position}")
+    return Metric(position, lambda lg: lg[token] - lg[other],
+                  f"logit[{token}] - logit[{other}] at position {position}", (token, other))
 
 
 def probability(position: int, token: int) -> Metric:
     """The probability of ``token`` at ``position`` (softmax over the vocabulary, mask excluded
     in previews, as the engine decides)."""
-    return Metric(int(position), lambda lg: lg.softmax(-1)[token], f"p({token}) at position {position}")
+    return Metric(position, lambda lg: lg.softmax(-1)[token], f"p({token}) at position {position}", (token,))
+
+
+def _index(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise InputError(f"metric {name}={value!r}: expected an int >= 0")
+    return int(value)
 
 
 def measure(engine, prompt, metric: Metric, block: int | None, step: int | None, hooks: dict | None = None,
@@ -43,6 +64,10 @@ def measure(engine, prompt, metric: Metric, block: int | None, step: int | None,
     ``step``), read ``metric`` there and stop the run. NaN when the run never got there or the
     metric's position was not among that forward's logit rows (a preview has logits only where
     the block is still masked; a diffusion commit has none)."""
+    one_prompt(prompt, "measure")
+    if not isinstance(metric, Metric):
+        raise InputError(f"measure: metric must be a Metric (logit_diff, probability), got {type(metric).__name__}")
+    metric.check(engine.model.config.vocab_size)
     out: list[float] = []
     mask_id = engine.mask_token_id
 

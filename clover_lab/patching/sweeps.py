@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import InputError
 from ..hooks import points as P
 from .metrics import Metric, measure
-from .patch import Site, Source, patch_hooks, record
+from .patch import Site, Source, check_site, one_prompt, patch_hooks, record
 
 
 @dataclass
@@ -49,11 +50,35 @@ def _layers_with(engine, kind: str) -> list[int]:
     return [i for i in range(engine.model.config.num_hidden_layers) if P.layer_point(i, kind) in names]
 
 
-def _check_prompts(engine, clean, corrupt) -> None:
+def _check_prompts(engine, clean, corrupt, metric) -> None:
+    one_prompt(clean, "a patching sweep")
+    one_prompt(corrupt, "a patching sweep")
+    if not isinstance(metric, Metric):
+        raise InputError(f"metric must be a Metric (logit_diff, probability), got {type(metric).__name__}")
+    metric.check(engine.model.config.vocab_size)
     a, b = engine.encode(clean), engine.encode(corrupt)
     if len(a) != len(b):
-        raise ValueError(f"patching sweeps compare positions: the clean prompt has {len(a)} tokens and the "
+        raise InputError(f"patching sweeps compare positions: the clean prompt has {len(a)} tokens and the "
                          f"corrupted one {len(b)}; make them the same length")
+
+
+def _check_forward(source: Source, point: str, block, step, what: str) -> None:
+    """(``block``, ``step``) is a forward the clean run had: a sweep read or patched anywhere else
+    would fill its cells with "no effect"."""
+    if not source.rows(point, block, step):
+        steps = sorted({(b, s) for (p, b, s) in source.keys() if p == point and b is not None},
+                       key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+        last = f"; its last is block {steps[-1][0]}, step {steps[-1][1]}" if steps else ""
+        raise InputError(f"{what} block {block}, step {step}: the clean run has no such forward{last}")
+
+
+def _list(name: str, values) -> list[int]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, range)):
+        raise InputError(f"{name}={values!r}: expected a list of ints")
+    values = list(values)
+    if not values:
+        raise InputError(f"{name} is empty: give at least one, or None for every one the clean run has")
+    return values
 
 
 def _cell(engine, corrupt, source: Source, site: Site, metric: Metric, at: tuple, applied: list, generate) -> float:
@@ -67,20 +92,24 @@ def sweep_layers_positions(engine, clean, corrupt, metric: Metric, block: int | 
     ``kind`` value at one position taken from the clean run. ``patch_at`` the (block, step) of the
     patched forward: default the metric's; ``(None, None)`` patches the prompt's prefill.
     ``positions`` default: every row the clean run has there."""
-    _check_prompts(engine, clean, corrupt)
+    _check_prompts(engine, clean, corrupt, metric)
     layers = _layers_with(engine, kind)
     at = (block, step)
     patch_at = at if patch_at is None else tuple(patch_at)
+    positions = None if positions is None else _list("positions", positions)
     source = record(engine, clean, [P.layer_point(i, kind) for i in layers], **generate)
+    first = P.layer_point(layers[0], kind)
+    _check_forward(source, first, *at, "the metric's")
+    _check_forward(source, first, *patch_at, "patch_at")
     if positions is None:
-        positions = sorted(source.rows(P.layer_point(layers[0], kind), *patch_at))
-        if not positions:
-            raise ValueError(f"the clean run has no forward at block {patch_at[0]}, step {patch_at[1]}")
+        positions = sorted(source.rows(first, *patch_at))
+    sites = [[Site(P.layer_point(layer, kind), *patch_at, positions=(p,)) for p in positions] for layer in layers]
+    for site in sites[0]:
+        check_site(source, site)
     values = torch.full((len(layers), len(positions)), float("nan"))
     applied: list = []
-    for r, layer in enumerate(layers):
-        for c, p in enumerate(positions):
-            site = Site(P.layer_point(layer, kind), *patch_at, positions=(p,))
+    for r, row in enumerate(sites):
+        for c, site in enumerate(row):
             values[r, c] = _cell(engine, corrupt, source, site, metric, at, applied, generate)
     return Sweep(values, layers, list(positions), "layer", "position", measure(engine, clean, metric, *at, **generate),
                  measure(engine, corrupt, metric, *at, **generate), metric.name,
@@ -93,15 +122,19 @@ def sweep_steps_layers(engine, clean, corrupt, metric: Metric, block: int, kind:
     """Denoising steps x layers for one position (default the metric's): the corrupted run with
     layer i's ``kind`` value at ``position`` taken from the clean run at step s of ``block``, the
     metric read at that same step. ``steps`` default: every step the clean run took on the block."""
-    _check_prompts(engine, clean, corrupt)
+    _check_prompts(engine, clean, corrupt, metric)
     layers = _layers_with(engine, kind)
-    position = metric.position if position is None else int(position)
+    position = metric.position if position is None else Site(P.layer_point(layers[0], kind), block, 0,
+                                                             positions=(position,)).positions[0]
+    steps = None if steps is None else _list("steps", steps)
     source = record(engine, clean, [P.layer_point(i, kind) for i in layers], **generate)
+    point = P.layer_point(layers[0], kind)
     if steps is None:
-        point = P.layer_point(layers[0], kind)
         steps = sorted(s for (name, b, s) in source.keys() if name == point and b == block and s is not None)
         if not steps:
-            raise ValueError(f"the clean run has no denoising step on block {block}")
+            raise InputError(f"the clean run has no denoising step on block {block}")
+    for s in steps:
+        check_site(source, Site(point, block, s, positions=(position,)))
     values = torch.full((len(steps), len(layers)), float("nan"))
     clean_v, corrupt_v = [], []
     applied: list = []

@@ -32,6 +32,7 @@ from ..fp8.checkpoint import QWEN_UNQUANTIZED
 from ..layers.fp8 import FP8Experts, FP8Linear
 from ..layers.linear import Linear
 from ..layers.moe import Experts
+from ..load_checks import resolve_device
 from .offload import ElsewhereExperts, ExpertStore
 
 OFFLOAD = "offload"  # a device_map value: host memory, staged onto the layer's device when routed
@@ -72,13 +73,16 @@ def as_device(value, what: str):
     """A device_map value as a torch.device, or OFFLOAD."""
     if value == OFFLOAD:
         return OFFLOAD
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return torch.device("cuda", value)
     try:
-        device = torch.device(value)
-    except (TypeError, RuntimeError):
+        device = None if isinstance(value, (bool, int)) else torch.device(value)
+    except (TypeError, RuntimeError, ValueError):
         device = None
-    if device is None or device.type not in ("cpu", "cuda", "meta"):
+    if device is not None and device.type == "meta":
+        raise CheckpointError(f"device_map: {what} -> 'meta' holds shapes but no weights, so nothing could run; "
+                              f"place it on a GPU index, 'cuda:N', 'cpu' or 'offload'")
+    if device is None or device.type not in ("cpu", "cuda"):
         raise CheckpointError(f"device_map: {what} -> {value!r} is not a device clover_lab places on "
                               f"(a GPU index, 'cuda:N', 'cpu' or 'offload'; 'disk' is not supported)")
     return device
@@ -221,22 +225,50 @@ def plan_placement(model, device_map="auto", max_memory: dict | None = None, dty
     return placement
 
 
+def check_usable(device_map, max_memory) -> None:
+    """Before anything is read (``clover_lab.load``): ``max_memory`` only with ``device_map="auto"``
+    (the plan it bounds), and every device the map or the budget names usable here (a GPU on a
+    torch without CUDA is the one-line CheckpointError a ``device="cuda"`` gets)."""
+    if max_memory is not None and device_map != "auto":
+        raise CheckpointError(f"max_memory bounds the plan of device_map='auto'; with device_map={device_map!r} "
+                              f"it would be ignored: drop it, or use device_map='auto'")
+    if isinstance(device_map, dict):
+        devices = [as_device(v, k or '""' if isinstance(k, str) else repr(k)) for k, v in device_map.items()]
+    elif device_map == "auto" and max_memory is not None:
+        devices = [torch.device("cuda", k) for k in _keys(max_memory) if k != "cpu"]
+    elif device_map == "auto":
+        devices = []
+    else:
+        raise CheckpointError(f"device_map: expected 'auto' or a dict of module name -> device, got "
+                              f"{type(device_map).__name__} {device_map!r}")
+    for device in dict.fromkeys(devices):
+        if device != OFFLOAD:
+            resolve_device(device)
+
+
+def _keys(max_memory) -> list:
+    """max_memory's devices in accelerate's key form (0, 1, "cpu"), each checked."""
+    if not isinstance(max_memory, dict):
+        raise CheckpointError(f"max_memory: expected a dict of device -> size, got {type(max_memory).__name__}")
+    out = []
+    for key in max_memory:
+        if isinstance(key, str) and key.startswith("cuda"):
+            index = key.split(":", 1)[1] if ":" in key else "0"
+            key = int(index) if index.isdigit() else key
+        if key != "cpu" and (not isinstance(key, int) or isinstance(key, bool) or key < 0):
+            raise CheckpointError(f"max_memory: device {key!r} is not one clover_lab places on (GPU indices, "
+                                  f"'cuda:N' or 'cpu')")
+        out.append(key)
+    return out
+
+
 def _budgets(max_memory: dict | None, get_max_memory) -> dict:
     """accelerate's max_memory with devices in its key form (0, 1, "cpu") and sizes in bytes
     ("20GiB" strings read by accelerate). None: what the devices have free, GPUs at 90% (room
     for the cache and activations; pass max_memory to set it)."""
     if max_memory is None:
         return {k: int(v * 0.9) if isinstance(k, int) else v for k, v in get_max_memory().items()}
-    if not isinstance(max_memory, dict):
-        raise CheckpointError(f"max_memory: expected a dict of device -> size, got {type(max_memory).__name__}")
-    out = {}
-    for key, value in max_memory.items():
-        if isinstance(key, str) and key.startswith("cuda"):
-            key = int(key.split(":")[1]) if ":" in key else 0
-        if key != "cpu" and (not isinstance(key, int) or isinstance(key, bool) or key < 0):
-            raise CheckpointError(f"max_memory: device {key!r} is not one clover_lab places on (GPU indices, "
-                                  f"'cuda:N' or 'cpu')")
-        out[key] = value
+    out = dict(zip(_keys(max_memory), max_memory.values()))
     try:
         return dict(get_max_memory(out))
     except (ValueError, TypeError) as e:

@@ -35,8 +35,9 @@ from ..arguments import ArgumentParser
 from ..errors import CloverError
 from ..loading import load_config, resolve_dtype
 from . import lora as lora_
-from .adapt_setup import (DEFAULT_LR, EMBEDDING, MODES, RUN_FIELDS, AdaptSettings, Run, build_model, init_tokenizer,
-                          is_preview, keep_mask_row, optimizer, prepare_data, write_clover_dir)
+from .adapt_setup import (DEFAULT_LR, EMBEDDING, MODES, RUN_FIELDS, AdaptSettings, Run, build_model, check_stops,
+                          check_tokenizer_fits, init_tokenizer, is_preview, keep_mask_row, optimizer, prepare_data,
+                          write_clover_dir)
 from .corpus import text_files
 from .loop import distill_corpus, lr_at, training_batch
 from .objective import TrainSettings, block_diffusion_loss
@@ -179,8 +180,9 @@ def adapt(out, data, s: AdaptSettings, settings: TrainSettings, *, pattern: str 
     """Adapt ``s.init`` on ``data`` into the Clover directory ``out`` (resuming the run there),
     on one process or on all that torchrun started. ``recompute``: activation checkpointing."""
     run = Run(out)
-    load_config(s.init)  # the inputs checked before anything is written
-    init_tokenizer(s, tokenizer_dir)
+    check_stops(minutes, stop_at)
+    config = load_config(s.init)  # the inputs checked before anything is written
+    check_tokenizer_fits(init_tokenizer(s, tokenizer_dir), config, tokenizer_dir or s.init)
     if not (run.data.exists() or text_files(data, pattern)):
         raise ValueError(f"--data {' '.join(map(str, data))}: no files")
     shard = from_environment(device)
@@ -264,6 +266,10 @@ def settings_from_args(ap, args) -> tuple[AdaptSettings, TrainSettings]:
     for name in ("steps", "batch_size", "seq_len", "checkpoint_every", "log_every", "lora_rank"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        check_stops(args.minutes, args.stop_at, "--minutes", "--stop-at")
+    except ValueError as e:
+        ap.error(str(e))
     if not 0 <= args.distill_share <= 1:
         ap.error(f"--distill-share must be in [0, 1], got {args.distill_share}")
     if args.distill and not Path(args.distill).is_file():

@@ -4,6 +4,7 @@ data, and the Clover directory it writes."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import warnings
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError, InputError, count
 from ..loading import PREVIEW_PARAMS, load_generation_config, load_tokenizer, resolve_dtype
 from ..model import CloverModel
 from . import lora as lora_
@@ -149,6 +151,27 @@ def init_tokenizer(s: AdaptSettings, tokenizer_dir: str | None):
         raise ValueError(f"{source} has no tokenizer, which adapt needs to encode --data; "
                          f"name a directory holding one with --tokenizer")
     return tokenizer
+
+
+def check_stops(minutes, stop_at, minutes_name: str = "minutes", stop_name: str = "stop_at") -> None:
+    """A run's early stops: ``minutes`` a positive number and ``stop_at`` a step >= 1, or None (a
+    0 read as "no stop" would train the whole schedule; a negative budget would export the init)."""
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
+                                or not math.isfinite(minutes) or minutes <= 0):
+        raise InputError(f"{minutes_name}={minutes!r}: expected a positive number of minutes, or none for no limit")
+    if stop_at is not None:
+        count(stop_name, stop_at)
+
+
+def check_tokenizer_fits(tokenizer, config, source) -> None:
+    """Every token the tokenizer can produce indexes the init's embedding (a mask token it lacks
+    is added later, growing the embedding by its row): found before training, not mid-way."""
+    mask = tokenizer.mask_token_id
+    text_tokens = len(tokenizer) - (mask is not None and mask >= config.vocab_size)
+    if text_tokens > config.vocab_size:
+        raise CheckpointError(f"the tokenizer in {source} has {text_tokens} tokens, but the init's embedding has "
+                              f"{config.vocab_size} rows (vocab_size): ids {config.vocab_size} and up would index "
+                              f"past it; use the init's own tokenizer, or an init with a larger vocabulary")
 
 
 def write_clover_dir(out: Path, config, state: dict, tokenizer, init: str) -> None:

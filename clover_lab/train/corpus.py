@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from ..corpus import folder_files
+
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -99,8 +101,7 @@ def text_files(paths, pattern: str = "*.py") -> list[tuple[Path, Path]]:
         if path.is_file():
             out.append((path, path.parent))
         elif path.is_dir():
-            found = [f for f in sorted(path.rglob(pattern)) if f.is_file()
-                     and not any(p.startswith(".") or p == "__pycache__" for p in f.relative_to(path).parts[:-1])]
+            found = folder_files(path, lambda f: f.match(pattern))
             if not found:
                 raise ValueError(f"--data: the directory {path} has no files matching {pattern!r}")
             out += [(f, path) for f in found]

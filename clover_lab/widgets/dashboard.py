@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import threading
 
+from ..engine.requests import settings_for_mode
 from ..hooks import StopGeneration, points
 from ..sampling import CONFIDENCE_RULES
 from .base import _close_tree, export_html, require_notebook, weak_callback
@@ -109,6 +110,7 @@ class Dashboard:
             self.prompt.value = prompt
         text = self.prompt.value
         kwargs = {**self.settings(), **overrides}
+        kwargs = settings_for_mode(kwargs["mode"], kwargs)  # AR: the diffusion sliders do not apply
         request = [{"role": "user", "content": text}] if self.chat.value else text
         self._stop.clear()
         self.result, self.error = None, None

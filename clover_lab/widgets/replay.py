@@ -12,6 +12,7 @@ import fnmatch
 import html
 from types import SimpleNamespace
 
+from ..errors import InputError
 from ..hooks import points as P
 from ..hooks.events import GDNPreviewEvent, GDNStateEvent, ResidualEvent, RouteEvent, Where
 
@@ -85,6 +86,10 @@ def replay(view, trace, engine=None) -> int:
     if not chosen:
         raise ValueError(f"{type(view).__name__} listens to {', '.join(methods)}; the trace records "
                          f"{', '.join(trace.points)}: nothing to replay")
+    rows = sorted({i for _, rec in chosen if rec.rows is not None for i in rec.rows})
+    if rows and view.row not in rows:  # else it would show no frame at all
+        raise InputError(f"{type(view).__name__}.row={view.row!r}: the trace is of a batch of rows {rows[0]}.."
+                         f"{rows[-1]}; set view.row to one of them")
     config = getattr(trace, "config", None)
     if engine is not None:
         view._on_attach(engine)

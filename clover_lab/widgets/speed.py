@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 
+from ..engine.requests import settings_for_mode
 from ..hooks import points
 from .base import View, figure_html, weak_callback
 
@@ -104,7 +105,8 @@ class SpeedView(View):
         out = {}
         try:
             for mode in modes:
-                res = engine.generate(prompt, mode=mode, max_new_tokens=max_new_tokens, **sampler)
+                res = engine.generate(prompt, mode=mode, max_new_tokens=max_new_tokens,
+                                      **settings_for_mode(mode, sampler))
                 self.add_result(res)
                 out[mode] = res
         finally:
