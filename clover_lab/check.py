@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .analysis import corpus_documents, windows
+from .analysis import windows
+from .corpus import corpus_documents
 from .config import PREVIEW_READINGS
 from .errors import CloverError
 from .train.corpus import read_text, split_corpus
@@ -189,8 +190,8 @@ def sample_windows(engine, data, count: int, seq_len: int) -> torch.Tensor:
 @torch.no_grad()
 def check_preview(engine, data=None, windows_count: int = 8, seq_len: int | None = None, prompts: int = 2,
                   prompt_len: int = 48, seed: int = 0) -> CheckReport:
-    """The check on ``engine``'s model (see the module's docstring); ``data``: paths or texts
-    (None: the built-in sample). The model is left as it was found."""
+    """The check on ``engine``'s model (see the module's docstring); ``data``: a corpus as
+    ``clover_lab.corpus`` takes it (Paths, texts, token ids; None: the built-in sample). The model is left as it was found."""
     model = engine.model
     if engine.mask_token_id is None:
         raise CheckError("check needs a mask token (config.json's mask_token_id or the tokenizer's)")

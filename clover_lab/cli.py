@@ -313,15 +313,18 @@ def _run_stream(engine, args, stream, batch: bool = False) -> int:
 def cmd_check(args) -> int:
     """``clover-lab check``: the table and the verdict (exit 0 whatever the verdict)."""
     from .check import check_preview
+    from .corpus import corpus_documents
     from .errors import CloverError
 
     if args.windows < 1:
         return _fail(f"--windows must be >= 1, got {args.windows}")
-    try:
+    try:  # the corpus and the output checked before the model loads
+        data = None if args.data is None else corpus_documents([Path(d) for d in args.data], "--data")
+        out = None if args.json is None else writable_file(args.json, "--json")
         engine = load_engine(args)
-        report = check_preview(engine, data=args.data, windows_count=args.windows)
-        if args.json:
-            report.save(args.json)
+        report = check_preview(engine, data=data, windows_count=args.windows)
+        if out is not None:
+            report.save(out)
     except (CloverError, FileNotFoundError, ValueError, TypeError, OSError) as e:
         return _fail(str(e))
     print(report.table())
