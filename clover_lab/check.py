@@ -28,6 +28,7 @@ from .analysis import windows
 from .corpus import corpus_documents
 from .config import PREVIEW_READINGS
 from .errors import CloverError
+from .names import PREVIEW_PARAMS
 from .train.corpus import read_text, split_corpus
 from .train.objective import masked_accuracy
 
@@ -238,8 +239,6 @@ def _restore(model, stored: dict) -> None:
 
 
 def _is_preview(name: str) -> bool:
-    from .loading import PREVIEW_PARAMS
-
     return any(name.endswith(p) for p in PREVIEW_PARAMS)
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from .errors import CheckpointError
-from .loading import KEPT_DTYPES, stored_form
+from .loading import KEPT_DTYPES
+from .names import stored_form
 
 
 def save_model(model, path, max_shard_bytes: int | None = None) -> None:
