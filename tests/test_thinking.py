@@ -8,8 +8,6 @@ import torch
 import clover_lab
 from clover_lab.engine.thinking import Thinking
 
-from conftest import make_gen_model
-
 QWEN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -41,10 +39,10 @@ def qwen_tokenizer(vocab_size: int = 400):
 
 
 @pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
+def qwen_dir(tmp_path_factory, gen_model):
     """clover-tiny (vocab 512, mask 511) with the Qwen-format tokenizer, saved and loaded as a user would."""
     d = tmp_path_factory.mktemp("qwen_format")
-    make_gen_model().save_pretrained(d)
+    gen_model.save_pretrained(d)
     tok = qwen_tokenizer()
     assert len(tok) < 511  # every token id below the mask
     tok.save_pretrained(str(d))
