@@ -1,7 +1,8 @@
 """CloverConfig: the fields of a Hugging Face ``config.json`` for Clover, and named presets.
 
 Reads ``clover_moe`` configs, plain Qwen3.5/3.6-MoE text configs (``qwen3_5_moe_text``) and the
-multimodal ``qwen3_5_moe`` wrapper (its ``text_config``). Writes ``clover_moe``.
+multimodal ``qwen3_5_moe`` wrapper (its ``text_config``). Writes ``clover_moe`` with the
+release's architecture ``CloverMoeModelLM`` (spec 3.2.1).
 
 A config.json must name every field that decides a tensor's shape (``REQUIRED_FIELDS``: the
 Qwen3.5/3.6-MoE configs all do); the others default to the released model's values. Every
@@ -20,10 +21,18 @@ from .errors import CloverError
 from .writes import write_text
 
 MODEL_TYPE = "clover_moe"
+ARCHITECTURE = "CloverMoeModelLM"  # the release's (spec 3.2.1); what clover_lab writes
 ACCEPTED_MODEL_TYPES = (MODEL_TYPE, "qwen3_5_moe_text", "qwen3_5_moe")
 LAYER_TYPES = ("linear_attention", "full_attention")
 # fields that decide the tensors' shapes: a config.json without one would silently take the 35B
 # preset's value and fail later on a tensor shape (real Qwen3.5/3.6-MoE configs name them all)
+# How the release's four preview tensors are read (spec 3.2.1: inferred, not read from the release);
+# the first of each is the spec's reading. ``clover-lab check`` measures which fits a checkpoint.
+PREVIEW_READINGS = {
+    "logit_scale": ("log", "multiplier"),  # bd_softmax_logit_scale: exp(stored) | stored, times <q, k>
+    "history_c": ("ln_m", "m"),  # bd_softmax_history_c: the coefficient of ln(m) | of m
+    "right_taps": ("nearest_first", "farthest_first"),  # conv_right_weight[:, d-1] weighs row t+d | t+K-d
+}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                    "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                    "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
@@ -59,6 +68,7 @@ class CloverConfig:
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
+    num_shared_experts: int = 1  # the release's field: 1, or 0 for a model without a shared expert
     router_aux_loss_coef: float = 0.001
     # common
     hidden_act: str = "silu"
@@ -72,6 +82,7 @@ class CloverConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     dtype: str | None = None  # the checkpoint's dtype ("bfloat16", "float32", ...)
+    preview_reading: dict = field(default_factory=dict)  # PREVIEW_READINGS chosen other than the spec's
     extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back as they came
 
     def __post_init__(self):
@@ -128,8 +139,20 @@ class CloverConfig:
         need(int(self.head_dim * self.partial_rotary_factor) % 2 == 0, "partial_rotary_factor",
              "head_dim * partial_rotary_factor must be even")
         need(self.hidden_act == "silu", "hidden_act", "only 'silu' is supported")
+        reading = self.preview_reading
+        need(isinstance(reading, dict) and all(k in PREVIEW_READINGS and v in PREVIEW_READINGS[k]
+                                               for k, v in reading.items()), "preview_reading",
+             "must map some of " + "; ".join(f"{k} to one of {v}" for k, v in PREVIEW_READINGS.items()))
+        shared = self.num_shared_experts
+        need(isinstance(shared, int) and not isinstance(shared, bool) and shared in (0, 1), "num_shared_experts",
+             "must be 1 (one shared expert, as released) or 0 (none); more are not supported")
 
     # ----------------------------------------------------------------- derived
+    def reading(self, key: str) -> str:
+        """How the preview tensor ``key`` of PREVIEW_READINGS is read: the spec's way unless
+        ``preview_reading`` says otherwise."""
+        return self.preview_reading.get(key, PREVIEW_READINGS[key][0])
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
@@ -202,9 +225,11 @@ class CloverConfig:
         extra = d.pop("extra")
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
                                 "partial_rotary_factor": d.pop("partial_rotary_factor")}
-        out = {**extra, "model_type": MODEL_TYPE, "architectures": ["CloverForBlockDiffusion"], **d}
+        out = {**extra, "model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], **d}
         if out.get("dtype") is None:
             out.pop("dtype")
+        if not out["preview_reading"]:  # the spec's reading: nothing to say
+            out.pop("preview_reading")
         return out
 
     @classmethod

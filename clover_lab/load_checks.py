@@ -64,3 +64,15 @@ def refuse_nonfinite(model, files: dict, reader, plan: dict) -> None:
         dtype = str(params[name].dtype).removeprefix("torch.")
         raise CheckpointError(f"{files[stored[0]]}: tensor {stored[0]!r} is finite as stored but overflows to inf "
                               f"in {dtype}; load it in another dtype")
+
+
+def refuse_unreadable_scales(model, files: dict, plan: dict) -> None:
+    """With ``preview_reading: {"logit_scale": "multiplier"}`` every stored logit scale is the
+    multiplier itself, so it must be > 0 (the preview computes with its log): a CheckpointError
+    naming the first tensor that is not."""
+    for name, param in model.named_parameters():
+        if name.endswith("linear_attn.block_scale") and name in plan and not bool((param > 0).all()):
+            stored = plan[name]
+            raise CheckpointError(f"{files[stored]}: tensor {stored!r} holds values <= 0 "
+                                  f"({param.min().item():.4g}), which config.json's preview_reading "
+                                  f"logit_scale 'multiplier' cannot read; the 'log' reading can")

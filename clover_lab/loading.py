@@ -26,7 +26,9 @@ from safetensors import SafetensorError, safe_open
 from .config import CloverConfig, ConfigError
 from .errors import CheckpointError, flag  # noqa: F401 - CheckpointError re-exported; defined apart so that fp8/ can raise it
 from .fp8.checkpoint import FP8Checkpoint
-from .load_checks import CHECK_FINITE_MAX_BYTES, refuse_nonfinite, resolve_device
+from .load_checks import CHECK_FINITE_MAX_BYTES, refuse_nonfinite, refuse_unreadable_scales, resolve_device
+from .names import (NAME_TABLE, PREVIEW_PARAMS, RELEASE_NAMES, SKIPPED_PREFIXES,  # noqa: F401 - re-exported
+                    canonical_name, preview_shapes)
 from .writes import refuse_unfinished
 
 log = logging.getLogger("clover_lab")
@@ -34,14 +36,6 @@ log = logging.getLogger("clover_lab")
 SUPPORTED_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Clover's preview weights (spec 3.2): a checkpoint without them gets the spec's defaults.
-PREVIEW_PARAMS = ("linear_attn.conv1d_right.weight", "linear_attn.block_scale", "linear_attn.history_bias",
-                  "linear_attn.history_log_n")
-# Other spellings of checkpoint names -> this project's names: the one place such mappings live.
-NAME_TABLE = {
-    "model.language_model.": "model.",  # multimodal Qwen3.5/3.6 checkpoints
-}
-SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.language_model.visual.")
 PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
@@ -54,16 +48,6 @@ def resolve_dtype(dtype) -> torch.dtype | None:
     if dtype in DTYPE_NAMES:
         return DTYPE_NAMES[dtype]
     raise CheckpointError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16")
-
-
-def canonical_name(name: str) -> str | None:
-    """The project's name for a checkpoint tensor, or None when it is skipped."""
-    for old, new in NAME_TABLE.items():
-        if name.startswith(old):
-            name = new + name[len(old):]
-    if name.startswith(SKIPPED_PREFIXES):
-        return None
-    return name
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
@@ -194,6 +178,8 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
     total = sum(p.numel() * dtype.itemsize for p in expected.values())
     if device.type != "meta" and (check_finite or (check_finite is None and total <= CHECK_FINITE_MAX_BYTES)):
         refuse_nonfinite(model, files, reader, plan)
+    if device.type != "meta" and config.reading("logit_scale") == "multiplier":
+        refuse_unreadable_scales(model, files, plan)
     if placed is not None:
         placed.apply(model)
     if untrained:
@@ -258,9 +244,10 @@ def _plan(path: Path, files, reader: "_Reader", names, expected: dict, config: C
         if st_dtype not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{files[stored]}: tensor {stored!r} has dtype {st_dtype}; supported: "
                                   f"{', '.join(_SAFETENSORS_DTYPES)}")
-        if shape != tuple(want_shape):
-            raise CheckpointError(f"{files[stored]}: tensor {stored!r} has shape {list(shape)}, "
-                                  f"expected {list(want_shape)}")
+        accepted = preview_shapes(canonical_name(stored), tuple(want_shape)) or [tuple(want_shape)]
+        if shape not in accepted:
+            raise CheckpointError(f"{files[stored]}: tensor {stored!r} has shape {list(shape)}, expected "
+                                  + " or ".join(str(list(a)) for a in accepted))
 
     plan: dict[str, object] = {}
     missing, untrained = [], []
@@ -308,6 +295,9 @@ def _fill(model, path: Path, files, reader: "_Reader", plan: dict, expected: dic
             tensor = torch.empty(param.shape, dtype=want, device=dev)
         elif isinstance(source, str):
             tensor = reader.get(files[source], source).to(device=dev, dtype=want)
+            if tensor.shape != param.shape:  # a preview weight in another accepted shape (_plan checked it)
+                tensor = tensor.reshape(param.shape) if tensor.numel() == param.numel() else tensor.expand(param.shape)
+                tensor = tensor.contiguous()
         else:  # per-expert tensors gathered into the fused [E, ...] parameter, one expert at a time
             tensor = torch.empty(param.shape, dtype=want, device=dev)
             for (e, w), stored in source.items():

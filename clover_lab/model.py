@@ -193,6 +193,11 @@ class CloverModel(nn.Module):
             if isinstance(module, GatedDeltaNet):
                 module.reset_preview_parameters()
 
+    def set_preview_reading(self, reading: dict) -> None:
+        """How the preview weights are read from now on (``CloverConfig.preview_reading``: the
+        spec's reading when empty; spec 3.2.1); a bad one is a ConfigError, changing nothing."""
+        self.config.preview_reading = self.config.replace(preview_reading=dict(reading)).preview_reading
+
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device

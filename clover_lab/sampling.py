@@ -39,7 +39,8 @@ class SamplerSettings:
     - ``threshold``: unmask every masked position whose confidence reaches it (and always at least
       the most confident one), in (0, 1].
     - ``temperature``: 0 takes the argmax; in [1e-3, 1e3] samples from softmax(logits / temperature),
-      after ``top_k`` (0 = off) and ``top_p`` (1 = off) filtering.
+      after ``top_k`` (0 = off), ``top_p`` (1 = off) and ``min_p`` (0 = off: tokens less probable than
+      ``min_p`` times the most probable one dropped) filtering.
     - ``confidence``: "probability" (the candidate's probability), "margin" (its probability minus
       the best other token's) or "entropy" (``exp(-H)`` of the position's distribution: negative
       entropy mapped monotonically into (0, 1] so one threshold scale fits every rule).
@@ -58,6 +59,8 @@ class SamplerSettings:
       the stats).
     - ``draft_passes``: speculative mode: denoising passes that draft each block (>= 1; the last
       unmasks every position left). Sampled speculative decoding takes one pass.
+    - ``logprobs``: None (off: nothing computed) or k >= 0: the result carries each response
+      token's log-probability and its k most probable alternatives' (``engine/token_info.py``).
 
     Invalid values raise :class:`SettingsError` naming the setting.
     """
@@ -67,6 +70,8 @@ class SamplerSettings:
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy, else in [1e-3, 1e3]"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus filtering when sampling (1 = off)"})
     top_k: int = field(default=0, metadata={"help": "top-k filtering when sampling (0 = off)"})
+    min_p: float = field(default=0.0, metadata={"help": "drop tokens below min_p x the top probability when "
+                                                        "sampling, in [0, 1] (0 = off)"})
     confidence: str = field(default="probability", metadata={"help": " | ".join(CONFIDENCE_RULES)})
     max_tokens_per_step: int | None = field(default=None, metadata={"help": "cap on positions unmasked per step"})
     max_steps_per_block: int | None = field(default=None, metadata={"help": "step limit per block"})
@@ -76,6 +81,8 @@ class SamplerSettings:
     coreset_size: int | None = field(default=None, metadata={"help": "per-block expert coreset size (off by default)"})
     seed: int | None = field(default=None, metadata={"help": "seeds sampling; none: a fresh seed, reported"})
     draft_passes: int = field(default=1, metadata={"help": "speculative mode: denoising passes per drafted block"})
+    logprobs: int | None = field(default=None, metadata={"help": "results carry each token's log-probability and "
+                                                                 "this many alternatives' (0: the token's only)"})
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # numpy scalars and the like as plain Python numbers
@@ -130,6 +137,8 @@ class SamplerSettings:
         if not 0.0 < number("top_p") <= 1.0:
             bad("top_p", "must be in (0, 1] (1 = off)")
         integer("top_k", 0, allow_none=False)
+        if not 0.0 <= number("min_p") <= 1.0:
+            bad("min_p", "must be in [0, 1] (0 = off)")
         if self.confidence not in CONFIDENCE_RULES:
             bad("confidence", f"unknown confidence rule; use one of {', '.join(CONFIDENCE_RULES)}")
         integer("max_tokens_per_step", 1, allow_none=True)
@@ -143,6 +152,7 @@ class SamplerSettings:
         integer("coreset_size", 0, allow_none=True)
         integer("seed", 0, allow_none=True)
         integer("draft_passes", 1, allow_none=False)
+        integer("logprobs", 0, allow_none=True)
         if self.seed is not None and self.seed > MAX_SEED:
             bad("seed", "must be below 2**64")
 
@@ -183,8 +193,9 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, s: SamplerSettin
 
 
 # --------------------------------------------------------------------------- candidates
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set logits outside the top-k / the top-p nucleus to -inf (the best token always stays)."""
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Set logits outside the top-k / the top-p nucleus / below ``min_p`` times the best token's
+    probability to -inf (the best token always stays)."""
     if top_k and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -194,16 +205,18 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p  # mass before this token already >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:  # p < min_p * p_max  <=>  logit < max logit + ln(min_p)
+        logits = logits.masked_fill(logits < logits.max(-1, keepdim=True).values + math.log(min_p), float("-inf"))
     return logits
 
 
 def sampling_probs(logits: torch.Tensor, counts: torch.Tensor | None, s: SamplerSettings) -> torch.Tensor:
     """The distribution [N, V] fp32 a sampled token is drawn from: ``logits`` [N, V] after the
-    penalties of ``counts`` ([V] or [N, V]; None: none), temperature and top-k / top-p."""
+    penalties of ``counts`` ([V] or [N, V]; None: none), temperature and top-k / top-p / min-p."""
     logits = logits.float()
     if counts is not None:
         logits = apply_penalties(logits, counts, s)
-    return filter_logits(logits / s.temperature, s.top_k, s.top_p).softmax(-1)
+    return filter_logits(logits / s.temperature, s.top_k, s.top_p, s.min_p).softmax(-1)
 
 
 def candidates(logits: torch.Tensor, s: SamplerSettings, generator: torch.Generator | None = None):
@@ -255,6 +268,15 @@ def select_unmask(conf: torch.Tensor, threshold: float, max_per_step: int | None
         rank[order] = torch.arange(order.shape[0], device=order.device)
         flags &= rank < max_per_step
     return flags
+
+
+def log_probs(logits: torch.Tensor, counts: torch.Tensor | None, s: SamplerSettings) -> torch.Tensor:
+    """The log of the distribution candidates are chosen from and confidences measured on (after
+    penalties, before temperature and filtering): [N, V] fp32."""
+    logits = logits.float()
+    if counts is not None:
+        logits = apply_penalties(logits, counts, s)
+    return logits.log_softmax(-1)
 
 
 def decide(logits: torch.Tensor, counts: torch.Tensor | None, s: SamplerSettings,

@@ -1,5 +1,6 @@
 """CloverModel -> Hugging Face directory: config.json and the weights as safetensors, one file or
-shards with an index (what ``loading.py`` reads back).
+shards with an index (what ``loading.py`` reads back), in the release's layout (spec 3.2.1: its
+architecture and its names of the preview weights).
 
 A save never destroys the checkpoint it replaces: the new files are written under temporary
 names beside the old ones and put in place together at the end, the index last, the old shards
@@ -17,6 +18,7 @@ from safetensors.torch import save_file
 
 from .errors import CheckpointError
 from .loading import KEPT_DTYPES
+from .names import stored_form
 from .writes import FileSet
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -43,7 +45,7 @@ def stage_model(model, files: FileSet, path: Path, max_shard_bytes: int | None =
     files.path(path / "config.json").write_text(config.to_json())
     writer = ShardWriter(files, path, max_shard_bytes or DEFAULT_SHARD_BYTES)
     for name, p in model.named_parameters():
-        writer.add(name, p.detach().to("cpu").contiguous())
+        writer.add(*stored_form(name, p.detach().to("cpu").contiguous()))
     writer.close()
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import clover_lab
 from clover_lab import CloverConfig, CloverModel
+from clover_lab import loading
 from clover_lab.cli import main as cli_main
 from clover_lab.train import adapt, lora, mask_token, shard, train_tokenizer
 from clover_lab.train.corpus import stdlib_files
@@ -58,7 +59,10 @@ def ar_tokenizer(files, vocab_size: int):
 
 
 def weights(directory) -> dict:
-    return load_file(str(Path(directory) / "model.safetensors"))
+    """The saved tensors by parameter name, in the parameters' shapes (the file has the release's names)."""
+    stored = load_file(str(Path(directory) / "model.safetensors"))
+    out = {loading.canonical_name(n): t for n, t in stored.items()}
+    return {n: t[:, None] if n.endswith("conv1d_right.weight") else t for n, t in out.items()}
 
 
 def losses(out) -> list[dict]:

@@ -38,7 +38,8 @@ def run_ar(run) -> Iterator[StreamUpdate]:
         for j, row in enumerate(rows):
             check_logits(row, host[len(rows) + j], f"token {i} (AR)")
         reasons = {}
-        for row, t in zip(rows, host):
+        for j, (row, t) in enumerate(zip(rows, host)):
+            row.info.add(0, *row.info.chosen(row.info.distribution(logits[j:j + 1], row.counts, row.s), [0], [t])[0])
             if row.counts is not None:
                 row.counts[t] += 1
             row.committed.append(t)

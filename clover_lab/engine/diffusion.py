@@ -245,6 +245,7 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     finish = run.policy.finishes_block(run, block)
     proposal = run.policy.propose(run, block, logits, finish)  # the decoding rule (policy.py)
     cand, conf, flags = proposal.tokens, proposal.confidences, proposal.unmask
+    logp = run.info.distribution(logits, run.counts, run.s)  # None unless log-probabilities are asked for
     # the one host transfer per step: decision, candidates, and whether the logits could be used
     # (NaN or inf logits make their row's confidence NaN, equal ones carry no answer: argmax would
     # pick token 0 either way)
@@ -269,7 +270,10 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
             _apply_decision(run, block, flags, cand, idx)
     else:
         _apply_decision(run, block, flags, cand, idx)
-    block.place({p: overrides.get(p, chosen[p]) for p in unmask}, run.eos)
+    placed = {p: overrides.get(p, chosen[p]) for p in unmask}
+    block.place(placed, run.eos)
+    run.info.note(block, block.step, placed,
+                  run.info.chosen(logp, [block.masked.index(p) for p in placed], list(placed.values())))
     if run.stop_strings is not None and block.prefix:
         k = run.stop_strings.find(run.committed + block.host[:min(block.prefix, block.end)])
         if k is not None:

@@ -38,6 +38,7 @@ from .requests import (GenerationError, check_coreset, check_join, check_memory,
                        encode_prompt, is_batch, stop_list)
 from .results import GenerationResult, StreamUpdate
 from .run import Run
+from .thinking import Thinking, stop_ids
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -276,7 +277,15 @@ class Engine:
         length = max(max(map(len, ids)) + max_new_tokens, capacity or 0)
         check_memory(self.model, length, len(ids))
         policy = None if policy is None else make_policy(policy)
-        return Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched, policy, join, length)
+        run = Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched, policy, join, length)
+        for row in run.rows:
+            self._think(row, thinking)
+        return run
+
+    def _think(self, row, thinking: bool | None) -> None:
+        """The row's thinking tokens (``engine/thinking.py``); with thinking off, ``</think>`` ends it."""
+        row.thinking = Thinking.of(self.tokenizer, row.prompt_ids)
+        row.eos |= stop_ids(row.thinking, thinking)
 
     # ---------------------------------------------------------------- generation
     def stream(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
@@ -316,8 +325,10 @@ class Engine:
         or a name with settings (``"eb:gamma=0.5"``, ``"topk:k=1/2/4"``; ``engine/policies.py``).
         ``max_new_tokens``: default ``engine.max_new_tokens`` (256, or the model directory's
         generation_config.json). ``stop``: stop strings (need a tokenizer). ``thinking``: the chat
-        template's ``enable_thinking`` flag. Sampler settings (see :class:`SamplerSettings`) come
-        as keyword arguments (``threshold=0.9, temperature=0, top_p, top_k, confidence,
+        template's ``enable_thinking`` flag; with a tokenizer that has ``<think>``/``</think>``, the
+        result's ``reasoning`` and ``answer`` are apart, and with thinking off a ``</think>`` ends
+        the response. Sampler settings (see :class:`SamplerSettings`) come
+        as keyword arguments (``threshold=0.9, temperature=0, top_p, top_k, min_p, confidence,
         max_tokens_per_step, max_steps_per_block, repetition_penalty, presence_penalty,
         frequency_penalty, coreset_size, seed``) or as ``settings``; they override ``engine.settings``.
 

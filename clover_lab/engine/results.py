@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .thinking import ANSWER, texts
+
 
 @dataclass
 class GenerationStats:
@@ -88,20 +90,35 @@ class GenerationStats:
 class GenerationResult:
     """``token_ids`` the response (an EOS that ended it included; a stop string's tokens
     included), ``text`` its decoding without special tokens and cut before a stop string (None
-    without a tokenizer), ``prompt_ids`` the prompt as tokens, ``stats`` the run's figures."""
+    without a tokenizer), ``prompt_ids`` the prompt as tokens, ``stats`` the run's figures.
+
+    Thinking mode (``engine/thinking.py``): ``reasoning`` what the response wrote inside
+    ``<think>...</think>`` (None when it has no reasoning, or the tokenizer no such tokens),
+    ``answer`` the rest (the whole text then); both without the tags, None without a tokenizer.
+
+    Per response token (``engine/token_info.py``): ``unmask_steps`` the denoising step of its
+    block that unmasked it (0 in AR); with ``logprobs`` asked for, ``logprobs`` its
+    log-probability and ``top_logprobs`` the most probable alternatives as (token id,
+    log-probability) pairs (None otherwise)."""
 
     token_ids: list[int]
     text: str | None
     prompt_ids: list[int]
     stats: GenerationStats
+    reasoning: str | None = None
+    answer: str | None = None
+    unmask_steps: list[int | None] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def stop_reason(self) -> str:
         return self.stats.stop_reason
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
-                "stats": self.stats.to_dict()}
+        return {"text": self.text, "reasoning": self.reasoning, "answer": self.answer, "token_ids": self.token_ids,
+                "prompt_ids": self.prompt_ids, "unmask_steps": self.unmask_steps, "logprobs": self.logprobs,
+                "top_logprobs": self.top_logprobs, "stats": self.stats.to_dict()}
 
 
 @dataclass
@@ -128,12 +145,32 @@ class StreamUpdate:
     result: "GenerationResult | None" = None  # the last update of a batched stream: its BatchResult
     tokenizer: object = field(default=None, repr=False)
     row: int | None = None  # the request row of a batched stream (None: a single generation)
+    thinking: object = field(default=None, repr=False)  # engine/thinking.py's Thinking, or None
 
     @property
     def committed_text(self) -> str | None:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(self.committed, skip_special_tokens=True)
+
+    def committed_texts(self) -> tuple[str | None, str | None]:
+        """(reasoning, answer) of the committed tokens so far, as ``GenerationResult`` has them."""
+        return texts(self.tokenizer, self.thinking, self.committed)
+
+    def committed_parts(self) -> list[str]:
+        """Which part of the response each committed token belongs to: "reasoning" (inside
+        ``<think>...</think>``, the tags included) or "answer" (every token without thinking tokens)."""
+        return self._parts()[:len(self.committed)]
+
+    def block_parts(self) -> list[str | None]:
+        """The same for each position of the current block (None where still masked)."""
+        return self._parts()[len(self.committed):]
+
+    def _parts(self) -> list[str | None]:
+        ids = self.committed + list(self.block_tokens)
+        if self.thinking is None:
+            return [None if t is None else ANSWER for t in ids]
+        return self.thinking.parts(ids)
 
     def block_pieces(self) -> list[str | None]:
         """The current block as one string per position (None where masked); ids without a tokenizer."""

@@ -25,6 +25,8 @@ from .batch import BatchResult, BatchStats
 from .requests import StopStrings
 from .results import Clock, GenerationResult, GenerationStats, StreamUpdate
 from .runner import Runner
+from .thinking import Thinking, texts
+from .token_info import TokenInfo
 
 
 class Run:
@@ -182,6 +184,7 @@ class Run:
 
 class Row:
     """One prompt of a generation: its response and figures; the run runs its forwards."""
+    thinking: Thinking | None = None  # the tokenizer's <think> tokens and the prompt's state (thinking.py)
 
     def __init__(self, run: Run, index: int, prompt_ids: list[int], stop: list[str]):
         engine, s = run.engine, run.s
@@ -201,6 +204,7 @@ class Row:
                                      block_size=engine.block_size if run.mode != "ar" else None,
                                      coreset_size=(s.coreset_size or None) if run.mode == "diffusion" else None)
         self.committed: list[int] = []  # final response tokens
+        self.info = TokenInfo(s.logprobs)  # per response token: unmask step, log-probabilities
         self.pending: tuple[list[int], int] | None = None  # a finished block waiting for its fused commit, its steps
         self.result: GenerationResult | None = None
 
@@ -220,6 +224,7 @@ class Row:
     def record_block(self, tokens: list[int], steps: int) -> None:
         """A block (an AR token) is final: part of the response, counted in the stats."""
         self.committed += tokens
+        self.info.take(len(tokens))
         self.stats.blocks += 1
         self.stats.steps_per_block.append(steps)
 
@@ -240,7 +245,8 @@ class Row:
 
     def update(self, kind: str, block: int, step: int | None, block_tokens=(), unmasked=()) -> StreamUpdate:
         return StreamUpdate(kind, block, step, list(self.committed), list(block_tokens), list(unmasked),
-                            self.now(), self.result, tokenizer=self.engine.tokenizer, row=self.row)
+                            self.now(), self.result, tokenizer=self.engine.tokenizer, row=self.row,
+                            thinking=self.thinking)
 
     # ---------------------------------------------------------------- the end
     def finish(self, reason: str) -> GenerationResult:
@@ -252,9 +258,13 @@ class Row:
         self.clock.fill(self.stats, self.run.t0, self.run.t_decode)
         text = None
         tok = self.engine.tokenizer
+        cut = self.stop_strings.cut if self.stop_strings is not None and reason == "stop_string" else None
         if tok is not None:
             text = tok.decode(self.committed, skip_special_tokens=True)
-            if self.stop_strings is not None and reason == "stop_string":
-                text = self.stop_strings.cut(text)
-        self.result = GenerationResult(list(self.committed), text, list(self.prompt_ids), self.stats)
+            if cut is not None:
+                text = cut(text)
+        reasoning, answer = texts(tok, self.thinking, self.committed, cut)
+        self.result = GenerationResult(list(self.committed), text, list(self.prompt_ids), self.stats,
+                                       reasoning=reasoning, answer=answer, unmask_steps=list(self.info.steps),
+                                       logprobs=self.info.logprobs, top_logprobs=self.info.top)
         return self.result

@@ -49,6 +49,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.layer = layer
         self.hooks = hooks
+        self.config = config  # its preview_reading says how the preview weights are read (preview_weights)
         self.num_k_heads = config.linear_num_key_heads
         self.num_v_heads = config.linear_num_value_heads
         self.head_k_dim = config.linear_key_head_dim
@@ -80,6 +81,22 @@ class GatedDeltaNet(nn.Module):
         self.block_scale.fill_(math.log(math.sqrt(self.head_k_dim)))
         self.history_bias.zero_()
         self.history_log_n.fill_(1.0)
+
+    def preview_weights(self, m: int):
+        """(right taps [C, K-1], block_scale, history_bias, history_log_n) in the spec's reading
+        (spec 3.2, what the preview op computes with) for a block of ``m`` rows, from the stored
+        weights read as ``config.preview_reading`` says (spec 3.2.1; nothing to do by default)."""
+        right = self.conv1d_right.weight[:, 0]
+        scale, bias, coef = self.block_scale, self.history_bias, self.history_log_n
+        if not self.config.preview_reading:
+            return right, scale, bias, coef
+        if self.config.reading("right_taps") == "farthest_first":
+            right = right.flip(-1)
+        if self.config.reading("logit_scale") == "multiplier":
+            scale = scale.float().log()  # exp(ln s) = s (s > 0: the loader checks)
+        if self.config.reading("history_c") == "m":
+            bias = bias.float() + coef.float() * (m - math.log(m))  # b + c ln(m) + c (m - ln(m)) = b + c m
+        return right, scale, bias, coef
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, _ = x.shape
@@ -113,10 +130,10 @@ class GatedDeltaNet(nn.Module):
             outs.append(o)
         if m:
             want_history = ctx.hooks and self.hooks.active(self.preview_point)
-            o, p_hist, h = ops.gdn_preview(
-                mixed[:, c:], ring, conv_w, self.conv1d_right.weight[:, 0], state, self.block_scale,
-                self.history_bias, self.history_log_n, self.num_k_heads, self.head_k_dim, self.head_v_dim,
-                return_history=want_history)
+            right, scale, bias, coef = self.preview_weights(m)
+            o, p_hist, h = ops.gdn_preview(mixed[:, c:], ring, conv_w, right, state, scale, bias, coef,
+                                           self.num_k_heads, self.head_k_dim, self.head_v_dim,
+                                           return_history=want_history)
             if want_history:
                 self.hooks.fire(self.preview_point,
                                 GDNPreviewEvent(self.layer, ctx.positions[..., c:], p_hist, h, where=ctx.where))
@@ -153,9 +170,10 @@ class GatedDeltaNet(nn.Module):
         o_clean, rings, states = gdn_commit_blocks(mixed[:, :L], conv_w, g, beta, self.num_k_heads,
                                                    self.head_k_dim, self.head_v_dim, bs)
         noisy = mixed[:, L:].reshape(B * nb, bs, -1)
+        right, scale, bias, coef = self.preview_weights(bs)
         o_noisy, _, _ = ops.gdn_preview(
-            noisy, rings.reshape(B * nb, *rings.shape[2:]), conv_w, self.conv1d_right.weight[:, 0],
-            states.reshape(B * nb, *states.shape[2:]), self.block_scale, self.history_bias, self.history_log_n,
+            noisy, rings.reshape(B * nb, *rings.shape[2:]), conv_w, right,
+            states.reshape(B * nb, *states.shape[2:]), scale, bias, coef,
             self.num_k_heads, self.head_k_dim, self.head_v_dim)
         return torch.cat([o_clean, o_noisy.reshape(B, L, *o_noisy.shape[2:])], dim=1)
 

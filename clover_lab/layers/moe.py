@@ -92,7 +92,8 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Softmax router, renormalised top-k, routed experts plus a sigmoid-gated shared expert."""
+    """Softmax router, renormalised top-k, routed experts plus a sigmoid-gated shared expert
+    (none when ``config.num_shared_experts`` is 0)."""
 
     def __init__(self, config: CloverConfig, layer: int, hooks: HookRegistry):
         super().__init__()
@@ -102,12 +103,16 @@ class SparseMoE(nn.Module):
         self.num_experts = config.num_experts
         self.gate = Router(config)
         self.experts = Experts(config)
-        self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        if config.num_shared_experts:
+            self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
         self.route_point = points.layer_point(layer, points.MOE_ROUTE)
         # one GEMM for the router logits and the shared expert's gate and up (its one-column gate scalar
         # stays apart: a GEMV there, and columns of a GEMM differ from it in the last bit on the CPU)
-        self.projections = FusedProjections("gate", "shared_expert.gate_proj", "shared_expert.up_proj")
+        shared = ("shared_expert.gate_proj", "shared_expert.up_proj") if config.num_shared_experts else ()
+        self.projections = FusedProjections("gate", *shared)
 
     def route(self, logits: torch.Tensor, mode: str, ctx: ForwardContext, lo: int, hi: int, batch: int,
               dtype: torch.dtype):
@@ -148,7 +153,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, H = x.shape
-        logits, shared_gate, shared_up = self.projections(self, x)  # [B, T, E], [B, T, Is] twice
+        logits, *shared = self.projections(self, x)  # [B, T, E] (and [B, T, Is] twice with a shared expert)
         ids, weights = [], []
         for mode, lo, hi in (("commit", 0, ctx.c), ("preview", ctx.c, ctx.c + ctx.m)):
             if hi > lo:
@@ -159,9 +164,10 @@ class SparseMoE(nn.Module):
         weights = torch.cat(weights, dim=1).reshape(B * T, -1) if len(weights) > 1 else weights[0].reshape(B * T, -1)
         flat = x.reshape(B * T, H)
         coreset = None if ctx.coreset is None else ctx.coreset.experts.get(self.layer)
-        routed = self.experts(flat, ids, weights, coreset)
-        shared = self.shared_expert.down(shared_gate, shared_up)
-        return routed.view(B, T, H) + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        out = self.experts(flat, ids, weights, coreset).view(B, T, H)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.down(*shared)
+        return out
 
 
 def checked_route(event: RouteEvent, point: str, rows: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -107,6 +107,33 @@ def block_diffusion_loss(model: CloverModel, clean: torch.Tensor, settings: Trai
 
 
 @torch.no_grad()
+def masked_accuracy(model: CloverModel, clean: torch.Tensor, ratio: float, gen: torch.Generator,
+                    batch: int = 8, mask_id: int | None = None) -> tuple[float, float]:
+    """Each block of the windows ``clean`` [B, L] masked at exactly ``ratio`` (at least one token)
+    with ``mask_id`` (default: the config's) and previewed against the clean prefix: (the share of
+    masked tokens predicted right, the share predicted with confidence >= 0.9, their mean
+    negative log-likelihood in nats)."""
+    cfg = model.config
+    B, L = clean.shape
+    nb, bs = L // cfg.block_size, cfg.block_size
+    n_mask = max(1, round(ratio * bs))
+    order = torch.rand(B, nb, bs, generator=gen).argsort(-1)
+    masked = (order < n_mask).reshape(B, L).to(clean.device)  # drawn on the CPU: the same on any device
+    noisy = clean.masked_fill(masked, cfg.mask_token_id if mask_id is None else mask_id)
+    correct, confident, nll, total = 0, 0, 0.0, 0
+    for i in range(0, B, batch):
+        _, logits = model.training_forward(clean[i:i + batch], noisy[i:i + batch])
+        m = masked[i:i + batch]
+        logits, target = logits[m.to(logits.device)].float(), clean[i:i + batch][m].to(logits.device)
+        p, pred = logits.softmax(-1).max(-1)
+        correct += int((pred == target).sum())
+        confident += int((p >= 0.9).sum())
+        nll += float(F.cross_entropy(logits, target, reduction="sum"))
+        total += int(m.sum())
+    return correct / total, confident / total, nll / total
+
+
+@torch.no_grad()
 def evaluate(model: CloverModel, tokens: torch.Tensor, ratios=(0.25, 0.5, 0.75, 1.0), windows: int = 32,
              seq_len: int = 256, seed: int = 1234) -> dict:
     """Held-out figures: masked-token accuracy per mask ratio (each block masked at exactly that
@@ -117,23 +144,7 @@ def evaluate(model: CloverModel, tokens: torch.Tensor, ratios=(0.25, 0.5, 0.75, 
     clean = torch.stack([tokens[s:s + seq_len] for s in starts.tolist()]).long()
     out = {}
     for r in ratios:
-        B, L = clean.shape
-        nb, bs = L // cfg.block_size, cfg.block_size
-        n_mask = max(1, round(r * bs))
-        order = torch.rand(B, nb, bs, generator=gen).argsort(-1)
-        masked = (order < n_mask).reshape(B, L)
-        noisy = clean.masked_fill(masked, cfg.mask_token_id)
-        correct, confident, total = 0, 0, 0
-        for i in range(0, B, 8):
-            _, logits = model.training_forward(clean[i:i + 8], noisy[i:i + 8])
-            m = masked[i:i + 8]
-            probs = logits[m].float().softmax(-1)
-            p, pred = probs.max(-1)
-            correct += int((pred == clean[i:i + 8][m]).sum())
-            confident += int((p >= 0.9).sum())
-            total += int(m.sum())
-        out[f"mask_acc@{r}"] = correct / total
-        out[f"confident@{r}"] = confident / total
+        out[f"mask_acc@{r}"], out[f"confident@{r}"], _ = masked_accuracy(model, clean, r, gen)
     nll, count = 0.0, 0
     for i in range(0, clean.shape[0], 8):
         logits = model.logits(clean[i:i + 8])

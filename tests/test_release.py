@@ -1,0 +1,160 @@
+"""The published release's layout (spec 3.2.1): its architecture, config fields and the names and
+shapes of its four preview tensors, read and written."""
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import clover_lab
+from clover_lab import CheckpointError, CloverConfig, CloverModel, ConfigError
+from clover_lab.loading import RELEASE_NAMES, default_model_dir
+
+PROMPT = "def main():\n    "
+
+
+def release_copy(src, dst, transform=None):
+    """``src`` (a clover_lab checkpoint with the spec's earlier names) rewritten as the release
+    stores it: the four preview tensors renamed, the right taps [conv_dim, K-1], and config.json's
+    architectures, model_type and num_shared_experts as the release's converter reads them."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        layer, _, suffix = name.partition(".linear_attn.")
+        for release, param in RELEASE_NAMES.items():
+            if suffix and "linear_attn." + suffix == param:
+                name = f"{layer}.{release}"
+                t = t[:, 0].contiguous() if t.dim() == 3 else t
+        out[name] = t
+    if transform is not None:
+        out = transform(out)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config.update(architectures=["CloverMoeModelLM"], model_type="clover_moe", num_shared_experts=1)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return clover_lab.load()
+
+
+@pytest.fixture(scope="module")
+def release_dir(tmp_path_factory):
+    return release_copy(default_model_dir(), tmp_path_factory.mktemp("release") / "clover")
+
+
+def test_release_layout_loads_as_the_embedded_model(embedded, release_dir, gen_one_thread):
+    stored = load_file(str(release_dir / "model.safetensors"))
+    assert "model.layers.0.linear_attn.conv_right_weight" in stored
+    assert stored["model.layers.0.linear_attn.conv_right_weight"].dim() == 2
+    assert not any("conv1d_right" in n or n.endswith(".block_scale") for n in stored)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the preview weights are there: no "untrained" warning
+        engine = clover_lab.load(release_dir)
+    ids = torch.arange(2, 60)[None]
+    assert torch.equal(engine.model.logits(ids), embedded.model.logits(ids))
+    assert torch.equal(engine.model.denoise_logits(ids[:, :40], ids[:, 40:56]),
+                       embedded.model.denoise_logits(ids[:, :40], ids[:, 40:56]))
+    a = engine.generate(PROMPT, max_new_tokens=32)
+    b = embedded.generate(PROMPT, max_new_tokens=32)
+    assert a.token_ids == b.token_ids and a.text == b.text
+
+
+def test_save_writes_the_release_layout(embedded, release_dir, tmp_path):
+    model = CloverModel.from_pretrained(release_dir)
+    model.save_pretrained(tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["CloverMoeModelLM"] and config["model_type"] == "clover_moe"
+    assert config["num_shared_experts"] == 1
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    original = load_file(str(release_dir / "model.safetensors"))
+    assert saved.keys() == original.keys()
+    assert all(torch.equal(saved[n], original[n]) for n in saved)  # same names, shapes and values
+
+
+def test_scalar_softmax_parameters_broadcast(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path / "a")
+    path = tmp_path / "a"
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.linear_attn.bd_softmax_logit_scale"] = torch.tensor(1.5)
+    tensors["model.layers.0.linear_attn.bd_softmax_history_c"] = torch.tensor([0.25])
+    save_file(tensors, str(path / "model.safetensors"))
+    gdn = CloverModel.from_pretrained(path).model.layers[0].linear_attn
+    assert torch.equal(gdn.block_scale, torch.full((4,), 1.5))
+    assert torch.equal(gdn.history_log_n, torch.full((4,), 0.25))
+
+
+def test_old_names_and_three_dim_right_taps_stay_readable(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path / "a")
+    tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
+    old = {}
+    for name, t in tensors.items():
+        for release, param in RELEASE_NAMES.items():
+            if name.endswith(release):
+                name = name.removesuffix(release) + param
+                t = t[:, None] if t.dim() == 2 else t
+        old[name] = t.contiguous()
+    save_file(old, str(tmp_path / "a" / "model.safetensors"))
+    loaded = CloverModel.from_pretrained(tmp_path / "a")
+    ids = torch.arange(24)[None]
+    assert torch.equal(loaded.denoise_logits(ids[:, :8], ids[:, 8:]), tiny_model.denoise_logits(ids[:, :8], ids[:, 8:]))
+
+
+@pytest.mark.parametrize("name,shape", [("conv_right_weight", (4,)), ("conv_right_weight", (1, 3)),
+                                        ("bd_softmax_history_bias", (2,)), ("bd_softmax_logit_scale", (4, 1))])
+def test_release_tensor_of_no_accepted_shape(tiny_model, tmp_path, name, shape):
+    tiny_model.save_pretrained(tmp_path / "a")
+    tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
+    tensors[f"model.layers.1.linear_attn.{name}"] = torch.zeros(shape)
+    save_file(tensors, str(tmp_path / "a" / "model.safetensors"))
+    C = tiny_model.config.conv_dim
+    accepted = f"expected \\[{C}, 3\\] or \\[{C}, 1, 3\\]" if name == "conv_right_weight" else \
+        r"expected \[4\] or \[\] or \[1\]"
+    with pytest.raises(CheckpointError, match=rf"'model.layers.1.linear_attn.{name}' has shape "
+                                              rf"\[{', '.join(map(str, shape))}\], {accepted}"):
+        CloverModel.from_pretrained(tmp_path / "a")
+
+
+def test_old_and_release_name_for_one_parameter_is_an_error(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path / "a")
+    tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
+    tensors["model.layers.0.linear_attn.history_bias"] = torch.zeros(4)
+    save_file(tensors, str(tmp_path / "a" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="are both the parameter 'model.layers.0.linear_attn.history_bias'"):
+        CloverModel.from_pretrained(tmp_path / "a")
+
+
+# --------------------------------------------------------------------------- num_shared_experts
+def test_no_shared_expert(tmp_path):
+    with_shared = CloverModel.random("clover-tiny", seed=5)
+    without = CloverModel.random(CloverConfig.preset("clover-tiny", num_shared_experts=0), seed=5)
+    assert not any("shared_expert" in n for n, _ in without.named_parameters())
+    params = dict(without.named_parameters())
+    with torch.no_grad():
+        for name, p in with_shared.named_parameters():
+            if name in params:
+                p.copy_(params[name])
+            elif name.endswith("shared_expert.down_proj.weight"):
+                p.zero_()  # the shared expert adds nothing
+    ids = torch.arange(40)[None]
+    assert torch.equal(without.logits(ids), with_shared.logits(ids))
+    without.save_pretrained(tmp_path / "none")
+    assert json.loads((tmp_path / "none" / "config.json").read_text())["num_shared_experts"] == 0
+    loaded = CloverModel.from_pretrained(tmp_path / "none")
+    assert loaded.config.num_shared_experts == 0 and torch.equal(loaded.logits(ids), without.logits(ids))
+    config = json.loads((tmp_path / "none" / "config.json").read_text())
+    config["num_shared_experts"] = 1  # the config says one, the checkpoint has none
+    (tmp_path / "none" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"tensors missing .*shared_expert"):
+        CloverModel.from_pretrained(tmp_path / "none")
+
+
+@pytest.mark.parametrize("value", [2, -1, True, 1.0, "1"])
+def test_num_shared_experts_other_than_zero_or_one(value):
+    with pytest.raises(ConfigError, match="num_shared_experts.*must be 1 .* or 0"):
+        CloverConfig.preset("clover-tiny", num_shared_experts=value)
