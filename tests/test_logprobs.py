@@ -76,3 +76,15 @@ def test_nothing_computed_without_logprobs(tiny_engine, monkeypatch):
         assert r.logprobs is None and r.top_logprobs is None and len(r.unmask_steps) == 20
     with pytest.raises(AssertionError, match="not asked for"):
         tiny_engine.generate(PROMPT, max_new_tokens=4, logprobs=0)
+
+
+def test_speculative_mode_refuses_logprobs_and_reports_no_unmask_step(tiny_engine):
+    """Speculative tokens are the causal pass's: no denoising step unmasked them, and their
+    log-probabilities are not reported yet (refused up front, not a list of the wrong length)."""
+    from clover_lab.engine.requests import GenerationError
+
+    with pytest.raises(GenerationError, match="logprobs"):
+        tiny_engine.generate([1, 2, 3], mode="speculative", max_new_tokens=8, logprobs=1)
+    r = tiny_engine.generate([1, 2, 3], mode="speculative", max_new_tokens=8)
+    assert r.unmask_steps == [None] * len(r.token_ids) and r.logprobs is None
+    assert tiny_engine.generate([1, 2, 3], mode="ar", max_new_tokens=4).token_ids  # still usable

@@ -207,7 +207,7 @@ BAD = [
     ({"model": NAME, "prompt": "x", "clover": {"nope": 1}}, "clover.nope"),
     ({"model": NAME, "prompt": "x", "clover": {"trace": ["no.such.point"]}}, "clover.trace"),
     ({"model": NAME, "prompt": "x", "clover": {"stream_provisional": True}}, "clover.stream_provisional"),
-    ({"model": NAME, "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": NAME, "prompt": "x", "logprobs": 99}, "logprobs"),
     ({"model": "gpt-4", "prompt": "x"}, "model"),
 ]
 
@@ -218,6 +218,33 @@ def test_bad_bodies_get_4xx_json_naming_the_field(server, body, param):
     assert 400 <= r.status_code < 500, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_log_probabilities_are_the_engines_in_openais_shapes(server, client, engine):
+    """Completions (logprobs=K), chat (logprobs + top_logprobs) and a stream's last chunk carry
+    engine.generate's log-probabilities of the response tokens, named by their text."""
+    ref = engine.generate(PROMPTS[0], max_new_tokens=8, logprobs=2)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == ref.text and lp.token_logprobs == pytest.approx(ref.logprobs)
+    assert lp.tokens == [engine.tokenizer.decode([t]) for t in ref.token_ids] and len(lp.text_offset) == len(lp.tokens)
+    assert [v for top in lp.top_logprobs for v in top.values()] == pytest.approx(
+        [v for top in ref.top_logprobs for _, v in top])
+    chat = [{"role": "user", "content": "write a loop"}]
+    cref = engine.generate(chat, max_new_tokens=8, logprobs=1)
+    c = client.chat.completions.create(model=NAME, messages=chat, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=1)
+    content = c.choices[0].logprobs.content
+    assert [e.logprob for e in content] == pytest.approx(cref.logprobs)
+    assert [len(e.top_logprobs) for e in content] == [1] * len(cref.token_ids)
+    events = [json.loads(line[6:]) for line in httpx.post(server[0] + "/v1/completions", timeout=60, json={
+        "model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "logprobs": 0, "stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    last = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]
+    assert last["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(ref.logprobs)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=chat, max_tokens=4, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
 
 
 def test_bad_chat_bodies_and_invalid_json(server, client):

@@ -253,6 +253,9 @@ class Engine:
             raise GenerationError(f"sampled speculative decoding takes draft_passes=1 (got {s.draft_passes}): the "
                                   f"acceptance rule needs each drafted token's own distribution, which only a one-pass "
                                   f"draft gives")
+        if mode == "speculative" and s.logprobs is not None:
+            raise GenerationError("logprobs: not reported in speculative mode yet; its greedy tokens are AR's, and "
+                                  "mode='ar' reports them with their log-probabilities")
         check_coreset(self.model.config, s.coreset_size)
         check_mode_settings(mode, sampler)
         stop = stop_list(stop, self.tokenizer)

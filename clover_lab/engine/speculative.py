@@ -173,7 +173,9 @@ class DraftLoop:
             n, self.next[row.index] = speculative_accept(torch.tensor(drafted, device=rows.device, dtype=torch.long),
                                                          q, p, row.generator)
         kept, reason = 0, "length"
+        row.info.forget()  # the draft's unmask notes: its tokens join as the causal pass's
         for t in [block.host[0]] + drafted[:n]:
+            row.info.add(None)  # no denoising step unmasked it; log-probabilities are refused up front
             if row.counts is not None:
                 row.counts[t] += 1
             row.committed.append(t)

@@ -50,6 +50,11 @@ class TokenInfo:
         for p, d in zip(chosen, details):
             notes[p] = (step, *d)
 
+    def forget(self) -> None:
+        """Drop the notes of blocks that do not join the response as noted (a speculative draft:
+        its accepted tokens are the causal pass's, added one by one)."""
+        self._blocks.clear()
+
     def take(self, count: int) -> None:
         """The oldest block noted joins the response with its first ``count`` positions."""
         notes = self._blocks.popleft()[1] if self._blocks else {}

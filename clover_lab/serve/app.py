@@ -84,23 +84,25 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request):
         _model(body, model_name)
-        if body.logprobs is not None:
-            raise _no_logprobs("logprobs")
         p = body.prompt
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else p
-        jobs = make_jobs(engine, body, prompts, "prompt", "cmpl", max_tokens=body.max_tokens)
-        return await _answer(request, scheduler, metrics, jobs, body, R.Shape(False, jobs[0].id, model_name))
+        jobs = make_jobs(engine, body, prompts, "prompt", "cmpl", max_tokens=body.max_tokens,
+                         logprobs=(body.logprobs, "logprobs"))
+        return await _answer(request, scheduler, metrics, jobs, body,
+                             R.Shape(False, jobs[0].id, model_name, engine.tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatRequest, request: Request):
         _model(body, model_name)
-        if body.logprobs or body.top_logprobs:
-            raise _no_logprobs("logprobs" if body.logprobs else "top_logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         limit, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
                         is not None else (body.max_tokens, "max_tokens"))
         jobs = make_jobs(engine, body, [schemas.chat_messages(body)], "messages", "chatcmpl",
-                         thinking=schemas.thinking(body), max_tokens_param=param, max_tokens=limit)
-        return await _answer(request, scheduler, metrics, jobs, body, R.Shape(True, jobs[0].id, model_name))
+                         thinking=schemas.thinking(body), max_tokens_param=param, max_tokens=limit,
+                         logprobs=((body.top_logprobs or 0) if body.logprobs else None, "logprobs"))
+        return await _answer(request, scheduler, metrics, jobs, body,
+                             R.Shape(True, jobs[0].id, model_name, engine.tokenizer))
 
     return app
 
@@ -112,11 +114,6 @@ def _model(body, model_name: str) -> None:
     if body.model != model_name:
         raise RequestError(f"model {body.model!r} is not served here; this server serves {model_name!r} "
                            f"(GET /v1/models)", "model", status=404, code="model_not_found")
-
-
-def _no_logprobs(param: str) -> RequestError:
-    return RequestError(f"{param}: this engine does not report log-probabilities yet", param,
-                        code="unsupported_parameter")
 
 
 def _trace(scheduler, rid: str) -> Path:
@@ -206,7 +203,8 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
                 done = {"kind": "done", "stop_reason": r.stop_reason, "stats": r.stats.to_dict()}
                 if job.trace_points is not None:
                     done["trace_id"] = job.id
-                yield R.sse(shape.chunk(i, texts[i].final(r.text), R.finish_reason(r.stop_reason), clover=done))
+                yield R.sse(shape.chunk(i, texts[i].final(r.text), R.finish_reason(r.stop_reason), clover=done,
+                                        result=r))
         if len(results) == len(jobs):
             _observe(metrics, started, first)
             if body.stream_options is not None and body.stream_options.include_usage:

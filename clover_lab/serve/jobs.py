@@ -118,12 +118,15 @@ def trace_points(engine, option) -> list[str] | None:
 
 def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str, prefix: str,
               thinking: bool | None = None, max_tokens_param: str = "max_tokens",
-              max_tokens: int | None = None) -> list[Job]:
-    """The jobs of one request: one per prompt, every check done."""
+              max_tokens: int | None = None, logprobs: tuple[int | None, str] = (None, "logprobs")) -> list[Job]:
+    """The jobs of one request: one per prompt, every check done. ``logprobs``: how many
+    alternatives per token (None: no log-probabilities), and the field that asks."""
     opts = request.clover
     mode = opts.mode or "diffusion"
     max_new = max_tokens if max_tokens is not None else engine.max_new_tokens
     settings = sampler_settings(engine, request)
+    if logprobs[0] is not None:
+        settings = SamplerSettings.from_kwargs(settings, logprobs=logprobs[0])
     try:
         stop = stop_list(request.stop, engine.tokenizer)
     except GenerationError as e:

@@ -54,19 +54,22 @@ class TextStream:
 class Shape:
     """The response shapes of one endpoint: ``chat`` (chat.completion) or not (text_completion)."""
 
-    def __init__(self, chat: bool, rid: str, model: str):
+    def __init__(self, chat: bool, rid: str, model: str, tokenizer=None):
         self.chat, self.id, self.model, self.created = chat, rid, model, int(time.time())
+        self.tokenizer = tokenizer  # names the tokens of log-probabilities
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, index: int, text: str, finish: str | None = None, clover: dict | None = None,
-              first: bool = False) -> dict:
+              first: bool = False, result=None) -> dict:
+        """A stream chunk; ``result`` (the last chunk's) brings the response's log-probabilities, if asked."""
+        lp = None if result is None else self.logprobs(result)
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if clover is not None:
             out["clover"] = clover
@@ -79,11 +82,33 @@ class Shape:
     def response(self, results, texts: list[str], trace: bool) -> dict:
         choices = []
         for i, (r, text) in enumerate(zip(results, texts)):
-            c = {"index": i, "logprobs": None, "finish_reason": finish_reason(r.stop_reason)}
+            c = {"index": i, "logprobs": self.logprobs(r), "finish_reason": finish_reason(r.stop_reason)}
             c.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
             choices.append(c)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": usage(results), "clover": clover_summary(self.id, results, trace)}
+
+
+    def logprobs(self, result) -> dict | None:
+        """The response tokens' log-probabilities (``GenerationResult.logprobs``: under the
+        distribution each was chosen from) in OpenAI's shape for the endpoint; None unless asked."""
+        if result.logprobs is None:
+            return None
+        piece = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        tops = result.top_logprobs or [None] * len(result.logprobs)
+        tokens = [piece(t) for t in result.token_ids]
+        if self.chat:
+            def entry(text, lp):
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"content": [{**entry(text, lp), "top_logprobs": [entry(piece(t), v) for t, v in (top or [])]}
+                                for text, lp, top in zip(tokens, result.logprobs, tops)]}
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": list(result.logprobs),
+                "top_logprobs": None if result.top_logprobs is None else [{piece(t): v for t, v in top} for top in tops],
+                "text_offset": offsets}
 
 
 def usage(results) -> dict:
