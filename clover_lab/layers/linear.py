@@ -60,7 +60,7 @@ class FusedProjections:
         one dtype); returns whether the fused GEMM is on."""
         self.weight, self.packed, self._parts = None, None, []
         mods = self.modules(owner)
-        ws = [getattr(m, "weight", None) for m in mods]
+        ws = [m._parameters.get("weight") for m in mods]  # a wrapper (peft LoRA) holds none: not fused
         if (any(not isinstance(w, nn.Parameter) or w.dim() != 2 or getattr(m, "bias", None) is not None
                 for m, w in zip(mods, ws))
                 or len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1 or ws[0].is_meta
@@ -89,5 +89,6 @@ class FusedProjections:
         if self.active(owner, x):
             y = ops.linear(x, self.weight, packed=self.packed)
             return list(y.split([m.weight.shape[0] for m, _ in self._parts], dim=-1))
-        return [m(x) if isinstance(m, nn.Linear) else ops.linear(x, m.weight, packed=getattr(m, "packed", None))
-                for m in self.modules(owner)]
+        # a module that holds no weight of its own (a peft LoRA wrapper) runs its own forward: the adapter too
+        return [m(x) if isinstance(m, nn.Linear) or "weight" not in m._parameters
+                else ops.linear(x, m.weight, packed=getattr(m, "packed", None)) for m in self.modules(owner)]
