@@ -42,7 +42,7 @@ README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
                 "06_patching_and_lens": [(".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")]}
 # notebooks whose views watch a generation live (their content must change while it runs); 03's and
 # 04's views did not change between this test's polls on a loaded 2-core machine: not asserted yet
-LIVE = {"01_quickstart", "02_denoising"}  # 05 redrew only once in a run on a loaded 2-core machine
+LIVE = {"02_denoising"}  # 05 redrew only once in a run on a loaded 2-core machine; 01: its dashboard test
 
 pytestmark = [
     pytest.mark.skipif(not Path(CHROMIUM).exists(),
@@ -271,8 +271,9 @@ def test_notebook_in_jupyterlab(lab, page, tmp_path, notebook):
 
 def test_dashboard_in_jupyterlab(lab, page, tmp_path):
     notebook = ROOT / "notebooks" / "01_quickstart.ipynb"
-    redraws = run_all(page, lab, notebook, watch_live=True)
-    assert redraws >= 3, f"the dashboard did not redraw while its generation ran ({redraws} states)"
+    # its live check is the run started from the browser below (Run All's first generation can end
+    # before the first poll: 0 states were seen on a 2-core machine)
+    run_all(page, lab, notebook, watch_live=False)
 
     dash = page.locator(".clover-dashboard").first
     dash.wait_for(timeout=60_000)
