@@ -35,8 +35,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
          "--disable-sync", "--no-first-run"]
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-WINDOW = {"width": 1400, "height": 7000}  # 1400 px wide (~1000 px of notebook with the file browser open);
-# tall: JupyterLab draws a plotly FigureWidget that starts out of view empty, and it stays empty
+WINDOW = {"width": 1400, "height": 7000}  # 1400 px wide (~1000 px of notebook with the file browser open)
 # the README's pictures: notebook -> (selector, file name)
 README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
                 "06_patching_and_lens": [(".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")]}
@@ -192,6 +191,22 @@ CLIPPED_LEGENDS = """() => {
 }"""
 
 
+# per plotly figure of a view: its view's class and how many traces it drew (scatter/bar traces,
+# heatmap images); an anywidget model dropped at load time leaves empty axes and 0 here
+DRAWN = """() => [...document.querySelectorAll('.clover-view .js-plotly-plot')].map(p => ({
+  view: [...p.closest('.clover-view').classList].filter(c => c.startsWith('clover-') && c !== 'clover-view').join(' '),
+  title: ((p.querySelector('.gtitle') || {}).textContent || ''),
+  drawn: p.querySelectorAll('.plot .trace, .plot image').length}))"""
+
+
+def undrawn_views(page) -> list[str]:
+    """Views none of whose figures drew anything."""
+    views: dict[str, int] = {}
+    for fig in page.evaluate(DRAWN):
+        views[fig["view"]] = views.get(fig["view"], 0) + fig["drawn"]
+    return [v for v, n in views.items() if n == 0]
+
+
 def run_all(page, lab, notebook: Path, watch_live: bool) -> int:
     """Open ``notebook`` in JupyterLab, Run All and wait for every cell; returns how many times the
     most changing view redrew meanwhile (0 when not watched). Fails on any traceback."""
@@ -260,6 +275,7 @@ def test_notebook_in_jupyterlab(lab, page, tmp_path, notebook):
     # after Run All every view is still on screen with its figure (detaching closes nothing)
     page.wait_for_timeout(1000)
     check_outputs(page, notebook)
+    assert not undrawn_views(page), f"{notebook.name}: views with empty figures: {undrawn_views(page)}"
     folder = shots_dir(tmp_path, notebook.stem)
     photograph_everything(page, folder, notebook.stem)  # 07 shows plain figures (fig.show()), not widgets
     readme = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else folder
@@ -306,6 +322,10 @@ def test_dashboard_in_jupyterlab(lab, page, tmp_path):
         timeout=60_000)
     page.wait_for_timeout(1000)
     check_outputs(page, notebook)
+    # every figure of the dashboard drew its data after a block-diffusion run (they showed empty
+    # axes when anywidget dropped figures that took over 2 s to load: clover_lab/widgets/figure.py)
+    empty = [f"{f['view']}: {f['title']!r}" for f in page.evaluate(DRAWN) if f["drawn"] == 0]
+    assert not empty, f"figures with nothing drawn: {empty}"
     folder = shots_dir(tmp_path, notebook.stem)
     photograph_everything(page, folder, notebook.stem)
     readme = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else folder

@@ -30,8 +30,9 @@ class PatchingView(View):
     def _build(self):
         import ipywidgets as W
         import plotly.graph_objects as go
+        from .figure import Figure
 
-        self.fig = go.FigureWidget(go.Heatmap(z=[[0.0]], colorscale="RdBu", zmid=0))
+        self.fig = Figure(go.Heatmap(z=[[0.0]], colorscale="RdBu", zmid=0))
         self.fig.update_layout(height=360, width=640, margin=dict(l=60, r=10, t=40, b=50))
         self.caption = W.HTML()
         return W.VBox([self.fig, self.caption])
