@@ -239,7 +239,7 @@ class ExpertView(View):
         if tok is None:
             where = "prompt" if first is None or pos < first else "response"
             return f"{pos}: ({where})"
-        tokenizer = self.engine.tokenizer if self.engine is not None else None
+        tokenizer = self.token_source()
         return f"{pos}: {visible(token_piece(tokenizer, tok, self._pieces), 18)}"
 
     def _token_options(self, s):
