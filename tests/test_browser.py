@@ -160,7 +160,7 @@ ALL_RUN = """() => {
 
 # per live view: a digest of what it shows now (its figures' data paths, grids and tables)
 VIEW_STATES = """() => [...document.querySelectorAll('.clover-view')].map(v => {
-  const parts = [...v.querySelectorAll('.js-plotly-plot .plot path, .js-plotly-plot .plot image, .clover-grid, table')]
+  const parts = [...v.querySelectorAll('.js-plotly-plot .trace path, .js-plotly-plot .hm image, .clover-grid, table')]
       .map(e => e.getAttribute('d') || e.getAttribute('href') || e.innerHTML).join('|');
   let h = 0;
   for (let i = 0; i < parts.length; i++) h = (h * 31 + parts.charCodeAt(i)) | 0;
@@ -196,7 +196,8 @@ CLIPPED_LEGENDS = """() => {
 DRAWN = """() => [...document.querySelectorAll('.clover-view .js-plotly-plot')].map(p => ({
   view: [...p.closest('.clover-view').classList].filter(c => c.startsWith('clover-') && c !== 'clover-view').join(' '),
   title: ((p.querySelector('.gtitle') || {}).textContent || ''),
-  drawn: p.querySelectorAll('.plot .trace, .plot image').length}))"""
+  drawn: [...p.querySelectorAll('.trace path, .hm image')]
+      .filter(e => e.tagName === 'image' || (e.getAttribute('d') || '').length > 2).length}))"""
 
 
 def undrawn_views(page) -> list[str]:
