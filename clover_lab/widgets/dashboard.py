@@ -78,7 +78,7 @@ class Dashboard:
                                              ("speculative", "speculative")], value="diffusion",
                                     tooltips=["blocks resolved by previews, under the policy",
                                               "one token per forward", "AR's greedy answer from drafted blocks"],
-                                    style={"button_width": "110px"})
+                                    style={"button_width": "128px"})
         # block diffusion's decoding rule: a registered policy (engine/policies.py) and its settings,
         # in the CLI's --policy form ("k=2", "k=1/2/4", "gamma=0.5"); checked before a run starts
         self.policy = W.Dropdown(options=list(POLICIES), value="threshold", description="policy", style=wide,
