@@ -1,6 +1,7 @@
 """The op table (clover_kernels/ops.py): one row per op, its torch reference beside its Triton
 implementation; a kernel that fails to import warns the first time it is needed."""
 import importlib
+import importlib.util
 import inspect
 import sys
 import warnings
@@ -74,3 +75,7 @@ def test_torch_only_arguments_never_reach_the_kernel(monkeypatch):
     clover_kernels.moe_experts(x, ids, wts, gu, dn, "packed")
     clover_kernels.moe_experts(x, ids, wts, gu, dn, packed="packed")
     assert seen == [(5, {}), (5, {})]
+
+
+def test_the_sm90_compile_gate_is_not_part_of_the_installed_package():
+    assert importlib.util.find_spec("clover_kernels.compile_check") is None
