@@ -39,9 +39,9 @@ WINDOW = {"width": 1400, "height": 7000}  # 1400 px wide (~1000 px of notebook w
 # the README's pictures: notebook -> (selector, file name)
 README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
                 "06_patching_and_lens": [(".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")]}
-# notebooks whose views watch a generation live (their content must change while it runs); 03's and
-# 04's views did not change between this test's polls on a loaded 2-core machine: not asserted yet
-LIVE = {"02_denoising"}  # 05 redrew only once in a run on a loaded 2-core machine; 01: its dashboard test
+# notebooks whose views watch a generation live (their content must change while it runs: their
+# figures' drawn marks, grids and tables, polled every 150 ms); 01: its dashboard test
+LIVE = {"02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed"}
 
 pytestmark = [
     pytest.mark.skipif(not Path(CHROMIUM).exists(),
