@@ -37,7 +37,7 @@ class PatchingView(View):
         from .figure import Figure
 
         self.fig = Figure(go.Heatmap(z=[[0.0]], colorscale="RdBu", zmid=0))
-        self.fig.update_layout(height=380, width=640, margin=dict(l=60, r=10, t=40, b=75))
+        self.fig.update_layout(height=400, width=640, margin=dict(l=60, r=10, t=40, b=100))  # room for the blank note
         self.caption = W.HTML()
         return W.VBox([self.fig, self.caption])
 
