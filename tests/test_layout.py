@@ -4,9 +4,25 @@ import ast
 import re
 from pathlib import Path
 
+from clover_lab.hooks import points as P
+
 PACKAGE = Path(__file__).resolve().parent.parent / "clover_lab"
-POINT_NAME = re.compile(r"^(layers\.(\d+|\*)\.)?(moe\.route|gdn\.preview|gdn\.state|attn\.output|gdn\.output|moe\.output)$"
-                        r"|^layers\.(\d+|\*)\.(input|output)$|^(denoise\.step|block\.commit|final_norm\.output)$")
+
+
+def point_name_pattern() -> re.Pattern:
+    """A string spelling a declared point: ``layers.3.moe.route``, ``layers.*.moe.route``, a bare
+    dotted layer kind (``moe.route``; one-word kinds such as ``output`` are ordinary words), or an
+    engine / final point (``denoise.step``)."""
+    alternatives = []
+    for point in P.DECLARED.values():
+        kind = re.escape(point.kind)
+        if not point.per_layer:
+            alternatives.append(kind)
+        elif "." in point.kind:
+            alternatives.append(rf"(layers\.(\d+|\*)\.)?{kind}")
+        else:
+            alternatives.append(rf"layers\.(\d+|\*)\.{kind}")
+    return re.compile("|".join(f"^{a}$" for a in alternatives))
 
 
 def module_name(path: Path) -> str:
@@ -62,11 +78,12 @@ def test_no_import_cycles():
 
 
 def test_hook_point_names_are_spelled_in_one_module():
+    point_name = point_name_pattern()
     spelled = []
     for path in PACKAGE.rglob("*.py"):
         if path.relative_to(PACKAGE).as_posix() == "hooks/points.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and POINT_NAME.match(node.value):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and point_name.match(node.value):
                 spelled.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}")
     assert not spelled, "hook point names outside clover_lab/hooks/points.py:\n" + "\n".join(spelled)
