@@ -139,3 +139,24 @@ def test_a_point_is_declared_once():
     with pytest.raises(clover_lab.CloverError, match="names the layer types"):
         P.declare("layers.{i}.nowhere", ProbeEvent, {})
     assert "layers.{i}.nowhere" not in P.DECLARED and "nowhere" not in P.DECLARED
+
+
+def test_a_trace_saved_before_the_declarations_still_loads(tmp_path):
+    """tests/data/trace_before_declarations: saved by main at 7be12bb (before points.py declared
+    the points), clover-tiny seed 3, block_size 4, a batch [[1, 2, 3], [5]], 6 new tokens,
+    threshold 0.5, points denoise.step, block.commit, layers.0.*, layers.3.*, final_norm.output."""
+    from pathlib import Path
+
+    from clover_lab.lens.routing import routing_lens
+
+    trace = clover_lab.load_trace(Path(__file__).parent / "data" / "trace_before_declarations")
+    kinds = {P.parse(r.point)[1] for r in trace.records}
+    assert kinds == {"denoise.step", "block.commit", "final_norm.output", "input", "gdn.state", "gdn.preview",
+                     "gdn.output", "attn.output", "moe.route", "moe.output", "output"}
+    assert all(P.declaration(r.point) is not None for r in trace.records)
+    batched = [r for r in trace.records if r.rows is not None and len(r.rows) == 2]
+    assert batched and all(isinstance(P.rebuild(r.point, r.data, r.where).for_row(1), P.declaration(r.point).event)
+                           for r in batched)
+    assert routing_lens(trace, row=1).rows
+    trace.save(tmp_path / "again")
+    assert trace.diff(clover_lab.load_trace(tmp_path / "again")) is None
