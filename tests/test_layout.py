@@ -95,3 +95,10 @@ def test_hook_point_names_are_spelled_in_one_module():
                 spelled.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}")
     assert not spelled, "hook point names outside clover_lab/hooks/points.py:\n" + "\n".join(spelled)
 
+
+
+def test_no_module_is_over_400_lines():
+    """Small modules, one concept each: a module past the limit is split by concept."""
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for package in (PACKAGE, KERNELS) for p in sorted(package.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
