@@ -13,7 +13,6 @@ from clover_lab import Engine
 from clover_lab.hooks import points as P
 from clover_lab.hooks.events import Event, _RowsOfOneMode
 
-from conftest import make_gen_model
 from test_layout import point_name_pattern
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
@@ -36,14 +35,14 @@ class ProbeEvent(_RowsOfOneMode, Event):
 
 
 @pytest.fixture
-def probe(monkeypatch):
+def probe(monkeypatch, new_gen_model):
     """Declares ``layers.{i}.probe.rms`` for this test only, and an engine built after it with the
     point's fire site: a permanent hook on each layer's output that fires the probe when it has hooks."""
     monkeypatch.setattr(P, "DECLARED", dict(P.DECLARED))
     kind = P.declare("layers.{i}.probe.rms", ProbeEvent, layer_types=("linear_attention", "full_attention"),
                      fields=dict(layer=P.value(int), mode=P.value(str, choices=P.MODES),
                                  positions=P.tensor(P.INT, (1, 2)), rms=P.tensor(P.FLOAT, 2, clone=True)))
-    model = make_gen_model()
+    model = new_gen_model()
     hooks = model.hooks
 
     def fire_site(ev):
