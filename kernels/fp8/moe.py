@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ..moe.common import down_block, gate_up_block
 from ..moe.fused import BLOCK_M, _tile, launch_buffers
+from .gemm import k_step
 
 
 @triton.jit
@@ -32,11 +33,9 @@ def _down_fp8_kernel(act_ptr, dn_ptr, ds_ptr, pair_ptr, blk_e_ptr, wt_ptr, y_ptr
 
 
 def _bk(n: int, bk_quant: int, cap: int) -> int:
-    """A K step: a power of two <= cap that divides the quantization block's columns."""
-    bk = min(_tile(n, cap), bk_quant)
-    while bk_quant % bk:
-        bk //= 2
-    return bk
+    """A K step over n columns: ``gemm.k_step`` (a power of two dividing the quantization block's
+    columns), no wider than n needs."""
+    return k_step(bk_quant, _tile(n, cap))
 
 
 def moe_experts(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale, block):
