@@ -5,8 +5,8 @@
 routed to are gathered into the device's staging buffer and copied onto the layer's device in one
 asynchronous copy on a side stream (``staging.py``), and the experts op runs on them, with the
 routed ids renumbered into the staged set; experts nobody picked are never copied. While a layer
-runs, the next offloaded layer's experts are prefetched: those it was routed to in its last
-forward (consecutive previews of a block route alike), when they fit the one layer's staging
+runs, the next offloaded layer's experts are prefetched: those its last two forwards were both
+routed to (consecutive previews of a block route alike), when they fit the one layer's staging
 room the plan reserves; the next layer then copies only what the prefetch missed. With an expert
 coreset (spec 3.3) a block's experts are known after its first preview: the store then stages
 the coreset once and keeps it for the block, so the later previews of the block, which route only
@@ -41,7 +41,8 @@ class ExpertStore:
         self._experts = None  # the module, once it ran (what a prefetch reads)
         self._held: tuple | None = None  # (coreset ids, Staged) for the current block
         self._prefetch: Staged | None = None
-        self._last: list[int] = []  # experts the last forward staged (beyond the held coreset)
+        self._hits: tuple[list[int], list[int]] = ([], [])  # the last two forwards' experts (beyond the coreset)
+        self._last: list[int] = []  # the prediction: experts both of them were routed to
         self._coreset_key, self._coreset_list = None, []
 
     def run(self, experts, x, expert_ids, weights, coreset: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,7 +67,9 @@ class ExpertStore:
         if pre is not None and pre in parts:
             self.prefetch_used += sum(e in set(hit) for e in pre.ids)
         self.fetches += bool(new) or (pre is not None and pre in parts)
-        self._last = [e for e in hit if not (self._held and e in set(self._held[1].ids))]
+        beyond = [e for e in hit if not (self._held and e in set(self._held[1].ids))]
+        self._hits = (self._hits[1], beyond)
+        self._last = [e for e in beyond if e in set(self._hits[0])]
         ids, tensors = _joined(parts or [self._stage(host, [])])
         pinned = self.staging.pinned  # page-locked: the ids' copy does not wait for the host
         lookup = torch.full((num_experts,), -1, dtype=torch.long, pin_memory=pinned)
@@ -86,8 +89,9 @@ class ExpertStore:
         return self._coreset_list
 
     def prefetch(self, room: int) -> None:
-        """Copy ahead the experts this layer's last forward staged (not the held coreset), when
-        there are at most ``room`` of them and none are prefetched yet."""
+        """Copy ahead the experts this layer's last two forwards were both routed to (not the held
+        coreset: experts routed to twice in a row are the likely ones), when there are at most
+        ``room`` of them and none are prefetched yet."""
         if self._experts is None or self._prefetch is not None or not self._last or len(self._last) > room:
             return
         self._prefetch = self._stage(self._experts.expert_tensors(), self._last)
@@ -100,7 +104,7 @@ class ExpertStore:
     def release(self) -> None:
         """Drop the held coreset and any prefetch (their device memory), e.g. between generations."""
         self._held = self._prefetch = self._coreset_key = None
-        self._last = []
+        self._last, self._hits = [], ([], [])
 
 
 def _joined(parts: list[Staged]) -> tuple[list[int], dict[str, torch.Tensor]]:
