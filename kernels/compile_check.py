@@ -372,8 +372,33 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
             yield "moe_experts", label, T, ("moe_experts", (
                 _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
                 _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
+        yield from _moe_tile_calls(label, dt, d, fp8=False)
         if label in FP8_DTYPES:  # FP8 checkpoints: FP8 weights, bf16 / fp16 activations
             yield from _fp8_calls(label, dt, d, rows)
+            yield from _moe_tile_calls(label, dt, d, fp8=True)
+
+
+def moe_tile_rows(d=DIMS_35B) -> dict:
+    """{row-block height: a token count whose pairs per expert choose it} (moe.fused.block_m)."""
+    from .moe.fused import BLOCK_MS
+
+    return {bm: bm * d["experts"] // d["top_k"] for bm in BLOCK_MS}
+
+
+def _moe_tile_calls(label, dt, d, fp8: bool):
+    """The routed experts at one token count per tile choice (decode/block heights to prefill's)."""
+    H, E, k, I = d["hidden"], d["experts"], d["top_k"], d["expert_width"]
+    for T in moe_tile_rows(d).values():
+        if not fp8:
+            yield "moe_experts", label, T, ("moe_experts", (
+                _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
+                _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
+            continue
+        f8, f32, q = torch.float8_e4m3fn, torch.float32, FP8_BLOCK
+        yield "moe_experts_fp8", label, T, ("moe_experts_fp8", (
+            _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
+            _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
+            _meta(E, 2 * -(-I // q), -(-H // q), dtype=f32), _meta(E, -(-H // q), -(-I // q), dtype=f32), (q, q)))
 
 
 # the 35B's quantized linears as (out, in) features: q (query + gate), k / v, o, GDN in_proj_qkv,
