@@ -10,6 +10,8 @@ staging buffers. On a CPU the "device" is the CPU: counts and bytes are those a 
 times are not measured.
 
     python bench/bench_offload.py [--model DIR] [--tokens N] [--json FILE]
+
+Figures: bench/results/offload-default-model-cpu-2026-12-01.json (the README's table).
 """
 from __future__ import annotations
 
