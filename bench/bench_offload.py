@@ -84,7 +84,8 @@ def main(argv=None) -> int:
           f"{'KiB/layer':>9} {'prefetched':>10} {'used':>6}")
     for r in rows:
         share = "-" if r["prefetch_used_share"] is None else f"{r['prefetch_used_share']:.2f}"
-        print(f"{r['mode']:<10} {str(r['coreset']):>7} {str(r['prefetch']):>8} {r['forwards']:>4} {r['copies_per_layer_forward']:>12.2f} "
+        print(f"{r['mode']:<10} {str(r['coreset']):>7} {str(r['prefetch']):>8} {r['forwards']:>4} "
+              f"{r['copies_per_layer_forward']:>12.2f} "
               f"{r['former_copies_per_layer_forward']:>7.1f} {r['experts_per_layer_forward']:>8.2f} "
               f"{r['kib_per_layer_forward']:>9.1f} {r['prefetched_experts']:>10} {share:>6}")
     if args.json:

@@ -381,7 +381,7 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
 
 def moe_tile_rows(d=DIMS_35B) -> dict:
     """{row-block height: a token count whose pairs per expert choose it} (moe.fused.block_m)."""
-    from .moe.fused import BLOCK_MS
+    from clover_kernels.moe.fused import BLOCK_MS
 
     return {bm: bm * d["experts"] // d["top_k"] for bm in BLOCK_MS}
 

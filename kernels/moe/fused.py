@@ -32,7 +32,7 @@ BLOCK_M = 16  # rows per expert block at decode and block steps: tl.dot's minimu
 # x top-8 over 256 experts: 256 pairs per expert) re-read them 16 times at 16 rows. BM follows the
 # mean pairs per expert, T*k / E: a function of the shapes alone (no host sync, static in a graph).
 # Per BM, (BN, BK, num_warps) of the gate/up kernel, then of the down kernel: each compiles for
-# sm_90 without spills in bf16 and fp16 (kernels/compile_check.py; the fp8 kernels: fp8/moe.py).
+# sm_90 without spills in bf16 and fp16, and in fp32 with TILES_FP32 (bench/compile_check.py; fp8: fp8/moe.py).
 TILES = {16: ((None, 128, 4), (128, 128, 4)), 32: ((None, 128, 4), (128, 128, 4)),
          64: ((64, 64, 8), (128, 64, 8)), 128: ((64, 32, 8), (128, 32, 8))}
 # fp32 activations (ieee dots hold more registers) spill those at 32 rows (255 registers, 220 B) and
