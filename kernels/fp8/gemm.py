@@ -7,8 +7,8 @@ to activation quantization, and every weight byte is read once, as one byte. Eac
 (exact: every e4m3 value is a bf16/fp16 value), multiplies on the tensor cores into an fp32
 partial sum and adds it times the block's scales (one per output column). BK is a power of two
 (``tl.arange``'s rule) dividing the quantization block's bk (``k_step``), so a K step never
-straddles two scale columns, whatever the block width (96 and 192 take K steps of 32 and 64). Rows are the tokens of a
-step: 1 (decode) to a prefill chunk; small M takes BM = 16, tl.dot's minimum.
+straddles two scale columns, whatever the block width (96 and 192 take K steps of 32 and 64).
+Rows are the tokens of a step: 1 (decode) to a prefill chunk; small M takes BM = 16, tl.dot's minimum.
 """
 import torch
 import triton

@@ -34,7 +34,8 @@ def _down_fp8_kernel(act_ptr, dn_ptr, ds_ptr, pair_ptr, blk_e_ptr, wt_ptr, y_ptr
 
 # Per row-block height (``moe.fused.block_m``), (BN, BK cap, num_warps) of the gate/up kernel, then
 # of the down kernel; K steps of 64 for gate/up at 16 and 32 rows (two fp8 tiles and two accumulators:
-# 128 spills on sm_90, as does BN 64), 128 for down; taller blocks take 8 warps and shorter K steps.
+# 128 spills on sm_90, as does BN 64 with 4 warps), 128 for down; taller blocks take 8 warps and shorter
+# K steps (compiled for sm_90 without spills, bf16 and fp16, every height).
 TILES = {16: ((32, 64, 4), (128, 128, 4)), 32: ((32, 64, 4), (128, 128, 4)),
          64: ((64, 64, 8), (128, 64, 8)), 128: ((64, 32, 8), (128, 32, 8))}
 
