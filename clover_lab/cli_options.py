@@ -69,8 +69,8 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
                              "experts that do not fit a GPU stay in host memory and are staged when routed")
     parser.add_argument("--max-memory", type=_max_memory, default=None, metavar="DEV=SIZE,...",
                         help="memory per device for --device-map auto, e.g. 0=22GiB,1=22GiB,cpu=120GiB")
-    parser.add_argument("--pin-memory", action="store_true", help="offloaded experts in page-locked host memory "
-                        "(faster staging; pins their size in RAM)")
+    parser.add_argument("--pin-memory", action="store_true", help="offloaded experts page-locked in place "
+                        "(asynchronous staging; no second copy, their size stays pinned in RAM)")
     parser.add_argument("--keep-fp8", action=argparse.BooleanOptionalAction, default=None,
                         help="an FP8 checkpoint's weights stay FP8 (default: on CUDA) or are dequantized")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
