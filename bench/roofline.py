@@ -326,8 +326,8 @@ def print_tables(result: dict, file=sys.stdout) -> None:
             f"{'ratio':>6} {'split-KV us':>11} {'whole us':>9}")
     print(head + "\n" + "-" * len(head), file=file)
     for r in result["attention"]:
-        print(f"{r['committed']:>8} {r['step']:<24} {r['buffer']:>7} {r['splits']:>6} {r['split_kv_bytes'] / 1e6:>11.2f} "
-              f"{r['whole_buffer_bytes'] / 1e6:>9.2f} {r['ratio']:>6.1f} {r['split_kv_us']:>11.2f} "
+        print(f"{r['committed']:>8} {r['step']:<24} {r['buffer']:>7} {r['splits']:>6} "
+              f"{r['split_kv_bytes'] / 1e6:>11.2f} {r['whole_buffer_bytes'] / 1e6:>9.2f} {r['ratio']:>6.1f} {r['split_kv_us']:>11.2f} "
               f"{r['whole_buffer_us']:>9.2f}", file=file)
     mp = result["memory"]
     print(f"\nmemory: weights {mp['weights_bf16_bytes'] / GIB:.1f} GiB bf16; cache "

@@ -54,7 +54,7 @@ def _split_kv_kernel(q_ptr, k_ptr, v_ptr, last_ptr, acc_ptr, m_ptr, l_ptr,
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nm = n < hi
-        k = tl.load(k_base + n[None, :] * s_kl + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)  # [DP, BLOCK_N]
+        k = tl.load(k_base + n[None, :] * s_kl + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)  # [DP, N]
         s = tl.dot(q, k, input_precision=PREC) * scale_log2
         s = tl.where(n[None, :] <= last[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -137,9 +137,9 @@ def cache_attention(q, k, v, last, gate, splits: int | None = None):
     _split_kv_kernel[(B * HKV * tiles, S)](
         q, k, v, last, acc, m, l, T, G, rows, HKV, D, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), last.stride(0), last.stride(1),
-        1.4426950408889634 / D ** 0.5, S, DP=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec, num_warps=warps)
+        1.4426950408889634 / D ** 0.5, S, DP=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
+        PREC=prec, num_warps=warps)
     _combine_kernel[(B * HQ * T,)](acc, m, l, gate, out, T, HQ, B * HQ * T, D, gate.stride(0), gate.stride(1),
                                    out.stride(0), out.stride(1), S, BLOCK_S=triton.next_power_of_2(S),
-                                   DP=triton.next_power_of_2(D),
-                                   num_warps=4)
+                                   DP=triton.next_power_of_2(D), num_warps=4)
     return out
