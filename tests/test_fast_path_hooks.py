@@ -65,7 +65,8 @@ def test_an_observer_that_raises_leaves_the_cache_and_the_engine_usable(gen_mode
 
 def test_an_intervening_hook_splits_the_compiled_step_at_its_layer(gen_model):
     """A route hook that bans experts and a residual hook that replaces its value, both in layer 2:
-    the eager tokens with those hooks, the same events, and layers 0-1 and 3 stay compiled."""
+    the eager tokens with those hooks, the same events, and layers 0-1 and 3 stay compiled.
+    (The split itself is layout-independent: the block-diffusion steps run the same code.)"""
     seen_plain, seen_fast = [], []
 
     def hooks(seen):
@@ -80,20 +81,15 @@ def test_an_intervening_hook_splits_the_compiled_step_at_its_layer(gen_model):
         return {"layers.2.moe.route": ban, "layers.2.moe.output": scale}
 
     plain, fast = Engine(gen_model), Engine(gen_model)
-    plain.step_graphs, fast.compile_steps = False, True
-    for mode, prompts in (("ar", PROMPTS[1]), ("diffusion", PROMPTS[:2])):
-        kw = dict(KW, max_new_tokens=8) if mode == "ar" else KW
-        a = _generate(plain, prompts, hooks(seen_plain), mode=mode, **kw)
-        b = _generate(fast, prompts, hooks(seen_fast), mode=mode, **kw)
-        assert _tokens(b) == _tokens(a) and b.stats.forwards == a.stats.forwards
-        assert seen_fast == seen_plain
-        label = "compiled, layer 2 eager: a hook on layers.2.moe.output, layers.2.moe.route"
-        assert b.stats.path.startswith(label) if mode == "ar" else label in b.stats.path
+    plain.step_graphs, fast.compile_steps = False, True  # AR: one step shape, two compiled segments
+    a = _generate(plain, PROMPTS[1], hooks(seen_plain), mode="ar", max_new_tokens=8)
+    b = _generate(fast, PROMPTS[1], hooks(seen_fast), mode="ar", max_new_tokens=8)
+    assert b.token_ids == a.token_ids and b.stats.forwards == a.stats.forwards
+    assert seen_fast == seen_plain and len(seen_plain) >= 10
+    assert b.stats.path == "compiled, layer 2 eager: a hook on layers.2.moe.output, layers.2.moe.route"
     graphs = fast._fast_path.graphs
     assert graphs.compile_failed is None
     assert {(k[3], k[4]) for k in graphs._segment_keys} == {(0, 2), (3, gen_model.config.num_hidden_layers)}
-    unhooked = plain.generate(PROMPTS[1], mode="ar", max_new_tokens=8).token_ids
-    assert fast.generate(PROMPTS[1], mode="ar", max_new_tokens=8).token_ids == unhooked  # hooks gone: whole steps
 
 
 def test_expert_view_keeps_the_static_path(view_engine):
