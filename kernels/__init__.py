@@ -11,13 +11,16 @@ import torch
 from .dense import PackedWeight, can_pack, linear
 from .dispatch import backend_for, forced_backend, kernel_table
 from .fp8 import torch as _fp8
+from .gates import naive as _gates
 from .gdn import torch as _gdn
 from .moe import naive as _moe_naive
 from .moe import torch as _moe
 from .norm import naive as _norm
+from .rope import naive as _rope
 
-__all__ = ["linear", "PackedWeight", "can_pack", "rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview",
-           "moe_experts", "route", "linear_fp8", "moe_experts_fp8", "backend_for", "forced_backend"]
+__all__ = ["linear", "PackedWeight", "can_pack", "rms_norm", "add_rms_norm", "gated_rms_norm", "qk_norm_rope",
+           "gdn_gates", "gdn_commit", "gdn_preview", "sigmoid_gate", "silu_mul", "moe_combine", "moe_experts", "route",
+           "linear_fp8", "moe_experts_fp8", "backend_for", "forced_backend"]
 
 
 def _dispatch(name, reference, *tensors):
@@ -30,8 +33,41 @@ def rms_norm(x, weight, eps=1e-6):
     return _dispatch("rms_norm", _norm.rms_norm, x, weight)(x, weight, eps)
 
 
+def add_rms_norm(x, delta, weight, eps=1e-6):
+    """(x + delta, rms_norm(x + delta)): a residual add and the norm after it, one kernel on a GPU."""
+    return _dispatch("add_rms_norm", _norm.add_rms_norm, x, delta, weight)(x, delta, weight, eps)
+
+
 def gated_rms_norm(x, gate, weight, eps=1e-6):
     return _dispatch("gated_rms_norm", _norm.gated_rms_norm, x, gate, weight)(x, gate, weight, eps)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps=1e-6):
+    """The attention's q/k norms and RoPE: q [B, T, Hq, D], k [B, T, Hkv, D] -> [B, heads, T, D] each."""
+    fn = _dispatch("qk_norm_rope", _rope.qk_norm_rope, q, k, q_weight, k_weight)
+    return fn(q, k, q_weight, k_weight, positions, inv_freq, eps)
+
+
+def gdn_gates(b, a, A_log, dt_bias):
+    """in_proj_b / in_proj_a's outputs -> (log decay g fp32, beta), one kernel on a GPU."""
+    return _dispatch("gdn_gates", _gates.gdn_gates, b, a, A_log, dt_bias)(b, a, A_log, dt_bias)
+
+
+def sigmoid_gate(out, gate):
+    """``out * sigmoid(gate)`` (the attention output gate)."""
+    return _dispatch("sigmoid_gate", _gates.sigmoid_gate, out, gate)(out, gate)
+
+
+def silu_mul(gate, up):
+    """``silu(gate) * up`` (the SwiGLU activation)."""
+    return _dispatch("silu_mul", _gates.silu_mul, gate, up)(gate, up)
+
+
+def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, gate_packed=None):
+    """``residual + routed (+ sigmoid(x @ gate_weight^T) * shared)``: a MoE block's output into the
+    residual stream, the shared expert's gate included, one kernel on a GPU."""
+    fn = _dispatch("moe_combine", _gates.moe_combine, residual, routed, x, gate_weight, shared)
+    return fn(residual, routed, x, gate_weight, shared, gate_packed)
 
 
 def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim):

@@ -11,7 +11,13 @@ MISSING: dict = {}  # op name -> reason it has no Triton implementation here
 
 _SOURCES = {
     "rms_norm": ("clover_kernels.norm.rms", "rms_norm"),
+    "add_rms_norm": ("clover_kernels.norm.rms", "add_rms_norm"),
     "gated_rms_norm": ("clover_kernels.norm.rms", "gated_rms_norm"),
+    "qk_norm_rope": ("clover_kernels.rope.fused", "qk_norm_rope"),
+    "gdn_gates": ("clover_kernels.gates.fused", "gdn_gates"),
+    "sigmoid_gate": ("clover_kernels.gates.fused", "sigmoid_gate"),
+    "silu_mul": ("clover_kernels.gates.fused", "silu_mul"),
+    "moe_combine": ("clover_kernels.gates.fused", "moe_combine"),
     "gdn_commit": ("clover_kernels.gdn.commit", "gdn_commit"),
     "gdn_preview": ("clover_kernels.gdn.preview", "gdn_preview"),
     "moe_experts": ("clover_kernels.moe.fused", "moe_experts"),
