@@ -104,7 +104,7 @@ class ForwardContext:
     router_stats: RouterStats | None = None  # training: (router probs, expert ids) per MoE part
     hooks: bool = True  # False: hook points are not even looked up (static steps refuse hooks)
     where: Where = NOWHERE  # where the generation stands, for the events the forward fires
-    rope: tuple | None = None  # (cos, sin) [c + m, rotary_dim], shared by every attention layer
+    rope: object = None  # the model's ``Rotary`` (its frequencies), for every attention layer
     pending: list = field(default_factory=list)  # (destination, source) cache writes, applied on success
     drafts: dict | None = None  # a draft commit: GDN layer -> what its rollback needs (``drafts.py``)
 

@@ -79,8 +79,11 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(h, ctx)
-        x = x + self._observe(self.mixer_point, h, ctx)
-        x = x + self._observe(self.moe_point, self.mlp(self.post_attention_layernorm(x), ctx), ctx)
+        x, h = self.post_attention_layernorm.after_add(x, self._observe(self.mixer_point, h, ctx))
+        if ctx.hooks and self.hooks.active(self.moe_point):
+            x = x + self._observe(self.moe_point, self.mlp(h, ctx), ctx)
+        else:  # the MoE's output goes into the residual stream inside its last kernel
+            x = self.mlp(h, ctx, residual=x)
         return self._observe(self.output_point, x, ctx)
 
 
@@ -336,13 +339,13 @@ class CloverModel(nn.Module):
 
     def hidden_states(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Embedding and every decoder layer over the rows of ``ctx`` -> the last layer's output
-        [B, T, H] (before the final norm); RoPE's cos/sin once per forward."""
+        [B, T, H] (before the final norm); the attention layers rotate at ``ctx.positions``."""
         x = self.model.embed_tokens(ids)
-        ctx.rope = self.model.rotary.cos_sin(ctx.positions, x.dtype)
+        ctx.rope = self.model.rotary
         for layer in self.model.layers:
             if layer.device is not None and x.device != layer.device:  # placed: the activations move
                 x = x.to(layer.device)
-                ctx.positions, ctx.rope = ctx.positions.to(layer.device), tuple(t.to(layer.device) for t in ctx.rope)
+                ctx.positions = ctx.positions.to(layer.device)
             x = layer(x, ctx)
         return x
 
