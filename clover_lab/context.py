@@ -132,9 +132,15 @@ class ForwardContext:
                    router_stats=None if router_stats is None else RouterStats(router_stats))
 
     def publish(self) -> None:
-        """The forward succeeded: its deferred cache writes (GDN rings and states) land."""
+        """The forward succeeded: its deferred cache writes (GDN rings and states) land, one
+        multi-tensor copy per device and dtype (a launch or few on a GPU, not two per layer)."""
+        groups: dict = {}
         for dst, src in self.pending:
-            dst.copy_(src)
+            dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype), ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+        for dsts, srcs in groups.values():
+            torch._foreach_copy_(dsts, srcs)
 
     def flat_positions(self, lo: int, hi: int, batch: int) -> torch.Tensor:
         """Positions of rows [lo, hi) of every batch row, flattened over the batch: [batch * (hi - lo)]."""

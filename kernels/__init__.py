@@ -66,7 +66,7 @@ def silu_mul(gate, up):
 def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, gate_packed=None):
     """``residual + routed (+ sigmoid(x @ gate_weight^T) * shared)``: a MoE block's output into the
     residual stream, the shared expert's gate included, one kernel on a GPU."""
-    fn = _dispatch("moe_combine", _gates.moe_combine, residual, routed, x, gate_weight, shared)
+    fn = _dispatch("moe_combine", _gates.moe_combine, routed, residual, x, gate_weight, shared)  # residual may be None
     return fn(residual, routed, x, gate_weight, shared, gate_packed)
 
 

@@ -157,7 +157,12 @@ class SparseMoE(nn.Module):
         B, T, H = x.shape
         logits, *shared = self.projections(self, x)  # [B, T, E] (and [B, T, Is] twice with a shared expert)
         ids, weights = [], []
-        for mode, lo, hi in (("commit", 0, ctx.c), ("preview", ctx.c, ctx.c + ctx.m)):
+        # commit and preview rows route by one rule unless a coreset, router statistics or a route hook tells
+        # the parts apart: then one routing launch covers both
+        one_rule = (ctx.coreset is None and ctx.router_stats is None
+                    and not (ctx.hooks and self.hooks.active(self.route_point)))
+        parts = (("commit", 0, T),) if one_rule else (("commit", 0, ctx.c), ("preview", ctx.c, ctx.c + ctx.m))
+        for mode, lo, hi in parts:
             if hi > lo:
                 i, w = self.route(logits[:, lo:hi].reshape(-1, self.num_experts), mode, ctx, lo, hi, B, x.dtype)
                 ids.append(i.view(B, hi - lo, -1))
