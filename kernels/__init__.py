@@ -63,11 +63,14 @@ def silu_mul(gate, up):
     return _dispatch("silu_mul", _gates.silu_mul, gate, up)(gate, up)
 
 
-def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, gate_packed=None):
+def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, gate_packed=None, norm_weight=None,
+                eps=1e-6):
     """``residual + routed (+ sigmoid(x @ gate_weight^T) * shared)``: a MoE block's output into the
-    residual stream, the shared expert's gate included, one kernel on a GPU."""
-    fn = _dispatch("moe_combine", _gates.moe_combine, routed, residual, x, gate_weight, shared)  # residual may be None
-    return fn(residual, routed, x, gate_weight, shared, gate_packed)
+    residual stream, the shared expert's gate included (and, given ``norm_weight``, the next
+    norm of it: a pair), one kernel on a GPU."""
+    fn = _dispatch("moe_combine", _gates.moe_combine, routed, residual, x, gate_weight, shared,  # residual may be None
+                   norm_weight)
+    return fn(residual, routed, x, gate_weight, shared, gate_packed, norm_weight, eps)
 
 
 def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim):

@@ -151,9 +151,11 @@ class SparseMoE(nn.Module):
             weights = weights.to(dtype)
         return ids, weights
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None,
+                next_norm=None):
         """The block's output for its input x [B, T, H]; given the ``residual`` stream, that stream
-        with the output added (one kernel on a GPU with the shared expert's gate)."""
+        with the output added (one kernel on a GPU with the shared expert's gate); given the next
+        layer's input norm too, (the stream, that norm of it) from the same kernel."""
         B, T, H = x.shape
         logits, *shared = self.projections(self, x)  # [B, T, E] (and [B, T, Is] twice with a shared expert)
         ids, weights = [], []
@@ -172,14 +174,15 @@ class SparseMoE(nn.Module):
         flat = x.reshape(B * T, H)
         coreset = None if ctx.coreset is None else ctx.coreset.experts.get(self.layer)
         out = self.experts(flat, ids, weights, coreset).view(B, T, H)
+        norm = {} if next_norm is None else dict(norm_weight=next_norm.weight, eps=next_norm.eps)
         if self.shared_expert is None:
-            return ops.moe_combine(residual, out)
+            return ops.moe_combine(residual, out, **norm)
         shared = self.shared_expert.down(*shared)
         gate = self.shared_expert_gate
         if isinstance(gate, Linear) and not (gate._forward_hooks or gate._forward_pre_hooks):
-            return ops.moe_combine(residual, out, x, gate.weight, shared, gate.packed)
+            return ops.moe_combine(residual, out, x, gate.weight, shared, gate.packed, **norm)
         # a wrapped gate (a peft adapter, a module hook) runs its own forward
-        return ops.moe_combine(residual, out + torch.sigmoid(gate(x)) * shared)
+        return ops.moe_combine(residual, out + torch.sigmoid(gate(x)) * shared, **norm)
 
 
 def checked_route(event: RouteEvent, point: str, rows: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

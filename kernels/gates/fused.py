@@ -6,7 +6,8 @@ launch where the torch path takes two to six:
   gate) or ``silu(gate) * up`` (SwiGLU), reading both inputs through their strides as [B, T, G, D]
   (the per-head views of a fused projection's output: no copies), writing a contiguous [B, T, G * D];
 - ``_moe_combine_kernel`` [grid: rows]: ``(residual +) routed (+ sigmoid(x . w) * shared)``, the
-  shared expert's one-column gate a dot product in the program, no GEMV launch.
+  shared expert's one-column gate a dot product in the program, no GEMV launch; optionally the
+  next layer's input norm of the result too (the residual add fused with the norm after it).
 
 fp32 arithmetic, each result rounded to the activations' dtype where the reference rounds it.
 """
@@ -56,9 +57,9 @@ def _gated_pair_kernel(x_ptr, y_ptr, out_ptr, T, G, D, s_xb, s_xt, s_xg, s_yb, s
 
 
 @triton.jit
-def _moe_combine_kernel(res_ptr, routed_ptr, x_ptr, w_ptr, shared_ptr, out_ptr, N,
-                        s_r, s_o, s_x, s_w, s_s, s_out, HAS_RESIDUAL: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _moe_combine_kernel(res_ptr, routed_ptr, x_ptr, w_ptr, shared_ptr, out_ptr, nw_ptr, normed_ptr, N,
+                        s_r, s_o, s_x, s_w, s_s, s_out, eps, HAS_RESIDUAL: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -72,7 +73,13 @@ def _moe_combine_kernel(res_ptr, routed_ptr, x_ptr, w_ptr, shared_ptr, out_ptr, 
         out = out + (gate * shared).to(dt).to(tl.float32)
     if HAS_RESIDUAL:
         out = tl.load(res_ptr + row * s_r + cols, mask=m, other=0.0).to(tl.float32) + out.to(dt).to(tl.float32)
-    tl.store(out_ptr + row * s_out + cols, out.to(dt), mask=m)
+    out = out.to(dt)
+    tl.store(out_ptr + row * s_out + cols, out, mask=m)
+    if HAS_NORM:  # the next layer's input norm of the stream (rms_norm's arithmetic)
+        s = out.to(tl.float32)
+        nw = tl.load(nw_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
+        tl.store(normed_ptr + row * s_out + cols, (s * inv_rms * (1.0 + nw)).to(dt), mask=m)
 
 
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -125,7 +132,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _gated_pair(SILU_MUL, "silu_mul", gate, up)
 
 
-def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, gate_packed=None):
+def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, gate_packed=None, norm_weight=None,
+                eps=1e-6):
     """Same contract as ``naive.moe_combine``."""
     n = routed.shape[-1]
     if ((residual is not None and residual.shape != routed.shape)
@@ -142,11 +150,17 @@ def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, gate_pa
     x2 = _rows(x, n, "moe_combine: x") if has_shared else o2
     s2 = _rows(shared, n, "moe_combine: shared") if has_shared else o2
     w = gate_weight.reshape(-1) if has_shared else o2
+    if norm_weight is not None and norm_weight.shape != (n,):
+        raise ValueError(f"moe_combine: norm_weight {tuple(norm_weight.shape)}, expected ({n},)")
     out = torch.empty(o2.shape, dtype=routed.dtype, device=routed.device)
+    has_norm = norm_weight is not None
+    normed = torch.empty_like(out) if has_norm else out
     if o2.shape[0]:
         block = triton.next_power_of_2(n)
-        _moe_combine_kernel[(o2.shape[0],)](r2, o2, x2, w, s2, out, n, r2.stride(0), o2.stride(0), x2.stride(0),
-                                            w.stride(0) if has_shared else 0, s2.stride(0), out.stride(0),
-                                            HAS_RESIDUAL=has_res, HAS_SHARED=has_shared, BLOCK=block,
-                                            num_warps=_num_warps(block))
-    return out.view(routed.shape)
+        _moe_combine_kernel[(o2.shape[0],)](r2, o2, x2, w, s2, out, norm_weight.contiguous() if has_norm else out,
+                                            normed, n, r2.stride(0), o2.stride(0), x2.stride(0),
+                                            w.stride(0) if has_shared else 0, s2.stride(0), out.stride(0), float(eps),
+                                            HAS_RESIDUAL=has_res, HAS_SHARED=has_shared, HAS_NORM=has_norm,
+                                            BLOCK=block, num_warps=_num_warps(block))
+    out = out.view(routed.shape)
+    return (out, normed.view(routed.shape)) if has_norm else out

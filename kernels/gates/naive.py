@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dense import linear
+from ..norm.naive import rms_norm
 
 
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -34,13 +35,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def moe_combine(residual: torch.Tensor | None, routed: torch.Tensor, x: torch.Tensor | None = None,
                 gate_weight: torch.Tensor | None = None, shared: torch.Tensor | None = None,
-                gate_packed=None) -> torch.Tensor:
+                gate_packed=None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
     """A MoE block's output ``routed (+ sigmoid(x @ gate_weight^T) * shared)`` added to the residual
     stream (``residual`` None: the output alone); with a shared expert x is the block's input
     [..., H], gate_weight [1, H] and shared its output [..., H]; every tensor [..., H] in one dtype,
     rounded where the unfused layer rounds. ``gate_packed``: the CPU's kept oneDNN layout of the
-    gate weight (the kernel ignores it)."""
+    gate weight (the kernel ignores it). ``norm_weight`` [H]: the next layer's input norm, and the
+    result is (the stream, its ``rms_norm``)."""
     out = routed
     if shared is not None:
         out = out + torch.sigmoid(linear(x, gate_weight, packed=gate_packed)) * shared
-    return out if residual is None else residual + out
+    out = out if residual is None else residual + out
+    return out if norm_weight is None else (out, rms_norm(out, norm_weight, eps))

@@ -73,3 +73,13 @@ def test_moe_combine_bad_shapes(device):
         fused.moe_combine(x, x, x, torch.zeros(1, 4, device=device), x)
     with pytest.raises(ValueError, match="shapes"):
         fused.silu_mul(x, torch.zeros(2, 4, device=device))
+
+
+def test_moe_combine_with_the_next_norm(dtype, device, close):
+    residual, routed, x, s = (_randn(2, 3, 64, dtype=dtype, device=device, seed=i) for i in range(4))
+    w = _randn(1, 64, dtype=dtype, device=device, seed=5, scale=0.1)
+    nw = _randn(64, dtype=dtype, device=device, seed=6, scale=0.3)
+    out, normed = fused.moe_combine(residual, routed, x, w, s, norm_weight=nw)
+    ref_out, ref_normed = naive.moe_combine(residual, routed, x, w, s, norm_weight=nw)
+    close(out, ref_out, dtype, scale=2.0, what="stream")
+    close(normed, ref_normed, dtype, scale=2.0, what="normed")
