@@ -132,9 +132,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _gated_pair(SILU_MUL, "silu_mul", gate, up)
 
 
-def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, gate_packed=None, norm_weight=None,
-                eps=1e-6):
-    """Same contract as ``naive.moe_combine``."""
+def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, norm_weight=None, eps=1e-6):
+    """Same contract as ``naive.moe_combine`` (its ``gate_packed``, the CPU's, not taken)."""
     n = routed.shape[-1]
     if ((residual is not None and residual.shape != routed.shape)
             or (shared is not None and (shared.shape != routed.shape or x is None or x.shape != routed.shape

@@ -7,7 +7,7 @@ driver. This module
 1. **discovers** the ``@triton.jit`` functions of the package by scanning its modules (so a
    new kernel is found wherever it lives) and splits them by call graph into kernels
    (launched from Python, or called by no other jit function) and device helpers;
-2. **captures** the launches the dispatch's ops (``triton_ops.OPS``) make at the
+2. **captures** the launches the op table's kernels (``triton_ops.OPS``) make at the
    Clover-35B-A3B shapes: each op is called on meta tensors (no memory, no data) with a fake
    sm_90 driver, and Triton's own ``JITFunction.run`` computes the specialisation, constexprs
    and options it would compile on the GPU; autotuner config lists are enumerated whole;
@@ -15,10 +15,11 @@ driver. This module
    and reads registers, spills and stack from ptxas's ``-v`` log and shared memory from
    Triton's metadata.
 
-``python -m clover_kernels.compile_check [--json FILE]`` prints one line per compiled case
+``python bench/compile_check.py [--json FILE]`` prints one line per compiled case
 and exits 1 on a compile error, a spill, shared memory over the per-block limit, a kernel or
 op the call table does not reach; 77 when Triton's CUDA backend is missing (nothing to test).
-``tests/kernels/test_compile_sm90.py`` and ``bench/kernel_report.py`` run it.
+``tests/kernels/test_compile_sm90.py`` and ``bench/kernel_report.py`` run it. A development tool:
+it is not part of the installed ``clover_kernels`` package (whose kernels it scans).
 """
 from __future__ import annotations
 
@@ -376,8 +377,33 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
             yield "moe_experts", label, T, ("moe_experts", (
                 _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
                 _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
+        yield from _moe_tile_calls(label, dt, d, fp8=False)
         if label in FP8_DTYPES:  # FP8 checkpoints: FP8 weights, bf16 / fp16 activations
             yield from _fp8_calls(label, dt, d, rows)
+            yield from _moe_tile_calls(label, dt, d, fp8=True)
+
+
+def moe_tile_rows(d=DIMS_35B) -> dict:
+    """{row-block height: a token count whose pairs per expert choose it} (moe.fused.block_m)."""
+    from clover_kernels.moe.fused import BLOCK_MS
+
+    return {bm: bm * d["experts"] // d["top_k"] for bm in BLOCK_MS}
+
+
+def _moe_tile_calls(label, dt, d, fp8: bool):
+    """The routed experts at one token count per tile choice (decode/block heights to prefill's)."""
+    H, E, k, I = d["hidden"], d["experts"], d["top_k"], d["expert_width"]
+    for T in moe_tile_rows(d).values():
+        if not fp8:
+            yield "moe_experts", label, T, ("moe_experts", (
+                _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
+                _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
+            continue
+        f8, f32, q = torch.float8_e4m3fn, torch.float32, FP8_BLOCK
+        yield "moe_experts_fp8", label, T, ("moe_experts_fp8", (
+            _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
+            _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
+            _meta(E, 2 * -(-I // q), -(-H // q), dtype=f32), _meta(E, -(-H // q), -(-I // q), dtype=f32), (q, q)))
 
 
 def _gating_calls(label, dt, d, T):
@@ -420,11 +446,32 @@ def _fp8_calls(label, dt, d, rows):
             _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
             _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
             _meta(E, 2 * -(-I // q), -(-H // q), dtype=f32), _meta(E, -(-H // q), -(-I // q), dtype=f32), (q, q)))
+    yield from _fp8_odd_block_calls(label, dt, d)
+
+
+# quantization blocks whose width is not a power of two: K steps of its largest power-of-two divisor
+FP8_ODD_BLOCKS = ((128, 96), (128, 192))
+FP8_ODD_ROWS = (1, 32, 4096)
+
+
+def _fp8_odd_block_calls(label, dt, d):
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    H, E, k, I = d["hidden"], d["experts"], d["top_k"], d["expert_width"]
+    for bn, bk in FP8_ODD_BLOCKS:
+        for T in FP8_ODD_ROWS:
+            yield "linear_fp8", label, T, ("linear_fp8", (
+                _meta(T, H, dtype=dt), _meta(4096, H, dtype=f8), _meta(-(-4096 // bn), -(-H // bk), dtype=f32),
+                (bn, bk)))
+            yield "moe_experts_fp8", label, T, ("moe_experts_fp8", (
+                _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
+                _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
+                _meta(E, 2 * -(-I // bn), -(-H // bk), dtype=f32), _meta(E, -(-H // bn), -(-I // bk), dtype=f32),
+                (bn, bk)))
 
 
 def capture_35b(discovery: Discovery, dtypes=tuple(DTYPES), target_tuple=SM90, rows=None):
     """(launches, ops covered by the table, ops of the dispatch the table misses)."""
-    from . import triton_ops
+    from clover_kernels import triton_ops
 
     if triton_ops.MISSING:
         raise RuntimeError(f"Triton ops failed to import: {triton_ops.MISSING}")
