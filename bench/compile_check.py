@@ -421,6 +421,8 @@ def _gating_calls(label, dt, d, T):
     yield "silu_mul", label, T, ("silu_mul", (_meta(1, T, S, dtype=dt), _meta(1, T, S, dtype=dt)))
     rows = [_meta(1, T, H, dtype=dt) for _ in range(4)]
     yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1], rows[2], _meta(1, H, dtype=dt), rows[3]))
+    yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1], rows[2], _meta(1, H, dtype=dt), rows[3],
+                                                    _meta(H, dtype=dt)))  # with the next layer's input norm
     yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1]))
 
 
