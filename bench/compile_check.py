@@ -55,7 +55,7 @@ PACKAGE = "clover_kernels"
 # Clover-35B-A3B (clover-architecture.md section 2; checked against clover_lab's preset by the test)
 DIMS_35B = dict(hidden=2048, gdn_key_heads=16, gdn_value_heads=32, gdn_head_k=128, gdn_head_v=128, conv=4,
                 attn_heads=16, attn_kv_heads=2, attn_head_dim=256, experts=256, top_k=8, expert_width=512,
-                shared_width=512, block=32, coreset=64, max_prefill_chunk=8192)
+                shared_width=512, block=32, coreset=64, max_prefill_chunk=8192, rotary_dim=64)
 
 # Row counts swept per op: every value up to 2 x 64 (past every launcher's tile-size switch point:
 # a block is 32 rows, fused commit+preview 64) and the prefill chunk sizes up to 8k with their
@@ -355,6 +355,10 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
         for T in norm_rows:  # decoder norms over hidden; attention q/k norms over head_dim
             yield "rms_norm", label, T, ("rms_norm", (_meta(T, H, dtype=dt), _meta(H, dtype=dt)))
             yield "rms_norm", label, T, ("rms_norm", (_meta(T, d["attn_heads"], D, dtype=dt), _meta(D, dtype=dt)))
+        for T in norm_rows:  # the residual add with the norm after it; the gating ops between the GEMMs
+            yield "add_rms_norm", label, T, ("add_rms_norm", (_meta(T, H, dtype=dt), _meta(T, H, dtype=dt),
+                                                              _meta(H, dtype=dt)))
+            yield from _gating_calls(label, dt, d, T)
         for T in gated_rows:  # the GDN output norm over dv, per value head
             yield "gated_rms_norm", label, T, ("gated_rms_norm", (_meta(T * Hv, dv, dtype=dt),
                                                                   _meta(T * Hv, dv, dtype=dt), _meta(dv, dtype=dt)))
@@ -409,6 +413,26 @@ def _moe_tile_calls(label, dt, d, fp8: bool):
             _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
             _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
             _meta(E, 2 * -(-I // q), -(-H // q), dtype=f32), _meta(E, -(-H // q), -(-I // q), dtype=f32), (q, q)))
+
+
+def _gating_calls(label, dt, d, T):
+    """The small fused ops of one forward of T rows, their inputs the views the layers pass."""
+    H, Hv, Hq, Hkv, D = d["hidden"], d["gdn_value_heads"], d["attn_heads"], d["attn_kv_heads"], d["attn_head_dim"]
+    S, R = d["shared_width"], d["rotary_dim"]
+    query_gate = _meta(1, T, Hq, 2 * D, dtype=dt)  # q_proj's product: query and gate per head
+    yield "qk_norm_rope", label, T, ("qk_norm_rope", (
+        query_gate[..., :D], _meta(1, T, Hkv, D, dtype=dt), _meta(D, dtype=dt), _meta(D, dtype=dt),
+        _meta(T, dtype=torch.int64), _meta(R // 2, dtype=torch.float32)))
+    yield "sigmoid_gate", label, T, ("sigmoid_gate", (_meta(1, Hq, T, D, dtype=dt).transpose(1, 2), query_gate[..., D:]))
+    gates = _meta(1, T, 2 * Hv, dtype=dt)  # in_proj_b and in_proj_a's columns
+    yield "gdn_gates", label, T, ("gdn_gates", (gates[..., :Hv], gates[..., Hv:], _meta(Hv, dtype=dt),
+                                                _meta(Hv, dtype=dt)))
+    yield "silu_mul", label, T, ("silu_mul", (_meta(1, T, S, dtype=dt), _meta(1, T, S, dtype=dt)))
+    rows = [_meta(1, T, H, dtype=dt) for _ in range(4)]
+    yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1], rows[2], _meta(1, H, dtype=dt), rows[3]))
+    yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1], rows[2], _meta(1, H, dtype=dt), rows[3],
+                                                    _meta(H, dtype=dt)))  # with the next layer's input norm
+    yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1]))
 
 
 # the 35B's quantized linears as (out, in) features: q (query + gate), k / v, o, GDN in_proj_qkv,

@@ -145,7 +145,7 @@ def step_kinds(cfg: CloverConfig, context: int):
 # (the newest bench/results/step-launches-*.json; these figures when there is none), times the
 # layers, at LAUNCH_S per kernel replayed in a CUDA graph. A step cannot be faster than it.
 LAUNCH_S = 2e-6
-KERNELS_PER_LAYER = {"AR": 36.25, "preview": 31.25, "fused": 43.25, "preview, coreset use": 33.25}
+KERNELS_PER_LAYER = {"AR": 19.5, "preview": 18.0, "fused": 22.0, "preview, coreset use": 20.0}
 
 
 def kernels_per_layer() -> dict:

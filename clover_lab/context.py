@@ -104,7 +104,7 @@ class ForwardContext:
     router_stats: RouterStats | None = None  # training: (router probs, expert ids) per MoE part
     hooks: bool = True  # False: hook points are not even looked up (static steps refuse hooks)
     where: Where = NOWHERE  # where the generation stands, for the events the forward fires
-    rope: tuple | None = None  # (cos, sin) [c + m, rotary_dim], shared by every attention layer
+    rope: object = None  # the model's ``Rotary`` (its frequencies), for every attention layer
     pending: list = field(default_factory=list)  # (destination, source) cache writes, applied on success
     drafts: dict | None = None  # a draft commit: GDN layer -> what its rollback needs (``drafts.py``)
     # a static step: points whose hooks all only observe, read after the step from what it
@@ -161,6 +161,12 @@ class ForwardContext:
 
 def publish(pending: list) -> None:
     """Deferred cache writes, (destination, source) pairs, land (a forward, or a static step
-    whose observers have read, succeeded)."""
+    whose observers have read, succeeded): one multi-tensor copy per device and dtype (a launch
+    or few on a GPU, not two per layer)."""
+    groups: dict = {}
     for dst, src in pending:
-        dst.copy_(src)
+        dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype), ([], []))
+        dsts.append(dst)
+        srcs.append(src)
+    for dsts, srcs in groups.values():
+        torch._foreach_copy_(dsts, srcs)

@@ -72,16 +72,27 @@ class DecoderLayer(nn.Module):
             return fire_residual(self.hooks, name, self.layer, x, ctx)
         return x
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, normed: torch.Tensor | None = None,
+                next_layer: "DecoderLayer | None" = None):
+        """x [B, T, H] the residual stream -> (the stream after this layer, ``next_layer``'s input
+        norm of it or None). ``normed``: this layer's input norm of x, when the layer before computed
+        it (in its last kernel); it does so for ``next_layer`` where no hook point lies between."""
         x = self._observe(self.input_point, x, ctx)
-        h = self.input_layernorm(x)
+        h = self.input_layernorm(x) if normed is None else normed
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(h, ctx)
-        x = x + self._observe(self.mixer_point, h, ctx)
-        x = x + self._observe(self.moe_point, self.mlp(self.post_attention_layernorm(x), ctx), ctx)
-        return self._observe(self.output_point, x, ctx)
+        x, h = self.post_attention_layernorm.after_add(x, self._observe(self.mixer_point, h, ctx))
+        if ctx.hooks and (self.hooks.active(self.moe_point) or self.hooks.active(self.output_point)
+                          or (next_layer is not None and self.hooks.active(next_layer.input_point))):
+            next_layer = None  # a hook may see or replace the stream before the next norm
+            if self.hooks.active(self.moe_point):
+                return self._observe(self.output_point, x + self._observe(self.moe_point, self.mlp(h, ctx), ctx),
+                                     ctx), None
+        if next_layer is None:  # the MoE's output goes into the residual stream inside its last kernel
+            return self._observe(self.output_point, self.mlp(h, ctx, residual=x), ctx), None
+        return self.mlp(h, ctx, residual=x, next_norm=next_layer.input_layernorm)
 
 
 class TextModel(nn.Module):
@@ -249,19 +260,21 @@ class CloverModel(RandomWeights, PackedWeights, nn.Module):
     def hidden_states(self, ids: torch.Tensor, ctx: ForwardContext, start: int = 0, stop: int | None = None,
                       x: torch.Tensor | None = None) -> torch.Tensor:
         """Embedding and every decoder layer over the rows of ``ctx`` -> the last layer's output
-        [B, T, H] (before the final norm); RoPE's cos/sin once per forward. ``start``, ``stop``,
-        ``x``: only layers [start, stop), from ``x`` entering layer ``start`` (a split static step)."""
+        [B, T, H] (before the final norm); the attention layers rotate at ``ctx.positions``.
+        ``start``, ``stop``, ``x``: only layers [start, stop), from ``x`` entering layer ``start``
+        (a split static step); the last of them fuses no next layer's norm."""
         if x is None:
             x = self.model.embed_tokens(ids)
-        if ctx.rope is None:
-            ctx.rope = self.model.rotary.cos_sin(ctx.positions, x.dtype)
-        layers = self.model.layers
-        for i in range(start, len(layers) if stop is None else stop):
+        ctx.rope = self.model.rotary
+        layers, normed = self.model.layers, None
+        stop = len(layers) if stop is None else stop
+        for i in range(start, stop):
             layer = layers[i]
             if layer.device is not None and x.device != layer.device:  # placed: the activations move
                 x = x.to(layer.device)
-                ctx.positions, ctx.rope = ctx.positions.to(layer.device), tuple(t.to(layer.device) for t in ctx.rope)
-            x = layer(x, ctx)
+                ctx.positions = ctx.positions.to(layer.device)
+            nxt = layers[i + 1] if i + 1 < stop else None
+            x, normed = layer(x, ctx, normed, nxt if nxt is not None and nxt.device == layer.device else None)
         return x
 
     def head(self, rows: torch.Tensor, ctx: ForwardContext | None = None, mode: str | None = None,

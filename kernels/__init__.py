@@ -13,7 +13,13 @@ from .norm import naive as _norm  # noqa: F401
 from .ops import OPS
 
 rms_norm = OPS["rms_norm"]
+add_rms_norm = OPS["add_rms_norm"]
 gated_rms_norm = OPS["gated_rms_norm"]
+qk_norm_rope = OPS["qk_norm_rope"]
+gdn_gates = OPS["gdn_gates"]
+sigmoid_gate = OPS["sigmoid_gate"]
+silu_mul = OPS["silu_mul"]
+moe_combine = OPS["moe_combine"]
 gdn_commit = OPS["gdn_commit"]
 gdn_preview = OPS["gdn_preview"]
 moe_experts = OPS["moe_experts"]

@@ -19,10 +19,12 @@ import clover_kernels as _package  # backend_for through the package, where test
 from . import dispatch
 from .attention import torch as _attention
 from .fp8 import torch as _fp8
+from .gates import naive as _gates
 from .gdn import torch as _gdn
 from .moe import naive as _moe_naive
 from .moe import torch as _moe
 from .norm import naive as _norm
+from .rope import naive as _rope
 
 
 @dataclass(eq=False)
@@ -68,7 +70,18 @@ def _not_fp32_on_gpu(x: torch.Tensor) -> bool:
 
 TABLE = (
     Op("rms_norm", _norm.rms_norm, "norm.rms:rms_norm"),
+    # (x + delta, rms_norm(x + delta)): a residual add and the norm after it
+    Op("add_rms_norm", _norm.add_rms_norm, "norm.rms:add_rms_norm"),
     Op("gated_rms_norm", _norm.gated_rms_norm, "norm.rms:gated_rms_norm"),
+    # the attention's q/k norms and RoPE: q [B, T, Hq, D], k [B, T, Hkv, D] -> [B, heads, T, D] each
+    Op("qk_norm_rope", _rope.qk_norm_rope, "rope.fused:qk_norm_rope"),
+    # in_proj_b / in_proj_a's outputs -> (log decay g fp32, beta)
+    Op("gdn_gates", _gates.gdn_gates, "gates.fused:gdn_gates"),
+    Op("sigmoid_gate", _gates.sigmoid_gate, "gates.fused:sigmoid_gate"),  # the attention output gate
+    Op("silu_mul", _gates.silu_mul, "gates.fused:silu_mul"),  # SwiGLU's activation
+    # a MoE block's output into the residual stream (the residual may be None), the shared expert's
+    # sigmoid gate included, and optionally the next norm of it; gate_packed: the CPU's oneDNN layout
+    Op("moe_combine", _gates.moe_combine, "gates.fused:moe_combine", torch_only=("gate_packed",)),
     Op("gdn_commit", _gdn.gdn_commit, "gdn.commit:gdn_commit"),
     Op("gdn_preview", _gdn.gdn_preview, "gdn.preview:gdn_preview"),
     # packed: the CPU path's kept oneDNN weights (see ``PackedWeight``)

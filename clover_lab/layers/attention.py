@@ -13,7 +13,6 @@ from ..config import CloverConfig
 from ..context import ForwardContext
 from .linear import FusedProjections, Linear
 from .norm import RMSNorm
-from .rotary import apply_rotary
 
 
 class GatedAttention(nn.Module):
@@ -38,23 +37,20 @@ class GatedAttention(nn.Module):
         B, T, _ = x.shape
         D = self.head_dim
         q, k, v = self.qkv_proj(self, x)
-        q, gate = q.reshape(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)
-        gate = gate.reshape(B, T, -1)
-        q = self.q_norm(q).transpose(1, 2)  # [B, Hq, T, D]
-        k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
+        q, gate = q.reshape(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)  # per-head views [B, T, Hq, D]
+        # q/k norms and RoPE in one kernel on a GPU -> [B, Hq, T, D], [B, Hkv, T, D]
+        q, k = ops.qk_norm_rope(q, k.reshape(B, T, self.num_kv_heads, D), self.q_norm.weight, self.k_norm.weight,
+                                ctx.positions, ctx.rope.inv_freq_on(q.device), self.q_norm.eps)
         v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
-        cos, sin = ctx.rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if ctx.is_training:
             o = self._attend_blocks(q, k, v, ctx.c, ctx.block_size)
-            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
+            return self.o_proj(self._gated(o, gate))
 
         cache: AttentionCache = ctx.cache.layers[self.layer]
         if ctx.is_static:
             return self.o_proj(self._attend_static(q, k, v, gate, cache, ctx))
         if ctx.is_ragged:
-            o = self._attend_ragged(q, k, v, cache, ctx)
-            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
+            return self.o_proj(self._gated(self._attend_ragged(q, k, v, cache, ctx), gate))
         n, c, m = ctx.n, ctx.c, ctx.m
         outs = []
         if c:
@@ -74,8 +70,13 @@ class GatedAttention(nn.Module):
             values = torch.cat([cache.v[:, :, :n + c], v[:, :, c:]], dim=2)
             outs.append(F.scaled_dot_product_attention(q[:, :, c:], keys, values, enable_gqa=True))
         o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-        o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
-        return self.o_proj(o)
+        return self.o_proj(self._gated(o, gate))
+
+    @staticmethod
+    def _gated(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The output gate: o [B, Hq, T, D] times sigmoid(gate [B, T, Hq, D]) -> [B, T, Hq * D]."""
+        B, _, T, _ = o.shape
+        return ops.sigmoid_gate(o.transpose(1, 2), gate).reshape(B, T, -1)
 
     @staticmethod
     def _attend_static(q, k, v, gate, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import clover_kernels as ops
 from clover_kernels.gdn.torch import gdn_commit_blocks
@@ -102,7 +101,7 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         c, m = ctx.c, ctx.m
         mixed, z, b, a = self.in_proj(self, x)  # [B, T, C], [B, T, Hv * dv], [B, T, Hv] twice
-        z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)  # per-head views of in_proj's product (no copy)
         if ctx.is_training:
             o = self._mix_blocks(mixed, b, a, ctx.c, ctx.block_size)
             o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
@@ -139,8 +138,7 @@ class GatedDeltaNet(nn.Module):
                                 GDNPreviewEvent(self.layer, ctx.positions[..., c:], p_hist, h, where=ctx.where))
             outs.append(o)
         o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B, T, Hv, dv]
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(o.reshape(B, T, -1))
+        return self.out_proj(self.norm(o, z).reshape(B, T, -1))
 
 
     def kept_state(self, rows: "DraftRows", a: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,10 +153,8 @@ class GatedDeltaNet(nn.Module):
         return ring, state
 
     def _gates(self, b, a):
-        """in_proj_b and in_proj_a's outputs -> (log decay g fp32, beta)."""
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        return g, beta
+        """in_proj_b and in_proj_a's outputs -> (log decay g fp32, beta): one kernel on a GPU."""
+        return ops.gdn_gates(b, a, self.A_log, self.dt_bias)
 
     def _mix_blocks(self, mixed, b, a, L: int, bs: int) -> torch.Tensor:
         """Training layout: the clean rows in commit mode, every noisy block previewed against the

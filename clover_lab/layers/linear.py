@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import clover_kernels as ops
 
@@ -31,7 +30,7 @@ class SwiGLU(nn.Module):
 
     def down(self, gate, up):
         """The MLP from its gate and up projections (computed elsewhere, e.g. in one fused GEMM)."""
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(gate, up))
 
 
 class FusedProjections:

@@ -154,11 +154,20 @@ class SparseMoE(nn.Module):
                                      weights, allowed))
         return ids, weights
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None,
+                next_norm=None):
+        """The block's output for its input x [B, T, H]; given the ``residual`` stream, that stream
+        with the output added (one kernel on a GPU with the shared expert's gate); given the next
+        layer's input norm too, (the stream, that norm of it) from the same kernel."""
         B, T, H = x.shape
         logits, *shared = self.projections(self, x)  # [B, T, E] (and [B, T, Is] twice with a shared expert)
         ids, weights = [], []
-        for mode, lo, hi in (("commit", 0, ctx.c), ("preview", ctx.c, ctx.c + ctx.m)):
+        # commit and preview rows route by one rule unless a coreset, router statistics or a route hook
+        # (or a static step's route observers) tells the parts apart: then one routing launch covers both
+        one_rule = (ctx.coreset is None and ctx.router_stats is None and self.route_point not in ctx.observed
+                    and not (ctx.hooks and self.hooks.active(self.route_point)))
+        parts = (("commit", 0, T),) if one_rule else (("commit", 0, ctx.c), ("preview", ctx.c, ctx.c + ctx.m))
+        for mode, lo, hi in parts:
             if hi > lo:
                 i, w = self.route(logits[:, lo:hi].reshape(-1, self.num_experts), mode, ctx, lo, hi, B, x.dtype)
                 ids.append(i.view(B, hi - lo, -1))
@@ -168,9 +177,15 @@ class SparseMoE(nn.Module):
         flat = x.reshape(B * T, H)
         coreset = None if ctx.coreset is None else ctx.coreset.experts.get(self.layer)
         out = self.experts(flat, ids, weights, coreset).view(B, T, H)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.down(*shared)
-        return out
+        norm = {} if next_norm is None else dict(norm_weight=next_norm.weight, eps=next_norm.eps)
+        if self.shared_expert is None:
+            return ops.moe_combine(residual, out, **norm)
+        shared = self.shared_expert.down(*shared)
+        gate = self.shared_expert_gate
+        if isinstance(gate, Linear) and not (gate._forward_hooks or gate._forward_pre_hooks):
+            return ops.moe_combine(residual, out, x, gate.weight, shared, gate.packed, **norm)
+        # a wrapped gate (a peft adapter, a module hook) runs its own forward
+        return ops.moe_combine(residual, out + torch.sigmoid(gate(x)) * shared, **norm)
 
 
 def checked_route(event: RouteEvent, point: str, rows: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,10 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         return ops.rms_norm(x, self.weight, self.eps)
 
+    def after_add(self, x, delta):
+        """A residual add and this norm after it: (``x + delta``, the norm of it), one kernel on a GPU."""
+        return ops.add_rms_norm(x, delta, self.weight, self.eps)
+
 
 class GatedRMSNorm(nn.Module):
     """GDN output norm ``w * x / rms(x) * silu(z)`` (weight not zero-centred)."""

@@ -1,8 +1,11 @@
-"""Rotary position embeddings on the first ``rotary_dim`` dims of each head."""
+"""Rotary position embeddings on the first ``rotary_dim`` dims of each head (the formulas:
+``clover_kernels.rope.naive``; the attention layers apply them fused with their q/k norms)."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from clover_kernels.rope.naive import apply_rotary, cos_sin  # noqa: F401 - apply_rotary: the formula's old home
 
 from ..config import CloverConfig
 
@@ -15,23 +18,17 @@ class Rotary(nn.Module):
         dim = config.rotary_dim
         # kept out of the module's buffers on purpose: model.to(bf16) must never round it
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+        self._copies: dict = {}  # device -> inv_freq there (a placed model's attention layers lie on several)
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """The fp32 frequencies [rotary_dim / 2] on ``device`` (copied once per device)."""
+        if self.inv_freq.device == device:
+            return self.inv_freq
+        if device not in self._copies:
+            self._copies[device] = self.inv_freq.to(device)
+        return self._copies[device]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [T] -> cos, sin [T, rotary_dim]; per-row positions [B, T] -> [B, 1, T,
         rotary_dim] (broadcast over the heads)."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, rotary_dim]
-        if positions.dim() == 2:
-            emb = emb[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D]; rotates the first cos.shape[-1] dims, passes the rest through."""
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+        return cos_sin(positions, self.inv_freq_on(positions.device), dtype)

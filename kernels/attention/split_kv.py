@@ -73,7 +73,7 @@ def _split_kv_kernel(q_ptr, k_ptr, v_ptr, last_ptr, acc_ptr, m_ptr, l_ptr,
 
 
 @triton.jit
-def _combine_kernel(acc_ptr, m_ptr, l_ptr, gate_ptr, o_ptr, T, HQ, R, D, s_gb, s_gt, s_ob, s_ot, SPLITS,
+def _combine_kernel(acc_ptr, m_ptr, l_ptr, gate_ptr, o_ptr, T, HQ, R, D, s_gb, s_gt, s_gh, s_ob, s_ot, SPLITS,
                     BLOCK_S: tl.constexpr, DP: tl.constexpr):
     pid = tl.program_id(0)  # (b, hq, t) in the partials' row order
     t = pid % T
@@ -90,7 +90,7 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, gate_ptr, o_ptr, T, HQ, R, D, s_gb, s
     den = tl.sum(w * l, axis=0)
     acc = tl.load(acc_ptr + (s[:, None] * R + pid) * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(den == 0.0, 1.0, den)
-    gate = tl.load(gate_ptr + b * s_gb + t * s_gt + hq * D + d, mask=dm, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + b * s_gb + t * s_gt + hq * s_gh + d, mask=dm, other=0.0).to(tl.float32)
     tl.store(o_ptr + b * s_ob + t * s_ot + hq * D + d, (o * tl.sigmoid(gate)).to(o_ptr.dtype.element_ty), mask=dm)
 
 
@@ -122,6 +122,7 @@ def cache_attention(q, k, v, last, gate, splits: int | None = None):
                          f"last {tuple(last.shape)}: expected Hq a multiple of Hkv, k and v alike, last [B, T]")
     G = HQ // HKV
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    gate = gate.reshape(B, T, HQ, D) if gate.dim() == 3 else gate  # or q_proj's per-head views, read in place
     gate = gate if gate.stride(-1) == 1 else gate.contiguous()
     rows = G * T
     block_m, block_n, warps = tiles_for(q.dtype, rows)
@@ -140,6 +141,6 @@ def cache_attention(q, k, v, last, gate, splits: int | None = None):
         1.4426950408889634 / D ** 0.5, S, DP=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
         PREC=prec, num_warps=warps)
     _combine_kernel[(B * HQ * T,)](acc, m, l, gate, out, T, HQ, B * HQ * T, D, gate.stride(0), gate.stride(1),
-                                   out.stride(0), out.stride(1), S, BLOCK_S=triton.next_power_of_2(S),
+                                   gate.stride(2), out.stride(0), out.stride(1), S, BLOCK_S=triton.next_power_of_2(S),
                                    DP=triton.next_power_of_2(D), num_warps=4)
     return out

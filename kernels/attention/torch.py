@@ -13,10 +13,11 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: tor
                     gate: torch.Tensor) -> torch.Tensor:
     """q [B, Hq, T, D]; k, v [B, Hkv, L, D]: the cache buffer, the step's own rows already written
     at their positions; last [B, T] int: row t of batch row b sees keys [0, last[b, t]] (a commit
-    row its prefix and itself, a block row the prefix and the whole block); gate [B, T, Hq * D].
+    row its prefix and itself, a block row the prefix and the whole block);
+    gate [B, T, Hq * D] or its per-head view [B, T, Hq, D].
 
     Returns [B, T, Hq * D]: per query head h, softmax(q k^T / sqrt(D)) v over the visible keys of
     kv head h // (Hq / Hkv), times sigmoid(gate) (the gated attention output; clover-architecture.md section 2)."""
     B, _, T, _ = q.shape
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible_keys(last, k.shape[2])[:, None], enable_gqa=True)
-    return o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
+    return o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))

@@ -16,3 +16,9 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     y = weight * y
     return (y * torch.nn.functional.silu(gate.float())).to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    """A residual add and the norm after it: (``x + delta``, ``rms_norm(x + delta)``), both in x's dtype."""
+    total = x + delta
+    return total, rms_norm(total, weight, eps)

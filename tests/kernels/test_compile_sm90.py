@@ -125,7 +125,7 @@ def test_dims_are_the_35b_preset():
                 gdn_head_k=c.linear_key_head_dim, gdn_head_v=c.linear_value_head_dim, conv=c.linear_conv_kernel_dim,
                 attn_heads=c.num_attention_heads, attn_kv_heads=c.num_key_value_heads, attn_head_dim=c.head_dim,
                 experts=c.num_experts, top_k=c.num_experts_per_tok, expert_width=c.moe_intermediate_size,
-                shared_width=c.shared_expert_intermediate_size, block=c.block_size)
+                shared_width=c.shared_expert_intermediate_size, block=c.block_size, rotary_dim=c.rotary_dim)
     assert {k: compile_check.DIMS_35B[k] for k in want} == want
 
 

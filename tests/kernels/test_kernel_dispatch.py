@@ -12,7 +12,8 @@ from clover_kernels import dispatch  # noqa: E402
 from clover_kernels.gdn import naive as gdn_naive  # noqa: E402
 
 NAMES = ["rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview", "moe_experts", "linear_fp8", "moe_experts_fp8",
-         "route", "cache_attention"]
+         "route", "cache_attention", "add_rms_norm", "qk_norm_rope", "gdn_gates", "sigmoid_gate", "silu_mul",
+         "moe_combine"]
 
 
 def test_every_op_has_a_kernel():

@@ -53,3 +53,26 @@ def test_norms_bf16(device, close):
     close(rms.rms_norm(x, w), naive.rms_norm(x, w), torch.bfloat16, scale=4.0, what="rms_norm bf16")
     close(rms.gated_rms_norm(x, gate, w), naive.gated_rms_norm(x, gate, w), torch.bfloat16, scale=4.0,
           what="gated_rms_norm bf16")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_add_rms_norm(shape, dtype, device, close):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+    d = torch.randn(shape, generator=g).to(dtype).to(device)
+    w = (torch.randn(shape[-1], generator=g) * 0.5).to(dtype).to(device)
+    total, out = rms.add_rms_norm(x, d, w, 1e-6)
+    ref_total, ref_out = naive.add_rms_norm(x, d, w, 1e-6)
+    assert total.dtype == out.dtype == dtype and total.shape == out.shape == x.shape
+    close(total, ref_total, dtype, what="sum")
+    close(out, ref_out, dtype, what="normed")
+
+
+def test_gated_rms_norm_reads_head_slices_in_place(dtype, device, close):
+    """The GDN passes z as per-head views of in_proj's product: [B, T, Hv, dv] with a row stride."""
+    g = torch.Generator().manual_seed(4)
+    proj = torch.randn(2, 3, 10 + 4 * 16, generator=g).to(dtype).to(device)
+    z = proj[..., 10:].reshape(2, 3, 4, 16)
+    x = torch.randn(2, 3, 4, 16, generator=g).to(dtype).to(device)
+    w = (1 + torch.randn(16, generator=g) * 0.2).to(dtype).to(device)
+    close(rms.gated_rms_norm(x, z, w), naive.gated_rms_norm(x, z, w), dtype, what="strided gate")
