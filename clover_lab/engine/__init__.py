@@ -8,7 +8,7 @@ forward), static steps, CUDA graphs and torch.compile (``graphs.py``), request c
 returns (``results.py``, ``batch.py``)."""
 from .batch import BatchResult, BatchStats
 from .engine import Engine, load
-from .policies import EntropyBoundedPolicy, TopKPolicy, make_policy
+from .policies import EntropyBoundedPolicy, LookAheadPolicy, TopKPolicy, make_policy
 from .policy import DecodingPolicy, Proposal, ThresholdPolicy
 from .requests import GenerationError
 from .results import GenerationResult, GenerationStats, StreamUpdate
