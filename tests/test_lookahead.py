@@ -118,3 +118,15 @@ def test_the_command_line_takes_it(capsys):
     assert main(["generate", "--prompt-ids", "5,17,33", "--max-new-tokens", "8", "--policy",
                  "lookahead:start=2", "--no-progress"]) != 0
     assert "LookAheadPolicy start=2" in capsys.readouterr().err
+
+
+def test_the_static_steps_and_a_coreset_take_the_longer_canvas(tiny_engine):
+    policy = LookAheadPolicy(start=0.25, threshold=0.3)
+    eager = tiny_engine.generate(PROMPTS[1:], max_new_tokens=40, policy=policy, threshold=0.5)
+    static = Engine(tiny_engine.model)
+    static.step_graphs = True  # the static-shape steps, eager on a CPU
+    fast = static.generate(PROMPTS[1:], max_new_tokens=40, policy=policy, threshold=0.5)
+    assert fast.stats.path == "static"
+    assert [r.token_ids for r in fast] == [r.token_ids for r in eager]
+    cored = tiny_engine.generate(PROMPTS[1], max_new_tokens=40, policy=policy, threshold=0.5, coreset_size=4)
+    assert len(cored.token_ids) == 40 and tiny_engine.mask_token_id not in cored.token_ids
