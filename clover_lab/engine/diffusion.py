@@ -18,14 +18,10 @@ a finished block whose fused commit was abandoned is still returned, and
 ``stats.cache_complete`` is then False. Raised during the prefill, it ends the rows with no
 tokens (``stop_reason`` "hook").
 
-Looking ahead (a policy whose ``look_ahead`` says so, ``policy.py``): the row's next block is
-made early (``BlockLoop.ahead``) and previewed in the same forward as the current one, one
-canvas ``[block ; next block]``; after the current block's step, the next block takes a
-look-ahead step of its own (``denoise_step(..., ahead_of=block)``: ``denoise.step`` hooks see
-it, no position is required, stop strings wait for the block's own steps, since the block
-before it is not committed yet). When the row's next block begins it is that block, with its
-tokens so far; one the look-ahead resolved entirely still takes the fused forward that commits
-the block before it (its preview part is not used).
+Looking ahead (a policy's ``look_ahead``, ``policy.py``): the next block, made early
+(``BlockLoop.ahead``), is previewed in the current block's forward on one canvas and takes a
+look-ahead step after the block's (``denoise_step(..., ahead_of=block)``); it begins with those
+tokens, and one resolved entirely still takes the fused forward that commits the block before it.
 """
 from __future__ import annotations
 
@@ -116,7 +112,7 @@ class BlockLoop:
         self.coreset = run.runner.new_coreset(run.s.coreset_size)
         self.index = 0
         self.ahead: dict[int, Block] = {}  # row -> its next block, made early by a look-ahead policy
-        self.produced: dict[int, int] = {}  # row -> its tokens before the current block
+        self.produced: dict[int, int] = {}  # row -> its tokens before the current block (filled in run_blocks)
 
     def run_blocks(self) -> Iterator[StreamUpdate]:
         run, engine = self.run, self.run.engine
@@ -125,7 +121,6 @@ class BlockLoop:
             if not run.active:
                 break
             produced, blocks = self.produced, {}
-            produced.clear()
             for r in run.active:  # rows that joined later are at earlier blocks of their own
                 row = run.rows[r]
                 produced[r] = len(row.committed) + len(row.pending[0] if row.pending else ())
@@ -156,10 +151,10 @@ class BlockLoop:
         return block
 
     def resolve(self, blocks: dict[int, Block]) -> Iterator[StreamUpdate]:
-        """Previews until no active row's block has a masked position (nor a finished block
-        waiting to be committed: a block the look-ahead resolved). The rows previewed together
-        share a block length, whether a finished block is committed in the same forward (rows
-        that joined since differ in both) and the length of the next block previewed too (0: none)."""
+        """Previews until no active row's block has a masked position nor a finished block waiting
+        for its commit (behind a block the look-ahead resolved). The rows previewed together share a
+        block length, whether a finished block is committed in the same forward (rows that joined
+        since differ in both) and the length of the next block previewed too (0: none)."""
         run = self.run
         while any(blocks[r].masked or run.rows[r].pending is not None for r in run.active):
             groups: dict[tuple, list[int]] = {}
@@ -173,9 +168,8 @@ class BlockLoop:
                     yield from self.preview(rows, blocks, fused, bool(ahead))
 
     def looks_ahead(self, r: int, block: Block) -> int:
-        """The length of the row's next block when this step previews it too (made here when
-        new), else 0: its policy asks, and the row has a next block (this one does not end it)
-        with positions masked."""
+        """The length of the row's next block (made here when new) if this step previews it too (its
+        policy asks, and the row has one: this block does not end it), else 0."""
         row = self.run.rows[r]
         room = self.run.max_new - self.produced[r] - len(block)
         if not block.masked or block.end_reason is not None or room <= 0 or not row.policy.look_ahead(row, block):
@@ -193,10 +187,8 @@ class BlockLoop:
         m = len(blocks[rows[0]])
         canvas = torch.stack([torch.cat([blocks[r].canvas, self.ahead[r].canvas]) if ahead else blocks[r].canvas
                               for r in rows])
-        if len(rows) == 1 and ahead:  # one row: logits where masked, in both blocks
-            one = torch.tensor(blocks[rows[0]].masked + [m + p for p in self.ahead[rows[0]].masked], device=run.device)
-        else:
-            one = blocks[rows[0]].masked_index() if len(rows) == 1 else None
+        one = None if len(rows) > 1 else blocks[rows[0]].masked_index() if not ahead else torch.tensor(
+            blocks[rows[0]].masked + [m + p for p in self.ahead[rows[0]].masked], device=run.device)  # one row: where masked
         at = blocks[rows[0]]
         if fused:
             pending = torch.tensor([run.rows[r].pending[0] for r in rows], device=run.device)
@@ -215,8 +207,7 @@ class BlockLoop:
             if run.emit:
                 yield run.rows[r].update("step", block.index, block.step - 1, block.host, unmask)
             if ahead and block.end_reason is None:  # the next block's look-ahead step (not streamed: not begun)
-                nxt = self.ahead[r]
-                idx = nxt.masked_index()
+                idx = (nxt := self.ahead[r]).masked_index()
                 mine = logits[i:i + 1, n:] if one is not None else logits[i:i + 1, m:]
                 denoise_step(run.rows[r], nxt, mine if idx is None or one is not None else mine[:, idx], idx,
                              ahead_of=block)
@@ -284,10 +275,9 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
                  ahead_of: Block | None = None) -> tuple[list[int], bool]:
     """The row's policy decides, ``denoise.step`` hooks may change the decision, and it is
     applied to the canvas and the host copy. ``run``: the row; ``logits`` [1, N, V] at the
-    masked positions ``idx`` (None: all). ``ahead_of``: a look-ahead step of ``block``, the next
-    block, previewed beside the row's current block ``ahead_of`` (the policy's propose_ahead
-    decides; it may unmask nothing; no stop-string scan). Returns (the positions unmasked,
-    whether a hook asked to stop)."""
+    masked positions ``idx`` (None: all). ``ahead_of``: a look-ahead step of the next block beside
+    the row's block ``ahead_of`` (propose_ahead decides, maybe nothing; stop strings wait for the
+    block's own steps). Returns (the positions unmasked, whether a hook asked to stop)."""
     mask_id = run.engine.mask_token_id
     logits = logits[0].float()  # [N, V]
     flat = collapsed(logits)  # before the mask column is -inf
@@ -296,10 +286,8 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
         finish = run.policy.finishes_block(run, block)
         proposal = run.policy.propose(run, block, logits, finish)  # the decoding rule (policy.py)
     else:
-        finish = False
-        proposal = run.policy.propose_ahead(run, ahead_of, block, logits)
-        if run.s.max_steps_per_block is None:  # the block's own steps keep their limit: its length
-            block.limit += 1
+        finish, proposal = False, run.policy.propose_ahead(run, ahead_of, block, logits)
+        block.limit += run.s.max_steps_per_block is None  # the block's own steps keep the limit of its length
     cand, conf, flags = proposal.tokens, proposal.confidences, proposal.unmask
     logp = run.info.distribution(logits, run.counts, run.s)  # None unless log-probabilities are asked for
     # the one host transfer per step: decision, candidates, and whether the logits could be used
