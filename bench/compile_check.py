@@ -64,6 +64,8 @@ _BIG_ROWS = (255, 256, 1000, 1023, 1024, 2048, 4095, 4096, 8191, 8192)
 COMMIT_ROWS = tuple(range(1, 129)) + _BIG_ROWS
 MOE_ROWS = tuple(range(1, 129)) + _BIG_ROWS
 NORM_ROWS = (1, 32, 64, 1024, 8192)
+ATTENTION_ROWS = tuple(range(1, 65))  # a static step: AR (1), a preview (up to 32), commit + preview (64)
+ATTENTION_BUFFERS = (1024, 4096, 32768, 131072)  # the static cache buffer: its split counts
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -374,6 +376,13 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
                 _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
                 _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
         yield from _moe_tile_calls(label, dt, d, fp8=False)
+        Hq, Hkv = d["attn_heads"], d["attn_kv_heads"]
+        attention_rows = rows.get("cache_attention", ATTENTION_ROWS) if label in HALF_DTYPES else ()
+        for T in attention_rows:  # the static steps' attention, at every buffer size
+            for L in ATTENTION_BUFFERS:
+                yield "cache_attention", label, T, ("cache_attention", (
+                    _meta(1, Hq, T, D, dtype=dt), _meta(1, Hkv, L, D, dtype=dt), _meta(1, Hkv, L, D, dtype=dt),
+                    _meta(1, T, dtype=torch.int64), _meta(1, T, Hq * D, dtype=dt)))
         if label in FP8_DTYPES:  # FP8 checkpoints: FP8 weights, bf16 / fp16 activations
             yield from _fp8_calls(label, dt, d, rows)
             yield from _moe_tile_calls(label, dt, d, fp8=True)
@@ -408,7 +417,10 @@ FP8_LINEAR_SHAPES = ((8192, 2048), (512, 2048), (2048, 4096), (4096, 2048), (32,
 FP8_BLOCK = 128  # Qwen's and DeepSeek's weight_block_size [128, 128]
 # the FP8 kernels take bf16 / fp16 activations: fp32 ones run the torch path (their tiles spill)
 FP8_DTYPES = ("bf16", "fp16")
-KERNEL_DTYPES = {name: set(FP8_DTYPES) for name in ("_fp8_linear_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel")}
+# so do the split-KV attention's (its fp32 tiles of head_dim 256 spill)
+HALF_DTYPES = FP8_DTYPES
+KERNEL_DTYPES = {name: set(HALF_DTYPES) for name in ("_fp8_linear_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel",
+                                                     "_split_kv_kernel", "_combine_kernel")}
 KERNEL_DTYPES["_align_kernel"] = {"bf16"}  # reads only expert ids: one binary for every activation dtype
 
 

@@ -42,7 +42,7 @@ PEAK_FLOPS = {"bf16_dot": 790e12, "tf32_dot": 395e12, "fp32": 67e12}  # H200 (SX
 # the op calls of table 2 (tokens per call), also the shapes of bench/bench_kernels.py, so the GPU
 # check can set its measured times beside these
 COST_ROWS = dict(rms_norm=[1, 32, 4096], gated_rms_norm=[1, 32, 4096], gdn_commit=[1, 32, 64, 2048, 8192],
-                 gdn_preview=[32, 64], moe_experts=[1, 8, 32, 64, 1024, 8192])
+                 gdn_preview=[32, 64], moe_experts=[1, 8, 32, 64, 1024, 8192], cache_attention=[1, 32, 64])
 
 
 def _shape(args, name):
@@ -122,6 +122,16 @@ def cost(kernel: str, a: dict) -> tuple[float, float, str]:
             return hit * 2 * I * H * es + T * H * es + P * I * es + _nbytes(a, "pair_ptr", "blk_e_ptr"), 2 * P * H * 2 * I, peak
         es = _es(a, "dn_ptr")
         return hit * H * I * es + P * I * es + P * H * 4 + _nbytes(a, "wt_ptr", "pair_ptr", "blk_e_ptr"), 2 * P * I * H, peak
+    if kernel == "_split_kv_kernel":  # a full buffer of live keys (the capture has no length): K,V once per row tile
+        B, Hq, T, D = _shape(a, "q_ptr")
+        _, Hkv, L, _ = _shape(a, "k_ptr")
+        tiles = -(-a["ROWS"] // a["BLOCK_M"])
+        moved = _nbytes(a, "q_ptr", "last_ptr") + tiles * 2 * B * Hkv * L * D * _es(a, "k_ptr") + \
+            a["SPLITS"] * B * Hq * T * (D + 2) * 4
+        return moved, 4 * B * Hq * T * L * D, "bf16_dot"
+    if kernel == "_combine_kernel":  # the slices' partials read back, the gate read, the output written
+        R, D = a["R"], a["D"]
+        return a["SPLITS"] * R * (D + 2) * 4 + 2 * R * D * _es(a, "gate_ptr"), a["SPLITS"] * R * D * 3, "fp32"
     raise KeyError(kernel)
 
 
@@ -131,7 +141,7 @@ def cost_table(report: dict) -> list[dict]:
 
     d = cc.discover()
     launches, _, _ = cc.capture_35b(d, ("bf16",), rows=COST_ROWS)
-    calls = {}
+    calls, buffer = {}, ""
     for l in launches:
         a = dict(l.args, **{k: v for k, v in cc._constexpr_names(l).items()})
         try:
@@ -140,6 +150,10 @@ def cost_table(report: dict) -> list[dict]:
             moved, flops, peak = None, None, None
         if l.op == "rms_norm":  # the decoder norms [T, hidden] and the q/k norms [T * heads, head_dim]
             variant = "x".join(str(s) for s in l.args["x_ptr"]["shape"])
+        elif l.op == "cache_attention":  # one call per buffer size; the combine follows its split kernel
+            if "k_ptr" in l.args:
+                buffer = f"{l.args['k_ptr']['shape'][2]} keys"
+            variant = buffer
         else:
             variant = "+history" if l.args.get("RETURN_H") else ""
         call = calls.setdefault((l.op, l.rows, variant), dict(op=l.op, rows=l.rows, shape=variant, kernels=[]))

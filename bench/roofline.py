@@ -19,6 +19,9 @@ max(bytes / 4.8 TB/s, FLOPs / 790 TFLOP/s bf16).
              LM head at the rows with logits, attention over the prefix and block, the GDN
              rule (chunked for commits, recurrent for one token, the preview operator)
 
+  attention  per attention layer, at 1k / 4k / 32k committed tokens: the bytes the split-KV kernel
+             reads (the live keys) against the whole-buffer SDPA it replaced (``attention_reads``)
+
   launches   kernels per layer (bench/step_launches.py, counted on the CPU) x layers x 2 us per
              kernel replayed in a CUDA graph: the launch floor; a step's predicted time is the
              longer of its roofline and that floor ("bound" says which)
@@ -194,6 +197,53 @@ def plan_steps(model: CloverModel, context: int) -> list[dict]:
     return rows
 
 
+ATTENTION_CONTEXTS = (1024, 4096, 32768)
+
+
+def static_buffer(length: int) -> int:
+    """The static steps' cache buffer for ``length`` positions (engine/graphs.py: a power of two, >= 1024)."""
+    return max(1024, 1 << (length - 1).bit_length())
+
+
+def attention_reads(cfg: CloverConfig, n: int, c: int, m: int, es: int = 2) -> dict:
+    """HBM bytes of one attention layer's static-step attention for a step of c commit and m block
+    rows after n committed tokens, batch 1, bf16.
+
+    split_kv: what kernels/attention/split_kv.py reads and writes: q and gate once, K,V of the live
+    keys [0, n + c + m) once per tile of folded query rows (its tile sizes), the fp32 partials
+    written and read back once per split (its split count), the output once.
+    whole_buffer: the torch path it replaces (SDPA's math backend, as a mask with GQA forces): the
+    whole buffer's K,V read, repeated G = Hq / Hkv times (the copies written and read), the scores
+    [Hq, T, buffer] written by QK^T, read and written by the mask and by the softmax, read by PV,
+    the bool mask read; q and the output once, the gate and the gated output once more."""
+    from clover_kernels.attention.split_kv import min_split_keys, split_count, tiles_for
+
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    T, live, L = c + m, n + c + m, static_buffer(n + c + m)
+    G = Hq // Hkv
+    rows_bytes = T * Hq * D * es  # q, the gate, the output: each [T, Hq * D]
+    block_m, block_n, _ = tiles_for(torch.bfloat16, G * T)
+    tiles = -(-G * T // block_m)
+    splits = split_count(Hkv * tiles, L, block_n, min_split_keys(G * T, tiles, es))
+    kv_live = 2 * Hkv * live * D * es
+    split_kv = 3 * rows_bytes + tiles * kv_live + 2 * splits * Hq * T * (D + 2) * 4
+    kv_buffer = 2 * Hkv * L * D * es
+    scores = Hq * T * L * es
+    whole = kv_buffer * (1 + 2 * G) + 6 * scores + T * L + 5 * rows_bytes
+    return dict(committed=n, rows=T, live_keys=live, buffer=L, splits=splits, query_tiles=tiles,
+                split_kv_bytes=split_kv, whole_buffer_bytes=whole, ratio=whole / split_kv,
+                split_kv_us=split_kv / HBM_BYTES_PER_S * 1e6, whole_buffer_us=whole / HBM_BYTES_PER_S * 1e6)
+
+
+def attention_table(cfg: CloverConfig) -> list[dict]:
+    B = cfg.block_size
+    out = []
+    for context in ATTENTION_CONTEXTS:
+        for step, c, m in (("AR step", 1, 0), (f"preview {B}", 0, B), (f"commit+preview {B}+{B}", B, B)):
+            out.append(dict(step=step, **attention_reads(cfg, context, c, m)))
+    return out
+
+
 def block_loop(cfg: CloverConfig, rows: list[dict]) -> list[dict]:
     """Steady-state block diffusion: per block one fused commit+preview, then 32/TPF - 1 previews."""
     by = {r["step"]: r for r in rows}
@@ -270,6 +320,15 @@ def print_tables(result: dict, file=sys.stdout) -> None:
     for r in result["block_loop"]:
         tps = "  ".join(f"TPF {k}: {v:.0f} tok/s" for k, v in r["tokens_per_s"].items())
         print(f"{r['loop']:<28} {tps}", file=file)
+    print(f"\nattention per layer (split-KV over the live keys vs SDPA over the whole buffer, bf16, batch 1)",
+          file=file)
+    head = (f"{'context':>8} {'step':<24} {'buffer':>7} {'splits':>6} {'split-KV MB':>11} {'whole MB':>9} "
+            f"{'ratio':>6} {'split-KV us':>11} {'whole us':>9}")
+    print(head + "\n" + "-" * len(head), file=file)
+    for r in result["attention"]:
+        print(f"{r['committed']:>8} {r['step']:<24} {r['buffer']:>7} {r['splits']:>6} "
+              f"{r['split_kv_bytes'] / 1e6:>11.2f} {r['whole_buffer_bytes'] / 1e6:>9.2f} {r['ratio']:>6.1f} {r['split_kv_us']:>11.2f} "
+              f"{r['whole_buffer_us']:>9.2f}", file=file)
     mp = result["memory"]
     print(f"\nmemory: weights {mp['weights_bf16_bytes'] / GIB:.1f} GiB bf16; cache "
           f"{mp['cache_bytes_per_1k_tokens'] / 2**20:.1f} MiB per 1k tokens + GDN state "
@@ -296,7 +355,8 @@ def main(argv=None) -> int:
                   assumptions=["uniform routing: distinct experts per layer = pool * (1 - (1 - k/pool)^tokens)",
                                "bytes: each weight read once per forward, activations not counted",
                                "prefills start from an empty cache; other steps follow --context committed tokens"],
-                  steps=steps, block_loop=block_loop(model.config, steps), memory=memory_plan(model))
+                  steps=steps, block_loop=block_loop(model.config, steps), memory=memory_plan(model),
+                  attention=attention_table(model.config))
     print_tables(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -25,17 +25,15 @@ import json
 import sys
 import time
 
-from . import cli_check, cli_routes, cli_serve
+from . import cli_check, cli_routes, cli_serve, threads
 from .arguments import ArgumentParser
 from .cli_options import (EXIT_INTERRUPTED, EXIT_OK, UsageError, add_placement_options, add_sampler_options, fail,
                           load_engine, sampler_kwargs, set_block_size, token_ids)
 from .cli_view import LiveView, print_batch, print_interrupted, print_result
 from .engine.requests import MODES
 
-# below this many parameters a CPU model runs fastest on one thread: its GEMMs are too small to split,
-# and on a busy machine a second thread waits for a core (the embedded model: 76-123 tokens/s on one
-# thread, 1.3-5.6 on two, on a loaded 2-core machine)
-SMALL_MODEL_PARAMETERS = 100_000_000
+# below this many parameters a CPU model runs on one thread (clover_lab/threads.py, shared with load())
+SMALL_MODEL_PARAMETERS = threads.SMALL_MODEL_PARAMETERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,18 +143,9 @@ def cmd_generate(args) -> int:
     return _run_stream(engine, args, stream, batch=is_batch(prompt))
 
 
-def set_threads(model, threads: int | None) -> int:
-    """torch's intra-op threads for ``model``: ``threads`` when given, else one for a small model
-    on the CPU, else torch's default (left as it is). Returns the count in effect."""
-    import torch
-
-    if threads is None:
-        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-        if on_cpu and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMETERS:
-            threads = 1
-    if threads is not None:
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
+def set_threads(model, count: int | None) -> int:
+    """The threads policy of clover_lab/threads.py for the CLI's process: ``--threads``, else by model."""
+    return threads.set_threads(model, count, respect_user=False, small=SMALL_MODEL_PARAMETERS)
 
 
 def _prompt(engine, args):

@@ -2,7 +2,7 @@
 
 Per op, one folder: ``naive.py`` the readable reference (loops, the spec's formulas),
 ``torch.py`` the production torch path where it differs (chunked, grouped, oneDNN), and the
-Triton kernels (``commit.py``, ``preview.py``, ``fused.py``, ``rms.py``; shared device
+Triton kernels (``commit.py``, ``preview.py``, ``fused.py``, ``rms.py``, ``split_kv.py``; shared device
 functions in ``common.py``). Every op is one row of the table in ``ops.py`` (name, torch
 reference, Triton implementation); calling it dispatches between the two (``dispatch.py``).
 """
@@ -20,5 +20,6 @@ moe_experts = OPS["moe_experts"]
 route = OPS["route"]
 linear_fp8 = OPS["linear_fp8"]
 moe_experts_fp8 = OPS["moe_experts_fp8"]
+cache_attention = OPS["cache_attention"]
 
 __all__ = ["linear", "PackedWeight", "can_pack", "backend_for", "forced_backend", "kernel_table", *OPS]

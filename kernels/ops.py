@@ -17,6 +17,7 @@ import torch
 import clover_kernels as _package  # backend_for through the package, where tests and tools replace it
 
 from . import dispatch
+from .attention import torch as _attention
 from .fp8 import torch as _fp8
 from .gdn import torch as _gdn
 from .moe import naive as _moe_naive
@@ -60,8 +61,8 @@ class Op:
 
 
 def _not_fp32_on_gpu(x: torch.Tensor) -> bool:
-    """The FP8 kernels are built for bf16 / fp16 activations: fp32 tiles spill on sm_90
-    (tests/kernels/test_compile_sm90.py), so fp32 activations on a GPU run the torch path."""
+    """The FP8 and attention kernels are built for bf16 / fp16 activations: their fp32 tiles spill
+    on sm_90 (tests/kernels/test_compile_sm90.py), so fp32 activations on a GPU run the torch path."""
     return not (x.dtype == torch.float32 and x.is_cuda)
 
 
@@ -75,6 +76,8 @@ TABLE = (
     # the router's rule over logits [T, E]: (probs fp32 [T, E], expert ids [T, k], weights fp32 [T, k]);
     # ``allowed`` [E] or [T, E] bool restricts the picks (a coreset)
     Op("route", _moe_naive.route, "moe.route:route"),
+    # the static step's attention: over the live keys (each row's last from the device), GQA folded, gated
+    Op("cache_attention", _attention.cache_attention, "attention.split_kv:cache_attention", takes=_not_fp32_on_gpu),
     Op("linear_fp8", _fp8.linear, "fp8.gemm:linear", takes=_not_fp32_on_gpu),
     Op("moe_experts_fp8", _fp8.moe_experts, "fp8.moe:moe_experts", takes=_not_fp32_on_gpu),
 )

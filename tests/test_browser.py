@@ -35,14 +35,13 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
          "--disable-sync", "--no-first-run"]
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-WINDOW = {"width": 1400, "height": 7000}  # 1400 px wide (~1000 px of notebook with the file browser open);
-# tall: JupyterLab draws a plotly FigureWidget that starts out of view empty, and it stays empty
+WINDOW = {"width": 1400, "height": 7000}  # 1400 px wide (~1000 px of notebook with the file browser open)
 # the README's pictures: notebook -> (selector, file name)
 README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
                 "06_patching_and_lens": [(".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")]}
-# notebooks whose views watch a generation live (their content must change while it runs); 03's and
-# 04's views did not change between this test's polls on a loaded 2-core machine: not asserted yet
-LIVE = {"02_denoising"}  # 05 redrew only once in a run on a loaded 2-core machine; 01: its dashboard test
+# notebooks whose views watch a generation live (their content must change while it runs: their
+# figures' drawn marks, grids and tables, polled every 150 ms); 01: its dashboard test
+LIVE = {"02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed"}
 
 pytestmark = [
     pytest.mark.skipif(not Path(CHROMIUM).exists(),
@@ -161,7 +160,7 @@ ALL_RUN = """() => {
 
 # per live view: a digest of what it shows now (its figures' data paths, grids and tables)
 VIEW_STATES = """() => [...document.querySelectorAll('.clover-view')].map(v => {
-  const parts = [...v.querySelectorAll('.js-plotly-plot .plot path, .js-plotly-plot .plot image, .clover-grid, table')]
+  const parts = [...v.querySelectorAll('.js-plotly-plot .trace path, .js-plotly-plot .hm image, .clover-grid, table')]
       .map(e => e.getAttribute('d') || e.getAttribute('href') || e.innerHTML).join('|');
   let h = 0;
   for (let i = 0; i < parts.length; i++) h = (h * 31 + parts.charCodeAt(i)) | 0;
@@ -190,6 +189,23 @@ CLIPPED_LEGENDS = """() => {
   });
   return out;
 }"""
+
+
+# per plotly figure of a view: its view's class and how many traces it drew (scatter/bar traces,
+# heatmap images); an anywidget model dropped at load time leaves empty axes and 0 here
+DRAWN = """() => [...document.querySelectorAll('.clover-view .js-plotly-plot')].map(p => ({
+  view: [...p.closest('.clover-view').classList].filter(c => c.startsWith('clover-') && c !== 'clover-view').join(' '),
+  title: ((p.querySelector('.gtitle') || {}).textContent || ''),
+  drawn: [...p.querySelectorAll('.trace path, .hm image')]
+      .filter(e => e.tagName === 'image' || (e.getAttribute('d') || '').length > 2).length}))"""
+
+
+def undrawn_views(page) -> list[str]:
+    """Views none of whose figures drew anything."""
+    views: dict[str, int] = {}
+    for fig in page.evaluate(DRAWN):
+        views[fig["view"]] = views.get(fig["view"], 0) + fig["drawn"]
+    return [v for v, n in views.items() if n == 0]
 
 
 def run_all(page, lab, notebook: Path, watch_live: bool) -> int:
@@ -260,6 +276,7 @@ def test_notebook_in_jupyterlab(lab, page, tmp_path, notebook):
     # after Run All every view is still on screen with its figure (detaching closes nothing)
     page.wait_for_timeout(1000)
     check_outputs(page, notebook)
+    assert not undrawn_views(page), f"{notebook.name}: views with empty figures: {undrawn_views(page)}"
     folder = shots_dir(tmp_path, notebook.stem)
     photograph_everything(page, folder, notebook.stem)  # 07 shows plain figures (fig.show()), not widgets
     readme = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else folder
@@ -306,6 +323,10 @@ def test_dashboard_in_jupyterlab(lab, page, tmp_path):
         timeout=60_000)
     page.wait_for_timeout(1000)
     check_outputs(page, notebook)
+    # every figure of the dashboard drew its data after a block-diffusion run (they showed empty
+    # axes when anywidget dropped figures that took over 2 s to load: clover_lab/widgets/figure.py)
+    empty = [f"{f['view']}: {f['title']!r}" for f in page.evaluate(DRAWN) if f["drawn"] == 0]
+    assert not empty, f"figures with nothing drawn: {empty}"
     folder = shots_dir(tmp_path, notebook.stem)
     photograph_everything(page, folder, notebook.stem)
     readme = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else folder

@@ -14,6 +14,7 @@ from ..model import CloverModel
 from ..placement import plan_placement
 from ..placement.plan import check_usable
 from ..sampling import SamplerSettings
+from ..threads import check_threads, set_threads
 from .attributes import plain_int
 from .engine import DEFAULT_MAX_NEW_TOKENS, Engine
 from .requests import GenerationError, check_coreset
@@ -21,7 +22,7 @@ from .requests import GenerationError, check_coreset
 
 def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dict | None = None,
          keep_fp8: bool | None = None, coreset_size: int | None = None, pin_memory: bool = False,
-         progress: bool | None = None, check_finite: bool | None = None) -> Engine:
+         progress: bool | None = None, check_finite: bool | None = None, threads: int | None = None) -> Engine:
     """An Engine over the model (and tokenizer, when present) in the Hugging Face directory ``path``,
     with the defaults of its generation_config.json. ``check_finite``: refuse weights holding NaN
     or inf (default: for checkpoints up to ``loading.CHECK_FINITE_MAX_BYTES``).
@@ -37,7 +38,11 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
     default expert coreset, and the staging room the plan reserves for it. ``pin_memory``:
     offloaded experts in page-locked memory. ``keep_fp8``: an FP8 checkpoint's linears and experts
     stay FP8 (default: when they run on CUDA) or are dequantized as they load. ``progress``: a
-    progress bar (default: for checkpoints over 1 GB)."""
+    progress bar (default: for checkpoints over 1 GB). ``threads``: torch's intra-op threads; by
+    default one for a small model on the CPU (the embedded one), as the CLI chooses, unless you
+    set a count yourself (``OMP_NUM_THREADS``, or ``torch.set_num_threads`` after importing
+    clover_lab): ``clover_lab/threads.py``."""
+    check_threads(threads, "load(threads)")  # before the weights are read
     keep_fp8, progress, check_finite = (flag(n, v) for n, v in (("keep_fp8", keep_fp8), ("progress", progress),
                                                                ("check_finite", check_finite)))
     pin_memory = flag("pin_memory", pin_memory, none=False)
@@ -82,6 +87,7 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
         where = "/generation_config.json" if os.path.isfile(os.path.join(path, "generation_config.json")) else \
             " (its sampler defaults)"
         raise loading.CheckpointError(f"{path}{where}: {e}") from None
+    set_threads(model, threads)
     return engine
 
 

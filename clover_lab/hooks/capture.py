@@ -32,7 +32,7 @@ class Capture(RecordSet):
     generations started in this thread or context while entered."""
 
     def __init__(self, hooks: HookRegistry, points: str | Iterable[str], to: str | torch.device | None = None,
-                 config=None):
+                 config=None, tokenizer=None):
         self.hooks = hooks
         self.patterns = [points] if isinstance(points, str) else list(points)
         if not self.patterns:
@@ -43,6 +43,7 @@ class Capture(RecordSet):
             raise ValueError(f"capture: to={to!r} is not a device (cpu, cuda, ...)") from None
         self.records: list[Record] = []
         self.config = config  # the model's CloverConfig: saved with a trace, so views replay without the model
+        self.tokenizer = tokenizer  # the text of the recorded token ids is saved with a trace (token_text)
         self._handle = None
         self._names = sorted({name for p in self.patterns for name in hooks.resolve(p)}, key=hooks.points.index)
 
@@ -100,6 +101,10 @@ class Capture(RecordSet):
         """Write the records to the directory ``path`` (tensors in safetensors, the rest in JSON):
         ``clover_lab.load_trace(path)`` reads them back, with no model. ``path`` is a new or empty
         directory or a trace (replaced); one holding other files is refused (``OutputError``)."""
+        from .trace import token_table
+
         config = {} if self.config is None else {"config": self.config.to_dict()}
-        save_trace(path, self.records, self.points, {**config, **(meta or {})})
+        vocab = None if self.config is None else self.config.vocab_size
+        text = {} if self.tokenizer is None else {"token_text": token_table(self.records, self.tokenizer, vocab)}
+        save_trace(path, self.records, self.points, {**config, **text, **(meta or {})})
 

@@ -115,6 +115,13 @@ class Trace(RecordSet):
         return f"Trace({len(self.records)} records of {len(self.points)} points, runs {self.runs})"
 
     @property
+    def tokenizer(self) -> "TokenText | None":
+        """The text of the recorded token ids, as a tokenizer's ``decode`` (views replayed without
+        an engine show text); None for a trace saved without a tokenizer, or before there was one."""
+        table = self.meta.get("token_text")
+        return None if not isinstance(table, dict) else TokenText(table)
+
+    @property
     def config(self):
         """The recorded model's CloverConfig (None when the trace was saved without one)."""
         from ..config import CloverConfig
@@ -184,6 +191,50 @@ def _differs(a, b, atol: float, rtol: float) -> tuple[str, float | None] | None:
                 return found
         return None
     return None if a == b else (f"is {a!r} vs {b!r}", None)
+
+
+class TokenText:
+    """A trace's table of token id -> text, read like a tokenizer: ``decode([id])``. An id the
+    table lacks reads as ``<id>``."""
+
+    def __init__(self, table: dict):
+        self.table = {int(k): str(v) for k, v in table.items()}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(self.table.get(int(i), f"<{int(i)}>") for i in ids)
+
+
+def token_table(records, tokenizer, vocab_size: int | None) -> dict[str, str]:
+    """The text of every integer the records hold that can be a token id (below ``vocab_size``):
+    enough for a view to show text without the tokenizer, far smaller than the vocabulary."""
+    ids: set[int] = set()
+
+    def collect(value):
+        if isinstance(value, torch.Tensor):
+            if not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
+                ids.update(value.detach().flatten().cpu().tolist())
+        elif isinstance(value, bool):
+            return
+        elif isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                collect(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                collect(v)
+
+    for r in records:
+        collect(r.data)
+    table = {}
+    for i in sorted(ids):
+        if i < 0 or (vocab_size is not None and i >= vocab_size):
+            continue
+        try:
+            table[str(i)] = tokenizer.decode([i], skip_special_tokens=False)
+        except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode: left out (shown as <id>)
+            pass
+    return table
 
 
 def load_trace(path) -> Trace:

@@ -6,6 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import clover_kernels as ops
+
 from ..cache import AttentionCache
 from ..config import CloverConfig
 from ..context import ForwardContext
@@ -48,8 +50,10 @@ class GatedAttention(nn.Module):
             return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
 
         cache: AttentionCache = ctx.cache.layers[self.layer]
-        if ctx.is_static or ctx.is_ragged:
-            o = (self._attend_static if ctx.is_static else self._attend_ragged)(q, k, v, cache, ctx)
+        if ctx.is_static:
+            return self.o_proj(self._attend_static(q, k, v, gate, cache, ctx))
+        if ctx.is_ragged:
+            o = self._attend_ragged(q, k, v, cache, ctx)
             return self.o_proj(o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
         n, c, m = ctx.n, ctx.c, ctx.m
         outs = []
@@ -74,18 +78,19 @@ class GatedAttention(nn.Module):
         return self.o_proj(o)
 
     @staticmethod
-    def _attend_static(q, k, v, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:
+    def _attend_static(q, k, v, gate, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:
         """Static shapes for CUDA graphs: every row's K,V is written at its position (positions
         [B, c + m], each batch row from its own length; rows past the committed length are scratch
-        until a commit publishes them), then one attention over the whole buffer. Commit rows see
-        the prefix causally; block rows see the prefix and the block."""
+        until a commit publishes them), then the gated attention of each row up to the last key it
+        sees (``clover_kernels.cache_attention``: on a GPU it reads only those keys, the bound read
+        on the device; the torch path masks the whole buffer). Commit rows see the prefix
+        causally; block rows see the prefix and the block. Returns [B, c + m, Hq * D]."""
         pos = ctx.positions  # [B, c + m]
         at = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, H_kv, c + m, D]
         cache.k.scatter_(2, at, k)
         cache.v.scatter_(2, at, v)
         last = pos if not ctx.m else torch.cat([pos[:, :ctx.c], pos[:, -1:].expand(-1, ctx.m)], dim=1)
-        allowed = torch.arange(cache.k.shape[2], device=q.device)[None, None, :] <= last[:, :, None]  # [B, T, L]
-        return F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=allowed[:, None], enable_gqa=True)
+        return ops.cache_attention(q, cache.k, cache.v, last, gate)
 
     @staticmethod
     def _attend_ragged(q, k, v, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:

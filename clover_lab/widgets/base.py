@@ -55,6 +55,7 @@ class View:
         self.run: int | None = None  # the engine's generation counter of the run shown
         self.row = 0  # of a batched generation, the request row shown (its events, narrowed to it)
         self.errors: list[BaseException] = []
+        self.replayed_tokenizer = None  # a replayed trace's token text (Trace.tokenizer), without an engine
         self._live = self._empty()
         self._follow = True  # the slider sits at the newest frame and follows it
         self._setting_slider = False
@@ -115,6 +116,12 @@ class View:
 
     def _on_attach(self, engine) -> None:
         pass
+
+    def token_source(self):
+        """What turns token ids into text: the engine's tokenizer, else a replayed trace's table,
+        else None (ids are shown)."""
+        tokenizer = getattr(self.engine, "tokenizer", None) if self.engine is not None else None
+        return tokenizer if tokenizer is not None else self.replayed_tokenizer
 
     @property
     def attached(self) -> bool:

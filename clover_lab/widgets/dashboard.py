@@ -1,4 +1,6 @@
-"""Dashboard: every view, a prompt box, the sampler controls, Generate and Stop.
+"""Dashboard: every view, a prompt box, the sampler controls, the decoding mode and policy
+(block diffusion under a registered policy with its settings, AR, or exact self-speculative),
+Generate and Stop.
 
 Generate runs the generation in a background thread, so the notebook stays responsive and Stop
 works while it runs: Stop sets a flag that a ``denoise.step`` / ``block.commit`` hook (attached
@@ -11,6 +13,7 @@ from __future__ import annotations
 import html
 import threading
 
+from ..engine.policies import POLICIES, make_policy
 from ..engine.requests import settings_for_mode
 from ..hooks import StopGeneration, points
 from ..sampling import CONFIDENCE_RULES
@@ -71,8 +74,17 @@ class Dashboard:
         self.prompt = W.Textarea(value=prompt, placeholder="prompt", rows=3, layout=W.Layout(width="98%"))
         self.chat = W.Checkbox(value=chat, description="chat template", disabled=not has_chat, indent=False,
                                layout=W.Layout(width="130px"))
-        self.mode = W.ToggleButtons(options=[("block diffusion", "diffusion"), ("AR", "ar")], value="diffusion",
-                                    style={"button_width": "130px"})
+        self.mode = W.ToggleButtons(options=[("block diffusion", "diffusion"), ("AR", "ar"),
+                                             ("speculative", "speculative")], value="diffusion",
+                                    tooltips=["blocks resolved by previews, under the policy",
+                                              "one token per forward", "AR's greedy answer from drafted blocks"],
+                                    style={"button_width": "128px"})
+        # block diffusion's decoding rule: a registered policy (engine/policies.py) and its settings,
+        # in the CLI's --policy form ("k=2", "k=1/2/4", "gamma=0.5"); checked before a run starts
+        self.policy = W.Dropdown(options=list(POLICIES), value="threshold", description="policy", style=wide,
+                                 layout=W.Layout(width="240px"))
+        self.policy_settings = W.Text(value="", placeholder="settings: k=2, gamma=0.5", description="settings",
+                                      layout=W.Layout(width="240px"))
         self.threshold = W.FloatSlider(value=s.threshold, min=0.05, max=1.0, step=0.01, description="threshold",
                                        style=wide, readout_format=".2f")
         self.temperature = W.FloatSlider(value=s.temperature, min=0.0, max=2.0, step=0.05, description="temperature",
@@ -94,8 +106,8 @@ class Dashboard:
         controls = W.VBox([
             self.prompt,
             W.HBox([self.mode, self.chat, self.threshold, self.temperature], layout=W.Layout(flex_flow="row wrap")),
-            W.HBox([self.confidence, self.coreset, self.max_new_tokens, self.generate_button, self.stop_button],
-                   layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.policy, self.policy_settings, self.confidence, self.coreset], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.max_new_tokens, self.generate_button, self.stop_button], layout=W.Layout(flex_flow="row wrap")),
             self.status,
         ])
         self.widget = W.VBox([controls] + [v.widget for v in self.views.values()])
@@ -109,11 +121,27 @@ class Dashboard:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def policy_spec(self) -> str:
+        """The picked policy in ``make_policy``'s form: "topk:k=2", "threshold"."""
+        settings = self.policy_settings.value.strip()
+        return self.policy.value + (f":{settings}" if settings else "")
+
     def settings(self) -> dict:
-        """The controls as keyword arguments of ``engine.generate``."""
-        return dict(mode=self.mode.value, max_new_tokens=int(self.max_new_tokens.value),
-                    threshold=float(self.threshold.value), temperature=float(self.temperature.value),
-                    confidence=self.confidence.value, coreset_size=int(self.coreset.value) or None)
+        """The controls as keyword arguments of ``engine.generate`` (``policy`` for block
+        diffusion only: AR and speculative decode by their own rule)."""
+        kwargs = dict(mode=self.mode.value, max_new_tokens=int(self.max_new_tokens.value),
+                      threshold=float(self.threshold.value), temperature=float(self.temperature.value),
+                      confidence=self.confidence.value, coreset_size=int(self.coreset.value) or None)
+        if self.mode.value == "diffusion":
+            kwargs["policy"] = self.policy_spec()
+        return kwargs
+
+    @staticmethod
+    def describe(kwargs: dict) -> str:
+        """What a run decodes with, as the views label it: "diffusion · topk:k=2", "ar"."""
+        policy = kwargs.get("policy")
+        policy = policy if isinstance(policy, str) or policy is None else repr(policy)
+        return kwargs["mode"] + (f" · {policy}" if policy else "")
 
     def _clicked_generate(self, *_) -> None:
         try:
@@ -132,13 +160,18 @@ class Dashboard:
             self.prompt.value = prompt
         text = self.prompt.value
         kwargs = {**self.settings(), **overrides}
+        if kwargs["mode"] != "diffusion" and "policy" not in overrides:
+            kwargs.pop("policy", None)  # mode="ar" given as an override: the picked policy does not apply
         kwargs = settings_for_mode(kwargs["mode"], kwargs)  # AR: the diffusion sliders do not apply
+        if kwargs.get("policy") is not None:
+            make_policy(kwargs["policy"])  # a bad name or setting: SettingsError now, nothing started
         request = [{"role": "user", "content": text}] if self.chat.value else text
         self._stop.clear()
         self.result, self.error = None, None
         self.generate_button.disabled = True
         self.stop_button.disabled = False
-        self._set_status(f"generating ({kwargs['mode']}, up to {kwargs['max_new_tokens']} tokens)…")
+        self._set_status(f"generating ({html.escape(self.describe(kwargs))}, up to {kwargs['max_new_tokens']} "
+                         f"tokens)…")
         self._thread = threading.Thread(target=self._work, args=(request, kwargs), name="clover-dashboard",
                                         daemon=True)
         self._thread.start()
@@ -155,10 +188,12 @@ class Dashboard:
             with self.engine.hooks({points.DENOISE_STEP: self._check_stop, points.BLOCK_COMMIT: self._check_stop}):
                 result = self.engine.generate(request, **kwargs)
             self.result = result
+            what = self.describe(kwargs)
             if "speed" in self.views:
-                self.views["speed"].add_result(result)
+                speed = self.views["speed"]
+                speed.add_result(result, label=f"run {speed.run} · {what}")
             st = result.stats
-            self._set_status(f"<b>done</b> ({st.stop_reason}): {st.new_tokens} tokens in {st.decode_seconds:.2f}s, "
+            self._set_status(f"<b>done</b> ({html.escape(what)}, {st.stop_reason}): {st.new_tokens} tokens in {st.decode_seconds:.2f}s, "
                              f"{st.tokens_per_second:.1f} tokens/s, {st.tokens_per_forward:.2f} tokens per forward, "
                              f"{st.forwards} forwards")
         except BaseException as e:  # noqa: BLE001 - shown, and kept for the caller

@@ -186,7 +186,7 @@ class DenoiseView(View):
 
     # ---------------------------------------------------------------- drawing
     def _piece(self, tok: int) -> str:
-        tokenizer = self.engine.tokenizer if self.engine is not None else None
+        tokenizer = self.token_source()
         return token_piece(tokenizer, tok, self._pieces)
 
     def _span(self) -> int:
@@ -264,7 +264,7 @@ class DenoiseView(View):
         return "".join(out)
 
     def text_html(self, state) -> str:
-        tok = self.engine.tokenizer if self.engine is not None else None
+        tok = self.token_source()
         committed = state["committed"]
         if tok is not None:
             done = tok.decode(committed, skip_special_tokens=True)

@@ -75,6 +75,7 @@ class ExpertView(View):
     def _build(self):
         import ipywidgets as W
         import plotly.graph_objects as go
+        from .figure import Figure
 
         self.phase_dd = W.Dropdown(options=list(PHASES) + ["all"], value=self._phase, description="forwards",
                                    layout=W.Layout(width="200px"))
@@ -89,14 +90,14 @@ class ExpertView(View):
             w.observe(weak_callback(self, "redraw"), names="value")
         self._token_pinned = False  # the user picked a token: keep it across redraws
         self.token_dd.observe(weak_callback(self, "_on_token"), names="value")
-        self.fig_usage = go.FigureWidget(go.Heatmap(z=[[0]], colorscale="Viridis", colorbar=dict(thickness=10)))
+        self.fig_usage = Figure(go.Heatmap(z=[[0]], colorscale="Viridis", colorbar=dict(thickness=10)))
         self.fig_usage.update_layout(title="expert usage", height=300, width=560, margin=dict(l=60, r=10, t=40, b=40),
                                      xaxis_title="expert", yaxis_title="layer")
-        self.fig_token = go.FigureWidget(go.Heatmap(z=[[0]], colorscale="Blues", zmin=0, zmax=1,
+        self.fig_token = Figure(go.Heatmap(z=[[0]], colorscale="Blues", zmin=0, zmax=1,
                                                     colorbar=dict(thickness=10)))
         self.fig_token.update_layout(title="top-k of the selected token", height=300, width=460,
                                      margin=dict(l=60, r=10, t=40, b=40), xaxis_title="expert", yaxis_title="layer")
-        self.fig_coact = go.FigureWidget(go.Heatmap(z=[[0]], colorscale="Magma", colorbar=dict(thickness=10)))
+        self.fig_coact = Figure(go.Heatmap(z=[[0]], colorscale="Magma", colorbar=dict(thickness=10)))
         self.fig_coact.update_layout(title="co-activation", height=320, width=380, margin=dict(l=50, r=10, t=40, b=40),
                                      xaxis_title="expert", yaxis_title="expert")
         self.stats_html = W.HTML(layout=W.Layout(width="640px"))
@@ -238,7 +239,7 @@ class ExpertView(View):
         if tok is None:
             where = "prompt" if first is None or pos < first else "response"
             return f"{pos}: ({where})"
-        tokenizer = self.engine.tokenizer if self.engine is not None else None
+        tokenizer = self.token_source()
         return f"{pos}: {visible(token_piece(tokenizer, tok, self._pieces), 18)}"
 
     def _token_options(self, s):

@@ -78,8 +78,9 @@ class LensView(View):
     def _build(self):
         import ipywidgets as W
         import plotly.graph_objects as go
+        from .figure import Figure
 
-        self.fig = go.FigureWidget(go.Heatmap(z=[[0.0]], colorscale="Viridis", zmin=0, zmax=1,
+        self.fig = Figure(go.Heatmap(z=[[0.0]], colorscale="Viridis", zmin=0, zmax=1,
                                               texttemplate="%{text}", textfont=dict(size=9)))
         self.fig.update_layout(height=320, width=900, margin=dict(l=60, r=10, t=40, b=60),
                                xaxis_title="position (✓ unmasked at this step)", yaxis_title="layer")

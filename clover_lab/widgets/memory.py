@@ -54,20 +54,21 @@ class MemoryView(View):
     def _build(self):
         import ipywidgets as W
         import plotly.graph_objects as go
+        from .figure import Figure
 
         self.layer_dd = W.Dropdown(options=[0], value=0, description="GDN layer", layout=W.Layout(width="200px"))
         self.head_dd = W.Dropdown(options=[0], value=0, description="head", layout=W.Layout(width="160px"))
         for w in (self.layer_dd, self.head_dd):
             w.observe(weak_callback(self, "redraw"), names="value")
-        self.fig_hist = go.FigureWidget(go.Heatmap(z=[[0]], zmin=0, zmax=1, colorscale="Cividis",
+        self.fig_hist = Figure(go.Heatmap(z=[[0]], zmin=0, zmax=1, colorscale="Cividis",
                                                    colorbar=dict(thickness=10, title="p_tH")))
         self.fig_hist.update_layout(title="history weight p_tH", height=400, width=540,
                                     margin=dict(l=70, r=10, t=40, b=40), xaxis_title="block position")
-        self.fig_norm = go.FigureWidget()
+        self.fig_norm = Figure()
         self.fig_norm.update_layout(title="state norm ||S|| per head", height=400, width=430,
                                     margin=dict(l=50, r=10, t=40, b=40), xaxis_title="committed length",
                                     yaxis_title="Frobenius norm", legend=LEGEND_BELOW)
-        self.fig_state = go.FigureWidget(go.Heatmap(z=[[0]], colorscale="RdBu", zmid=0, colorbar=dict(thickness=10)))
+        self.fig_state = Figure(go.Heatmap(z=[[0]], colorscale="RdBu", zmid=0, colorbar=dict(thickness=10)))
         self.fig_state.update_layout(title="state matrix", height=360, width=420, margin=dict(l=50, r=10, t=40, b=40),
                                      xaxis_title="d_v", yaxis_title="d_k")
         self.mean_html = W.HTML()

@@ -14,6 +14,10 @@ from .base import View, figure_html
 from .pieces import finite_rows
 
 
+BLANK_NOTE = ("blank: no reading (the metric's position was already unmasked at that step, or the run<br>"
+              "did not take it: a preview has logits only where the block is still masked)")
+
+
 class PatchingView(View):
     title = "Activation patching"
 
@@ -30,9 +34,10 @@ class PatchingView(View):
     def _build(self):
         import ipywidgets as W
         import plotly.graph_objects as go
+        from .figure import Figure
 
-        self.fig = go.FigureWidget(go.Heatmap(z=[[0.0]], colorscale="RdBu", zmid=0))
-        self.fig.update_layout(height=360, width=640, margin=dict(l=60, r=10, t=40, b=50))
+        self.fig = Figure(go.Heatmap(z=[[0.0]], colorscale="RdBu", zmid=0))
+        self.fig.update_layout(height=400, width=640, margin=dict(l=60, r=10, t=40, b=100))  # room for the blank note
         self.caption = W.HTML()
         return W.VBox([self.fig, self.caption])
 
@@ -88,10 +93,15 @@ class PatchingView(View):
             self.fig.layout.yaxis.title = d["row_name"]
             self.fig.layout.title = ("restored share of " if self.normalized else "") + d["metric"]
         blank = int(np.isnan(z).sum())
+        # the blank cells said on the plot itself, under its axis: why there is no value there
+        self.fig.layout.annotations = [dict(text=BLANK_NOTE, showarrow=False, xref="paper", yref="paper", x=0, y=-0.2,
+                                            xanchor="left", yanchor="top", font=dict(size=10, color="#666"))
+                                       ] if blank else []
         self.caption.value = (f"{html.escape(d.get('title', ''))}<br>clean {d['clean']:.4g} · corrupted "
                               f"{d['corrupt']:.4g}" + (" · 1 = clean, 0 = corrupted" if self.normalized else "")
-                              + (f"<br>{blank} blank cells: no value there (a step the run did not take, or "
-                                 "one the sweep has not reached yet)" if blank else ""))
+                              + (f"<br>{blank} blank cells: no value there (the metric's position was no longer "
+                                 "masked at that step, so the preview computed no logits there; or a step the run did "
+                                 "not take, or one the sweep has not reached yet)" if blank else ""))
 
     def _html_parts(self, state, frame):
         self._render(state, frame)

@@ -79,6 +79,7 @@ def replay(view, trace, engine=None) -> int:
         raise InputError(f"{type(view).__name__}.row={view.row!r}: the trace is of a batch of rows {rows[0]}.."
                          f"{rows[-1]}; set view.row to one of them")
     config = getattr(trace, "config", None)
+    view.replayed_tokenizer = getattr(trace, "tokenizer", None)  # token text saved with the trace, if any
     if engine is not None:
         view._on_attach(engine)
     elif view.needs_model:

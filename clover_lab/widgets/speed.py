@@ -48,18 +48,19 @@ class SpeedView(View):
     def _build(self):
         import ipywidgets as W
         import plotly.graph_objects as go
+        from .figure import Figure
         from plotly.subplots import make_subplots
 
-        self.fig_rate = go.FigureWidget(make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+        self.fig_rate = Figure(make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                                                       subplot_titles=("tokens/s (since the start)", "tokens per forward")))
         self.fig_rate.update_layout(height=430, width=540, margin=dict(l=50, r=10, t=40, b=40),
                                     legend=dict(LEGEND_BELOW, y=-0.18))
         self.fig_rate.update_xaxes(title_text="seconds", row=2, col=1)
-        self.fig_blocks = go.FigureWidget()
+        self.fig_blocks = Figure()
         self.fig_blocks.update_layout(title="steps per block", height=430, width=420, barmode="group",
                                       margin=dict(l=40, r=10, t=40, b=40), xaxis_title="block",
                                       legend=LEGEND_BELOW)
-        self.fig_compare = go.FigureWidget(make_subplots(rows=1, cols=3, horizontal_spacing=0.12,
+        self.fig_compare = Figure(make_subplots(rows=1, cols=3, horizontal_spacing=0.12,
                                                          subplot_titles=("tokens/s", "tokens per forward",
                                                                          "seconds: prefill / preview / commit")))
         self.fig_compare.update_layout(height=360, width=960, barmode="stack", showlegend=True,

@@ -12,7 +12,7 @@ from clover_kernels import dispatch  # noqa: E402
 from clover_kernels.gdn import naive as gdn_naive  # noqa: E402
 
 NAMES = ["rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview", "moe_experts", "linear_fp8", "moe_experts_fp8",
-         "route"]
+         "route", "cache_attention"]
 
 
 def test_every_op_has_a_kernel():

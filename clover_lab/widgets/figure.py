@@ -1,0 +1,81 @@
+"""The views' plotly figure: a ``FigureWidget`` whose browser code is parsed once per page.
+
+plotly's ``FigureWidget`` is an anywidget whose ES module is plotly.js itself (~5 MB). anywidget
+imports every widget's module from a Blob URL of its own, so each figure parses plotly.js again,
+and anywidget (0.11) gives a model 2 seconds to load and initialize before it drops it ("Failed
+to initialize model"): a view of three figures created in one cell, on a busy machine, drew the
+last figure and left the others as empty axes (measured in Chromium: 1 of 3, 1 of 9 drawn; with
+the timeout patched out in the page, 3 of 3). :class:`Figure` ships plotly's bundle as a trait
+and a small module that initializes at once (no timeout), imports the bundle once per page (every
+figure awaits the same import), replays the edits the kernel sent meanwhile into plotly's copy of
+the figure, and hands over to plotly's own ``initialize`` / ``render``: same widget, same messages.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import plotly
+import plotly.graph_objects as go
+import traitlets
+
+_LOADER = """
+const KEY = "__clover_plotly_widget_%s";
+const MESSAGES = ["_py2js_addTraces", "_py2js_deleteTraces", "_py2js_moveTraces", "_py2js_restyle",
+                  "_py2js_relayout", "_py2js_update", "_py2js_animate", "_py2js_removeLayoutProps",
+                  "_py2js_removeTraceProps"];
+function plotlyModule(model) {
+  // one import per page, whichever figure asks first; the others await the same promise
+  if (!globalThis[KEY]) {
+    const url = URL.createObjectURL(new Blob([model.get("_plotly_bundle")], {type: "text/javascript"}));
+    globalThis[KEY] = import(url).finally(() => URL.revokeObjectURL(url));
+  }
+  return globalThis[KEY];
+}
+export default () => {
+  let figure, ready;
+  return {
+    // returns at once: anywidget drops a model whose initialize takes over 2 s, and parsing
+    // plotly.js can take longer on a busy machine
+    initialize(ctx) {
+      const model = ctx.model;
+      const early = [];  // the kernel's edits that arrive before plotly listens, in order
+      const keep = [];
+      for (const name of MESSAGES) {
+        const cb = () => { const v = model.get(name); if (v !== null && v !== undefined && !figure) early.push([name, v]); };
+        model.on("change:" + name, cb);
+        keep.push([name, cb]);
+      }
+      ready = plotlyModule(model).then(async (mod) => {
+        figure = mod.default();
+        await figure.initialize(ctx);
+        for (const [name, cb] of keep) model.off("change:" + name, cb);
+        for (const [name, v] of early) {  // replayed into plotly's copy of the figure, locally
+          model.set(name, v);
+          model.set(name, null);
+        }
+      });
+    },
+    async render(ctx) {
+      await ready;
+      return figure.render(ctx);
+    },
+  };
+};
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _bundle() -> tuple[str, str]:
+    """plotly's widget bundle and a key naming its version (one import per version per page)."""
+    text = (Path(plotly.__file__).parent / "package_data" / "widgetbundle.js").read_text(encoding="utf-8")
+    digest = hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
+    return text, f"{plotly.__version__.replace('.', '_')}_{digest}"
+
+
+class Figure(go.FigureWidget):
+    """``go.FigureWidget`` with plotly.js imported once per page (see the module's docstring)."""
+
+    _esm = _LOADER % _bundle()[1]
+    _plotly_bundle = traitlets.Unicode(_bundle()[0]).tag(sync=True)

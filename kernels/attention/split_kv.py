@@ -1,0 +1,145 @@
+"""Split-KV attention of a step's rows over the live keys of the cache, in two Triton kernels.
+Reference: ``attention/torch.py: cache_attention`` (same arguments, same result).
+
+``last`` [B, T] is read on the device: each row sees keys [0, last[b, t]], and no program reads a
+key past the largest ``last`` of its rows, so a CUDA graph captured once reads the live keys at
+every length (the grid depends on shapes only).
+
+1. ``_split_kv_kernel``, one program per (batch row, kv head, tile of query rows, split). GQA:
+   the G = Hq / Hkv query heads that share a kv head are folded into the query rows (row
+   r = g * T + t), so each K,V tile is read once for the whole group (no repeat). The live range
+   [0, max last + 1) of the tile is cut into SPLITS slices of whole key tiles; each program runs
+   the online softmax over its slice and writes its unnormalised sum, running max and
+   denominator (fp32). Slices past the live range read nothing.
+2. ``_combine_kernel``, one program per (batch row, row, query head): the log-sum-exp merge of the
+   slices, times sigmoid(gate), written as [B, T, Hq * D] (the layout o_proj takes).
+"""
+import torch
+import triton
+import triton.language as tl
+
+SMS = 132  # H200 streaming multiprocessors: the split count fills about two waves of programs
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _split_kv_kernel(q_ptr, k_ptr, v_ptr, last_ptr, acc_ptr, m_ptr, l_ptr,
+                     T, G, ROWS, HKV, D, s_qb, s_qh, s_qt, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_lb, s_lt,
+                     scale_log2, SPLITS, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    tiles = tl.cdiv(ROWS, BLOCK_M)
+    tile = pid % tiles
+    h = (pid // tiles) % HKV
+    b = (pid // tiles // HKV).to(tl.int64)
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = r < ROWS
+    g, t = r // T, r % T
+    hq = h * G + g
+    last = tl.load(last_ptr + b * s_lb + t * s_lt, mask=rm, other=-1)
+    live = tl.max(last, axis=0) + 1  # the tile's keys: [0, live)
+    chunk = tl.cdiv(tl.cdiv(live, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, live)
+    d = tl.arange(0, DP)
+    dm = d < D
+    q = tl.load(q_ptr + b * s_qb + hq[:, None] * s_qh + t[:, None] * s_qt + d[None, :], mask=rm[:, None] & dm[None, :],
+                other=0.0)
+    k_base = k_ptr + b * s_kb + h * s_kh
+    v_base = v_ptr + b * s_vb + h * s_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nm = n < hi
+        k = tl.load(k_base + n[None, :] * s_kl + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)  # [DP, N]
+        s = tl.dot(q, k, input_precision=PREC) * scale_log2
+        s = tl.where(n[None, :] <= last[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key here yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + n[:, None] * s_vl + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    # the partials as [SPLITS, B, Hq, T] rows (hq = h * G + g); B * Hkv = programs / tiles
+    out = split * (tl.num_programs(0) // tiles) * ROWS + ((b * HKV + h) * G + g) * T + t
+    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=rm[:, None] & dm[None, :])
+    tl.store(m_ptr + out, m_i, mask=rm)
+    tl.store(l_ptr + out, l_i, mask=rm)
+
+
+@triton.jit
+def _combine_kernel(acc_ptr, m_ptr, l_ptr, gate_ptr, o_ptr, T, HQ, R, D, s_gb, s_gt, s_ob, s_ot, SPLITS,
+                    BLOCK_S: tl.constexpr, DP: tl.constexpr):
+    pid = tl.program_id(0)  # (b, hq, t) in the partials' row order
+    t = pid % T
+    hq = (pid // T) % HQ
+    b = (pid // T // HQ).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    sm = s < SPLITS
+    d = tl.arange(0, DP)
+    dm = d < D
+    m = tl.load(m_ptr + s * R + pid, mask=sm, other=float("-inf"))
+    l = tl.load(l_ptr + s * R + pid, mask=sm, other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(top == float("-inf"), 0.0, top))  # 0 for a slice with no visible key
+    den = tl.sum(w * l, axis=0)
+    acc = tl.load(acc_ptr + (s[:, None] * R + pid) * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(den == 0.0, 1.0, den)
+    gate = tl.load(gate_ptr + b * s_gb + t * s_gt + hq * D + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(o_ptr + b * s_ob + t * s_ot + hq * D + d, (o * tl.sigmoid(gate)).to(o_ptr.dtype.element_ty), mask=dm)
+
+
+def tiles_for(dtype: torch.dtype, rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a head_dim of up to 256 (fp32 tiles are twice as wide)."""
+    block_m = 16 if rows <= 16 else 32 if (dtype == torch.float32 or rows <= 32) else 64
+    return block_m, 32, 4 if block_m <= 16 else 8
+
+
+def split_count(programs: int, length: int, block_n: int, min_keys: int = 0) -> int:
+    """Slices of the key range per (row tile, kv head): enough programs for two waves of the GPU,
+    at most one per ``max(block_n, min_keys)`` keys of the buffer. A function of shapes only (a
+    CUDA graph keeps its grid at every length)."""
+    return max(1, min(MAX_SPLITS, -(-2 * SMS // programs), -(-length // max(block_n, min_keys))))
+
+
+def min_split_keys(rows: int, tiles: int, elem_bytes: int) -> int:
+    """Keys per slice at which a slice's fp32 partials (rows x (D + 2) x 4 bytes, written and read
+    back) cost about a quarter of its K,V reads (tiles x 2 x D x elem_bytes per key)."""
+    return 16 * rows // (tiles * elem_bytes)
+
+
+def cache_attention(q, k, v, last, gate, splits: int | None = None):
+    """Same contract as ``attention.torch.cache_attention``; ``splits`` overrides ``split_count``."""
+    B, HQ, T, D = q.shape
+    HKV, L = k.shape[1], k.shape[2]
+    if HQ % HKV or k.shape != v.shape or k.shape[-1] != D or k.shape[0] != B or last.shape != (B, T):
+        raise ValueError(f"cache_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"last {tuple(last.shape)}: expected Hq a multiple of Hkv, k and v alike, last [B, T]")
+    G = HQ // HKV
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    rows = G * T
+    block_m, block_n, warps = tiles_for(q.dtype, rows)
+    tiles = triton.cdiv(rows, block_m)
+    S = splits or split_count(B * HKV * tiles, L, block_n, min_split_keys(rows, tiles, q.element_size()))
+    acc = torch.empty(S, B, HQ, T, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(S, B, HQ, T, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    out = torch.empty(B, T, HQ * D, dtype=q.dtype, device=q.device)
+    if B * T == 0:
+        return out
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _split_kv_kernel[(B * HKV * tiles, S)](
+        q, k, v, last, acc, m, l, T, G, rows, HKV, D, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), last.stride(0), last.stride(1),
+        1.4426950408889634 / D ** 0.5, S, DP=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
+        PREC=prec, num_warps=warps)
+    _combine_kernel[(B * HQ * T,)](acc, m, l, gate, out, T, HQ, B * HQ * T, D, gate.stride(0), gate.stride(1),
+                                   out.stride(0), out.stride(1), S, BLOCK_S=triton.next_power_of_2(S),
+                                   DP=triton.next_power_of_2(D), num_warps=4)
+    return out

@@ -1,0 +1,59 @@
+"""torch's thread count, one policy for load() and the CLI (clover_lab/threads.py): one thread
+for a small model on the CPU, an explicit count wins, and the user's own count is left alone."""
+import pytest
+import torch
+
+import clover_lab
+from clover_lab import threads
+from clover_lab.loading import default_model_dir
+from clover_lab.sampling import SettingsError
+
+needs_model = pytest.mark.skipif(default_model_dir() is None, reason="the embedded model is missing")
+
+
+@pytest.fixture
+def torch_threads(monkeypatch):
+    """Two threads, as torch had them at import (nobody chose them), restored afterwards."""
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(2)
+    monkeypatch.setattr(threads, "_AT_IMPORT", 2)
+    yield
+    torch.set_num_threads(before)
+
+
+@needs_model
+def test_load_chooses_by_model_as_the_cli_does(torch_threads):
+    engine = clover_lab.load()
+    assert torch.get_num_threads() == 1  # the embedded model: one thread
+    assert threads.threads_for(engine.model) == 1
+    torch.set_num_threads(2)
+    threads._AT_IMPORT = 2
+    clover_lab.load(threads=2)  # an explicit count wins
+    assert torch.get_num_threads() == 2
+    # a model over the size: torch's count as it was (the CLI's and load()'s rule alike)
+    assert threads.set_threads(engine.model, small=10) == 2
+    from clover_lab import cli
+    assert cli.set_threads(engine.model, None) == 1 and cli.SMALL_MODEL_PARAMETERS == threads.SMALL_MODEL_PARAMETERS
+
+
+@needs_model
+def test_load_leaves_the_users_own_count(torch_threads, monkeypatch):
+    torch.set_num_threads(2)
+    threads._AT_IMPORT = 3  # the count changed since clover_lab was imported: the user's
+    clover_lab.load()
+    assert torch.get_num_threads() == 2
+    threads._AT_IMPORT = 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # chosen in the environment
+    clover_lab.load()
+    assert torch.get_num_threads() == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    clover_lab.load()  # nobody chose: by model
+    assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_thread_counts_are_refused_before_loading(bad, torch_threads):
+    with pytest.raises(SettingsError, match=r"load\(threads\)"):
+        clover_lab.load("/nonexistent/model", threads=bad)  # the argument's error, not the path's
+    assert torch.get_num_threads() == 2

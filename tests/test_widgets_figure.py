@@ -1,0 +1,50 @@
+"""The views' plotly figure (clover_lab/widgets/figure.py): plotly.js shipped once as a trait
+behind a small loader module, so that several figures made at once all draw in the browser
+(tests/test_browser.py checks the drawing itself)."""
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+plotly = pytest.importorskip("plotly")
+
+import plotly.graph_objects as go  # noqa: E402
+
+from clover_lab.widgets import ExpertView, LensView, MemoryView, PatchingView, SpeedView  # noqa: E402
+from clover_lab.widgets.figure import Figure  # noqa: E402
+
+
+def test_figure_ships_plotlys_bundle_behind_a_loader():
+    fig = Figure(go.Heatmap(z=[[1, 2], [3, 4]]))
+    bundle = (Path(plotly.__file__).parent / "package_data" / "widgetbundle.js").read_text(encoding="utf-8")
+    state = fig.get_state()
+    assert state["_plotly_bundle"] == bundle
+    esm = state["_esm"]
+    assert len(esm) < 5_000 and bundle not in esm  # the module itself is small: no 5 MB parse per figure
+    assert "globalThis[KEY]" in esm and plotly.__version__.replace(".", "_") in esm
+    # initialize does not wait for plotly.js (anywidget drops a model slower than 2 s); render does
+    init = esm[esm.index("initialize(ctx)"):esm.index("async render")]
+    assert "await" not in init.split("ready =")[0]
+    assert "await ready" in esm[esm.index("async render"):]
+    # every edit message plotly's model listens to is kept until it listens
+    for name in ("_py2js_addTraces", "_py2js_deleteTraces", "_py2js_restyle", "_py2js_relayout", "_py2js_update"):
+        assert name in esm and fig.has_trait(name)
+
+
+def test_figure_is_a_figure_widget():
+    fig = Figure()
+    fig.add_trace(go.Scatter(x=[0, 1], y=[1, 2]))
+    with fig.batch_update():
+        fig.data[0].y = [3, 4]
+    assert isinstance(fig, go.FigureWidget) and list(fig.data[0].y) == [3, 4]
+    assert go.Figure(fig).to_dict()["data"][0]["y"] == [3, 4]
+
+
+@pytest.mark.parametrize("cls", [SpeedView, ExpertView, MemoryView, LensView, PatchingView], ids=lambda c: c.__name__)
+def test_every_view_draws_with_the_figure(cls):
+    view = cls()
+    try:
+        figures = [v for v in vars(view).values() if isinstance(v, go.FigureWidget)]
+        assert figures and all(isinstance(f, Figure) for f in figures)
+    finally:
+        view.close()
