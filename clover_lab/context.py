@@ -107,6 +107,10 @@ class ForwardContext:
     rope: tuple | None = None  # (cos, sin) [c + m, rotary_dim], shared by every attention layer
     pending: list = field(default_factory=list)  # (destination, source) cache writes, applied on success
     drafts: dict | None = None  # a draft commit: GDN layer -> what its rollback needs (``drafts.py``)
+    # a static step: points whose hooks all only observe, read after the step from what it
+    # records here ((point, mode, lo, hi, tensors...) per event; ``engine/observed.py``)
+    observed: frozenset = frozenset()
+    observations: list = field(default_factory=list)
 
     @classmethod
     def cached(cls, cache: CloverCache, c: int, m: int, device, coreset: Coreset | None = None,
@@ -120,10 +124,11 @@ class ForwardContext:
 
     @classmethod
     def static(cls, cache: CloverCache, n: torch.Tensor, c: int, m: int,
-               coreset: Coreset | None = None) -> "ForwardContext":
-        """``n``: each row's committed length, [B] on the device."""
+               coreset: Coreset | None = None, observed: frozenset = frozenset()) -> "ForwardContext":
+        """``n``: each row's committed length, [B] on the device. ``observed``: points whose
+        observers read the step's records afterwards (no hook is called inside a static step)."""
         return cls(c, m, n[:, None] + torch.arange(c + m, device=n.device), cache=cache, n_dev=n, coreset=coreset,
-                   hooks=False)
+                   hooks=False, observed=observed)
 
     @classmethod
     def training(cls, length: int, block_size: int, device, router_stats: list | None = None) -> "ForwardContext":
@@ -133,8 +138,7 @@ class ForwardContext:
 
     def publish(self) -> None:
         """The forward succeeded: its deferred cache writes (GDN rings and states) land."""
-        for dst, src in self.pending:
-            dst.copy_(src)
+        publish(self.pending)
 
     def flat_positions(self, lo: int, hi: int, batch: int) -> torch.Tensor:
         """Positions of rows [lo, hi) of every batch row, flattened over the batch: [batch * (hi - lo)]."""
@@ -153,3 +157,10 @@ class ForwardContext:
     @property
     def is_static(self) -> bool:
         return self.n_dev is not None
+
+
+def publish(pending: list) -> None:
+    """Deferred cache writes, (destination, source) pairs, land (a forward, or a static step
+    whose observers have read, succeeded)."""
+    for dst, src in pending:
+        dst.copy_(src)

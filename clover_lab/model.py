@@ -246,12 +246,18 @@ class CloverModel(RandomWeights, PackedWeights, nn.Module):
             out_preview = self.head(rows, ctx, "preview", positions)
         return StepOutput(out_commit, out_preview)
 
-    def hidden_states(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def hidden_states(self, ids: torch.Tensor, ctx: ForwardContext, start: int = 0, stop: int | None = None,
+                      x: torch.Tensor | None = None) -> torch.Tensor:
         """Embedding and every decoder layer over the rows of ``ctx`` -> the last layer's output
-        [B, T, H] (before the final norm); RoPE's cos/sin once per forward."""
-        x = self.model.embed_tokens(ids)
-        ctx.rope = self.model.rotary.cos_sin(ctx.positions, x.dtype)
-        for layer in self.model.layers:
+        [B, T, H] (before the final norm); RoPE's cos/sin once per forward. ``start``, ``stop``,
+        ``x``: only layers [start, stop), from ``x`` entering layer ``start`` (a split static step)."""
+        if x is None:
+            x = self.model.embed_tokens(ids)
+        if ctx.rope is None:
+            ctx.rope = self.model.rotary.cos_sin(ctx.positions, x.dtype)
+        layers = self.model.layers
+        for i in range(start, len(layers) if stop is None else stop):
+            layer = layers[i]
             if layer.device is not None and x.device != layer.device:  # placed: the activations move
                 x = x.to(layer.device)
                 ctx.positions, ctx.rope = ctx.positions.to(layer.device), tuple(t.to(layer.device) for t in ctx.rope)

@@ -17,6 +17,10 @@ steps 2-3x faster than eager on 2 CPU cores, see bench/compare_transformers.py);
 costs ~10 s per step shape, once per process. With an expert coreset, a block's first preview
 (which records the coreset) and its later previews (which route within it) are two graphs
 that share the coreset's buffers, owned here (``coreset(size)``).
+
+Hooks inside the model (``observed.py``): a step records what route observers read and leaves
+its cache writes for the caller to publish after them (``observed``); ``split_step`` runs a
+compiled step as compiled segments of layers around the layers whose hooks run live.
 """
 from __future__ import annotations
 
@@ -26,44 +30,66 @@ import weakref
 import torch
 
 from ..cache import CloverCache
-from ..context import Coreset, ForwardContext
+from ..context import Coreset, ForwardContext, publish
+from ..hooks import points
+from ..hooks.events import NOWHERE
 from ..model import CloverModel
 
 
 # --------------------------------------------------------------------------- one static step
 @torch.no_grad()
 def static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, n: torch.Tensor, c: int, m: int,
-                commit_logits: bool = False, coreset: Coreset | None = None
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                commit_logits: bool = False, coreset: Coreset | None = None, observed: frozenset = frozenset()):
     """``CloverModel.forward`` with static shapes and no host synchronisation, the body of a CUDA
     graph: ids [B, c + m] on the model's device, ``n`` the rows' committed lengths, [B] on the
     device. Writes the cache (K,V rows at n.., GDN ring and state when c > 0) but leaves its
-    lengths to the caller. Refused while a hook is attached inside the model: a graph replays
-    kernels and would never call it.
-    Returns (logits of the last commit row or None, logits of every block row or None)."""
-    check_static_step(model, cache, ids, c, m)
-    return static_body(model, cache, ids, n, c, m, commit_logits, coreset)
+    lengths to the caller. Refused while a hook is attached inside the model, except observers
+    on the ``observed`` points: a graph replays kernels and would never call a hook.
+    Returns (logits of the last commit row or None, logits of every block row or None); with
+    ``observed`` also (what the observers read, the GDN writes still to publish: the caller
+    fires the observers first, ``engine/observed.py``)."""
+    check_static_step(model, cache, ids, c, m, observed)
+    return static_body(model, cache, ids, n, c, m, commit_logits, coreset, observed)
 
 
-def check_static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, c: int, m: int) -> None:
-    """What a static step refuses, checked outside any traced or captured code."""
+def check_static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, c: int, m: int,
+                      observed: frozenset = frozenset(), live: tuple[int, ...] = ()) -> None:
+    """What a static step refuses, checked outside any traced or captured code: a hook it would
+    not call (one not on an ``observed`` point and only observing, nor in a ``live`` layer)."""
     if model.hooks.model_hooks_attached():
-        raise RuntimeError("static_step: hooks are attached to model points; use forward()")
+        missed = [p for p in model.hooks.model_points()
+                  if not (p in observed and model.hooks.observers_only(p))
+                  and not (points.parse(p)[0] in live or (live and p == points.FINAL_NORM_OUTPUT))]
+        if missed:
+            raise RuntimeError(f"static_step: hooks are attached to model points ({', '.join(missed[:3])}); "
+                               f"use forward()")
     if cache.batch_size != ids.shape[0] or ids.shape[1] != c + m:
         raise ValueError(f"static_step: ids {tuple(ids.shape)} do not match batch {cache.batch_size}, "
                          f"c + m = {c + m}")
 
 
 @torch.no_grad()
-def static_body(model: CloverModel, cache, ids, n, c, m, commit_logits, coreset):
+def static_body(model: CloverModel, cache, ids, n, c, m, commit_logits, coreset, observed=frozenset()):
     """What ``torch.compile`` traces for a static step: no hook lookups, so that attaching an
     engine hook does not invalidate the compiled code; no autograd history either. The tail is
     the ordinary forward's (``ForwardContext.publish``, ``CloverModel.heads``)."""
-    ctx = ForwardContext.static(cache, n, c, m, coreset)
+    ctx = ForwardContext.static(cache, n, c, m, coreset, observed)
     x = model.hidden_states(ids, ctx)
+    if observed:  # the caller publishes once the observers have read
+        out = model.heads(x, ctx, "last" if commit_logits else None)
+        return out.commit_logits, out.preview_logits, ctx.observations, ctx.pending
     ctx.publish()
     out = model.heads(x, ctx, "last" if commit_logits else None)
     return out.commit_logits, out.preview_logits
+
+
+@torch.no_grad()
+def static_layers(model: CloverModel, cache, ids, x, n, c, m, coreset, start: int, stop: int):
+    """Layers [start, stop) of a static step, from the embedding of ``ids`` (``x`` None) or from
+    ``x``: what torch.compile traces between a split step's live layers. Returns (the layers'
+    output, their deferred cache writes)."""
+    ctx = ForwardContext.static(cache, n, c, m, coreset)
+    return model.hidden_states(ids, ctx, start, stop, x), ctx.pending
 
 
 def bucket(rows: int) -> int:
@@ -95,6 +121,8 @@ class StepGraphs:
         self.compile = compile and not self.capture
         self._compiled = torch.compile(static_body, dynamic=False) if self.compile else None
         self._compiled_keys: set = set()
+        self._compiled_layers = torch.compile(static_layers, dynamic=False) if self.compile else None
+        self._segment_keys: set = set()  # split steps' compiled segments
         self.compile_failed: str | None = None
         self.last: str | None = None  # how the last step ran: "cuda graph", "compiled" or "static" (eager)
 
@@ -141,11 +169,14 @@ class StepGraphs:
         return n
 
     # ------------------------------------------------------------------ a step
-    def step(self, ids: torch.Tensor, c: int, m: int, commit_logits: bool = False, coreset: Coreset | None = None):
+    def step(self, ids: torch.Tensor, c: int, m: int, commit_logits: bool = False, coreset: Coreset | None = None,
+             observed: frozenset = frozenset(), read=None):
         """Run one step on the owned cache: ids [B, c + m] (B the cache's rows); advances every
         row's length by c. ``coreset``: one from :meth:`coreset`; empty, the step records it, else
-        routes within it. Returns (commit logits [B, 1, V] or None, preview logits [B, m, V] or
-        None), fresh tensors."""
+        routes within it. ``observed``: points whose observer hooks read this step; the step
+        records their events and calls ``read(observations)`` (``engine/observed.py``) after it,
+        before its cache writes land (an observer that raises leaves the cache as it was).
+        Returns (commit logits [B, 1, V] or None, preview logits [B, m, V] or None), fresh tensors."""
         if coreset is not None and self._coresets.get(coreset.size) is not coreset:
             raise ValueError("StepGraphs.step: pass a coreset made by StepGraphs.coreset(size)")
         cache = self.cache
@@ -153,8 +184,8 @@ class StepGraphs:
         # than the context (CloverCache.allocate refuses it), so this bounds the positions too
         cache.check_room(c + m)
         ids = ids.to(self.device, torch.long)
-        phase = None if coreset is None else (coreset.size, "use" if coreset.experts else "record")
-        key = (cache.batch_size, c, m, bool(commit_logits), phase)
+        phase = _phase(coreset)
+        key = (cache.batch_size, c, m, bool(commit_logits), phase, frozenset(observed))
         graph = self._graphs.get(key) if self.capture and not self.disabled else None
         if graph is None and self.capture and not self.disabled:
             graph = self._capture(key)
@@ -163,7 +194,7 @@ class StepGraphs:
             out = self._compiled_step(key, ids, n, coreset) if self._compiled is not None else None
             self.last = "compiled"
             if out is None:  # eager static step
-                out = static_step(self.model, cache, ids, n, c, m, commit_logits, coreset)
+                out = static_step(self.model, cache, ids, n, c, m, commit_logits, coreset, key[-1])
                 self.last = "static"
         else:
             self.last = "cuda graph"
@@ -172,33 +203,89 @@ class StepGraphs:
             g.replay()
             if phase is not None and phase[1] == "record":  # the graph wrote every layer's buffer
                 coreset.experts.update(coreset.buffers(cache.batch_size))
-            # outputs live in the graphs' shared pool: the next replay may overwrite them
-            out = tuple(None if t is None else t.clone() for t in static_out)
+            out = _fresh(static_out)
+        if observed:
+            *out, observations, pending = out
+            if read is not None:
+                read(observations)
+            publish(pending)
         cache.advance(c)
-        return out
+        return tuple(out)
+
+    def split_step(self, ids: torch.Tensor, c: int, m: int, commit_logits: bool, coreset: Coreset | None,
+                   live: tuple[int, ...], where=NOWHERE):
+        """A compiled step split at the ``live`` layers (those with hooks that must run): the
+        layers between them compiled segments (:func:`static_layers`), each live layer the eager
+        forward's, on the eager forward's context (its events are the eager forward's: ``where``
+        theirs), and the forward's tail once (publishing the cache writes, ``CloverModel.heads``).
+        Every batch row is a request row (no padding: the hooks see every row). Advances every
+        row's length by c; returns what :meth:`step` does."""
+        model, cache = self.model, self.cache
+        if coreset is not None and self._coresets.get(coreset.size) is not coreset:
+            raise ValueError("StepGraphs.split_step: pass a coreset made by StepGraphs.coreset(size)")
+        cache.check_room(c + m)
+        ids = ids.to(self.device, torch.long)
+        check_static_step(model, cache, ids, c, m, live=tuple(live))
+        n = self._load_lengths(cache)
+        ctx = ForwardContext.cached(cache, c, m, model.input_device, coreset, where)
+        x, start, end = None, 0, model.config.num_hidden_layers
+        self.last = "compiled"
+        for stop in (*live, end):
+            if stop > start:
+                x, pending = self._segment(ids, x, n, c, m, coreset, start, stop)
+                ctx.pending += pending
+            if stop < end:
+                x = model.hidden_states(ids, ctx, stop, stop + 1, x)
+            start = stop + 1
+        ctx.publish()
+        cache.advance(c)
+        out = model.heads(x, ctx, "last" if commit_logits else None)
+        return out.commit_logits, out.preview_logits
+
+    def _segment(self, ids, x, n, c, m, coreset, start: int, stop: int):
+        """Layers [start, stop) of a split step through torch.compile (eagerly once compiling
+        failed, or too many segments are compiled)."""
+        key = (self.cache.batch_size, c, m, start, stop, _phase(coreset))
+        compiled = self._compiled_layers is not None and not self.compile_failed and (
+            key in self._segment_keys or len(self._segment_keys) < self.MAX_COMPILED)
+        if compiled:
+            try:
+                with torch._dynamo.config.patch(recompile_limit=self.MAX_COMPILED + 2):
+                    out = self._compiled_layers(self.model, self.cache, ids, x, n, c, m, coreset, start, stop)
+                self._segment_keys.add(key)
+                return out
+            except Exception as e:  # noqa: BLE001 - a first compilation fails before anything runs
+                if key in self._segment_keys:
+                    raise
+                self._compile_failed(e)
+        self.last = "static"
+        return static_layers(self.model, self.cache, ids, x, n, c, m, coreset, start, stop)
 
     def _compiled_step(self, key, ids, n, coreset):
         """The step through torch.compile, or None to run it eagerly (compilation failed once, or
         too many shapes already compiled)."""
         if self.compile_failed or (key not in self._compiled_keys and len(self._compiled_keys) >= self.MAX_COMPILED):
             return None
-        _, c, m, commit_logits, _ = key
-        check_static_step(self.model, self.cache, ids, c, m)
+        _, c, m, commit_logits, _, observed = key
+        check_static_step(self.model, self.cache, ids, c, m, observed)
         try:
             with torch._dynamo.config.patch(recompile_limit=self.MAX_COMPILED + 2):
-                out = self._compiled(self.model, self.cache, ids, n, c, m, commit_logits, coreset)
+                out = self._compiled(self.model, self.cache, ids, n, c, m, commit_logits, coreset, observed)
         except Exception as e:  # noqa: BLE001 - a first compilation fails before anything runs
             if key in self._compiled_keys:
                 raise
-            self.compile_failed = f"{type(e).__name__}: {e}"
-            warnings.warn(f"torch.compile of the step failed, running steps eagerly from now on "
-                          f"({self.compile_failed})", RuntimeWarning, stacklevel=3)
+            self._compile_failed(e)
             return None
         self._compiled_keys.add(key)
         return out
 
+    def _compile_failed(self, e: BaseException) -> None:
+        self.compile_failed = f"{type(e).__name__}: {e}"
+        warnings.warn(f"torch.compile of the step failed, running steps eagerly from now on "
+                      f"({self.compile_failed})", RuntimeWarning, stacklevel=4)
+
     def _capture(self, key):
-        batch, c, m, commit_logits, phase = key
+        batch, c, m, commit_logits, phase, observed = key
         cache, model = self.cache, self.model
         coreset = None if phase is None else self._coresets[phase[0]]
         recorded = None if coreset is None else dict(coreset.experts)
@@ -207,7 +294,7 @@ class StepGraphs:
             if coreset is not None:  # every run starts from the coreset the step was asked with
                 coreset.experts.clear()
                 coreset.experts.update(recorded)
-            return static_step(model, cache, static_ids, n, c, m, commit_logits, coreset)
+            return static_step(model, cache, static_ids, n, c, m, commit_logits, coreset, observed)
 
         static_ids = torch.zeros(batch, c + m, dtype=torch.long, device=self.device)
         snapshot = cache.clone()  # warm-up runs write the cache; capture itself runs nothing
@@ -235,6 +322,21 @@ class StepGraphs:
                 coreset.experts.update(recorded)
         self._graphs[key] = (g, static_ids, static_out)
         return self._graphs[key]
+
+
+def _phase(coreset: Coreset | None) -> tuple | None:
+    """A step's coreset phase: none, recording it (a block's first preview) or routing within it."""
+    return None if coreset is None else (coreset.size, "use" if coreset.experts else "record")
+
+
+def _fresh(static_out: tuple) -> tuple:
+    """A replayed graph's outputs as fresh tensors (they live in the graphs' shared pool: the next
+    replay may overwrite them); the cache writes it leaves to publish are read at once."""
+    logits = tuple(None if t is None else t.clone() for t in static_out[:2])
+    if len(static_out) == 2:
+        return logits
+    observations = [tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in o) for o in static_out[2]]
+    return (*logits, observations, static_out[3])
 
 
 # --------------------------------------------------------------------------- which graphs a run uses

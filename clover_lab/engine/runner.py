@@ -18,6 +18,7 @@ import torch
 from ..cache import CloverCache, cache_bytes
 from ..context import Coreset
 from .graphs import StepGraphs, bucket, static_step  # noqa: F401 - StepGraphs and static_step: the runner's steps
+from .observed import describe, fire_observed, live_layers, observed_points
 from .requests import GenerationError
 
 
@@ -48,9 +49,21 @@ class Runner:
         """The request rows still going, in the cache's order."""
         return [r for r in self.slots if r is not None]
 
-    def fast(self) -> bool:
-        """Take the static step: the fast path applies and no hook is inside the model right now."""
-        return self.graphs is not None and not self.hooks.model_hooks_attached()
+    def plan(self) -> tuple[str, object]:
+        """How a step of the rows runs now (``engine/observed.py``): ("static", the points whose
+        observers read after the step), ("split", the layers whose hooks run live: compiled steps
+        only) or ("eager", why)."""
+        if self.graphs is None:
+            return "eager", self.off
+        names = self.hooks.model_points()
+        if not names:
+            return "static", frozenset()
+        observed = observed_points(self.hooks)
+        if observed is not None:
+            return "static", observed
+        if self.graphs.compile and not self.graphs.compile_failed:
+            return "split", live_layers(names)
+        return "eager", "a hook on " + describe(names)
 
     def path(self) -> str | None:
         """Which path the forwards took, and why the eager forward where it ran: "compiled",
@@ -59,13 +72,16 @@ class Runner:
             return next(iter(self.paths), None)
         return "; ".join(f"{label} ({n} forwards)" for label, n in self.paths.items())
 
-    def _took(self, fast: bool, why: str | None = None) -> None:
-        if fast:
-            label = self.graphs.last
+    def _took(self, kind: str, detail) -> None:
+        if kind == "eager":
+            label = "eager: " + detail
+        elif kind == "split":
+            layers = ", ".join(map(str, detail))
+            label = (f"{self.graphs.last}, layer{'s' * (len(detail) > 1)} {layers} eager: a hook on "
+                     f"{describe(self.hooks.model_points())}")
         else:
-            hooked = self.hooks.model_points() if self.graphs is not None and why is None else []
-            label = "eager: " + ((why or self.off) if not hooked else "a hook on " + ", ".join(hooked[:3])
-                                 + (f" and {len(hooked) - 3} more points" if len(hooked) > 3 else ""))
+            label = self.graphs.last + (f" (observers read after each step: {describe(sorted(detail))})"
+                                        if detail else "")
         self.paths[label] = self.paths.get(label, 0) + 1
 
     def new_coreset(self, size: int | None) -> Coreset | None:
@@ -132,13 +148,18 @@ class Runner:
         c = 0 if pending is None else pending.shape[1]
         ids = canvas if pending is None else torch.cat([pending, canvas], dim=1)
         with self.hooks.applied():
-            some = bool(c) and rows != self.rows  # a static step commits every row of its cache
-            if self.fast() and not some:
-                logits = self._static(rows, ids, c, canvas.shape[1])[1]
-                self._took(True)
+            kind, detail = self.plan()
+            if kind != "eager" and rows != self.rows:
+                if c:  # a static step commits every row of its cache
+                    kind, detail = "eager", "a fused commit of some rows (rows joined since)"
+                elif kind == "split":  # a live hook sees exactly the rows the forward runs
+                    kind, detail = "eager", f"a hook on {describe(self.hooks.model_points())} (a preview of some rows)"
+            if kind != "eager":
+                logits = self._static(rows, ids, c, canvas.shape[1], where, kind, detail)[1]
+                self._took(kind, detail)
                 return logits if positions is None else logits[:, positions]
             logits = self._eager(rows, ids, c, canvas.shape[1], where, None, positions).preview_logits
-            self._took(False, "a fused commit of some rows (rows joined since)" if some and self.fast() else None)
+            self._took(kind, detail)
             return logits
 
     def commit(self, rows: list[int], ids: torch.Tensor, where, logits: str | None = None) -> torch.Tensor | None:
@@ -149,13 +170,14 @@ class Runner:
             if rows != self.rows:
                 index = [self.slots.index(r) for r in rows]
                 return self.model.commit(self.cache.select(index), ids, logits=logits, where=where)
-            if ids.shape[1] == 1 and self.fast():
-                out = self._static(rows, ids, 1, 0, commit_logits=True)[0]
-                self._took(True)
+            kind, detail = self.plan()
+            if ids.shape[1] == 1 and kind != "eager":
+                out = self._static(rows, ids, 1, 0, where, kind, detail, commit_logits=True)[0]
+                self._took(kind, detail)
                 return out
             out = self._eager(rows, ids, ids.shape[1], 0, where, logits, None).commit_logits
             if ids.shape[1] == 1 or self.graphs is None:  # a block's own commit is eager by design
-                self._took(False)
+                self._took(kind, detail)
             return out
 
     def commit_draft(self, rows: list[int], ids: torch.Tensor, where):
@@ -166,18 +188,28 @@ class Runner:
         with self.hooks.applied():
             self._arrange(fast=False)
             out = self.model.commit_draft(self.cache, ids, where=where)
-            self._took(False)
+            kind, detail = self.plan()
+            self._took("eager", detail if kind == "eager" else "a drafted block's commit")
             return out
 
-    def _static(self, rows, ids, c: int, m: int, commit_logits: bool = False):
+    def _static(self, rows, ids, c: int, m: int, where, kind: str, detail, commit_logits: bool = False):
+        """The static step of ``plan()``: whole (observers, if any, fired after it) or split."""
+        if kind == "split":
+            self._arrange(fast=True, exact=True)  # rows == slots: the live layers run on exactly the rows
+            return self.graphs.split_step(ids, c, m, commit_logits, self.coreset, detail, where)
         self._arrange(fast=True)
-        if rows == self.slots:
-            return self.graphs.step(ids, c, m, commit_logits, self.coreset)
-        index = torch.tensor([self.slots.index(r) for r in rows], device=ids.device)
+        index = None if rows == self.slots else [self.slots.index(r) for r in rows]
+        read = None
+        if detail:
+            def read(observations):
+                fire_observed(self.model, self.hooks, observations, len(self.slots), index, where)
+        if index is None:
+            return self.graphs.step(ids, c, m, commit_logits, self.coreset, detail, read)
+        at = torch.tensor(index, device=ids.device)
         full = ids.new_full((len(self.slots), c + m), self.FILL)
-        full[index] = ids
-        out = self.graphs.step(full, c, m, commit_logits, self.coreset)
-        return tuple(None if t is None else t[index.to(t.device)] for t in out)
+        full[at] = ids
+        out = self.graphs.step(full, c, m, commit_logits, self.coreset, detail, read)
+        return tuple(None if t is None else t[at.to(t.device)] for t in out)
 
     def _eager(self, rows, ids, c: int, m: int, where, commit_logits, positions):
         """The ordinary forward over these rows: in place when they are every row of the cache,
@@ -208,13 +240,14 @@ class Runner:
         if self.graphs is None and self.rows:
             self._arrange(fast=False)  # the eager path frees the rows at once
 
-    def _arrange(self, fast: bool) -> None:
+    def _arrange(self, fast: bool, exact: bool = False) -> None:
         """The cache as the next forward needs it: the static step a bucket's cache of the graphs
-        (the rows first, then padding), the eager forward exactly the rows."""
+        (the rows first, then padding; ``exact``: no padding, for a split step), the eager forward
+        exactly the rows."""
         rows = self.rows
         keep = [self.slots.index(r) for r in rows]
         if fast:
-            size = bucket(len(rows))
+            size = len(rows) if exact else bucket(len(rows))
             if len(self.slots) == size and self.cache is self.graphs.cache:
                 return
             part = self.cache if keep == list(range(self.cache.batch_size)) else self.cache.select(keep)

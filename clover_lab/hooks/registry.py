@@ -126,6 +126,10 @@ class HookView:
         """The points inside the model's forward that have hooks here, sorted."""
         return self.registry._model_points(self.scopes)
 
+    def observers_only(self, name: str) -> bool:
+        """Whether every hook on ``name`` here only reads (:func:`observer`)."""
+        return self.registry._observers_only(name, self.scopes)
+
     def applied(self) -> "_Applied":
         """``with view.applied():`` model events inside fire this view's hooks."""
         return _Applied(self.registry, self.scopes)
@@ -278,6 +282,12 @@ class HookRegistry:
                 names.update(name for name in s.fns if is_model_point(name))
         return sorted(names)
 
+    def _calls(self, name: str, scopes: tuple[_Scope, ...]) -> list[Callable]:
+        return [*self._fns.get(name, {}).values(), *(fn for s in scopes if s.open for fn in s.fns.get(name, {}).values())]
+
+    def _observers_only(self, name: str, scopes: tuple[_Scope, ...]) -> bool:
+        return all(getattr(fn, "clover_observer", False) for fn in self._calls(name, scopes))
+
     def active(self, name: str) -> bool:
         """Whether a hook on ``name`` applies here (permanent, or scoped in this context)."""
         return self._active(name, self._here())
@@ -289,6 +299,14 @@ class HookRegistry:
         """True when a hook that applies here sits on a point inside the model's forward (not an
         engine point)."""
         return self._model_hooks(self._here())
+
+    def model_points(self) -> list[str]:
+        """The points inside the model's forward that have hooks applying here, sorted."""
+        return self._model_points(self._here())
+
+    def observers_only(self, name: str) -> bool:
+        """Whether every hook on ``name`` that applies here only reads (:func:`observer`)."""
+        return self._observers_only(name, self._here())
 
     def attached(self) -> dict[str, int]:
         """Point -> number of hooks that apply here: permanent ones and this context's scopes."""

@@ -149,6 +149,9 @@ class SparseMoE(nn.Module):
                     or (edit_count(ids), edit_count(weights)) != before or None in before):
                 ids, weights = checked_route(event, self.route_point, probs.shape[0], self.num_experts)
             weights = weights.to(dtype)
+        elif self.route_point in ctx.observed:  # a static step: its observers read this after it
+            ctx.observations.append((self.route_point, mode, lo, hi, ctx.flat_positions(lo, hi, batch), probs, ids,
+                                     weights, allowed))
         return ids, weights
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
