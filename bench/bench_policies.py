@@ -1,4 +1,4 @@
-"""Decoding policies side by side: every rule (threshold, EB-sampler, top-k), AR and exact
+"""Decoding policies side by side: every rule (threshold, EB-sampler, top-k, look-ahead), AR and exact
 speculative decoding over the held-out prompts, on the embedded model in float32, greedy.
 
 Per policy and setting: tokens per forward (new tokens over forwards after the prefill),
@@ -42,6 +42,8 @@ POLICIES = [
     ("topk 2", dict(policy="topk:k=2")),
     ("topk 4", dict(policy="topk:k=4")),
     ("topk 1/2/4/8", dict(policy="topk:k=1/2/4/8")),
+    ("lookahead 0.5 t0.9", dict(threshold=0.9, policy="lookahead:start=0.5,threshold=0.9")),
+    ("lookahead 0.25 t0.7", dict(threshold=0.7, policy="lookahead:start=0.25,threshold=0.7")),
 ]
 
 

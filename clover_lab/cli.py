@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=MODES, default="diffusion",
                    help="speculative: AR's answer, each block drafted by previews and checked by one causal commit")
     g.add_argument("--policy", default=None, metavar="NAME[:K=V,...]",
-                   help="the decoding rule: threshold (default), eb:gamma=0.1 (EB-sampler), topk:k=2 or topk:k=1/2/4")
+                   help="the decoding rule: threshold (default), eb:gamma=0.1 (EB-sampler), topk:k=2 or topk:k=1/2/4, "
+                        "lookahead:start=0.5,threshold=0.9 (multi-block)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: the model's generation_config.json, else 256")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")

@@ -10,7 +10,7 @@ returns (``results.py``, ``batch.py``)."""
 from .batch import BatchResult, BatchStats
 from .engine import Engine
 from .loader import load
-from .policies import EntropyBoundedPolicy, TopKPolicy, make_policy
+from .policies import EntropyBoundedPolicy, LookAheadPolicy, TopKPolicy, make_policy
 from .policy import DecodingPolicy, Proposal, ThresholdPolicy
 from .requests import GenerationError
 from .results import GenerationResult, GenerationStats, StreamUpdate

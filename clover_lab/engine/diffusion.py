@@ -17,6 +17,11 @@ that forward, which changed nothing, and ends every row (their shared forward di
 a finished block whose fused commit was abandoned is still returned, and
 ``stats.cache_complete`` is then False. Raised during the prefill, it ends the rows with no
 tokens (``stop_reason`` "hook").
+
+Looking ahead (a policy's ``look_ahead``, ``policy.py``): the next block, made early
+(``BlockLoop.ahead``), is previewed in the current block's forward on one canvas and takes a
+look-ahead step after the block's (``denoise_step(..., ahead_of=block)``); it begins with those
+tokens, and one resolved entirely still takes the fused forward that commits the block before it.
 """
 from __future__ import annotations
 
@@ -106,6 +111,8 @@ class BlockLoop:
         self.run = run
         self.coreset = run.runner.new_coreset(run.s.coreset_size)
         self.index = 0
+        self.ahead: dict[int, Block] = {}  # row -> its next block, made early by a look-ahead policy
+        self.produced: dict[int, int] = {}  # row -> its tokens before the current block (filled in run_blocks)
 
     def run_blocks(self) -> Iterator[StreamUpdate]:
         run, engine = self.run, self.run.engine
@@ -113,15 +120,16 @@ class BlockLoop:
             run.admit()  # a block boundary: rows may join (Engine.stream's join)
             if not run.active:
                 break
-            produced, blocks = {}, {}
+            produced, blocks = self.produced, {}
             for r in run.active:  # rows that joined later are at earlier blocks of their own
                 row = run.rows[r]
                 produced[r] = len(row.committed) + len(row.pending[0] if row.pending else ())
+                if r in self.ahead:  # begun by the look-ahead
+                    blocks[r] = self.ahead.pop(r)
+                    continue
                 index = row.stats.blocks + (row.pending is not None)
-                blocks[r] = Block(index, min(engine.block_size, run.max_new - produced[r]), engine.mask_token_id,
-                                  run.device, run.s.max_steps_per_block)
-            for r, block in blocks.items():
-                block.memo = run.policy.begin_block(run.rows[r], block)
+                blocks[r] = self.new_block(r, index, run.max_new - produced[r])
+            self.ahead.clear()  # rows that ended meanwhile
             if self.coreset is not None:
                 self.coreset.reset()
             yield from self.resolve(blocks)
@@ -135,27 +143,52 @@ class BlockLoop:
             yield from self.commit_last(leaving)
             self.index += 1
 
+    def new_block(self, r: int, index: int, room: int) -> Block:
+        engine, row = self.run.engine, self.run.rows[r]
+        block = Block(index, min(engine.block_size, room), engine.mask_token_id, self.run.device,
+                      self.run.s.max_steps_per_block)
+        block.memo = row.policy.begin_block(row, block)
+        return block
+
     def resolve(self, blocks: dict[int, Block]) -> Iterator[StreamUpdate]:
-        """Previews until no active row's block has a masked position. The rows previewed
-        together share a block length and whether a finished block is committed in the same
-        forward (rows that joined since differ in both)."""
+        """Previews until no active row's block has a masked position nor a finished block waiting
+        for its commit (behind a block the look-ahead resolved). The rows previewed together share a
+        block length, whether a finished block is committed in the same forward (rows that joined
+        since differ in both) and the length of the next block previewed too (0: none)."""
         run = self.run
-        while any(blocks[r].masked for r in run.active):
+        while any(blocks[r].masked or run.rows[r].pending is not None for r in run.active):
             groups: dict[tuple, list[int]] = {}
             for r in run.active:
-                if blocks[r].masked:  # a row whose block is done waits
-                    groups.setdefault((len(blocks[r]), run.rows[r].pending is not None), []).append(r)
-            for (_, fused), rows in groups.items():
+                if blocks[r].masked or run.rows[r].pending is not None:  # a row whose block is done waits
+                    key = (len(blocks[r]), run.rows[r].pending is not None, self.looks_ahead(r, blocks[r]))
+                    groups.setdefault(key, []).append(r)
+            for (_, fused, ahead), rows in groups.items():
                 rows = [r for r in rows if r in run.active]  # a commit hook may have ended a row
                 if rows:
-                    yield from self.preview(rows, blocks, fused)
+                    yield from self.preview(rows, blocks, fused, bool(ahead))
 
-    def preview(self, rows: list[int], blocks: dict[int, Block], fused: bool) -> Iterator[StreamUpdate]:
+    def looks_ahead(self, r: int, block: Block) -> int:
+        """The length of the row's next block (made here when new) if this step previews it too (its
+        policy asks, and the row has one: this block does not end it), else 0."""
+        row = self.run.rows[r]
+        room = self.run.max_new - self.produced[r] - len(block)
+        if not block.masked or block.end_reason is not None or room <= 0 or not row.policy.look_ahead(row, block):
+            return 0
+        if r not in self.ahead:
+            self.ahead[r] = self.new_block(r, block.index + 1, room)
+        return len(self.ahead[r]) if self.ahead[r].masked else 0
+
+    def preview(self, rows: list[int], blocks: dict[int, Block], fused: bool,
+                ahead: bool = False) -> Iterator[StreamUpdate]:
         """One denoising step of these rows' blocks, in one forward (fused with the commit of
-        their finished blocks on a block's first step)."""
+        their finished blocks on a block's first step; ``ahead``: their next blocks previewed
+        after them, on one canvas, and taking a look-ahead step)."""
         run = self.run
-        canvas = torch.stack([blocks[r].canvas for r in rows])
-        one = blocks[rows[0]].masked_index() if len(rows) == 1 else None  # one row: logits where masked
+        m = len(blocks[rows[0]])
+        canvas = torch.stack([torch.cat([blocks[r].canvas, self.ahead[r].canvas]) if ahead else blocks[r].canvas
+                              for r in rows])
+        one = None if len(rows) > 1 else blocks[rows[0]].masked_index() if not ahead else torch.tensor(
+            blocks[rows[0]].masked + [m + p for p in self.ahead[rows[0]].masked], device=run.device)  # one row: where masked
         at = blocks[rows[0]]
         if fused:
             pending = torch.tensor([run.rows[r].pending[0] for r in rows], device=run.device)
@@ -166,13 +199,18 @@ class BlockLoop:
             logits = run.preview(rows, canvas, run.where("decode", at.index, at.step, rows=rows), positions=one)
         for i, r in enumerate(rows):
             block = blocks[r]
-            if r not in run.active:  # a commit hook ended the row
+            if r not in run.active or not block.masked:  # a commit hook ended the row; a block resolved ahead
                 continue
-            idx = block.masked_index()
-            mine = logits[i:i + 1] if idx is None or one is not None else logits[i:i + 1, idx]
-            unmask, _ = denoise_step(run.rows[r], block, mine, idx)
+            n, idx = len(block.masked), block.masked_index()
+            mine = logits[i:i + 1, :n] if one is not None else logits[i:i + 1, :m]
+            unmask, _ = denoise_step(run.rows[r], block, mine if idx is None or one is not None else mine[:, idx], idx)
             if run.emit:
                 yield run.rows[r].update("step", block.index, block.step - 1, block.host, unmask)
+            if ahead and block.end_reason is None:  # the next block's look-ahead step (not streamed: not begun)
+                idx = (nxt := self.ahead[r]).masked_index()
+                mine = logits[i:i + 1, n:] if one is not None else logits[i:i + 1, m:]
+                denoise_step(run.rows[r], nxt, mine if idx is None or one is not None else mine[:, idx], idx,
+                             ahead_of=block)
 
     def publish_pending(self, rows: list[int]) -> Iterator[StreamUpdate]:
         """The fused forward committed each row's previous block: it joins the row's response and
@@ -233,17 +271,23 @@ class BlockLoop:
 
 
 # --------------------------------------------------------------------------- one denoising step
-def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | None) -> tuple[list[int], bool]:
+def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | None,
+                 ahead_of: Block | None = None) -> tuple[list[int], bool]:
     """The row's policy decides, ``denoise.step`` hooks may change the decision, and it is
     applied to the canvas and the host copy. ``run``: the row; ``logits`` [1, N, V] at the
-    masked positions ``idx`` (None: all). Returns (the positions unmasked, whether a hook asked
-    to stop)."""
+    masked positions ``idx`` (None: all). ``ahead_of``: a look-ahead step of the next block beside
+    the row's block ``ahead_of`` (propose_ahead decides, maybe nothing; stop strings wait for the
+    block's own steps). Returns (the positions unmasked, whether a hook asked to stop)."""
     mask_id = run.engine.mask_token_id
     logits = logits[0].float()  # [N, V]
     flat = collapsed(logits)  # before the mask column is -inf
     logits[:, mask_id] = float("-inf")  # the mask token is never a candidate
-    finish = run.policy.finishes_block(run, block)
-    proposal = run.policy.propose(run, block, logits, finish)  # the decoding rule (policy.py)
+    if ahead_of is None:
+        finish = run.policy.finishes_block(run, block)
+        proposal = run.policy.propose(run, block, logits, finish)  # the decoding rule (policy.py)
+    else:
+        finish, proposal = False, run.policy.propose_ahead(run, ahead_of, block, logits)
+        block.limit += run.s.max_steps_per_block is None  # the block's own steps keep the limit of its length
     cand, conf, flags = proposal.tokens, proposal.confidences, proposal.unmask
     logp = run.info.distribution(logits, run.counts, run.s)  # None unless log-probabilities are asked for
     # the one host transfer per step: decision, candidates, and whether the logits could be used
@@ -253,7 +297,7 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     host = torch.cat([flags.long(), cand, logits_health(flat, conf).reshape(1)]).tolist()
     flags_host, cand_host = host[:N], host[N:2 * N]
     check_logits(run, host[2 * N], f"block {block.index}, step {block.step}", block.canvas)
-    if finish and not all(flags_host) or not any(flags_host):
+    if finish and not all(flags_host) or not any(flags_host) and ahead_of is None:
         raise GenerationError(f"{type(run.policy).__name__}.propose: block {block.index}, step {block.step}: "
                               f"{'the last step must unmask every' if finish else 'a step must unmask at least one'} "
                               f"masked position ({sum(map(bool, flags_host))} of {N})")
@@ -274,7 +318,7 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     block.place(placed, run.eos)
     run.info.note(block, block.step, placed,
                   run.info.chosen(logp, [block.masked.index(p) for p in placed], list(placed.values())))
-    if run.stop_strings is not None and block.prefix:
+    if run.stop_strings is not None and block.prefix and ahead_of is None:
         k = run.stop_strings.find(run.committed + block.host[:min(block.prefix, block.end)])
         if k is not None:
             block.cut(k - len(run.committed), "stop_string")

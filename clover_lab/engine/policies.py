@@ -6,6 +6,11 @@ rule (:class:`~.policy.ThresholdPolicy`: probability, margin or entropy confiden
   stays within ``gamma`` (the error bound); always at least the surest one.
 - :class:`TopKPolicy`: the ``k`` most confident positions per step, ``k`` from a schedule (one
   value per step, the last repeated), as LLaDA's and Fast-dLLM's fixed-count decoding does.
+- :class:`LookAheadPolicy`, multi-block decoding (D2F, SGLang's multi-block): the threshold rule
+  on the current block; once ``start`` of it is resolved, each step also previews the next block
+  in the same forward (the seam's look-ahead: one canvas of both blocks, so the next block sees
+  this one's current guesses) and unmasks there the positions at ``threshold``; the next block
+  starts with them, so it needs fewer steps, and the run fewer forwards.
 
 Candidates come from the row's sampler settings (penalties, temperature, top-k / top-p) as in
 the threshold rule; the step limit unmasks everything left. Each rule checks its settings when
@@ -75,18 +80,43 @@ class TopKPolicy(DecodingPolicy):
         return f"TopKPolicy(k={self.schedule if len(self.schedule) > 1 else self.schedule[0]})"
 
 
+class LookAheadPolicy(ThresholdPolicy):
+    """The threshold rule (the row's sampler settings) on the current block; once a fraction
+    ``start`` (in [0, 1]) of it is resolved, the next block is previewed beside it, and its
+    positions whose confidence is at least ``threshold`` (in (0, 1]) are unmasked ahead."""
+
+    def __init__(self, start: float = 0.5, threshold: float = 0.9):
+        for name, v, low_open in (("start", start, False), ("threshold", threshold, True)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 1 if low_open else 0 <= v <= 1):
+                raise SettingsError(f"LookAheadPolicy {name}={v!r}: must be a number in {'(0' if low_open else '[0'}, 1]")
+        self.start, self.threshold = float(start), float(threshold)
+
+    def look_ahead(self, row, block) -> bool:
+        return 1 - len(block.masked) / len(block) >= self.start
+
+    def propose_ahead(self, row, block, ahead, logits: torch.Tensor) -> Proposal:
+        tokens, probs = _candidates(row, logits)
+        conf = sampling.confidences(probs, tokens, row.s.confidence)
+        return Proposal(tokens, conf, conf >= self.threshold)
+
+    def __repr__(self) -> str:
+        return f"LookAheadPolicy(start={self.start}, threshold={self.threshold})"
+
+
 def rank_below(conf: torch.Tensor, k: int) -> torch.Tensor:
     """bool [N]: the ``k`` largest of ``conf`` (ties by position)."""
     order = conf.argsort(descending=True, stable=True)
     return torch.zeros_like(conf, dtype=torch.bool).scatter(0, order[:k], True)
 
 
-POLICIES = {"threshold": ThresholdPolicy, "eb": EntropyBoundedPolicy, "topk": TopKPolicy}
+POLICIES = {"threshold": ThresholdPolicy, "eb": EntropyBoundedPolicy, "topk": TopKPolicy,
+            "lookahead": LookAheadPolicy}
 
 
 def make_policy(spec) -> DecodingPolicy:
     """A policy from a DecodingPolicy (itself), a name (``"eb"``) or ``"name:setting=value,..."``
-    (``"topk:k=4"``, ``"topk:k=1/2/4"`` for a schedule, ``"eb:gamma=0.5"``)."""
+    (``"topk:k=4"``, ``"topk:k=1/2/4"`` for a schedule, ``"eb:gamma=0.5"``,
+    ``"lookahead:start=0.5,threshold=0.9"``)."""
     if isinstance(spec, DecodingPolicy):
         return spec
     if not isinstance(spec, str):

@@ -12,6 +12,13 @@ rule is a subclass; the loop does not change. The loop holds the rule to its wor
 step's one transfer: a step unmasks at least one position, a finishing step every one (a
 GenerationError naming the policy otherwise).
 
+Looking ahead (multi-block decoding): a rule whose :meth:`~DecodingPolicy.look_ahead` says so
+for a step has the loop preview the row's next block in the same forward, as a longer canvas
+``[block ; next block]`` over the committed prefix, so the next block sees this block's current
+guesses; :meth:`~DecodingPolicy.propose_ahead` then decides which of the next block's positions
+to unmask already (none is required). The next block starts with them. Rules that do not look
+ahead (the default) see no change.
+
 Today's rule, :class:`ThresholdPolicy`, is the spec's low-confidence remasking (section 4):
 candidates from the sampler settings, confidence by probability, margin or negative entropy,
 every position at the threshold and always the most confident one, an optional cap per step,
@@ -52,6 +59,17 @@ class DecodingPolicy:
         """Whether this step is the block's last: its proposal must then unmask every masked
         position (default: at the step limit, ``max_steps_per_block`` or the block's length)."""
         return block.step + 1 >= block.limit
+
+    def look_ahead(self, row, block) -> bool:
+        """Whether this step of ``block`` also previews the row's next block (the loop does so
+        only when the row has one: this block does not end it). Default: never."""
+        return False
+
+    def propose_ahead(self, row, block, ahead, logits: torch.Tensor) -> Proposal:
+        """A look-ahead step's decision for ``ahead``, the next block, from ``logits`` [N, V] at
+        its N still-masked positions (previewed beside ``block``, whose step came first); its
+        ``unmask`` may be all False. Asked only of a rule whose :meth:`look_ahead` said so."""
+        raise NotImplementedError(f"{type(self).__name__} looks ahead but has no propose_ahead")
 
     def propose(self, row, block, logits: torch.Tensor, finish: bool) -> Proposal:
         """This step's decision from ``logits`` [N, V] (float32, the mask token already -inf) at

@@ -43,10 +43,12 @@ class TokenInfo:
         return list(zip(lp, pairs))
 
     def note(self, block, step: int, chosen: dict[int, int], details: list[tuple]) -> None:
-        """Block positions unmasked at ``step`` with their tokens and ``chosen``'s details."""
-        if not self._blocks or self._blocks[-1][0] is not block:
-            self._blocks.append((block, {}))
-        notes = self._blocks[-1][1]
+        """Block positions unmasked at ``step`` with their tokens and ``chosen``'s details (a
+        look-ahead policy notes the next block between the current block's steps)."""
+        notes = next((n for b, n in reversed(self._blocks) if b is block), None)
+        if notes is None:
+            notes = {}
+            self._blocks.append((block, notes))
         for p, d in zip(chosen, details):
             notes[p] = (step, *d)
 
