@@ -35,3 +35,35 @@ def test_sweep_items_are_every_combination():
         {"repetition_penalty": 1.0, "presence_penalty": 0}, {"repetition_penalty": 1.2, "presence_penalty": 0}]
     with pytest.raises(SystemExit, match="NAME=V1,V2"):
         measure._sweep(["repetition_penalty"])
+
+
+def test_card_remeasures_generation_figures_and_keeps_the_models(gen_text_model_dir, tmp_path, monkeypatch):
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from clover_lab.train import card
+
+    model = tmp_path / "model"
+    shutil.copytree(gen_text_model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.3}))
+    shipped = json.loads((Path(card.__file__).parents[2] / "assets/clover-stdlib/card.json").read_text())
+    (model / "card.json").write_text(json.dumps(shipped))
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"heldout": torch.randint(0, 500, (400,), dtype=torch.int32)}, run / "data.pt")
+    monkeypatch.setattr(measure, "WRITTEN_PROMPTS", ["w1 w2", "w5"])
+    monkeypatch.setattr(card, "SWEEP_THRESHOLDS", (0.5,))
+    monkeypatch.setattr(card, "SAMPLE_PROMPTS", ["w3"])
+    figures = card.remeasure_generation(run, model, "bash make.sh")
+    written = json.loads((model / "card.json").read_text())
+    assert written["heldout"] == shipped["heldout"] and written["expert_usage"] == shipped["expert_usage"]
+    assert written["targets"]["settings"]["repetition_penalty"] == 1.3
+    assert written["targets"]["written"]["prompts"] == 2 and written["speed_cpu"] == figures["speed_cpu"]
+    readme = (model / "README.md").read_text()
+    t = written["targets"]["heldout"]
+    assert "repetition_penalty=1.3" in readme and "bash make.sh" in readme
+    assert (f"| heldout (12 prompts) | {t['tokens_per_forward']:.2f} | {t['max_line_repeats']} | {t['looping']} |"
+            in readme)

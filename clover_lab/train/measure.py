@@ -32,19 +32,19 @@ from .objective import evaluate
 
 NEW_TOKENS = 96
 LOOP_REPEATS = 3
-WRITTEN_PROMPTS = [
-    "def is_prime(n):\n",
-    "def largest(numbers):\n",
-    "def count_words(text):\n",
-    "class RunningAverage:\n    def __init__(self):\n",
-    "def fizzbuzz(n):\n",
-    "def binary_search(items, target):\n",
-    "def read_csv_rows(path):\n",
-    "class Matrix:\n    def __init__(self, rows):\n",
-    "def flatten(nested):\n",
-    "import json\n\n\ndef load_settings(path):\n",
-    "def celsius_to_fahrenheit(c):\n",
-    "class LinkedList:\n    def __init__(self):\n",
+WRITTEN_PROMPTS = [  # as typed, without a trailing newline: "\n" and the next line's indent are one BPE token
+    "def is_prime(n):",
+    "def largest(numbers):",
+    "def count_words(text):",
+    "class RunningAverage:\n    def __init__(self):",
+    "def fizzbuzz(n):",
+    "def binary_search(items, target):",
+    "def read_csv_rows(path):",
+    "class Matrix:\n    def __init__(self, rows):",
+    "def flatten(nested):",
+    "import json\n\n\ndef load_settings(path):",
+    "def celsius_to_fahrenheit(c):",
+    "class LinkedList:\n    def __init__(self):",
 ]
 
 
