@@ -132,3 +132,22 @@ def test_init_names_what_the_directory_lacks(gen_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "run"), "--init", str(gen_model_dir), "--set", "hidden_size=64"])
     assert "no --set with it" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_generation_defaults_of_an_export_are_checked_up_front(tmp_path, capsys):
+    from clover_lab.train.loop import _generation_defaults, main
+
+    class Usage:
+        def error(self, message):
+            raise SystemExit(message)
+
+    assert _generation_defaults(Usage(), ["repetition_penalty=1.3", "frequency_penalty=0.2"]) == {
+        "repetition_penalty": 1.3, "frequency_penalty": 0.2}
+    for option, match in [("repetition_penalty=0", "repetition_penalty=0"), ("warmth=2", "warmth"),
+                          ("repetition_penalty", "expected SETTING=VALUE")]:
+        with pytest.raises(SystemExit) as info:
+            main(["--out", str(tmp_path / "run"), "--export", str(tmp_path / "m"), "--generation", option])
+        assert info.value.code == 2 and match in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "run"), "--generation", "repetition_penalty=1.3"])
+    assert "give --export" in capsys.readouterr().err and not (tmp_path / "run").exists()

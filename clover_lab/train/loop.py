@@ -313,6 +313,26 @@ def _config_overrides(ap, preset: str, items: list[str]) -> dict:
     return overrides
 
 
+def _generation_defaults(ap, items: list[str]) -> dict:
+    """``--generation SETTING=VALUE`` items (VALUE as JSON), checked as sampler settings now."""
+    from ..sampling import SamplerSettings, SettingsError
+
+    defaults = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        try:
+            defaults[key] = json.loads(value)
+        except json.JSONDecodeError:
+            defaults[key] = value
+        if not eq:
+            ap.error(f"--generation {item!r}: expected SETTING=VALUE, e.g. repetition_penalty=1.3")
+    try:
+        SamplerSettings.from_kwargs(**defaults)
+    except SettingsError as e:
+        ap.error(f"--generation: {e}")
+    return defaults
+
+
 def main(argv=None):
     ap = ArgumentParser(prog="clover-lab train", description="Train a small Clover on the Python stdlib")
     ap.add_argument("--out", required=True, help="run directory (resumed when it exists)")
@@ -339,6 +359,9 @@ def main(argv=None):
                     "clover_lab.distill) into each batch; with --extend-steps, from the continuation on")
     ap.add_argument("--distill-share", type=float, default=TrainSettings.distill_share)
     ap.add_argument("--export", metavar="DIR", help="after training, write a model directory here")
+    ap.add_argument("--generation", action="append", default=[], metavar="SETTING=VALUE",
+                    help="with --export: a sampler default for its generation_config.json, e.g. "
+                         "repetition_penalty=1.3 (besides threshold 0.9, max_new_tokens 128)")
     ap.add_argument("--init", metavar="DIR", help="start a new run from this model directory's weights, "
                     "tokenizer and config (e.g. assets/clover-stdlib) instead of from scratch")
     args = ap.parse_args(argv)
@@ -353,6 +376,9 @@ def main(argv=None):
     if args.export:  # found now, not after the training
         check_writable(args.export, what="--export")
     overrides = _config_overrides(ap, args.preset, args.set)
+    generation = _generation_defaults(ap, args.generation)
+    if generation and not args.export:
+        ap.error("--generation sets the defaults of an --export: give --export DIR")
     if not 0 <= args.distill_share <= 1:
         ap.error("--distill-share must be in [0, 1]")
     if args.distill and not Path(args.distill).is_file():
@@ -370,4 +396,4 @@ def main(argv=None):
                 extend_lr=args.lr if args.extend_steps else None, extend_overrides=extend_overrides,
                 init=args.init)
     if args.export:
-        export(run, args.export)
+        export(run, args.export, generation)
