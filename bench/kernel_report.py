@@ -2,7 +2,7 @@
 
 Two tables:
 
-1. per kernel x dtype x launch config (everything ``clover_kernels.compile_check`` compiles at
+1. per kernel x dtype x launch config (everything ``bench/compile_check.py`` compiles at
    the Clover-35B-A3B shapes): registers per thread, spilled bytes, shared memory, and an
    occupancy estimate (resident warps per SM of 64, and what limits them);
 2. per op call at the 35B shapes, bf16 (the GPU dtype), kernel by kernel: the bytes an ideal
@@ -32,6 +32,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:  # compile_check.py, the sm_90 gate, lives beside this script
+    sys.path.insert(0, str(BENCH))
 
 HBM_BYTES_PER_S = 4.8e12
 PEAK_FLOPS = {"bf16_dot": 790e12, "tf32_dot": 395e12, "fp32": 67e12}  # H200 (SXM), dense
@@ -123,7 +127,7 @@ def cost(kernel: str, a: dict) -> tuple[float, float, str]:
 
 def cost_table(report: dict) -> list[dict]:
     """Table 2 rows from the captured bf16 launches of COST_ROWS."""
-    from clover_kernels import compile_check as cc
+    import compile_check as cc
 
     d = cc.discover()
     launches, _, _ = cc.capture_35b(d, ("bf16",), rows=COST_ROWS)
@@ -180,7 +184,7 @@ def other_triton(version: str, jobs: int, venv: str | None) -> dict:
         out = root / "compile.json"
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CLOVER_KERNELS",
                                                                  "TRITON_CACHE_DIR", "PYTHONPATH")}
-        run = subprocess.run([str(py), "-W", "ignore", "-m", "clover_kernels.compile_check", "--json", str(out),
+        run = subprocess.run([str(py), "-W", "ignore", str(BENCH / "compile_check.py"), "--json", str(out),
                               "--quiet", "--jobs", str(jobs)], capture_output=True, text=True, env=env)
         if run.returncode not in (0, 1) or not out.exists():
             return dict(version=version, error=f"compile_check under triton {version} failed (rc {run.returncode}): "
@@ -254,8 +258,8 @@ def print_costs(calls: list[dict]) -> None:
 
 
 def _summary(report: dict) -> dict:
-    """The compile report without its per-launch list and signatures (python -m
-    clover_kernels.compile_check --json writes those)."""
+    """The compile report without its per-launch list and signatures (python
+    bench/compile_check.py --json writes those)."""
     out = {k: v for k, v in report.items() if k != "launches"}
     if "cases" in out:
         out["cases"] = [{k: v for k, v in row.items() if k not in ("signature", "attrs")} for row in out["cases"]]
@@ -299,7 +303,7 @@ def main(argv=None) -> int:
     p.add_argument("--measured", help="with --costs-only: a bench_kernels.py JSON to show beside the roofline")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: the compiler, not the interpreter
-    from clover_kernels import compile_check as cc
+    import compile_check as cc
 
     if args.costs_only:
         report = dict(triton=__import__("triton").__version__)

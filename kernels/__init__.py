@@ -3,76 +3,22 @@
 Per op, one folder: ``naive.py`` the readable reference (loops, the spec's formulas),
 ``torch.py`` the production torch path where it differs (chunked, grouped, oneDNN), and the
 Triton kernels (``commit.py``, ``preview.py``, ``fused.py``, ``rms.py``; shared device
-functions in ``common.py``). The functions here dispatch between the torch path and the
-kernels; see ``dispatch.py``.
+functions in ``common.py``). Every op is one row of the table in ``ops.py`` (name, torch
+reference, Triton implementation); calling it dispatches between the two (``dispatch.py``).
 """
-import torch
-
 from .dense import PackedWeight, can_pack, linear
 from .dispatch import backend_for, forced_backend, kernel_table
-from .fp8 import torch as _fp8
-from .gdn import torch as _gdn
-from .moe import naive as _moe_naive
-from .moe import torch as _moe
-from .norm import naive as _norm
+from .moe import torch as _moe  # noqa: F401 - the torch paths by their old names (tests)
+from .norm import naive as _norm  # noqa: F401
+from .ops import OPS
 
-__all__ = ["linear", "PackedWeight", "can_pack", "rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview",
-           "moe_experts", "route", "linear_fp8", "moe_experts_fp8", "backend_for", "forced_backend"]
+rms_norm = OPS["rms_norm"]
+gated_rms_norm = OPS["gated_rms_norm"]
+gdn_commit = OPS["gdn_commit"]
+gdn_preview = OPS["gdn_preview"]
+moe_experts = OPS["moe_experts"]
+route = OPS["route"]
+linear_fp8 = OPS["linear_fp8"]
+moe_experts_fp8 = OPS["moe_experts_fp8"]
 
-
-def _dispatch(name, reference, *tensors):
-    if backend_for(name, *tensors) == "triton":
-        return kernel_table()[name]
-    return reference
-
-
-def rms_norm(x, weight, eps=1e-6):
-    return _dispatch("rms_norm", _norm.rms_norm, x, weight)(x, weight, eps)
-
-
-def gated_rms_norm(x, gate, weight, eps=1e-6):
-    return _dispatch("gated_rms_norm", _norm.gated_rms_norm, x, gate, weight)(x, gate, weight, eps)
-
-
-def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim):
-    fn = _dispatch("gdn_commit", _gdn.gdn_commit, mixed, ring, conv_weight, g, beta, state)
-    return fn(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim)
-
-
-def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
-                num_k_heads, head_k_dim, head_v_dim, return_history=False):
-    fn = _dispatch("gdn_preview", _gdn.gdn_preview, mixed, ring, conv_weight, right_weight, state, block_scale,
-                   history_bias, history_log_n)
-    return fn(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
-              num_k_heads, head_k_dim, head_v_dim, return_history)
-
-
-def moe_experts(x, expert_ids, weights, gate_up, down, packed=None):
-    """``packed``: the CPU path's kept oneDNN weights (see ``PackedWeight``); kernels ignore it."""
-    if backend_for("moe_experts", x, weights, gate_up, down) == "triton":
-        return kernel_table()["moe_experts"](x, expert_ids, weights, gate_up, down)
-    return _moe.moe_experts(x, expert_ids, weights, gate_up, down, packed)
-
-
-def route(logits, top_k, allowed=None):
-    """The router's rule over logits [T, E]: (probs fp32 [T, E], expert ids [T, k], weights fp32 [T, k]);
-    ``allowed`` [E] or [T, E] bool restricts the picks (a coreset). One kernel on a GPU."""
-    return _dispatch("route", _moe_naive.route, logits)(logits, top_k, allowed)
-
-
-def _fp32_on_gpu(x: torch.Tensor) -> bool:
-    """The FP8 kernels are built for bf16 / fp16 activations: fp32 tiles spill on sm_90
-    (tests/kernels/test_compile_sm90.py), so fp32 activations on a GPU run the torch path."""
-    return x.dtype == torch.float32 and x.is_cuda
-
-
-def linear_fp8(x, weight, scale, block, bias=None):
-    """``x @ W^T (+ bias)`` with W block-scaled FP8 (weight fp8 [N, K], scale [ceil(N/bn), ceil(K/bk)])."""
-    fn = _fp8.linear if _fp32_on_gpu(x) else _dispatch("linear_fp8", _fp8.linear, x, bias)
-    return fn(x, weight, scale, block, bias)
-
-
-def moe_experts_fp8(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale, block):
-    """``moe_experts`` over block-scaled FP8 expert weights (scales as in ``fp8/naive.py``)."""
-    fn = _fp8.moe_experts if _fp32_on_gpu(x) else _dispatch("moe_experts_fp8", _fp8.moe_experts, x, weights)
-    return fn(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale, block)
+__all__ = ["linear", "PackedWeight", "can_pack", "backend_for", "forced_backend", "kernel_table", *OPS]

@@ -1,14 +1,18 @@
-"""One dispatch for every op: CUDA tensors take the Triton kernels, CPU tensors the torch
-path. ``CLOVER_KERNELS=triton|torch`` forces either (with ``TRITON_INTERPRET=1``, ``triton``
-runs the kernels on the CPU). The kernels are forward-only: whenever autograd needs a gradient
-through an op, it runs the torch path, whatever the device or the forced backend."""
+"""One dispatch for every op of the table (``ops.py``): CUDA tensors take the Triton kernels,
+CPU tensors the torch path. ``CLOVER_KERNELS=triton|torch`` forces either (with
+``TRITON_INTERPRET=1``, ``triton`` runs the kernels on the CPU). The kernels are forward-only:
+whenever autograd needs a gradient through an op, it runs the torch path, whatever the device or
+the forced backend. An op whose kernel failed to import runs its torch path, with a warning the
+first time it is needed (a CUDA tensor, or the Triton backend forced)."""
 import importlib
 import os
+import warnings
 
 import torch
 
 _BACKENDS = ("torch", "triton")
 _triton_ops: dict | None = None
+_warned: set = set()  # ops whose missing kernel was already reported
 
 
 def forced_backend() -> str | None:
@@ -20,20 +24,44 @@ def forced_backend() -> str | None:
     return value
 
 
+def _loader():
+    """``triton_ops`` (importing it never fails), or None when even that cannot be imported."""
+    try:
+        return importlib.import_module(f"{__package__}.triton_ops")
+    except ImportError:
+        return None
+
+
 def kernel_table() -> dict:
-    """Name -> Triton implementation, for the ops that have one (empty when triton is missing)."""
+    """Name -> Triton implementation, for the ops whose kernel imported (empty when triton is missing)."""
     global _triton_ops
     if _triton_ops is None:
-        try:
-            _triton_ops = importlib.import_module(f"{__package__}.triton_ops").OPS
-        except ImportError:
-            _triton_ops = {}
+        loader = _loader()
+        _triton_ops = loader.OPS if loader is not None else {}
     return _triton_ops
+
+
+def missing_kernels() -> dict:
+    """Op name -> why its Triton kernel did not import."""
+    loader = _loader()
+    return loader.MISSING if loader is not None else {}
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
     """True when autograd would record a gradient through an op on these tensors."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def _warn_missing(name: str) -> None:
+    reason = missing_kernels().get(name)
+    if reason is not None and name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"clover_kernels: the Triton kernel of {name!r} failed to import ({reason}); "
+                      f"{name} runs its torch path", RuntimeWarning, stacklevel=4)
 
 
 def backend_for(name: str, x: torch.Tensor, *others: torch.Tensor) -> str:
@@ -42,9 +70,9 @@ def backend_for(name: str, x: torch.Tensor, *others: torch.Tensor) -> str:
     forced = forced_backend()
     if forced == "torch" or needs_grad(x, *others):
         return "torch"
-    has_kernel = name in kernel_table()
-    if forced == "triton":
-        if not has_kernel:
-            return "torch"  # ops without a kernel (yet) always run the reference
-        return "triton"
-    return "triton" if (x.is_cuda and has_kernel) else "torch"
+    if not (forced == "triton" or _on_gpu(x)):
+        return "torch"
+    if name not in kernel_table():
+        _warn_missing(name)  # ops without a kernel (yet) always run the reference
+        return "torch"
+    return "triton"

@@ -1,32 +1,23 @@
-"""The Triton implementations, by op name, for ``dispatch.py``.
+"""The Triton implementations of the op table (``ops.TABLE``), by op name, for ``dispatch.py``.
 
-``OPS[name]`` has exactly the signature and return contract of the torch reference of the
-same name. Importing this module never fails: where triton (or one kernel module) cannot be
-imported, its ops are simply absent and ``MISSING`` says why.
+``OPS[name]`` has exactly the signature and return contract of the op's torch reference.
+Importing this module never fails: where triton (or one kernel module) cannot be imported, its
+ops are absent, ``MISSING`` says why, and the dispatch warns the first time one is needed.
 """
 import importlib
+
+from .ops import TABLE
 
 OPS: dict = {}
 MISSING: dict = {}  # op name -> reason it has no Triton implementation here
 
-_SOURCES = {
-    "rms_norm": ("clover_kernels.norm.rms", "rms_norm"),
-    "gated_rms_norm": ("clover_kernels.norm.rms", "gated_rms_norm"),
-    "gdn_commit": ("clover_kernels.gdn.commit", "gdn_commit"),
-    "gdn_preview": ("clover_kernels.gdn.preview", "gdn_preview"),
-    "moe_experts": ("clover_kernels.moe.fused", "moe_experts"),
-    "route": ("clover_kernels.moe.route", "route"),
-    "linear_fp8": ("clover_kernels.fp8.gemm", "linear"),
-    "moe_experts_fp8": ("clover_kernels.fp8.moe", "moe_experts"),
-}
-
 
 def _load():
-    for name, (module, attr) in _SOURCES.items():
+    for op in TABLE:
         try:
-            OPS[name] = getattr(importlib.import_module(module), attr)
+            OPS[op.name] = getattr(importlib.import_module(op.module), op.function)
         except Exception as exc:  # triton missing or broken: the op falls back to its reference
-            MISSING[name] = f"{module}: {type(exc).__name__}: {exc}"
+            MISSING[op.name] = f"{op.module}: {type(exc).__name__}: {exc}"
 
 
 _load()

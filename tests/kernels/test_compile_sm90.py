@@ -1,23 +1,30 @@
 """Every Triton kernel compiled for the H200 (sm_90) at the Clover-35B-A3B shapes, on a CPU.
 
 Triton's interpreter (what the other kernel tests run on a CPU) hides compile errors, register
-spills, shared-memory overflows and the bf16 code paths. ``clover_kernels.compile_check``
+spills, shared-memory overflows and the bf16 code paths. ``bench/compile_check.py``
 compiles every kernel with Triton's own compiler and ptxas for sm_90, in every dtype and launch
 config the dispatch's ops choose at the 35B shapes. It runs in a subprocess: this process has
 TRITON_INTERPRET=1 (tests/kernels/conftest.py), under which triton.jit makes no compilable
 kernels. Skips only where Triton has no CUDA backend.
 """
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-from clover_kernels import compile_check  # noqa: E402
+# a development tool beside the benchmarks, not part of the installed package
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "compile_check.py"
+_spec = importlib.util.spec_from_file_location("compile_check", SCRIPT)
+compile_check = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("compile_check", compile_check)  # its dataclasses look their module up there
+_spec.loader.exec_module(compile_check)
 
 DTYPES = {"bf16", "fp16", "fp32"}
 DISCOVERY = compile_check.discover()  # in this process: what the package holds, helpers and kernels
@@ -47,7 +54,7 @@ def _run(args, timeout):
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("sm90") / "compile.json"
     jobs = str(max(1, min(8, os.cpu_count() or 1)))
-    proc = _run(["-m", "clover_kernels.compile_check", "--json", str(path), "--quiet", "--jobs", jobs], timeout=1500)
+    proc = _run([str(SCRIPT), "--json", str(path), "--quiet", "--jobs", jobs], timeout=1500)
     assert proc.returncode in (0, 1) and path.exists(), f"compile_check crashed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(path.read_text())
 
@@ -60,7 +67,7 @@ def _label(row):
 def test_kernel_compiles_for_sm90_without_spills(name, report):
     cases = [row for row in report["cases"] if row["kernel"] == name]
     assert cases, (f"{name}: no op of the dispatch launches it at the 35B shapes; add its op to "
-                   f"clover_kernels.compile_check.clover_35b_calls")
+                   f"bench/compile_check.py's clover_35b_calls")
     want = compile_check.KERNEL_DTYPES.get(name, DTYPES)
     assert {row["dtype"] for row in cases} == want, f"{name}: compiled only in {sorted({r['dtype'] for r in cases})}"
     bad = [f"{_label(row)}: {'; '.join(row['failures'])}" for row in cases if row["failures"]]
@@ -146,7 +153,8 @@ def launch_tuned(x):
 
 PROBE = '''
 import json, sys
-from clover_kernels import compile_check as cc
+sys.path.insert(0, sys.argv[2])  # bench/, where the tool lives
+import compile_check as cc
 
 path = sys.argv[1]
 d = cc.discover(extra_modules=[path])
@@ -179,7 +187,7 @@ def synthetic(tmp_path_factory):
 
 
 def test_a_kernel_no_op_launches_fails_the_check(synthetic):
-    proc = _run(["-m", "clover_kernels.compile_check", "--no-compile", "--extra-module", str(synthetic),
+    proc = _run([str(SCRIPT), "--no-compile", "--extra-module", str(synthetic),
                  "--json", str(synthetic.with_suffix(".json"))], timeout=300)
     out = json.loads(synthetic.with_suffix(".json").read_text())
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -187,7 +195,7 @@ def test_a_kernel_no_op_launches_fails_the_check(synthetic):
 
 
 def test_spills_shared_memory_and_compile_errors_fail_and_autotune_lists_are_enumerated(synthetic):
-    proc = _run(["-c", textwrap.dedent(PROBE), str(synthetic)], timeout=600)
+    proc = _run(["-c", textwrap.dedent(PROBE), str(synthetic), str(SCRIPT.parent)], timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["tuned"] == [64, 128, 256], "every autotune config is a config the launcher can choose"

@@ -7,7 +7,7 @@ driver. This module
 1. **discovers** the ``@triton.jit`` functions of the package by scanning its modules (so a
    new kernel is found wherever it lives) and splits them by call graph into kernels
    (launched from Python, or called by no other jit function) and device helpers;
-2. **captures** the launches the dispatch's ops (``triton_ops.OPS``) make at the
+2. **captures** the launches the op table's kernels (``triton_ops.OPS``) make at the
    Clover-35B-A3B shapes: each op is called on meta tensors (no memory, no data) with a fake
    sm_90 driver, and Triton's own ``JITFunction.run`` computes the specialisation, constexprs
    and options it would compile on the GPU; autotuner config lists are enumerated whole;
@@ -15,10 +15,11 @@ driver. This module
    and reads registers, spills and stack from ptxas's ``-v`` log and shared memory from
    Triton's metadata.
 
-``python -m clover_kernels.compile_check [--json FILE]`` prints one line per compiled case
+``python bench/compile_check.py [--json FILE]`` prints one line per compiled case
 and exits 1 on a compile error, a spill, shared memory over the per-block limit, a kernel or
 op the call table does not reach; 77 when Triton's CUDA backend is missing (nothing to test).
-``tests/kernels/test_compile_sm90.py`` and ``bench/kernel_report.py`` run it.
+``tests/kernels/test_compile_sm90.py`` and ``bench/kernel_report.py`` run it. A development tool:
+it is not part of the installed ``clover_kernels`` package (whose kernels it scans).
 """
 from __future__ import annotations
 
@@ -402,7 +403,7 @@ def _fp8_calls(label, dt, d, rows):
 
 def capture_35b(discovery: Discovery, dtypes=tuple(DTYPES), target_tuple=SM90, rows=None):
     """(launches, ops covered by the table, ops of the dispatch the table misses)."""
-    from . import triton_ops
+    from clover_kernels import triton_ops
 
     if triton_ops.MISSING:
         raise RuntimeError(f"Triton ops failed to import: {triton_ops.MISSING}")
