@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -63,7 +64,8 @@ def speed(engine, tokens: torch.Tensor, prompts: int = 6, prompt_len: int = 48, 
                          "tokens_per_second": sum(t for _, _, t in runs) / len(runs)}
     figures["speedup_tokens_per_second"] = figures["diffusion"]["tokens_per_second"] / figures["ar"]["tokens_per_second"]
     figures["settings"] = {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new, "threshold": threshold,
-                           "threads": torch.get_num_threads(), "machine": platform.machine()}
+                           "threads": torch.get_num_threads(), "machine": platform.machine(),
+                           "load_average": os.getloadavg()[0]}
     return figures
 
 
@@ -159,6 +161,13 @@ def remeasure_generation(run: Path, model_dir: Path, command: str) -> dict:
     write_text(model_dir / "card.json", json.dumps(figures, indent=2) + "\n")
     write_text(model_dir / "README.md", render(figures, engine.model.config, command))
     return figures
+
+
+def render_load(sp: dict) -> str:
+    """The machine's load average while the speed was measured, when recorded (tokens/s on a
+    shared machine are of that load; the diffusion / AR ratio is measured side by side)."""
+    load = sp["settings"].get("load_average")
+    return f" (load average {load:.1f}: absolute tokens/s are of that load)" if load is not None else ""
 
 
 def render_targets(f: dict) -> str:
@@ -258,7 +267,7 @@ Unigram baseline (always the most frequent token): {f['unigram_baseline_accuracy
 Next-token perplexity (causal, 256-token windows): {h['ar_perplexity']:.1f}.
 
 Generation on {sp['settings']['prompts']} held-out prompts of {sp['settings']['prompt_len']} tokens, {sp['settings']['new_tokens']} new tokens,
-threshold {sp['settings']['threshold']}, greedy, {sp['settings']['threads']} CPU threads ({sp['settings']['machine']}), measured side by side:
+threshold {sp['settings']['threshold']}, greedy, {sp['settings']['threads']} CPU threads ({sp['settings']['machine']}), measured side by side{render_load(sp)}:
 
 | mode | tokens per forward | tokens/s |
 |---|---|---|
