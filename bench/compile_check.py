@@ -373,8 +373,33 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
             yield "moe_experts", label, T, ("moe_experts", (
                 _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
                 _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
+        yield from _moe_tile_calls(label, dt, d, fp8=False)
         if label in FP8_DTYPES:  # FP8 checkpoints: FP8 weights, bf16 / fp16 activations
             yield from _fp8_calls(label, dt, d, rows)
+            yield from _moe_tile_calls(label, dt, d, fp8=True)
+
+
+def moe_tile_rows(d=DIMS_35B) -> dict:
+    """{row-block height: a token count whose pairs per expert choose it} (moe.fused.block_m)."""
+    from clover_kernels.moe.fused import BLOCK_MS
+
+    return {bm: bm * d["experts"] // d["top_k"] for bm in BLOCK_MS}
+
+
+def _moe_tile_calls(label, dt, d, fp8: bool):
+    """The routed experts at one token count per tile choice (decode/block heights to prefill's)."""
+    H, E, k, I = d["hidden"], d["experts"], d["top_k"], d["expert_width"]
+    for T in moe_tile_rows(d).values():
+        if not fp8:
+            yield "moe_experts", label, T, ("moe_experts", (
+                _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
+                _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
+            continue
+        f8, f32, q = torch.float8_e4m3fn, torch.float32, FP8_BLOCK
+        yield "moe_experts_fp8", label, T, ("moe_experts_fp8", (
+            _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
+            _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
+            _meta(E, 2 * -(-I // q), -(-H // q), dtype=f32), _meta(E, -(-H // q), -(-I // q), dtype=f32), (q, q)))
 
 
 # the 35B's quantized linears as (out, in) features: q (query + gate), k / v, o, GDN in_proj_qkv,
@@ -399,6 +424,27 @@ def _fp8_calls(label, dt, d, rows):
             _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
             _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
             _meta(E, 2 * -(-I // q), -(-H // q), dtype=f32), _meta(E, -(-H // q), -(-I // q), dtype=f32), (q, q)))
+    yield from _fp8_odd_block_calls(label, dt, d)
+
+
+# quantization blocks whose width is not a power of two: K steps of its largest power-of-two divisor
+FP8_ODD_BLOCKS = ((128, 96), (128, 192))
+FP8_ODD_ROWS = (1, 32, 4096)
+
+
+def _fp8_odd_block_calls(label, dt, d):
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    H, E, k, I = d["hidden"], d["experts"], d["top_k"], d["expert_width"]
+    for bn, bk in FP8_ODD_BLOCKS:
+        for T in FP8_ODD_ROWS:
+            yield "linear_fp8", label, T, ("linear_fp8", (
+                _meta(T, H, dtype=dt), _meta(4096, H, dtype=f8), _meta(-(-4096 // bn), -(-H // bk), dtype=f32),
+                (bn, bk)))
+            yield "moe_experts_fp8", label, T, ("moe_experts_fp8", (
+                _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
+                _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
+                _meta(E, 2 * -(-I // bn), -(-H // bk), dtype=f32), _meta(E, -(-H // bn), -(-I // bk), dtype=f32),
+                (bn, bk)))
 
 
 def capture_35b(discovery: Discovery, dtypes=tuple(DTYPES), target_tuple=SM90, rows=None):

@@ -5,37 +5,37 @@ Three modes per forward (spec section 3): **commit** (causal, exactly Qwen3.5-Mo
 cache), **preview** (one denoising pass over the current block; reads the cache, writes nothing)
 and both fused in one forward over ``[block to commit ; block to preview]``; plus the training
 forward over a clean sequence and its noisy copy. The layers are in ``layers/``, the forward's
-layout in ``context.py``; the engine's static steps and CUDA graphs in ``engine/runner.py``.
+layout in ``context.py``; the engine's static steps and CUDA graphs in ``engine/runner.py``;
+random weights in ``model_init.py``, packed CPU weight copies in ``model_packing.py``.
 
 Shapes: B batch, T = c + m rows of a forward (c committed rows first, then m preview rows),
 n the committed length before the forward, H hidden size, V vocabulary.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-
-import clover_kernels as ops
 
 from . import loading, saving
 from .cache import CloverCache
 from .config import CloverConfig
 from .context import Coreset, ForwardContext
 from .drafts import DraftCommit
-from .errors import count, flag
+from .errors import count
 from .hooks import points
 from .hooks.events import NOWHERE, Where
 from .hooks.registry import HookRegistry
 from .layers.attention import GatedAttention
 from .layers.gdn import GatedDeltaNet
 from .layers.linear import FusedProjections, Linear
-from .layers.moe import Experts, Router, SparseMoE
+from .layers.moe import SparseMoE
 from .layers.norm import RMSNorm
 from .layers.residual import fire_head_rows, fire_residual
 from .layers.rotary import Rotary
+from .model_init import RandomWeights
+from .model_packing import PackedWeights
 
 __all__ = ["CloverModel", "Coreset", "StepOutput", "DecoderLayer", "TextModel"]
 
@@ -93,7 +93,7 @@ class TextModel(nn.Module):
         self.rotary = Rotary(config)
 
 
-class CloverModel(nn.Module):
+class CloverModel(RandomWeights, PackedWeights, nn.Module):
     """Clover: Qwen3.5-MoE's causal path plus the block preview operator. Untied LM head.
 
     ``placement``: set when the model is placed over devices (``clover_lab.placement``): layers
@@ -110,47 +110,6 @@ class CloverModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     # ------------------------------------------------------------------ construction
-    @classmethod
-    def random(cls, config: CloverConfig | str, device=None, dtype=torch.float32, seed: int = 0) -> "CloverModel":
-        """Random weights, materialised directly on ``device`` (built on ``meta`` first, so a
-        full-size preset never exists twice in memory)."""
-        if isinstance(config, str):
-            config = CloverConfig.preset(config)
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to(dtype).to_empty(device=device or "cpu")  # allocated once, in the target dtype
-        model.init_weights(seed)
-        return model.eval()
-
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        device = self.device
-        gen = torch.Generator(device=device).manual_seed(seed)  # drawn where the weights live
-        std = self.config.initializer_range
-
-        def normal_(t: torch.Tensor, s: float = std):
-            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32, device=device).mul_(s))
-
-        for name, param in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("linear_attn.norm.weight"):
-                param.fill_(1.0)
-            elif "norm" in name:
-                param.zero_()  # zero-centred norms
-            elif leaf == "dt_bias":
-                param.fill_(1.0)
-            elif leaf == "A_log":
-                param.copy_(torch.empty(param.shape, device=device).uniform_(1.0, 16.0, generator=gen).log())
-            elif leaf in ("block_scale", "history_bias", "history_log_n") or "conv1d_right" in name:
-                continue
-            elif "conv1d" in name:
-                normal_(param, 1.0 / math.sqrt(param.shape[-1]))
-            else:
-                normal_(param)
-        for module in self.modules():
-            if isinstance(module, GatedDeltaNet):
-                module.reset_preview_parameters()
-
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None, progress: bool | None = None, keep_fp8: bool | None = None,
                         placement=None, check_finite: bool | None = None) -> "CloverModel":
@@ -210,53 +169,6 @@ class CloverModel(nn.Module):
     def dtype(self) -> torch.dtype:
         """The activations' dtype: the embedding's (FP8 checkpoints keep their linears in FP8)."""
         return self.model.embed_tokens.weight.dtype
-
-    def pack_weights(self, enabled: bool = True) -> int:
-        """CPU inference: keep every GEMM weight (projections, router, each expert, LM head) also in
-        oneDNN's blocked layout, so products stop reordering it on every call: prefill and block
-        previews get faster (``bench/compare_transformers.py``), at the price of a second copy of
-        the weights in memory. A weight changed in place or replaced is repacked on its next use;
-        writes through ``.data`` are not seen (call ``pack_weights()`` again). Returns the bytes
-        packed; ``pack_weights(False)`` drops the copies."""
-        enabled = flag("pack_weights enabled", enabled, none=False)
-        if enabled and not ops.can_pack(self.model.embed_tokens.weight):
-            raise ValueError(f"pack_weights: packed weights are for fp32/bf16 models on an x86 CPU with oneDNN; "
-                             f"this model is {str(self.dtype).removeprefix('torch.')} on {self.device}")
-
-        def pack(weight) -> ops.PackedWeight:
-            packed = ops.PackedWeight()
-            packed.get(weight)
-            return packed
-
-        fused = set()  # parts of a fused GEMM: its one weight is packed instead
-        for module, group in self.projection_groups():
-            if group.weight is not None:
-                group.packed = pack(group.weight) if enabled and ops.can_pack(group.weight) else None
-                fused.update(id(m) for m in group.modules(module))
-        for module in self.modules():  # FP8 weights and offloaded experts are not packed
-            if id(module) in fused:
-                module.packed = None
-            elif isinstance(module, (Linear, Router)) and ops.can_pack(module.weight):
-                module.packed = pack(module.weight) if enabled else None
-            elif isinstance(module, Experts) and module.store is None and ops.can_pack(module.gate_up_proj):
-                module.packed = ([pack(w) for w in module.gate_up_proj],
-                                 [pack(w) for w in module.down_proj]) if enabled else None
-        return sum(p.nbytes for p in self._packs())
-
-    def _packs(self):
-        for _, group in self.projection_groups():
-            if group.packed is not None:
-                yield group.packed
-        for module in self.modules():
-            if isinstance(module, (Linear, Router)) and module.packed is not None:
-                yield module.packed
-            elif isinstance(module, Experts) and module.packed is not None:
-                yield from (p for group in module.packed for p in group)
-
-    @property
-    def packed_weights(self) -> bool:
-        """Whether ``pack_weights`` is on."""
-        return self.lm_head.packed is not None
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> CloverCache:
         """An empty cache for ``max_len`` positions on the model's device, in its dtype."""

@@ -1,22 +1,44 @@
-"""The layout the code keeps: no import cycle among clover_lab's modules (imports inside
-functions included), and hook point names spelled in one module only."""
+"""The layout the code keeps: no import cycle among clover_lab's modules nor clover_kernels'
+(imports inside functions included), no module over 400 lines, and hook point names spelled in
+one module only."""
 import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "clover_lab"
-POINT_NAME = re.compile(r"^(layers\.(\d+|\*)\.)?(moe\.route|gdn\.preview|gdn\.state|attn\.output|gdn\.output|moe\.output)$"
-                        r"|^layers\.(\d+|\*)\.(input|output)$|^(denoise\.step|block\.commit|final_norm\.output)$")
+import pytest
+
+from clover_lab.hooks import points as P
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "clover_lab"
+KERNELS = ROOT / "kernels"  # imported as clover_kernels
+MAX_MODULE_LINES = 400
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def point_name_pattern() -> re.Pattern:
+    """A string spelling a declared point: ``layers.3.moe.route``, ``layers.*.moe.route``, a bare
+    dotted layer kind (``moe.route``; one-word kinds such as ``output`` are ordinary words), or an
+    engine / final point (``denoise.step``)."""
+    alternatives = []
+    for point in P.DECLARED.values():
+        kind = re.escape(point.kind)
+        if not point.per_layer:
+            alternatives.append(kind)
+        elif "." in point.kind:
+            alternatives.append(rf"(layers\.(\d+|\*)\.)?{kind}")
+        else:
+            alternatives.append(rf"layers\.(\d+|\*)\.{kind}")
+    return re.compile("|".join(f"^{a}$" for a in alternatives))
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = (package.name, *path.relative_to(package).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The clover_lab modules ``path`` imports, anywhere in it (TYPE_CHECKING blocks too)."""
-    name = module_name(path)
+def imports_of(path: Path, modules: set[str], package_dir: Path = PACKAGE) -> set[str]:
+    """The modules of ``package_dir``'s package ``path`` imports, anywhere in it (TYPE_CHECKING blocks too)."""
+    name = module_name(path, package_dir)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -34,12 +56,13 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return {m for m in out if m in modules and m != name}
 
 
-def test_no_import_cycles():
-    files = [p for p in PACKAGE.rglob("*.py")]
-    modules = {module_name(p) for p in files}
+@pytest.mark.parametrize("package", [PACKAGE, KERNELS], ids=["clover_lab", "clover_kernels"])
+def test_no_import_cycles(package):
+    files = [p for p in package.rglob("*.py")]
+    modules = {module_name(p, package) for p in files}
     # a package's __init__ re-exports its submodules: it is not a cycle for a submodule to import a sibling
-    graph = {module_name(p): {m for m in imports_of(p, modules)
-                              if not (p.name != "__init__.py" and module_name(p).startswith(m + "."))}
+    graph = {module_name(p, package): {m for m in imports_of(p, modules, package)
+                                       if not (p.name != "__init__.py" and module_name(p, package).startswith(m + "."))}
              for p in files if p.name != "__init__.py"}
     graph = {m: {d for d in deps if d in graph} for m, deps in graph.items()}
     seen, on_path, cycles = set(), [], []
@@ -62,11 +85,20 @@ def test_no_import_cycles():
 
 
 def test_hook_point_names_are_spelled_in_one_module():
+    point_name = point_name_pattern()
     spelled = []
     for path in PACKAGE.rglob("*.py"):
         if path.relative_to(PACKAGE).as_posix() == "hooks/points.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and POINT_NAME.match(node.value):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and point_name.match(node.value):
                 spelled.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}")
     assert not spelled, "hook point names outside clover_lab/hooks/points.py:\n" + "\n".join(spelled)
+
+
+
+def test_no_module_is_over_400_lines():
+    """Small modules, one concept each: a module past the limit is split by concept."""
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for package in (PACKAGE, KERNELS) for p in sorted(package.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)

@@ -1,4 +1,5 @@
-"""The engine: the front door (``engine.py``), one generation's rows (``run.py``: a single
+"""The engine: the front door (``engine.py``; its checked settings in ``attributes.py``, ``load``
+in ``loader.py``), one generation's rows (``run.py``: a single
 prompt is a batch of one), the block-diffusion loop (``diffusion.py``) and the AR loop
 (``ar.py``), each written once, the decoding seam (``policy.py``) and the rules behind it (``policies.py``), exact
 self-speculative decoding (``speculative.py``), the runner (``runner.py``:
@@ -7,7 +8,8 @@ forward), static steps, CUDA graphs and torch.compile (``graphs.py``), request c
 (``requests.py``), where non-finite logits came from (``faults.py``) and what a generation
 returns (``results.py``, ``batch.py``)."""
 from .batch import BatchResult, BatchStats
-from .engine import Engine, load
+from .engine import Engine
+from .loader import load
 from .policies import EntropyBoundedPolicy, TopKPolicy, make_policy
 from .policy import DecodingPolicy, Proposal, ThresholdPolicy
 from .requests import GenerationError

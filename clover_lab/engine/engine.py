@@ -1,33 +1,29 @@
 """The engine, the front door: ``Engine`` runs generations on one model (block diffusion or AR),
-checks requests up front, and hands out hooks and captures; ``load`` builds one from a
-Hugging Face directory or the embedded default model.
+checks requests up front, and hands out hooks and captures; ``load`` (``loader.py``) builds one
+from a Hugging Face directory or the embedded default model.
 
 Hooks: any exception in a hook ends the run with HookError naming the point, and the engine is
 ready for the next call either way (the cache is per generation). Scoped hooks and captures
 apply to the generations started inside their ``with`` block in that thread or context;
 permanent hooks (``add_hook``) to every generation.
 
-Every public setting is checked when it is set: a bad value is a ValueError naming it.
+Every public setting is checked when it is set (``attributes.py``): a bad value is a ValueError
+naming it.
 """
 from __future__ import annotations
 
 import itertools
-import numbers
-import os
 from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import defaults as checkpoint_defaults
-from .. import loading, malloc
-from ..errors import flag
+from .. import malloc
 from ..hooks.capture import Capture
-from ..load_checks import resolve_device
 from ..hooks.registry import MAX_NESTED_GENERATIONS, hook_depth
 from ..model import CloverModel
-from ..placement import plan_placement
-from ..placement.plan import check_usable
 from ..sampling import SamplerSettings
+from . import attributes as A
+from .attributes import Checked
 from .ar import run_ar
 from .diffusion import run_diffusion
 from .speculative import run_speculative
@@ -65,8 +61,8 @@ class Engine:
         self.settings = settings or SamplerSettings()
         self.max_new_tokens = max_new_tokens
         self.prefill_chunk_size = 1024
-        self._block_size = model.config.block_size
-        self._mask_token_id = model.config.mask_token_id
+        self.block_size = model.config.block_size
+        self.mask_token_id = model.config.mask_token_id
         # where the mask token came from (clover_lab/defaults.py): "config.json", the tokenizer, ...
         self.mask_token_source = "config.json" if model.config.mask_token_id is not None else None
         eos = list(model.config.eos_token_ids)
@@ -105,116 +101,24 @@ class Engine:
                 f"block_size={self.block_size}, mask_token_id={self.mask_token_id}, device={self.model.device}, "
                 f"dtype={self.model.dtype}, tokenizer={'yes' if self.tokenizer is not None else 'no'})")
 
-    # ---------------------------------------------------------------- settings
-    @property
-    def tokenizer(self):
-        """The tokenizer (a transformers tokenizer: callable, with ``decode``), or None."""
-        return self._tokenizer
-
-    @tokenizer.setter
-    def tokenizer(self, value) -> None:
-        if value is not None and not (callable(value) and callable(getattr(value, "decode", None))):
-            raise ValueError(f"tokenizer must be a tokenizer (callable, with decode) or None, got "
-                             f"{type(value).__name__}")
-        self._tokenizer = value
-
-    @property
-    def settings(self) -> SamplerSettings:
-        """The sampler settings a request does not override."""
-        return self._settings
-
-    @settings.setter
-    def settings(self, value: SamplerSettings) -> None:
-        if not isinstance(value, SamplerSettings):
-            raise ValueError(f"engine.settings must be a SamplerSettings, got {type(value).__name__} {value!r}")
-        self._settings = value
-
-    @property
-    def max_new_tokens(self) -> int:
-        """The default length of a response."""
-        return self._max_new_tokens
-
-    @max_new_tokens.setter
-    def max_new_tokens(self, value: int) -> None:
-        self._max_new_tokens = _positive_int("max_new_tokens", value)
-
-    @property
-    def prefill_chunk_size(self) -> int:
-        """Prompt tokens committed per forward during the prefill (bounds activation memory)."""
-        return self._prefill_chunk_size
-
-    @prefill_chunk_size.setter
-    def prefill_chunk_size(self, value: int) -> None:
-        self._prefill_chunk_size = _positive_int("prefill_chunk_size", value)
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """Token ids that end a response (a copy: assign a new list to change them)."""
-        return list(self._eos_token_ids)
-
-    @eos_token_ids.setter
-    def eos_token_ids(self, value) -> None:
-        V = self.model.config.vocab_size
-        ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-        if not isinstance(ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in ids):
-            raise ValueError(f"eos_token_ids must be token ids in [0, {V}) (a list, possibly empty), got {value!r}")
-        self._eos_token_ids = list(ids)
-
-    @property
-    def step_graphs(self) -> bool | None:
-        """The no-hook fast path: None = where it pays (CUDA), True = also on a CPU, False = off."""
-        return self._step_graphs
-
-    @step_graphs.setter
-    def step_graphs(self, value: bool | None) -> None:
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"step_graphs must be None, True or False, got {value!r}")
-        self._step_graphs = value
-
-    @property
-    def compile_steps(self) -> bool:
-        """On a CPU, run the fast path's steps through torch.compile."""
-        return self._compile_steps
-
-    @compile_steps.setter
-    def compile_steps(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise ValueError(f"compile_steps must be True or False, got {value!r}")
-        self._compile_steps = value
-
-    @property
-    def policy(self) -> DecodingPolicy:
-        """The decoding rule block diffusion asks, per row and step, which positions to unmask with
-        which tokens and when a block is done (``clover_lab.engine.policy``)."""
-        return self._policy
-
-    @policy.setter
-    def policy(self, value: DecodingPolicy) -> None:
-        if not isinstance(value, DecodingPolicy):
-            raise ValueError(f"policy must be a DecodingPolicy (clover_lab.engine.policy), got {type(value).__name__}")
-        self._policy = value
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    @block_size.setter
-    def block_size(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"block_size must be a positive integer, got {value!r}")
-        self._block_size = value
-
-    @property
-    def mask_token_id(self) -> int | None:
-        return self._mask_token_id
-
-    @mask_token_id.setter
-    def mask_token_id(self, value: int | None) -> None:
-        V = self.model.config.vocab_size
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < V):
-            raise ValueError(f"mask_token_id must be a token id in [0, {V}) or None, got {value!r}")
-        self._mask_token_id = value
+    # ---------------------------------------------------------------- settings (engine/attributes.py)
+    tokenizer = Checked(A.tokenizer, "The tokenizer (a transformers tokenizer: callable, with ``decode``), or None.")
+    settings = Checked(A.instance_of(SamplerSettings, "a SamplerSettings"),
+                       "The sampler settings a request does not override.")
+    max_new_tokens = Checked(A.positive_int, "The default length of a response.")
+    prefill_chunk_size = Checked(A.positive_int,
+                                 "Prompt tokens committed per forward during the prefill (bounds activation memory).")
+    eos_token_ids = Checked(A.token_ids, "Token ids that end a response (a copy: assign a new list to change them).",
+                            copy=list)
+    step_graphs = Checked(A.one_of(None, True, False, what="None, True or False"),
+                          "The no-hook fast path: None = where it pays (CUDA), True = also on a CPU, False = off.")
+    compile_steps = Checked(A.one_of(True, False, what="True or False"),
+                            "On a CPU, run the fast path's steps through torch.compile.")
+    policy = Checked(A.instance_of(DecodingPolicy, "a DecodingPolicy (clover_lab.engine.policy)"),
+                     "The decoding rule block diffusion asks, per row and step, which positions to unmask with "
+                     "which tokens and when a block is done (``clover_lab.engine.policy``).")
+    block_size = Checked(A.positive_int, "Tokens per block.")
+    mask_token_id = Checked(A.token_id_or_none, "The mask token a preview's masked positions hold, or None.")
 
     # ---------------------------------------------------------------- hooks
     def hooks(self, hooks: dict[str, Callable | list[Callable]]):
@@ -259,7 +163,7 @@ class Engine:
         check_coreset(self.model.config, s.coreset_size)
         check_mode_settings(mode, sampler)
         stop = stop_list(stop, self.tokenizer)
-        return s, stop, self.max_new_tokens if max_new_tokens is None else _plain_int(max_new_tokens)
+        return s, stop, self.max_new_tokens if max_new_tokens is None else A.plain_int(max_new_tokens)
 
     def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit, policy=None,
                join=None, capacity=None) -> Run:
@@ -348,95 +252,3 @@ class Engine:
 
 LOOPS = {"diffusion": run_diffusion, "ar": run_ar, "speculative": run_speculative}
 
-
-def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dict | None = None,
-         keep_fp8: bool | None = None, coreset_size: int | None = None, pin_memory: bool = False,
-         progress: bool | None = None, check_finite: bool | None = None) -> Engine:
-    """An Engine over the model (and tokenizer, when present) in the Hugging Face directory ``path``,
-    with the defaults of its generation_config.json. ``check_finite``: refuse weights holding NaN
-    or inf (default: for checkpoints up to ``loading.CHECK_FINITE_MAX_BYTES``).
-
-    With no path: ``$CLOVER_LAB_MODEL`` when set, else the embedded default model
-    (``assets/clover-stdlib``). Without one that is a FileNotFoundError saying so; there is
-    deliberately no random-weights fallback, whose output would look like a broken model.
-
-    ``device``: one device for the whole model. ``device_map``: "auto" (planned by accelerate
-    within ``max_memory``, e.g. ``{0: "22GiB", 1: "22GiB", "cpu": "120GiB"}``) or a dict of
-    module name -> device; routed experts that do not fit stay in host memory and are staged onto
-    their layer's GPU when routed (``clover_lab/placement``). ``coreset_size``: the engine's
-    default expert coreset, and the staging room the plan reserves for it. ``pin_memory``:
-    offloaded experts in page-locked memory. ``keep_fp8``: an FP8 checkpoint's linears and experts
-    stay FP8 (default: when they run on CUDA) or are dequantized as they load. ``progress``: a
-    progress bar (default: for checkpoints over 1 GB)."""
-    keep_fp8, progress, check_finite = (flag(n, v) for n, v in (("keep_fp8", keep_fp8), ("progress", progress),
-                                                               ("check_finite", check_finite)))
-    pin_memory = flag("pin_memory", pin_memory, none=False)
-    if device_map is None:
-        resolve_device(device)  # before anything is read: an unknown or unusable device, or meta
-        if max_memory is not None:
-            raise loading.CheckpointError("max_memory bounds the plan of device_map='auto'; without a device_map "
-                                          "it would be ignored: pass device_map='auto' too, or drop it")
-    else:
-        check_usable(device_map, max_memory)
-    if path is None:
-        path = os.environ.get("CLOVER_LAB_MODEL") or loading.default_model_dir()
-        if path is None:
-            raise FileNotFoundError(
-                "no default model found (looked for a model directory in "
-                + ", ".join(str(d) for d in loading.DEFAULT_MODEL_ROOTS)
-                + "); pass a model directory: clover_lab.load('path/to/model'), or set CLOVER_LAB_MODEL")
-    if coreset_size is not None:  # the argument's own error, before the weights are read
-        if isinstance(_plain_int(coreset_size), bool) or not isinstance(_plain_int(coreset_size), int):
-            raise GenerationError(f"load(coreset_size={coreset_size!r}): expected an int (or None for no coreset)")
-        try:
-            check_coreset(loading.load_config(path), _plain_int(coreset_size))
-        except GenerationError as e:
-            raise GenerationError(f"load(coreset_size={coreset_size!r}): {e}") from None
-    placement = None
-    if device_map is not None:
-        if device is not None:
-            raise ValueError("load: pass device (one device) or device_map (placed over devices), not both")
-        placement = _planner(device_map, max_memory, coreset_size, pin_memory)
-        if keep_fp8 is None:
-            keep_fp8 = torch.cuda.is_available() and (device_map == "auto" or _names_a_gpu(device_map))
-    model = CloverModel.from_pretrained(path, device=device, dtype=dtype, keep_fp8=keep_fp8, progress=progress,
-                                        placement=placement, check_finite=check_finite)
-    generation = loading.load_generation_config(path, SamplerSettings.names())
-    engine = Engine(model, loading.load_tokenizer(path),
-                    max_new_tokens=generation.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
-    try:
-        defaults = checkpoint_defaults.apply(engine, model.config, generation, SamplerSettings, coreset_size)
-        engine.settings = SamplerSettings(**defaults)
-        check_coreset(model.config, engine.settings.coreset_size)
-    except (TypeError, ValueError) as e:
-        where = "/generation_config.json" if os.path.isfile(os.path.join(path, "generation_config.json")) else \
-            " (its sampler defaults)"
-        raise loading.CheckpointError(f"{path}{where}: {e}") from None
-    return engine
-
-
-def _planner(device_map, max_memory, coreset_size, pin_memory):
-    """The loader's placement callable: (meta model, dtype) -> Placement."""
-    def plan(model, dtype):
-        placed = plan_placement(model, device_map, max_memory, dtype, coreset_size or 0)
-        placed.pin_memory = pin_memory
-        return placed
-
-    return plan
-
-
-def _names_a_gpu(device_map) -> bool:
-    return isinstance(device_map, dict) and any(
-        (isinstance(v, int) and not isinstance(v, bool)) or str(v).startswith("cuda") for v in device_map.values())
-
-
-def _plain_int(value):
-    """numpy integers and the like as Python ints; anything else as it is (checked by the caller)."""
-    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
-
-
-def _positive_int(name: str, value) -> int:
-    value = _plain_int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value

@@ -1,5 +1,6 @@
-"""Hooks: named points (``points``), the registry (``registry``), the events hooks receive
-(``events``) and recordings over whole generations (``capture``)."""
+"""Hooks: named points, each declared once with its event class and saved fields (``points``),
+the registry (``registry``), the events hooks receive (``events``) and recordings over whole
+generations (``capture``)."""
 from .capture import Capture
 from .records import Record
 from .trace import Divergence, Trace, load_trace

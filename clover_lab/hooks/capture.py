@@ -66,7 +66,8 @@ class Capture(RecordSet):
 
     def _recorder(self, name: str):
         """A hook that records one event of point ``name``: what it keeps, per kind of point."""
-        fields = _FIELDS.get(P.parse(name)[1])
+        declared = P.declaration(name)
+        fields = None if declared is None else {key: saved.clone for key, saved in declared.fields.items()}
 
         def record(ev):
             data = self._fields(ev, fields)
@@ -75,7 +76,7 @@ class Capture(RecordSet):
         return record
 
     def _fields(self, ev, fields) -> dict:
-        if fields is None:  # a point added later: keep the event's public fields
+        if fields is None:  # a point of a registry not declared in points.py: keep the event's public fields
             fields = {k: False for k in vars(ev) if not k.startswith("_") and k != "where"}
         out = {}
         for key, clone in fields.items():
@@ -102,18 +103,3 @@ class Capture(RecordSet):
         config = {} if self.config is None else {"config": self.config.to_dict()}
         save_trace(path, self.records, self.points, {**config, **(meta or {})})
 
-
-# point kind -> the event fields a record keeps, True where the tensor must be cloned: the engine
-# or a later hook may change it in place (the GDN state and ring, the canvas)
-_FIELDS = {
-    P.DENOISE_STEP: dict(canvas=True, masked=False, candidates=False, confidences=False, unmask=False, time=False,
-                         tokens=False),
-    P.BLOCK_COMMIT: dict(tokens=False, steps=False, start=False, time=False, drafted=False, accepted=False,
-                         rejected=False),
-    P.MOE_ROUTE: dict(layer=False, mode=False, positions=False, router_probs=False, expert_ids=False, weights=False,
-                      selectable=False),
-    P.GDN_PREVIEW: dict(layer=False, positions=False, history_weights=False, history_reads=False),
-    P.GDN_STATE: dict(layer=False, state=True, ring=True, length=False, row_lengths=False),
-    # a residual value is a view of the forward's stream, which a later hook may edit in place
-    **{kind: dict(layer=False, mode=False, positions=False, value=True) for kind in P.RESIDUAL_KINDS + (P.FINAL_NORM_OUTPUT,)},
-}

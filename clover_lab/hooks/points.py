@@ -1,4 +1,7 @@
-"""The one place hook point names are made and read.
+"""The one place hook points are declared: each point once, with its name pattern, the event
+class it fires and how each field of that event is saved. Capture (what it keeps and clones),
+traces (what a trace read back must hold), replay (the event a record is rebuilt as) and the
+layout test all read these declarations, so a new point is one :func:`declare` and its fire site.
 
 Names follow one scheme (section 5 of the architecture spec): ``<stage>.<point>`` for the
 engine, between forwards (``denoise.step``, ``block.commit``), and ``layers.{i}.<module>.<point>``
@@ -9,52 +12,172 @@ Everything else (the model, the engine, capture, the widgets) builds and parses 
 """
 from __future__ import annotations
 
-from ..errors import InputError
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
 
-DENOISE_STEP = "denoise.step"
-BLOCK_COMMIT = "block.commit"
+from ..errors import InputError
+from .events import CommitEvent, GDNPreviewEvent, GDNStateEvent, ResidualEvent, RouteEvent, StepEvent
+
+LAYER_PREFIX = "layers.{i}."  # a declared name starting so is a point of each layer
+INT, FLOAT = "int", "float"
+MODES = ("commit", "preview")
+
+
+@dataclass(frozen=True)
+class Saved:
+    """How one event field is saved: ``clone`` when a capture must copy it (the engine or a later
+    hook may change it in place); what a trace read back must hold there: a ``tensor`` of that
+    kind (INT / FLOAT) with one of ``dims`` dims, or one of the Python ``types`` (and, with
+    ``choices``, one of those values). Neither: kept as it is, not checked."""
+
+    clone: bool = False
+    tensor: str | None = None
+    dims: tuple[int, ...] = ()
+    types: tuple[type, ...] = ()
+    choices: tuple = ()
+
+
+def tensor(kind: str, dims: int | tuple[int, ...], clone: bool = False) -> Saved:
+    return Saved(clone, kind, dims if isinstance(dims, tuple) else (dims,))
+
+
+def value(*types: type, choices: tuple = ()) -> Saved:
+    return Saved(types=types, choices=choices)
+
+
+KEPT = Saved()  # kept by reference, not checked when read back
+
+
+@dataclass(frozen=True)
+class Point:
+    """One hook point. ``name``: the point (``"denoise.step"``) or, starting with ``layers.{i}.``,
+    a point of every layer whose type is in ``layer_types``; ``event``: the class it fires;
+    ``fields``: the event fields a capture keeps, in order, and how (:class:`Saved`); ``engine``:
+    fired by the engine between forwards (a static step or CUDA graph never calls it);
+    ``residual``: a residual-stream ``value`` a hook may replace; ``agree``: (data, config) ->
+    what is wrong with how a saved record's fields agree in shape, or None."""
+
+    name: str
+    event: type
+    fields: dict[str, Saved]
+    layer_types: tuple[str, ...] = ()
+    engine: bool = False
+    residual: bool = False
+    agree: Callable | None = field(default=None, repr=False)
+
+    @property
+    def kind(self) -> str:
+        """What ``parse`` returns as a name's second part: ``moe.route`` for ``layers.{i}.moe.route``."""
+        return self.name.removeprefix(LAYER_PREFIX)
+
+    @property
+    def per_layer(self) -> bool:
+        return self.name.startswith(LAYER_PREFIX)
+
+
+DECLARED: dict[str, Point] = {}  # kind -> its declaration; per-layer points in firing order within a layer
+
+
+def declare(name: str, event: type, fields: dict[str, Saved], **how) -> str:
+    """Declare a point (see :class:`Point`) and return its kind, the string code names it by."""
+    point = Point(name, event, dict(fields), **how)
+    if point.kind in DECLARED:
+        raise InputError(f"hook point {point.kind!r} is declared twice")
+    if point.per_layer != bool(point.layer_types):
+        raise InputError(f"hook point {name!r}: a per-layer point ({LAYER_PREFIX}...) names the layer types that "
+                         f"have it, and only such a point")
+    DECLARED[point.kind] = point
+    return point.kind
+
+
+def _route_agrees(data: dict, config) -> str | None:
+    T = data["positions"].shape[0]
+    ids, probs, weights = data["expert_ids"], data["router_probs"], data["weights"]
+    if ids.shape[0] != T or probs.shape[0] != T or weights.shape != ids.shape:
+        return (f"route fields disagree in shape: positions [{T}], expert_ids {list(ids.shape)}, "
+                f"weights {list(weights.shape)}, router_probs {list(probs.shape)}")
+    if config is not None:
+        E, k = config.num_experts, config.num_experts_per_tok
+        if probs.shape[1] != E or ids.shape[1] != k:
+            return (f"router_probs {list(probs.shape)} and expert_ids {list(ids.shape)} do not fit the recorded "
+                    f"model's {E} experts, top-{k}")
+        if ids.numel() and not bool(((ids >= 0) & (ids < E)).all()):
+            return f"expert_ids outside [0, {E})"
+    return None
+
+
+def _rows_agree(data: dict, config) -> str | None:
+    T = data["positions"].shape[-1]
+    if data["value"].shape[1] != T:
+        return (f"field 'value' has shape {tuple(data['value'].shape)}, whose rows do not match the {T} "
+                f"positions")
+    return None
+
+
+# --------------------------------------------------------------------------- the points
+_BOTH = ("linear_attention", "full_attention")
+_GDN, _ATTN = ("linear_attention",), ("full_attention",)
+# a residual value is a view of the forward's stream, which a later hook may edit in place
+_RESIDUAL = dict(event=ResidualEvent, residual=True, agree=_rows_agree,
+                 fields=dict(layer=value(int, type(None)), mode=value(str, choices=MODES),
+                             positions=tensor(INT, (1, 2)), value=tensor(FLOAT, 3, clone=True)))
+
+DENOISE_STEP = declare("denoise.step", StepEvent, engine=True, fields=dict(
+    canvas=tensor(INT, 1, clone=True), masked=value(list), candidates=tensor(INT, 1), confidences=tensor(FLOAT, 1),
+    unmask=value(list), time=KEPT, tokens=KEPT))
+BLOCK_COMMIT = declare("block.commit", CommitEvent, engine=True, fields=dict(
+    tokens=value(list), steps=value(int), start=value(int), time=KEPT, drafted=KEPT, accepted=KEPT, rejected=KEPT))
 ENGINE_POINTS = (DENOISE_STEP, BLOCK_COMMIT)
 
-MOE_ROUTE = "moe.route"
-GDN_PREVIEW = "gdn.preview"
-GDN_STATE = "gdn.state"
-# the residual stream: entering a layer, the token mixer's and the MoE block's outputs (what each
-# adds to the stream), leaving the layer
-INPUT = "input"
-ATTN_OUTPUT = "attn.output"
-GDN_OUTPUT = "gdn.output"
-MOE_OUTPUT = "moe.output"
-OUTPUT = "output"
-RESIDUAL_KINDS = (INPUT, ATTN_OUTPUT, GDN_OUTPUT, MOE_OUTPUT, OUTPUT)
-FINAL_NORM_OUTPUT = "final_norm.output"  # after the last layer: the rows the LM head reads
-_BOTH = ("linear_attention", "full_attention")
-# per-layer points and the layer types that have them, in the order they fire within a layer
-LAYER_POINTS = {
-    INPUT: _BOTH,
-    GDN_STATE: ("linear_attention",),
-    GDN_PREVIEW: ("linear_attention",),
-    ATTN_OUTPUT: ("full_attention",),
-    GDN_OUTPUT: ("linear_attention",),
-    MOE_ROUTE: _BOTH,
-    MOE_OUTPUT: _BOTH,
-    OUTPUT: _BOTH,
-}
+# per-layer points, in the order they fire within a layer. The residual stream: entering a layer,
+# the token mixer's and the MoE block's outputs (what each adds to the stream), leaving the layer
+INPUT = declare("layers.{i}.input", layer_types=_BOTH, **_RESIDUAL)
+GDN_STATE = declare("layers.{i}.gdn.state", GDNStateEvent, layer_types=_GDN, fields=dict(
+    layer=value(int), state=tensor(FLOAT, 4, clone=True), ring=tensor(FLOAT, 3, clone=True), length=value(int),
+    row_lengths=KEPT))
+GDN_PREVIEW = declare("layers.{i}.gdn.preview", GDNPreviewEvent, layer_types=_GDN, fields=dict(
+    layer=value(int), positions=tensor(INT, (1, 2)), history_weights=tensor(FLOAT, 3),
+    history_reads=tensor(FLOAT, 4)))
+ATTN_OUTPUT = declare("layers.{i}.attn.output", layer_types=_ATTN, **_RESIDUAL)
+GDN_OUTPUT = declare("layers.{i}.gdn.output", layer_types=_GDN, **_RESIDUAL)
+MOE_ROUTE = declare("layers.{i}.moe.route", RouteEvent, layer_types=_BOTH, agree=_route_agrees, fields=dict(
+    layer=value(int), mode=value(str, choices=MODES), positions=tensor(INT, 1), router_probs=tensor(FLOAT, 2),
+    expert_ids=tensor(INT, 2), weights=tensor(FLOAT, 2), selectable=KEPT))
+MOE_OUTPUT = declare("layers.{i}.moe.output", layer_types=_BOTH, **_RESIDUAL)
+OUTPUT = declare("layers.{i}.output", layer_types=_BOTH, **_RESIDUAL)
+# after the last layer: the rows the LM head reads
+FINAL_NORM_OUTPUT = declare("final_norm.output", **_RESIDUAL)
+
+
+# --------------------------------------------------------------------------- names
+def declaration(name: str) -> Point | None:
+    """The declaration of a point name (``layers.3.moe.route``, ``denoise.step``), or None."""
+    layer, kind = parse(name)
+    point = DECLARED.get(kind)
+    return point if point is not None and point.per_layer == (layer is not None) else None
+
+
+def _layer_kind(kind: str) -> Point:
+    point = DECLARED.get(kind)
+    if point is None or not point.per_layer:
+        known = ", ".join(k for k, p in DECLARED.items() if p.per_layer)
+        raise KeyError(f"unknown layer point kind {kind!r}; known: {known}")
+    return point
 
 
 def layer_point(layer: int, kind: str) -> str:
     """``layer_point(3, "moe.route")`` -> ``"layers.3.moe.route"``."""
-    if kind not in LAYER_POINTS:
-        raise KeyError(f"unknown layer point kind {kind!r}; known: {', '.join(LAYER_POINTS)}")
-    return f"layers.{layer}.{kind}"
+    return _layer_kind(kind).name.replace("{i}", str(layer))
 
 
 def every_layer(kind: str) -> str:
     """``every_layer("moe.route")`` -> ``"layers.*.moe.route"``: the pattern of a point on every layer.
     fnmatch's ``*`` also matches dots, so ``"layers.*.output"`` would match ``moe.output`` too: the
-    patterns of ``input`` and ``output`` end the layer number with a digit (``"layers.*[0-9].output"``)."""
-    if kind not in LAYER_POINTS:
-        raise KeyError(f"unknown layer point kind {kind!r}; known: {', '.join(LAYER_POINTS)}")
-    return f"layers.*[0-9].{kind}" if kind in (INPUT, OUTPUT) else f"layers.*.{kind}"
+    patterns of one-word kinds (``input``, ``output``) end the layer number with a digit
+    (``"layers.*[0-9].output"``)."""
+    _layer_kind(kind)
+    return f"layers.*.{kind}" if "." in kind else f"layers.*[0-9].{kind}"
 
 
 def mixer_output(layer_type: str) -> str:
@@ -76,22 +199,33 @@ def parse(name: str) -> tuple[int | None, str]:
 
 def is_model_point(name: str) -> bool:
     """True for points inside the model's forward (a static step or CUDA graph cannot call them)."""
-    return name not in ENGINE_POINTS
+    point = DECLARED.get(name)
+    return point is None or not point.engine
 
 
 def is_residual(name: str) -> bool:
     """True for the residual-stream points (per layer and ``final_norm.output``): events whose
     ``value`` a hook may replace."""
-    return name == FINAL_NORM_OUTPUT or parse(name)[1] in RESIDUAL_KINDS
+    point = declaration(name)
+    return point is not None and point.residual
 
 
 def hook_points(layer_types) -> list[str]:
     """Every point of a model with these layer types (``config.layer_types``): the engine's, then
-    per layer its points in firing order, then ``final_norm.output``."""
-    points = list(ENGINE_POINTS)
+    per layer its points in firing order, then the points after the last layer (``final_norm.output``)."""
+    declared = list(DECLARED.values())
+    points = [p.name for p in declared if p.engine]
     for i, layer_type in enumerate(layer_types):
-        for kind, types in LAYER_POINTS.items():
-            if layer_type in types:
-                points.append(layer_point(i, kind))
-    points.append(FINAL_NORM_OUTPUT)
-    return points
+        points += [layer_point(i, p.kind) for p in declared if p.per_layer and layer_type in p.layer_types]
+    return points + [p.name for p in declared if not p.engine and not p.per_layer]
+
+
+def rebuild(name: str, data: dict, where):
+    """The live event of point ``name`` made again from a record's fields (and ``where``): what a
+    trace's record is turned back into to narrow a batch's event to one row (``for_row``)."""
+    point = declaration(name)
+    if point is None:
+        raise KeyError(f"hook point {name!r} is not declared: its records cannot be rebuilt as events")
+    given = {**data, "point": name}
+    params = inspect.signature(point.event).parameters
+    return point.event(**{k: given[k] for k in params if k in given and k != "where"}, where=where)

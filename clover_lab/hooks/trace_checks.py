@@ -12,21 +12,6 @@ from ..errors import CloverError
 from . import points as P
 
 PHASES = (None, "prefill", "decode")
-MODES = ("commit", "preview")
-INT, FLOAT = "int", "float"
-# per kind of point: field -> (tensor dtype kind, dims) for tensors, or the Python types allowed
-_ROUTE = dict(layer=(int,), mode=(str,), positions=(INT, 1), router_probs=(FLOAT, 2), expert_ids=(INT, 2),
-              weights=(FLOAT, 2))
-_RESIDUAL = dict(layer=(int, type(None)), mode=(str,), positions=(INT, (1, 2)), value=(FLOAT, 3))
-FIELDS = {
-    P.DENOISE_STEP: dict(canvas=(INT, 1), masked=(list,), candidates=(INT, 1), confidences=(FLOAT, 1),
-                         unmask=(list,)),
-    P.BLOCK_COMMIT: dict(tokens=(list,), steps=(int,), start=(int,)),
-    P.MOE_ROUTE: _ROUTE,
-    P.GDN_PREVIEW: dict(layer=(int,), positions=(INT, (1, 2)), history_weights=(FLOAT, 3), history_reads=(FLOAT, 4)),
-    P.GDN_STATE: dict(layer=(int,), state=(FLOAT, 4), ring=(FLOAT, 3), length=(int,)),
-    **{kind: _RESIDUAL for kind in P.RESIDUAL_KINDS + (P.FINAL_NORM_OUTPUT,)},
-}
 
 
 class TraceError(CloverError, ValueError):
@@ -79,52 +64,37 @@ def _where_ok(v) -> bool:
 
 
 def check_record(point: str, data: dict, at: str, config=None) -> None:
-    """One record's data against its point's kind: fields present, of their types, shapes agreeing
-    (and, with the recorded model's ``config``, route shapes and expert ids within it)."""
+    """One record's data against its point's declaration (``points.py``): fields present, of their
+    types, shapes agreeing (and, with the recorded model's ``config``, route shapes and expert ids
+    within it). A point declared nowhere here is read as saved."""
     try:
-        kind = P.parse(point)[1]
+        declared = P.declaration(point)
     except CloverError as e:
         raise TraceError(f"{at}: {e}") from None
-    spec = FIELDS.get(kind)
-    if spec is None:
+    if declared is None:
         return
-    for name, want in spec.items():
+    for name, want in declared.fields.items():
+        if want.tensor is None and not want.types:
+            continue  # kept, not checked
         if name not in data:
             raise TraceError(f"{at}: field {name!r} is missing")
-        value = data[name]
-        if isinstance(want[0], str):
-            dims = want[1] if isinstance(want[1], tuple) else (want[1],)
-            if not isinstance(value, torch.Tensor):
-                raise TraceError(f"{at}: field {name!r} must be a tensor, got {type(value).__name__}")
-            floating = value.is_floating_point()
-            if (want[0] == FLOAT) != floating or value.dtype == torch.bool or value.dim() not in dims:
-                raise TraceError(f"{at}: field {name!r} must be {'a floating' if want[0] == FLOAT else 'an integer'} "
-                                 f"tensor of {' or '.join(map(str, dims))} dims, got {value.dtype} "
-                                 f"{tuple(value.shape)}")
-        elif not isinstance(value, want) or isinstance(value, bool):
-            raise TraceError(f"{at}: field {name!r} must be {' or '.join(t.__name__ for t in want)}, got "
-                             f"{type(value).__name__} {value!r:.60}")
-    if "mode" in spec and data["mode"] not in MODES:
-        raise TraceError(f"{at}: field 'mode' = {data['mode']!r}: expected 'commit' or 'preview'")
-    if kind == P.MOE_ROUTE:
-        _route_shapes(data, at, config)
-    elif "value" in spec:
-        T = data["positions"].shape[-1]
-        if data["value"].shape[1] != T:
-            raise TraceError(f"{at}: field 'value' has shape {tuple(data['value'].shape)}, whose rows do not match "
-                             f"the {T} positions")
+        _check_field(name, data[name], want, at)
+    problem = None if declared.agree is None else declared.agree(data, config)
+    if problem is not None:
+        raise TraceError(f"{at}: {problem}")
 
 
-def _route_shapes(data: dict, at: str, config) -> None:
-    T = data["positions"].shape[0]
-    ids, probs, weights = data["expert_ids"], data["router_probs"], data["weights"]
-    if ids.shape[0] != T or probs.shape[0] != T or weights.shape != ids.shape:
-        raise TraceError(f"{at}: route fields disagree in shape: positions [{T}], expert_ids {list(ids.shape)}, "
-                         f"weights {list(weights.shape)}, router_probs {list(probs.shape)}")
-    if config is not None:
-        E, k = config.num_experts, config.num_experts_per_tok
-        if probs.shape[1] != E or ids.shape[1] != k:
-            raise TraceError(f"{at}: router_probs {list(probs.shape)} and expert_ids {list(ids.shape)} do not fit "
-                             f"the recorded model's {E} experts, top-{k}")
-        if ids.numel() and not bool(((ids >= 0) & (ids < E)).all()):
-            raise TraceError(f"{at}: expert_ids outside [0, {E})")
+def _check_field(name: str, value, want: P.Saved, at: str) -> None:
+    if want.tensor is not None:
+        if not isinstance(value, torch.Tensor):
+            raise TraceError(f"{at}: field {name!r} must be a tensor, got {type(value).__name__}")
+        floating = value.is_floating_point()
+        if (want.tensor == P.FLOAT) != floating or value.dtype == torch.bool or value.dim() not in want.dims:
+            raise TraceError(f"{at}: field {name!r} must be {'a floating' if want.tensor == P.FLOAT else 'an integer'} "
+                             f"tensor of {' or '.join(map(str, want.dims))} dims, got {value.dtype} "
+                             f"{tuple(value.shape)}")
+    elif not isinstance(value, want.types) or isinstance(value, bool):
+        raise TraceError(f"{at}: field {name!r} must be {' or '.join(t.__name__ for t in want.types)}, got "
+                         f"{type(value).__name__} {value!r:.60}")
+    elif want.choices and value not in want.choices:
+        raise TraceError(f"{at}: field {name!r} = {value!r}: expected {' or '.join(map(repr, want.choices))}")

@@ -18,7 +18,6 @@ import torch
 from ..errors import InputError
 from ..engine.requests import is_batch
 from ..hooks import points as P
-from ..hooks.events import RouteEvent
 from ..hooks.records import Record, RecordSet
 
 
@@ -60,13 +59,10 @@ def _of_row(records: list[Record], row: int | None) -> list[Record]:
         if row not in r.rows:
             continue
         # the event's own narrowing: its tensors are flattened over the batch, row by row
-        ev = RouteEvent(**{k: r.data.get(k) for k in _ROUTE_FIELDS}, where=r.where).for_row(row)
+        ev = P.rebuild(r.point, r.data, r.where).for_row(row)
         out.append(Record(r.point, r.run, r.phase, r.block, r.step,
-                          {**r.data, **{k: getattr(ev, k) for k in _ROUTE_FIELDS}}, ev.where))
+                          {**r.data, **{k: getattr(ev, k) for k in P.DECLARED[P.MOE_ROUTE].fields}}, ev.where))
     return out
-
-
-_ROUTE_FIELDS = ("layer", "mode", "positions", "router_probs", "expert_ids", "weights", "selectable")
 
 
 @dataclass

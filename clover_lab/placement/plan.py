@@ -34,6 +34,7 @@ from ..layers.linear import Linear
 from ..layers.moe import Experts
 from ..load_checks import resolve_device
 from .offload import ElsewhereExperts, ExpertStore
+from .staging import Staging, pin_in_place
 
 OFFLOAD = "offload"  # a device_map value: host memory, staged onto the layer's device when routed
 CPU = torch.device("cpu")
@@ -95,7 +96,7 @@ class Placement:
     storage: dict[str, object]  # unit -> torch.device, or OFFLOAD
     compute: dict[str, torch.device]
     sizes: dict[str, int] = field(default_factory=dict)  # unit -> bytes, when planned from a model
-    pin_memory: bool = False  # offloaded experts copied once into page-locked memory (faster staging)
+    pin_memory: bool = False  # offloaded experts page-locked in place at load (asynchronous staging)
 
     @classmethod
     def from_map(cls, model, device_map: dict, sizes: dict | None = None) -> "Placement":
@@ -178,13 +179,25 @@ class Placement:
 
     # ------------------------------------------------------------------ the model
     def apply(self, model) -> None:
-        """After loading: each layer told where it runs, offloaded experts given their store."""
+        """After loading: each layer told where it runs, offloaded experts given their store (one
+        staging per device, each store linked to the next offloaded layer on its device, which it
+        prefetches); with ``pin_memory`` on CUDA the offloaded experts are page-locked in place."""
+        staging, last = {}, {}
+        offloaded = set(self.offloaded())
         for i, layer in enumerate(model.model.layers):
             layer.device = self.compute[f"model.layers.{i}"]
             name = f"model.layers.{i}.mlp.experts"
             experts = layer.mlp.experts
-            if name in self.offloaded():
-                experts.store = ExpertStore(self.compute[name], pin_memory=self.pin_memory)
+            if name in offloaded:
+                device = self.compute[name]
+                if self.pin_memory and device.type == "cuda":
+                    pin_in_place(experts, experts.expert_tensors())
+                if device not in staging:
+                    staging[device] = Staging(device, self.pin_memory)
+                experts.store = ExpertStore(device, pin_memory=self.pin_memory, staging=staging[device])
+                if device in last:
+                    last[device].next = experts.store
+                last[device] = experts.store
             elif self.compute[name] != layer.device:
                 experts.store = ElsewhereExperts(self.compute[name])
         model.placement = self

@@ -7,18 +7,15 @@ phase, block and step), so a trace saved by ``Capture.save`` shows in any view w
 """
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import html
 from types import SimpleNamespace
 
 from ..errors import InputError
 from ..hooks import points as P
-from ..hooks.events import GDNPreviewEvent, GDNStateEvent, ResidualEvent, RouteEvent, Where
+from ..hooks.events import Where
 
 _NO_LOGITS = None  # a trace keeps no logits: views fall back to the recorded candidates
-# the model events a batched trace's record is rebuilt as, to cut it to one row (residual points: ResidualEvent)
-_EVENT_OF_KIND = {P.MOE_ROUTE: RouteEvent, P.GDN_PREVIEW: GDNPreviewEvent, P.GDN_STATE: GDNStateEvent}
 
 
 class RecordedEvent:
@@ -47,17 +44,8 @@ class RecordedEvent:
             return self
         if row not in rows:
             return None
-        return self if len(rows) == 1 else self._as_event().for_row(row)
-
-    def _as_event(self):
-        """The live event class of this record's point, rebuilt from the recorded fields."""
-        kind = P.parse(self.point)[1]
-        if kind in (P.RESIDUAL_KINDS + (P.FINAL_NORM_OUTPUT,)):
-            return ResidualEvent(self.point, self.layer, self.mode, self.positions, self.value, where=self.where)
-        cls = _EVENT_OF_KIND[kind]
-        fields = {f.name: self.__dict__[f.name] for f in dataclasses.fields(cls)
-                  if f.name in self.__dict__ and f.name != "where"}
-        return cls(**fields, where=self.where)
+        # the live event of its point (declared in points.py), rebuilt from the recorded fields
+        return self if len(rows) == 1 else P.rebuild(self.point, self.__dict__, self.where).for_row(row)
 
     @property
     def run(self) -> int:

@@ -5,9 +5,10 @@ Weight-only FP8 (W8A16): activations stay in their dtype (bf16 on the GPU), so n
 to activation quantization, and every weight byte is read once, as one byte. Each program owns a
 [BM, BN] output tile; per K step it loads x [BM, BK] and Q [BK, BN], upcasts Q in registers
 (exact: every e4m3 value is a bf16/fp16 value), multiplies on the tensor cores into an fp32
-partial sum and adds it times the block's scales (one per output column). BK divides the
-quantization block's bk, so a K step never straddles two scale columns. Rows are the tokens of a
-step: 1 (decode) to a prefill chunk; small M takes BM = 16, tl.dot's minimum.
+partial sum and adds it times the block's scales (one per output column). BK is a power of two
+(``tl.arange``'s rule) dividing the quantization block's bk (``k_step``), so a K step never
+straddles two scale columns, whatever the block width (96 and 192 take K steps of 32 and 64).
+Rows are the tokens of a step: 1 (decode) to a prefill chunk; small M takes BM = 16, tl.dot's minimum.
 """
 import torch
 import triton
@@ -50,10 +51,14 @@ def tiles(M: int, N: int, bk_quant: int) -> tuple[int, int, int, int]:
     with 4 warps, so 64-row tiles take 8)."""
     BM = 16 if M <= 16 else (32 if M <= 32 else 64)
     BN = 64 if triton.cdiv(M, BM) * triton.cdiv(N, 64) >= 128 else 32
-    BK = min(64, bk_quant)
-    while bk_quant % BK:
-        BK //= 2
-    return BM, BN, BK, 8 if BM == 64 else 4
+    return BM, BN, k_step(bk_quant, 64), 8 if BM == 64 else 4
+
+
+def k_step(bk_quant: int, cap: int) -> int:
+    """A K step for quantization blocks of ``bk_quant`` columns: the largest power of two that
+    divides it (its lowest set bit), at most ``cap`` (a power of two: what compiles without
+    spills). 128 -> 64 under a cap of 64; 96 -> 32; 192 -> 64; 48 -> 16."""
+    return min(cap, bk_quant & -bk_quant)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block, bias=None) -> torch.Tensor:

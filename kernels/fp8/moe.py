@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from ..moe.common import down_block, gate_up_block
-from ..moe.fused import BLOCK_M, _tile, launch_buffers
+from ..moe.fused import _tile, block_m, launch_buffers
+from .gemm import k_step
 
 
 @triton.jit
@@ -31,12 +32,18 @@ def _down_fp8_kernel(act_ptr, dn_ptr, ds_ptr, pair_ptr, blk_e_ptr, wt_ptr, y_ptr
                s_at, s_de, s_dh, s_di, s_se, s_sn, s_sk, s_yp, QN, QK, BM, BN, BK, PREC, SCALED=True)
 
 
+# Per row-block height (``moe.fused.block_m``), (BN, BK cap, num_warps) of the gate/up kernel, then
+# of the down kernel; K steps of 64 for gate/up at 16 and 32 rows (two fp8 tiles and two accumulators:
+# 128 spills on sm_90, as does BN 64 with 4 warps), 128 for down; taller blocks take 8 warps and shorter
+# K steps (compiled for sm_90 without spills, bf16 and fp16, every height).
+TILES = {16: ((32, 64, 4), (128, 128, 4)), 32: ((32, 64, 4), (128, 128, 4)),
+         64: ((64, 64, 8), (128, 64, 8)), 128: ((64, 32, 8), (128, 32, 8))}
+
+
 def _bk(n: int, bk_quant: int, cap: int) -> int:
-    """A K step: a power of two <= cap that divides the quantization block's columns."""
-    bk = min(_tile(n, cap), bk_quant)
-    while bk_quant % bk:
-        bk //= 2
-    return bk
+    """A K step over n columns: ``gemm.k_step`` (a power of two dividing the quantization block's
+    columns), no wider than n needs."""
+    return k_step(bk_quant, _tile(n, cap))
 
 
 def moe_experts(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale, block):
@@ -55,21 +62,22 @@ def moe_experts(x, expert_ids, weights, gate_up, down, gate_up_scale, down_scale
     if T == 0 or topk == 0:
         return x.new_zeros(T, H)
     P = T * topk
-    x, pair_of_row, expert_of_block, act, y, prec = launch_buffers(x, expert_ids, E, I)
+    bm = block_m(P, E)
+    x, pair_of_row, expert_of_block, act, y, prec = launch_buffers(x, expert_ids, E, I, bm)
     nb = expert_of_block.numel()
-    # K steps of 64 for gate/up (two fp8 tiles and two accumulators: 128 spills on sm_90), 128 for down
-    BN1, BK1 = _tile(I, 32), _bk(H, bk, 64)  # BN 64 spills on sm_90 (tests/kernels/test_compile_sm90.py)
+    (bn1, bk1, warps1), (bn2, bk2, warps2) = TILES[bm]
+    BN1, BK1 = _tile(I, bn1), _bk(H, bk, bk1)
     _gate_up_fp8_kernel[(nb, triton.cdiv(I, BN1))](
         x, gate_up, gate_up_scale, pair_of_row, expert_of_block, act, P, H, I, NI, topk,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         gate_up_scale.stride(0), gate_up_scale.stride(1), gate_up_scale.stride(2), act.stride(0),
-        QN=bn, QK=bk, BM=BLOCK_M, BN=BN1, BK=BK1, PREC=prec, num_warps=4,
+        QN=bn, QK=bk, BM=bm, BN=BN1, BK=BK1, PREC=prec, num_warps=warps1,
     )
-    BN2, BK2 = _tile(H, 128), _bk(I, bk, 128)
+    BN2, BK2 = _tile(H, bn2), _bk(I, bk, bk2)
     _down_fp8_kernel[(nb, triton.cdiv(H, BN2))](
         act, down, down_scale, pair_of_row, expert_of_block, weights.reshape(-1).contiguous(), y, P, H, I,
         act.stride(0), down.stride(0), down.stride(1), down.stride(2),
         down_scale.stride(0), down_scale.stride(1), down_scale.stride(2), y.stride(0),
-        QN=bn, QK=bk, BM=BLOCK_M, BN=BN2, BK=BK2, PREC=prec, num_warps=4,
+        QN=bn, QK=bk, BM=bm, BN=BN2, BK=BK2, PREC=prec, num_warps=warps2,
     )
     return y.view(T, topk, H).sum(1).to(x.dtype)

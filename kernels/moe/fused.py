@@ -1,10 +1,11 @@
-"""Fused MoE experts for small token counts (a block of 1-64 tokens, top-k <= 8).
+"""Fused MoE experts, from a decode step (one token) to a prefill chunk (8k tokens), top-k <= 8.
 Reference: ``moe/naive.py: moe_experts``.
 
 Layout (the scheme of SGLang/vLLM's fused_moe, written for this project's shapes):
 
 1. ``align_blocks`` (one Triton program, ``align.py``; no host synchronisation): the T*k (token, slot) pairs
-   are sorted by expert and each expert's group is padded to a multiple of BM rows; the
+   are sorted by expert and each expert's group is padded to a multiple of BM rows (``block_m``:
+   chosen from the pairs per expert, see ``TILES``); the
    result is a table of row blocks, each owned by one expert, holding pair ids (sentinel =
    P for padding). The number of blocks is bounded on the host without looking at the data
    (``cdiv(P + min(E, P) * (BM - 1), BM)``); blocks past the real ones carry expert -1 and
@@ -25,7 +26,26 @@ import triton.language as tl
 from . import align
 from .common import down_block, gate_up_block
 
-BLOCK_M = 16  # rows per expert block: tl.dot's minimum; a 32-token block spreads over many experts
+BLOCK_M = 16  # rows per expert block at decode and block steps: tl.dot's minimum (a block spreads over many experts)
+
+# Tiles by workload: an expert's weights are read once per row block, so a prefill chunk (8k tokens
+# x top-8 over 256 experts: 256 pairs per expert) re-read them 16 times at 16 rows. BM follows the
+# mean pairs per expert, T*k / E: a function of the shapes alone (no host sync, static in a graph).
+# Per BM, (BN, BK, num_warps) of the gate/up kernel, then of the down kernel: each compiles for
+# sm_90 without spills in bf16 and fp16, and in fp32 with TILES_FP32 (bench/compile_check.py; fp8: fp8/moe.py).
+TILES = {16: ((None, 128, 4), (128, 128, 4)), 32: ((None, 128, 4), (128, 128, 4)),
+         64: ((64, 64, 8), (128, 64, 8)), 128: ((64, 32, 8), (128, 32, 8))}
+# fp32 activations (ieee dots hold more registers) spill those at 32 rows (255 registers, 220 B) and
+# at 128 (12 B): half the K step, half the N tile there
+TILES_FP32 = {**TILES, 32: ((None, 64, 4), (128, 64, 4)), 128: ((32, 32, 8), (64, 32, 8))}
+BLOCK_MS = tuple(sorted(TILES))
+
+
+def block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per expert block for ``num_pairs`` (token, slot) pairs over ``num_experts``: the
+    largest power of two <= the mean pairs per expert, within 16 (decode, blocks) .. 128 (prefill)."""
+    mean = num_pairs // max(1, num_experts)
+    return min(BLOCK_MS[-1], max(BLOCK_MS[0], 1 << max(0, mean.bit_length() - 1)))
 
 
 @triton.jit
@@ -58,13 +78,13 @@ def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOC
     return align.align_blocks(expert_ids, num_experts, block_m, max_blocks(P, num_experts, block_m))
 
 
-def launch_buffers(x, expert_ids, num_experts: int, inter: int):
-    """What both MoE launchers (this file's, ``fp8/moe.py``'s) set up: x with unit column stride,
-    the row-block table, the gate/up scratch [nb * BM, I] in x's dtype, the per-pair output
-    [T*k, H] fp32 and the dots' precision."""
+def launch_buffers(x, expert_ids, num_experts: int, inter: int, bm: int):
+    """What both MoE launchers (this file's, ``fp8/moe.py``'s) set up for row blocks of ``bm``: x
+    with unit column stride, the row-block table, the gate/up scratch [nb * bm, I] in x's dtype,
+    the per-pair output [T*k, H] fp32 and the dots' precision."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    pair_of_row, expert_of_block = align_blocks(expert_ids, num_experts)
-    act = torch.empty(expert_of_block.numel() * BLOCK_M, inter, dtype=x.dtype, device=x.device)
+    pair_of_row, expert_of_block = align_blocks(expert_ids, num_experts, bm)
+    act = torch.empty(expert_of_block.numel() * bm, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(expert_ids.numel(), x.shape[1], dtype=torch.float32, device=x.device)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     return x, pair_of_row, expert_of_block, act, y, prec
@@ -93,19 +113,22 @@ def moe_experts(x, expert_ids, weights, gate_up, down):
     if T == 0 or topk == 0:
         return x.new_zeros(T, H)
     P = T * topk
-    x, pair_of_row, expert_of_block, act, y, prec = launch_buffers(x, expert_ids, E, I)
+    bm = block_m(P, E)
+    x, pair_of_row, expert_of_block, act, y, prec = launch_buffers(x, expert_ids, E, I, bm)
     nb = expert_of_block.numel()
+    (bn1, bk1, warps1), (bn2, bk2, warps2) = (TILES_FP32 if x.dtype == torch.float32 else TILES)[bm]
     # few expert blocks (decode, a small block): narrower I tiles give more programs to stream weights
-    BN1, BK1 = _tile(I, 32 if nb * triton.cdiv(I, 64) < 128 else 64), _tile(H, 128)
+    BN1 = _tile(I, bn1 or (32 if nb * triton.cdiv(I, 64) < 128 else 64))
+    BK1 = _tile(H, bk1)
     _gate_up_kernel[(nb, triton.cdiv(I, BN1))](
         x, gate_up, pair_of_row, expert_of_block, act, P, H, I, topk,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0),
-        BM=BLOCK_M, BN=BN1, BK=BK1, PREC=prec, num_warps=4,
+        BM=bm, BN=BN1, BK=BK1, PREC=prec, num_warps=warps1,
     )
-    BN2, BK2 = _tile(H, 128), _tile(I, 128)
+    BN2, BK2 = _tile(H, bn2), _tile(I, bk2)
     _down_kernel[(nb, triton.cdiv(H, BN2))](
         act, down, pair_of_row, expert_of_block, weights.reshape(-1).contiguous(), y, P, H, I,
         act.stride(0), down.stride(0), down.stride(1), down.stride(2), y.stride(0),
-        BM=BLOCK_M, BN=BN2, BK=BK2, PREC=prec, num_warps=4,
+        BM=bm, BN=BN2, BK=BK2, PREC=prec, num_warps=warps2,
     )
     return y.view(T, topk, H).sum(1).to(x.dtype)

@@ -82,6 +82,30 @@ def test_helper_is_compiled_inside_a_kernel(name, report):
     assert not any(row["failures"] for row in compiled)
 
 
+@pytest.mark.parametrize("name", ["_gate_up_kernel", "_down_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel",
+                                  "_align_kernel"])
+def test_every_moe_tile_choice_is_compiled(name, report):
+    """Tiles by workload: each row-block height moe.fused.block_m can choose (16 for decode and
+    blocks up to 128 for prefill) is compiled, in every dtype of the kernel, for its token count."""
+    from clover_kernels.moe.fused import BLOCK_MS
+
+    cases = [row for row in report["cases"] if row["kernel"] == name]
+    for dtype in compile_check.KERNEL_DTYPES.get(name, DTYPES):
+        heights = {row["config"]["BM"] for row in cases if row["dtype"] == dtype}
+        assert heights == set(BLOCK_MS), f"{name} {dtype}: compiled at BM {sorted(heights)}"
+    for bm, T in compile_check.moe_tile_rows().items():
+        assert any(row["config"]["BM"] == bm and T in row["rows"] for row in cases), (name, bm, T)
+
+
+def test_fp8_block_widths_that_are_not_powers_of_two_are_compiled(report):
+    """K steps of the largest power of two dividing the block width: 96 -> 32, 192 -> 64."""
+    for name in ("_fp8_linear_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel"):
+        for _, bk in compile_check.FP8_ODD_BLOCKS:
+            cases = [row for row in report["cases"] if row["kernel"] == name and row["config"]["QK"] == bk]
+            assert cases and all(bk % row["config"]["BK"] == 0 for row in cases), (name, bk)
+            assert all(row["config"]["BK"] & (row["config"]["BK"] - 1) == 0 for row in cases)
+
+
 def test_the_subprocess_saw_the_same_kernels(report):
     assert sorted(report["discovered"]) == sorted(DISCOVERY.functions)
     assert report["kernels"] == DISCOVERY.kernels and report["helpers"] == DISCOVERY.helpers

@@ -98,6 +98,29 @@ def test_moe_kernel_matches_reference(T, k, E, H, I, block, unused, dtype, devic
         close(got, ref, dtype, scale=max(1.0, ref.abs().max().item()), what="fp8 moe")
 
 
+# quantization blocks whose width is not a power of two: K steps of its largest power-of-two divisor
+ODD_WIDTHS = [(32, 96), (64, 192), (16, 48)]
+
+
+@pytest.mark.parametrize("block", ODD_WIDTHS, ids=str)
+def test_block_widths_that_are_not_powers_of_two(block, dtype, device, close):
+    """A block width of 96 (or 192, 48) used to reach tl.arange with a K step of 96: it did not
+    compile. The K step is now 32 (64, 16): the linear and the experts equal the reference."""
+    bn, bk = block
+    assert gemm.k_step(bk, 128) == bk & -bk and bk % gemm.k_step(bk, 64) == 0
+    g = torch.Generator().manual_seed(bk)
+    N, K = 80, 2 * bk + 16  # a partial last block of columns
+    q, s = naive.quantize(torch.randn(N, K, generator=g) * K ** -0.5, block)
+    x = torch.randn(9, K, generator=g).to(dtype)
+    q, s, x = q.to(device), s.to(device), x.to(device)
+    ref = naive.linear(x, q, s, block)
+    close(gemm.linear(x, q, s, block), ref, dtype, scale=max(1.0, ref.abs().max().item()), what="fp8 linear")
+    x, ids, w, gu, dn, gs, ds = quantized_experts(6, K, bk + 32, block, dtype, device, 2, 7)
+    ref = naive.moe_experts(x, ids, w, gu, dn, gs, ds, block)
+    close(moe.moe_experts(x, ids, w, gu, dn, gs, ds, block), ref, dtype, scale=max(1.0, ref.abs().max().item()),
+          what="fp8 moe")
+
+
 def test_moe_reference_equals_the_bf16_reference_on_dequantized_weights():
     from clover_kernels.moe import naive as moe_naive
 

@@ -39,6 +39,43 @@ def test_moe_experts(T, k, unused, dtype, device, close):
     close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()), what="moe")
 
 
+def test_block_m_follows_the_pairs_per_expert():
+    """16 rows for decode and blocks, up to 128 for a prefill chunk, from the shapes alone."""
+    assert fused.BLOCK_MS == (16, 32, 64, 128)
+    at_35b = {T: fused.block_m(T * 8, 256) for T in (1, 32, 64, 512, 1024, 2048, 4096, 8192)}
+    assert at_35b == {1: 16, 32: 16, 64: 16, 512: 16, 1024: 32, 2048: 64, 4096: 128, 8192: 128}
+    assert fused.block_m(0, 256) == 16 and fused.block_m(100, 1) == 64
+
+
+@pytest.mark.parametrize("bm", [16, 32, 64, 128])
+def test_moe_experts_at_each_tile_choice(bm, dtype, device, close, monkeypatch):
+    """Each row-block height the launcher can choose, against the reference: the token count is
+    set so that the mean pairs per expert selects it, and the alignment pads to that height."""
+    from clover_kernels.fp8 import moe as fp8_moe
+    from clover_kernels.fp8 import naive as fp8_naive
+
+    E_, k = 4, 2
+    T = bm * E_ // k + 3  # a few pairs past the mean: partly filled blocks
+    assert fused.block_m(T * k, E_) == bm
+    padded = []
+    align_blocks = fused.align.align_blocks
+    monkeypatch.setattr(fused.align, "align_blocks", lambda ids, n, block_m, nb: padded.append(block_m) or
+                        align_blocks(ids, n, block_m, nb))
+    x, ids, w, gate_up, down = make_inputs(T, k, torch.float32, "cpu", E=E_, H=48, I=40, seed=bm)
+    ids[: T // 2] = torch.tensor([0, 1])  # skewed: experts 0 and 1 own several blocks
+    x, ids, w, gate_up, down = (t.to(device) for t in (x.to(dtype), ids, w, gate_up.to(dtype), down.to(dtype)))
+    ref = naive.moe_experts(x, ids, w, gate_up, down)
+    close(fused.moe_experts(x, ids, w, gate_up, down), ref, dtype, scale=max(1.0, ref.abs().max().item()), what="moe")
+    block = (16, 16)  # the FP8 experts' launcher chooses the same height
+    (gq, gs), (uq, us), (dq, ds) = (fp8_naive.quantize(t.float().cpu(), block)
+                                    for t in (gate_up[:, :40], gate_up[:, 40:], down))
+    fp8 = [t.to(device) for t in (torch.cat([gq, uq], 1), dq, torch.cat([gs, us], 1), ds)]
+    ref = fp8_naive.moe_experts(x, ids, w, *fp8[:2], *fp8[2:], block)
+    close(fp8_moe.moe_experts(x, ids, w, *fp8[:2], *fp8[2:], block), ref, dtype,
+          scale=max(1.0, ref.abs().max().item()), what="fp8 moe")
+    assert padded == [bm, bm]
+
+
 def test_moe_uneven_dims_and_many_experts(device, close):
     """Sizes that are not tile multiples, more experts than pairs."""
     x, ids, w, gate_up, down = make_inputs(5, 2, torch.float32, device, E=40, H=48, I=40, seed=3)
@@ -67,7 +104,8 @@ def test_align_blocks_covers_every_pair_once(device):
 
 
 @pytest.mark.parametrize("T,k,E,block_m", [(1, 1, 8, 16), (1, 8, 256, 16), (32, 8, 256, 16), (64, 8, 256, 16),
-                                           (17, 3, 6, 16), (5, 2, 40, 32), (100, 4, 16, 64)], ids=str)
+                                           (17, 3, 6, 16), (5, 2, 40, 32), (100, 4, 16, 64), (300, 2, 4, 128)],
+                         ids=str)
 def test_align_kernel_equals_its_reference(T, k, E, block_m, device):
     """The one-launch counting sort gives the torch reference's table exactly (stable order
     within each expert, padding, unused blocks), skewed routing included."""
