@@ -31,7 +31,9 @@ sys.exit(s['distill_data'] != sys.argv[2])" "$RUN/train_state.pt" "$RUN/distill$
         $PY -m clover_lab.train --out "$RUN" --minutes "$MINUTES" --extend-steps "$STEPS" --lr 6e-4 \
             --threads "$THREADS" --confidence-weight 0.5 --distill "$RUN/distill$N.pt" --distill-share 0.75
     fi
-    $PY -m clover_lab.train --out "$RUN" --minutes "$MINUTES" --threads "$THREADS" --export "$RUN/round-$N"
+    # exported with the shipped model's generation defaults, so that its measure compares like with like
+    $PY -m clover_lab.train --out "$RUN" --minutes "$MINUTES" --threads "$THREADS" --export "$RUN/round-$N" \
+        --generation repetition_penalty=1.3 --generation frequency_penalty=0.5
     $PY -m clover_lab.train.measure --model "$RUN/round-$N" --run "$RUN" --threads "$THREADS" \
         --out "$RUN/round-$N/measure.json"
 done
