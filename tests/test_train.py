@@ -97,3 +97,57 @@ def test_tiny_run_learns_and_resumes(tmp_path, monkeypatch):
     assert model.config.mask_token_id == tok.mask_token_id and tok.decode(tok("def f(x):")["input_ids"]) == "def f(x):"
     figures = training.evaluate(model, torch.load(run / "data.pt")["heldout"], windows=4, seq_len=64)
     assert 0 <= figures["mask_acc@0.5"] <= 1 and figures["ar_perplexity"] > 1
+
+
+def test_a_run_starts_from_an_init_model_and_resumes_from_its_own_checkpoint(gen_text_model_dir, tmp_path,
+                                                                             monkeypatch):
+    files = [f for f in training.stdlib_files() if f.name in ("bisect.py", "heapq.py", "colorsys.py")]
+    monkeypatch.setattr(training, "split_corpus", lambda root=None: (files[:-1], files[-1:]))
+    (gen_text_model_dir / "card.json").write_text('{"training_steps": 7}')
+    run = tmp_path / "run"
+    settings = training.TrainSettings(seq_len=64, batch_size=2, warmup_steps=2, max_steps=10)
+    training.train(run, minutes=0, settings=settings, init=gen_text_model_dir)  # the run made, nothing trained
+    init = CloverModel.from_pretrained(gen_text_model_dir, dtype=torch.float32).state_dict()
+    start = CloverModel.from_pretrained(run / "checkpoint", dtype=torch.float32).state_dict()
+    assert all(torch.equal(init[k], start[k]) for k in init)
+    state = torch.load(run / "train_state.pt", weights_only=False)
+    assert state["step"] == 0 and state["settings"]["init"] == str(gen_text_model_dir)
+    assert json.loads((run / "init_card.json").read_text()) == {"training_steps": 7}
+    from clover_lab.loading import load_tokenizer
+
+    assert load_tokenizer(run / "tokenizer").get_vocab() == load_tokenizer(gen_text_model_dir).get_vocab()
+    # the run continues from its own checkpoint (init is for a new run only) with a fresh schedule
+    training.train(run, minutes=10, init=tmp_path / "elsewhere", extend_steps=3, extend_lr=1e-3)
+    assert torch.load(run / "train_state.pt", weights_only=False)["step"] == 3
+    after = CloverModel.from_pretrained(run / "checkpoint", dtype=torch.float32).state_dict()
+    assert not all(torch.equal(init[k], after[k]) for k in init)
+
+
+def test_init_names_what_the_directory_lacks(gen_model_dir, tmp_path, capsys):
+    from clover_lab.train.loop import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(tmp_path / "run"), "--init", str(gen_model_dir)])
+    assert info.value.code == 2 and "no tokenizer.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "run"), "--init", str(gen_model_dir), "--set", "hidden_size=64"])
+    assert "no --set with it" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_generation_defaults_of_an_export_are_checked_up_front(tmp_path, capsys):
+    from clover_lab.train.loop import _generation_defaults, main
+
+    class Usage:
+        def error(self, message):
+            raise SystemExit(message)
+
+    assert _generation_defaults(Usage(), ["repetition_penalty=1.3", "frequency_penalty=0.2"]) == {
+        "repetition_penalty": 1.3, "frequency_penalty": 0.2}
+    for option, match in [("repetition_penalty=0", "repetition_penalty=0"), ("warmth=2", "warmth"),
+                          ("repetition_penalty", "expected SETTING=VALUE")]:
+        with pytest.raises(SystemExit) as info:
+            main(["--out", str(tmp_path / "run"), "--export", str(tmp_path / "m"), "--generation", option])
+        assert info.value.code == 2 and match in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "run"), "--generation", "repetition_penalty=1.3"])
+    assert "give --export" in capsys.readouterr().err and not (tmp_path / "run").exists()

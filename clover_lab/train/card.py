@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from ..engine import load
 from ..hooks import points
 from ..writes import atomic_path, write_text
+from .measure import LOOP_REPEATS, NEW_TOKENS, measure
 from .objective import evaluate, unigram_accuracy
 
 
@@ -62,7 +64,8 @@ def speed(engine, tokens: torch.Tensor, prompts: int = 6, prompt_len: int = 48, 
                          "tokens_per_second": sum(t for _, _, t in runs) / len(runs)}
     figures["speedup_tokens_per_second"] = figures["diffusion"]["tokens_per_second"] / figures["ar"]["tokens_per_second"]
     figures["settings"] = {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new, "threshold": threshold,
-                           "threads": torch.get_num_threads(), "machine": platform.machine()}
+                           "threads": torch.get_num_threads(), "machine": platform.machine(),
+                           "load_average": os.getloadavg()[0]}
     return figures
 
 
@@ -130,6 +133,7 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
         "heldout_tokens": len(held),
         "train_tokens": len(train_tokens),
     }
+    figures["targets"] = measure(model_dir, held, perplexity=False)
     figures["measure_seconds"] = time.time() - t0
     if baseline is not None:
         b = json.loads(Path(baseline).read_text())
@@ -139,6 +143,57 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
     loss_curve(run, model_dir / "loss_curve.png", figures["distillation"])
     write_text(model_dir / "README.md", render(figures, engine.model.config, command))
     return figures
+
+
+def remeasure_generation(run: Path, model_dir: Path, command: str) -> dict:
+    """Re-measure the figures that depend on the model directory's generation_config.json (speed,
+    samples, targets) and keep the others from its card.json: for new generation defaults on the
+    same weights."""
+    engine = load(model_dir)
+    torch.manual_seed(0)
+    held = torch.load(run / "data.pt")["heldout"]
+    figures = json.loads((model_dir / "card.json").read_text())
+    t0 = time.time()
+    figures.update(speed_cpu=speed(engine, held),
+                   speed_cpu_thresholds={str(t): speed(engine, held, threshold=t) for t in SWEEP_THRESHOLDS},
+                   samples=samples(engine, SAMPLE_PROMPTS), targets=measure(model_dir, held, perplexity=False),
+                   generation_seconds=time.time() - t0)
+    write_text(model_dir / "card.json", json.dumps(figures, indent=2) + "\n")
+    write_text(model_dir / "README.md", render(figures, engine.model.config, command))
+    return figures
+
+
+def render_load(sp: dict) -> str:
+    """The machine's load average while the speed was measured, when recorded (tokens/s on a
+    shared machine are of that load; the diffusion / AR ratio is measured side by side)."""
+    load = sp["settings"].get("load_average")
+    return f" (load average {load:.1f}: absolute tokens/s are of that load)" if load is not None else ""
+
+
+def render_targets(f: dict) -> str:
+    t = f.get("targets")
+    if not t:
+        return ""
+    defaults = {k: v for k, v in t["settings"].items() if k in GENERATION_SHOWN}
+    rows = "\n".join(f"| {name} ({t[name]['prompts']} prompts) | {t[name]['tokens_per_forward']:.2f} | "
+                     f"{t[name]['max_line_repeats']} | {t[name]['looping']} | {t[name]['distinct_first_lines']:.2f} | "
+                     f"{t[name]['mean_distance']:.2f} |" for name in ("written", "heldout"))
+    return f"""
+## What a newcomer sees (measured by `python -m clover_lab.train.measure --model assets/clover-stdlib --run RUN`)
+
+Block diffusion with the model's own generation_config.json defaults ({", ".join(f"{k}={v}" for k, v in defaults.items())}),
+{NEW_TOKENS} new tokens per prompt. `written`: code prompts of kinds the standard library does not hold
+(`def is_prime(n):`, `class RunningAverage: ...`; `clover_lab/train/measure.py`), `heldout`: windows of held-out modules.
+A completion loops when a non-blank line occurs more than {LOOP_REPEATS} times; distinctness compares the
+completions of different prompts (mean distance: 1 - difflib's similarity ratio, 0 = identical).
+
+| prompts | tokens per forward | most repeats of a line | looping completions | distinct first lines | mean distance |
+|---|---|---|---|---|---|
+{rows}
+"""
+
+
+GENERATION_SHOWN = ("threshold", "temperature", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 def render_distillation(f: dict) -> str:
@@ -212,7 +267,7 @@ Unigram baseline (always the most frequent token): {f['unigram_baseline_accuracy
 Next-token perplexity (causal, 256-token windows): {h['ar_perplexity']:.1f}.
 
 Generation on {sp['settings']['prompts']} held-out prompts of {sp['settings']['prompt_len']} tokens, {sp['settings']['new_tokens']} new tokens,
-threshold {sp['settings']['threshold']}, greedy, {sp['settings']['threads']} CPU threads ({sp['settings']['machine']}), measured side by side:
+threshold {sp['settings']['threshold']}, greedy, {sp['settings']['threads']} CPU threads ({sp['settings']['machine']}), measured side by side{render_load(sp)}:
 
 | mode | tokens per forward | tokens/s |
 |---|---|---|
@@ -225,7 +280,7 @@ the threshold-0.9 output for fewer forwards):
 | threshold | diffusion tokens per forward | diffusion tokens/s | AR tokens/s |
 |---|---|---|---|
 {sweep}
-{render_baseline(f)}
+{render_baseline(f)}{render_targets(f)}
 Expert usage on held-out text (entropy of the routed-slot distribution; uniform = max):
 
 | layer | entropy (bits) | max / mean load |
@@ -247,9 +302,16 @@ def main(argv=None):
     ap.add_argument("--command", default="bash assets/make_default_model.sh", help="the command that reproduces it")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--baseline", help="an earlier card.json to set the figures beside")
+    ap.add_argument("--generation-only", action="store_true",
+                    help="re-measure only what depends on generation_config.json (speed, samples, targets), "
+                         "keeping the model's other figures from its card.json")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.generation_only:
+        figures = remeasure_generation(Path(args.run), Path(args.model), args.command)
+        print(json.dumps({k: figures[k] for k in ("speed_cpu", "generation_seconds")}, indent=2))
+        return
     figures = write_card(Path(args.run), Path(args.model), args.command,
                          Path(args.baseline) if args.baseline else None)
     print(json.dumps({k: v for k, v in figures.items() if k not in ("samples", "baseline")}, indent=2))

@@ -16,6 +16,7 @@ import torch
 
 from ..arguments import ArgumentParser
 from ..config import PRESETS, CloverConfig, ConfigError
+from ..errors import CheckpointError
 from ..model import CloverModel
 from ..saving import stage_model
 from ..signals import NotedSignals
@@ -45,13 +46,21 @@ def lr_at(step: int, s: TrainSettings) -> float:
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def prepare(out: Path, preset: str, vocab_size: int, block_size: int, overrides: dict):
-    """Tokenizer, token streams and the initial model config, made once per run directory."""
+INIT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def prepare(out: Path, preset: str, vocab_size: int, block_size: int, overrides: dict, init: Path | None = None):
+    """Tokenizer, token streams and the initial model config, made once per run directory.
+    ``init``: a model directory (e.g. the embedded specimen) whose tokenizer the run takes instead
+    of training one; its card.json, if any, is kept as ``init_card.json`` (the figures before)."""
     data = out / "data.pt"
     if not data.exists():
         train_files, held_files = split_corpus()
         print(f"corpus: {len(train_files)} training and {len(held_files)} held-out stdlib modules", flush=True)
-        tok = train_tokenizer(train_files, vocab_size, out / "tokenizer")
+        if init is not None:
+            tok = copy_tokenizer(init, out)
+        else:
+            tok = train_tokenizer(train_files, vocab_size, out / "tokenizer")
         with atomic_path(data) as tmp:
             torch.save({"train": encode_files(tok, train_files), "heldout": encode_files(tok, held_files),
                         "heldout_modules": [str(f.name) for f in held_files]}, tmp)
@@ -64,12 +73,39 @@ def prepare(out: Path, preset: str, vocab_size: int, block_size: int, overrides:
     return tok, torch.load(data), config
 
 
+def copy_tokenizer(init: Path, out: Path):
+    """``init``'s tokenizer (and card, as ``init_card.json``) copied into the run directory ``out``."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    with FileSet(out / "tokenizer") as files:
+        for name in INIT_FILES:
+            if (init / name).is_file():
+                shutil.copy(init / name, files.path(out / "tokenizer" / name))
+    if (init / "card.json").is_file():
+        shutil.copy(init / "card.json", out / "init_card.json")
+    return AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+
+
+def check_init(init: str | Path) -> Path:
+    """``init`` as a model directory to start a run from, or a CheckpointError naming what it lacks."""
+    init = Path(init)
+    missing = [name for name in ("config.json", "tokenizer.json") if not (init / name).is_file()]
+    if missing:
+        raise CheckpointError(f"--init {init}: not a model directory with a tokenizer (no {', '.join(missing)})")
+    return init
+
+
 def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_size: int = 4096,
           block_size: int = 16, settings: TrainSettings | None = None, overrides: dict | None = None,
           threads: int | None = None, device: str | None = None, log_every: int = 10,
           checkpoint_every: int = 100, extend_steps: int | None = None, extend_lr: float | None = None,
-          extend_overrides: dict | None = None) -> Path:
-    """Train (or resume) the run in ``out`` for at most ``minutes``. ``extend_steps`` continues a
+          extend_overrides: dict | None = None, init: str | Path | None = None) -> Path:
+    """Train (or resume) the run in ``out`` for at most ``minutes``. ``init``: a model directory
+    a new run starts from (its weights, tokenizer and config; ``preset``, ``vocab_size``,
+    ``block_size`` and ``overrides`` unused), so that a continuation spends nothing re-learning
+    what that model knows; a run that exists resumes as it is. ``extend_steps`` continues a
     finished run for that many more steps with a fresh warmup + cosine schedule (peak ``extend_lr``;
     ``extend_overrides`` replaces other fields of its TrainSettings, e.g. ``distill_data``).
     Ctrl-C and SIGTERM stop it after the step in progress and its log line, with a checkpoint; a
@@ -84,14 +120,24 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
         torch.set_num_threads(threads)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     state_file = out / "train_state.pt"
-    tok, data, config = prepare(out, preset, vocab_size, block_size, overrides or {})
+    init = check_init(init) if init is not None and not state_file.exists() else None
+    tok, data, config = prepare(out, preset, vocab_size, block_size, overrides or {}, init)
     if state_file.exists():
         state = torch.load(state_file, weights_only=False)
         model, settings, step = _resume(out, state, device, extend_steps, extend_lr, extend_overrides)
         trim_log(out / "loss_log.jsonl", step)
     else:
         settings = settings or TrainSettings()
-        model = CloverModel.random(config, device=device, seed=settings.seed)
+        if init is not None:
+            model = CloverModel.from_pretrained(init, device=device, dtype=torch.float32)
+            if model.config.vocab_size < len(tok):
+                raise CheckpointError(f"--init {init}: its vocabulary ({model.config.vocab_size}) is smaller than "
+                                f"its tokenizer's ({len(tok)})")
+            settings.init = str(init)
+            print(f"starting from {init} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)",
+                  flush=True)
+        else:
+            model = CloverModel.random(config, device=device, seed=settings.seed)
         state, step = None, 0
         trim_log(out / "loss_log.jsonl", 0)  # steps logged by a run stopped before its first checkpoint
     model.train()
@@ -232,10 +278,10 @@ def export(run: str | Path, dest: str | Path, generation_defaults: dict | None =
 
 def _check_numbers(ap, args) -> None:
     """The numeric options' ranges, as usage errors before anything runs."""
-    for name in ("minutes", "lr"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            ap.error(f"--{name} must be a positive number, got {value}")
+    if not (math.isfinite(args.minutes) and args.minutes >= 0):
+        ap.error(f"--minutes must be a number >= 0 (0: prepare the run and its checkpoint only), got {args.minutes}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        ap.error(f"--lr must be a positive number, got {args.lr}")
     for name in ("vocab_size", "block_size", "seq_len", "batch_size", "max_steps", "threads", "extend_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -267,10 +313,32 @@ def _config_overrides(ap, preset: str, items: list[str]) -> dict:
     return overrides
 
 
+def _generation_defaults(ap, items: list[str]) -> dict:
+    """``--generation SETTING=VALUE`` items (VALUE as JSON), checked as sampler settings now."""
+    from ..sampling import SamplerSettings, SettingsError
+
+    defaults = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        try:
+            defaults[key] = json.loads(value)
+        except json.JSONDecodeError:
+            defaults[key] = value
+        if not eq:
+            ap.error(f"--generation {item!r}: expected SETTING=VALUE, e.g. repetition_penalty=1.3")
+    try:
+        SamplerSettings.from_kwargs(**defaults)
+    except SettingsError as e:
+        ap.error(f"--generation: {e}")
+    return defaults
+
+
 def main(argv=None):
     ap = ArgumentParser(prog="clover-lab train", description="Train a small Clover on the Python stdlib")
     ap.add_argument("--out", required=True, help="run directory (resumed when it exists)")
-    ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget of this invocation")
+    ap.add_argument("--minutes", type=float, default=60.0,
+                    help="wall-clock budget of this invocation (0: make the run directory and its step-0 "
+                         "checkpoint, e.g. to distill from an --init model before training)")
     ap.add_argument("--preset", default="clover-stdlib")
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=16)
@@ -291,11 +359,26 @@ def main(argv=None):
                     "clover_lab.distill) into each batch; with --extend-steps, from the continuation on")
     ap.add_argument("--distill-share", type=float, default=TrainSettings.distill_share)
     ap.add_argument("--export", metavar="DIR", help="after training, write a model directory here")
+    ap.add_argument("--generation", action="append", default=[], metavar="SETTING=VALUE",
+                    help="with --export: a sampler default for its generation_config.json, e.g. "
+                         "repetition_penalty=1.3 (besides threshold 0.9, max_new_tokens 128)")
+    ap.add_argument("--init", metavar="DIR", help="start a new run from this model directory's weights, "
+                    "tokenizer and config (e.g. assets/clover-stdlib) instead of from scratch")
     args = ap.parse_args(argv)
     _check_numbers(ap, args)
+    if args.init:
+        if args.set:
+            ap.error("--init takes the model's own config: no --set with it")
+        try:
+            check_init(args.init)
+        except CheckpointError as e:
+            ap.error(str(e))
     if args.export:  # found now, not after the training
         check_writable(args.export, what="--export")
     overrides = _config_overrides(ap, args.preset, args.set)
+    generation = _generation_defaults(ap, args.generation)
+    if generation and not args.export:
+        ap.error("--generation sets the defaults of an --export: give --export DIR")
     if not 0 <= args.distill_share <= 1:
         ap.error("--distill-share must be in [0, 1]")
     if args.distill and not Path(args.distill).is_file():
@@ -310,6 +393,7 @@ def main(argv=None):
         extend_overrides.update(distill_data=args.distill, distill_share=args.distill_share)
     run = train(args.out, args.minutes, args.preset, args.vocab_size, args.block_size, settings, overrides,
                 threads=args.threads, extend_steps=args.extend_steps,
-                extend_lr=args.lr if args.extend_steps else None, extend_overrides=extend_overrides)
+                extend_lr=args.lr if args.extend_steps else None, extend_overrides=extend_overrides,
+                init=args.init)
     if args.export:
-        export(run, args.export)
+        export(run, args.export, generation)

@@ -33,6 +33,7 @@ class TrainSettings:
     schedule_start: int = 0  # the step a (re)started warmup + cosine schedule begins at
     distill_data: str | None = None  # a self-distillation corpus (clover_lab.distill) mixed into each batch
     distill_share: float = 0.5  # the share of each batch's rows drawn from it
+    init: str | None = None  # the model directory the run started from (``--init``), if not from scratch
 
 
 def mask_blocks(clean: torch.Tensor, block_size: int, mask_id: int, gen: torch.Generator, min_ratio: float):

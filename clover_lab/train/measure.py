@@ -1,0 +1,153 @@
+"""The embedded specimen's targets, measured with its own generation defaults (generation_config.json)
+or with settings given to compare them:
+
+    python -m clover_lab.train.measure --model assets/clover-stdlib --run runs/stdlib
+    python -m clover_lab.train.measure --model assets/clover-stdlib --run runs/stdlib \\
+        --sweep repetition_penalty=1.0,1.2,1.4 --sweep presence_penalty=0,0.5
+
+On two prompt sets, ``NEW_TOKENS`` new tokens each, block diffusion: ``written``, code prompts
+of kinds the standard library does not hold (small exercises a newcomer types), and ``heldout``,
+windows of the run's held-out modules (never trained on). Per set:
+
+- ``tokens_per_forward``: new tokens over the forwards after the prefill, summed over the set;
+- ``max_line_repeats``: the most times any non-blank line (stripped) occurs in one completion, and
+  ``looping``: how many completions repeat a line more than ``LOOP_REPEATS`` times;
+- ``distinct_first_lines``: the share of distinct first non-blank completion lines across the
+  set's prompts, and ``mean_distance``: the mean pairwise distance of the completions
+  (1 - difflib's similarity ratio; 0 = identical, 1 = nothing in common).
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import itertools
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from ..engine import load
+from .objective import evaluate
+
+NEW_TOKENS = 96
+LOOP_REPEATS = 3
+WRITTEN_PROMPTS = [  # as typed, without a trailing newline: "\n" and the next line's indent are one BPE token
+    "def is_prime(n):",
+    "def largest(numbers):",
+    "def count_words(text):",
+    "class RunningAverage:\n    def __init__(self):",
+    "def fizzbuzz(n):",
+    "def binary_search(items, target):",
+    "def read_csv_rows(path):",
+    "class Matrix:\n    def __init__(self, rows):",
+    "def flatten(nested):",
+    "import json\n\n\ndef load_settings(path):",
+    "def celsius_to_fahrenheit(c):",
+    "class LinkedList:\n    def __init__(self):",
+]
+
+
+def line_repeats(text: str) -> int:
+    """The most times any non-blank line (stripped of surrounding whitespace) occurs in ``text``."""
+    counts = Counter(line.strip() for line in text.splitlines() if line.strip())
+    return max(counts.values(), default=0)
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def distinctness(completions: list[str]) -> dict:
+    """How different the completions of different prompts are (see the module's docstring)."""
+    pairs = list(itertools.combinations(completions, 2))
+    distance = sum(1 - difflib.SequenceMatcher(None, a, b).ratio() for a, b in pairs) / max(1, len(pairs))
+    return {"distinct_first_lines": len({first_line(c) for c in completions}) / max(1, len(completions)),
+            "mean_distance": distance}
+
+
+def heldout_prompts(tokens: torch.Tensor, count: int = 12, length: int = 48, seed: int = 11) -> list[list[int]]:
+    """``count`` windows of ``length`` held-out tokens at seeded random starts."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - length, (count,), generator=gen).tolist()
+    return [tokens[s:s + length].tolist() for s in starts]
+
+
+def measure_set(engine, prompts: list, new_tokens: int = NEW_TOKENS, **sampler) -> dict:
+    """The targets on one prompt set, block diffusion with the engine's settings and ``sampler``."""
+    rows, made, forwards = [], 0, 0
+    for prompt in prompts:
+        r = engine.generate(prompt, mode="diffusion", max_new_tokens=new_tokens, **sampler)
+        made, forwards = made + len(r.token_ids), forwards + r.stats["forwards"]
+        rows.append({"prompt": prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt),
+                     "completion": r.text, "line_repeats": line_repeats(r.text)})
+    completions = [row["completion"] for row in rows]
+    return {"tokens_per_forward": made / max(1, forwards),
+            "max_line_repeats": max(row["line_repeats"] for row in rows),
+            "looping": sum(row["line_repeats"] > LOOP_REPEATS for row in rows),
+            **distinctness(completions), "prompts": len(rows), "samples": rows}
+
+
+def measure(model_dir: str | Path, heldout: torch.Tensor, sampler: dict | None = None,
+            perplexity: bool = True) -> dict:
+    """Both prompt sets (and the held-out next-token perplexity) for the model in ``model_dir``."""
+    engine = load(model_dir)
+    sampler = sampler or {}
+    figures = {"settings": {**engine.settings.__dict__, **sampler, "new_tokens": NEW_TOKENS},
+               "written": measure_set(engine, WRITTEN_PROMPTS, **sampler),
+               "heldout": measure_set(engine, heldout_prompts(heldout), **sampler)}
+    if perplexity:
+        torch.manual_seed(0)
+        figures["ar_perplexity"] = evaluate(engine.model, heldout, windows=16)["ar_perplexity"]
+    return figures
+
+
+def summary(figures: dict) -> str:
+    """One line per prompt set."""
+    lines = []
+    for name in ("written", "heldout"):
+        s = figures[name]
+        lines.append(f"{name}: tokens/forward {s['tokens_per_forward']:.2f}, max line repeats "
+                     f"{s['max_line_repeats']} ({s['looping']}/{s['prompts']} looping), distinct first lines "
+                     f"{s['distinct_first_lines']:.2f}, mean distance {s['mean_distance']:.2f}")
+    if "ar_perplexity" in figures:
+        lines.append(f"next-token perplexity {figures['ar_perplexity']:.1f}")
+    return "\n".join(lines)
+
+
+def _sweep(items: list[str]) -> list[dict]:
+    """``--sweep NAME=V1,V2`` items as every combination of their values."""
+    axes = []
+    for item in items:
+        name, eq, values = item.partition("=")
+        if not eq or not values:
+            raise SystemExit(f"--sweep {item!r}: expected NAME=V1,V2,... (a sampler setting)")
+        axes.append([(name, json.loads(v)) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)] or [{}]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m clover_lab.train.measure", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="the model directory (its generation_config.json is the default)")
+    ap.add_argument("--run", required=True, help="a training run directory: its data.pt holds the held-out split")
+    ap.add_argument("--sweep", action="append", default=[], metavar="NAME=V1,V2",
+                    help="also measure with these sampler settings (every combination)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", help="write the figures (JSON) here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    heldout = torch.load(Path(args.run) / "data.pt")["heldout"]
+    results = []
+    for sampler in _sweep(args.sweep):
+        figures = measure(args.model, heldout, sampler, perplexity=not results)
+        results.append(figures)
+        print(f"== {json.dumps(sampler) if sampler else 'generation_config.json defaults'}\n{summary(figures)}",
+              flush=True)
+    if args.out:
+        from ..writes import write_text
+
+        write_text(Path(args.out), json.dumps(results if args.sweep else results[0], indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
