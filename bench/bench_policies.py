@@ -1,5 +1,7 @@
 """Decoding policies side by side: every rule (threshold, EB-sampler, top-k, look-ahead), AR and exact
-speculative decoding over the held-out prompts, on the embedded model in float32, greedy.
+speculative decoding over the held-out prompts, on the embedded model in float32, greedy and
+without the model's default repetition / frequency penalties (the rules compared as they are;
+the penalties change every row alike).
 
 Per policy and setting: tokens per forward (new tokens over forwards after the prefill),
 tokens/s (best of ``--rounds``, the policies interleaved round by round), and agreement with AR
@@ -25,6 +27,9 @@ from pathlib import Path
 import torch
 
 from clover_lab import load
+
+# plain greedy decoding: the embedded model's generation_config.json adds penalties against loops
+GREEDY = dict(temperature=0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 
 # (label, generate keyword arguments)
 POLICIES = [
@@ -80,7 +85,7 @@ def edit_distance(a: list[int], b: list[int]) -> int:
 
 def run_policy(engine, prompts, kw, max_new):
     t = time.perf_counter()
-    results = [engine.generate(p, max_new_tokens=max_new, temperature=0, **kw) for p in prompts]
+    results = [engine.generate(p, max_new_tokens=max_new, **GREEDY, **kw) for p in prompts]
     return time.perf_counter() - t, results
 
 
