@@ -67,7 +67,8 @@ def build(args) -> tuple[Engine, list[list[int]]]:
         g = torch.Generator().manual_seed(0)
         return engine, [torch.randint(0, config.vocab_size - 1, (24 + 40 * i // max(args.prompts - 1, 1),),
                                       generator=g).tolist() for i in range(args.prompts)]
-    engine = load(None if args.model == "default" else args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    engine = load(None if args.model == "default" else args.model, device=args.device, dtype=getattr(torch, args.dtype),
+                  threads=args.threads)
     from clover_lab.train import encode_files, split_corpus
 
     ids = encode_files(engine.tokenizer, split_corpus()[1]).tolist()

@@ -69,7 +69,7 @@ def plot(rows, path: str, title: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = load(None if args.model == "default" else args.model)
+    engine = load(None if args.model == "default" else args.model, threads=args.threads)
     prompts = heldout_prompts(engine, args.prompts, args.prompt_len)
     rows = coreset_sweep(engine, prompts, args.sizes, repeat=args.repeat, max_new_tokens=args.max_new_tokens,
                          threshold=args.threshold)

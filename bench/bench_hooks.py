@@ -54,7 +54,8 @@ def build_engine(args) -> Engine:
     if args.model:
         from clover_lab import load
 
-        engine = load(None if args.model == "default" else args.model, device=args.device, dtype=dtype)
+        engine = load(None if args.model == "default" else args.model, device=args.device, dtype=dtype,
+                      threads=args.threads)
         args.preset = "default-model" if args.model == "default" else Path(args.model).name  # for the table
         return engine
     config = CloverConfig.preset(args.preset)

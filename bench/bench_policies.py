@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = load(dtype=torch.float32)
+    engine = load(dtype=torch.float32, threads=args.threads)
     prompts = held_out_prompts(engine, args.prompts)
     policies = [(n, kw) for n, kw in POLICIES if args.only is None or n in args.only or n == "ar"]
     for _, kw in policies:  # warm-up

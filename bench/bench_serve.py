@@ -107,7 +107,7 @@ def quantile(xs, q):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = clover_lab.load(args.model, dtype=getattr(torch, args.dtype))
+    engine = clover_lab.load(args.model, dtype=getattr(torch, args.dtype), threads=args.threads)
     alone = {p: engine.generate(p, max_new_tokens=args.max_tokens).text for p in PROMPTS}
     server, thread, base = start(engine, max(args.concurrency))
     rows = []
