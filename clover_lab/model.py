@@ -273,7 +273,9 @@ class CloverModel(RandomWeights, PackedWeights, nn.Module):
             if layer.device is not None and x.device != layer.device:  # placed: the activations move
                 x = x.to(layer.device)
                 ctx.positions = ctx.positions.to(layer.device)
-            nxt = layers[i + 1] if i + 1 < stop else None
+            # the next layer's input norm fused into this layer's last kernel: not in training, where
+            # FSDP2 keeps the next layer's weights sharded (DTensors) until that layer runs
+            nxt = layers[i + 1] if i + 1 < stop and not ctx.is_training else None
             x, normed = layer(x, ctx, normed, nxt if nxt is not None and nxt.device == layer.device else None)
         return x
 
