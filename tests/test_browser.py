@@ -158,14 +158,24 @@ ALL_RUN = """() => {
   return cells.length > 0 && cells.every(c => c.model.executionCount !== null);
 }"""
 
-# per live view: a digest of what it shows now (its figures' data paths, grids and tables)
-VIEW_STATES = """() => [...document.querySelectorAll('.clover-view')].map(v => {
-  const parts = [...v.querySelectorAll('.js-plotly-plot .trace path, .js-plotly-plot .hm image, .clover-grid, table')]
-      .map(e => e.getAttribute('d') || e.getAttribute('href') || e.innerHTML).join('|');
-  let h = 0;
-  for (let i = 0; i < parts.length; i++) h = (h * 31 + parts.charCodeAt(i)) | 0;
-  return h;
-})"""
+# every state each view shows (a digest of its figures' data paths, grids and tables), recorded in
+# the page at each DOM change, per view element (a poll from here can miss a fast generation's redraws)
+WATCH_VIEWS = """() => {
+  const states = new Map();
+  const record = () => document.querySelectorAll('.clover-view').forEach(v => {
+    const parts = [...v.querySelectorAll('.js-plotly-plot .trace path, .js-plotly-plot .hm image, .clover-grid, table')]
+        .map(e => e.getAttribute('d') || e.getAttribute('href') || e.innerHTML).join('|');
+    let h = 0;
+    for (let i = 0; i < parts.length; i++) h = (h * 31 + parts.charCodeAt(i)) | 0;
+    if (!states.has(v)) states.set(v, new Set());
+    states.get(v).add(h);
+  });
+  window.__cloverViewStates = states;
+  window.__cloverWatch = new MutationObserver(record);
+  window.__cloverWatch.observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true});
+}"""
+VIEW_STATE_COUNTS = """() => { window.__cloverWatch.disconnect();
+  return [...window.__cloverViewStates.values()].map(s => s.size); }"""
 
 # every plotly legend (and every entry's text) against its figure's box, in page pixels
 CLIPPED_LEGENDS = """() => {
@@ -216,18 +226,16 @@ def run_all(page, lab, notebook: Path, watch_live: bool) -> int:
     page.wait_for_function(KERNEL_IDLE, timeout=90_000)
     width = page.evaluate("window.jupyterapp.shell.currentWidget.node.getBoundingClientRect().width")
     assert 900 <= width <= 1150, f"the notebook is {width:.0f} px wide; the checks are for about 1000 px"
+    if watch_live:
+        page.evaluate(WATCH_VIEWS)
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")  # not awaited
-    seen: dict[int, set] = {}
     deadline = time.time() + 600
     while not page.evaluate(ALL_RUN):
         assert time.time() < deadline, f"{notebook.name}: not done after 600 s"
-        if watch_live:
-            for i, digest in enumerate(page.evaluate(VIEW_STATES)):
-                seen.setdefault(i, set()).add(digest)
         page.wait_for_timeout(150)
     tracebacks = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']").all_inner_texts()
     assert not tracebacks, tracebacks[0][-2000:]
-    return max((len(s) for s in seen.values()), default=0)
+    return max(page.evaluate(VIEW_STATE_COUNTS), default=0) if watch_live else 0
 
 
 def photograph(page, element, path: Path, min_bytes: int = 3_000) -> None:
