@@ -84,6 +84,7 @@ def first_nonfinite_layer(model, cache, block_ids: torch.Tensor) -> str | None:
 
     def check(i):
         def hook(module, args, out):
+            out = out[0] if isinstance(out, tuple) else out  # a layer returns (stream, next norm of it)
             if not bad and not bool(torch.isfinite(out).all()):
                 bad.append(i)
         return hook
