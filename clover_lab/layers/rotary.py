@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from clover_kernels.rope.naive import apply_rotary, cos_sin  # noqa: F401 - apply_rotary: the formula's old home
-
 from ..config import CloverConfig
 
 
@@ -27,8 +25,3 @@ class Rotary(nn.Module):
         if device not in self._copies:
             self._copies[device] = self.inv_freq.to(device)
         return self._copies[device]
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [T] -> cos, sin [T, rotary_dim]; per-row positions [B, T] -> [B, 1, T,
-        rotary_dim] (broadcast over the heads)."""
-        return cos_sin(positions, self.inv_freq_on(positions.device), dtype)
