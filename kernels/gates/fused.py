@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..norm.rms import _num_warps, _rows
+from ..norm.rms import _num_warps, _rows, zero_centred_rms
 
 SIGMOID_GATE, SILU_MUL = 0, 1
 
@@ -76,10 +76,8 @@ def _moe_combine_kernel(res_ptr, routed_ptr, x_ptr, w_ptr, shared_ptr, out_ptr, 
     out = out.to(dt)
     tl.store(out_ptr + row * s_out + cols, out, mask=m)
     if HAS_NORM:  # the next layer's input norm of the stream (rms_norm's arithmetic)
-        s = out.to(tl.float32)
-        nw = tl.load(nw_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
-        tl.store(normed_ptr + row * s_out + cols, (s * inv_rms * (1.0 + nw)).to(dt), mask=m)
+        tl.store(normed_ptr + row * s_out + cols, zero_centred_rms(out.to(tl.float32), nw_ptr, cols, m, N, eps).to(dt),
+                 mask=m)
 
 
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):

@@ -8,14 +8,21 @@ import triton.language as tl
 
 
 @triton.jit
+def zero_centred_rms(x, w_ptr, cols, mask, N, eps):
+    """A row x (fp32, zeros past ``mask``) -> ``x / rms(x) * (1 + w)`` in fp32: the zero-centred
+    RMSNorm every kernel here that norms the residual stream computes."""
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    return x * inv_rms * (1.0 + w)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    y = x * inv_rms * (1.0 + w)
+    y = zero_centred_rms(x, w_ptr, cols, mask, N, eps)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -29,10 +36,8 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, N, stride_x, str
     d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)
     total = (x + d).to(sum_ptr.dtype.element_ty)  # the residual stream, rounded as the add rounds it
     tl.store(sum_ptr + row * stride_s + cols, total, mask=mask)
-    s = total.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
-    tl.store(out_ptr + row * stride_o + cols, (s * inv_rms * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+    y = zero_centred_rms(total.to(tl.float32), w_ptr, cols, mask, N, eps)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
