@@ -177,8 +177,7 @@ class StepGraphs:
         records their events and calls ``read(observations)`` (``engine/observed.py``) after it,
         before its cache writes land (an observer that raises leaves the cache as it was).
         Returns (commit logits [B, 1, V] or None, preview logits [B, m, V] or None), fresh tensors."""
-        if coreset is not None and self._coresets.get(coreset.size) is not coreset:
-            raise ValueError("StepGraphs.step: pass a coreset made by StepGraphs.coreset(size)")
+        self._check_coreset(coreset, "step")
         cache = self.cache
         # block rows are written as scratch past the committed rows; the cache is never longer
         # than the context (CloverCache.allocate refuses it), so this bounds the positions too
@@ -221,8 +220,7 @@ class StepGraphs:
         Every batch row is a request row (no padding: the hooks see every row). Advances every
         row's length by c; returns what :meth:`step` does."""
         model, cache = self.model, self.cache
-        if coreset is not None and self._coresets.get(coreset.size) is not coreset:
-            raise ValueError("StepGraphs.split_step: pass a coreset made by StepGraphs.coreset(size)")
+        self._check_coreset(coreset, "split_step")
         cache.check_room(c + m)
         ids = ids.to(self.device, torch.long)
         check_static_step(model, cache, ids, c, m, live=tuple(live))
@@ -246,43 +244,43 @@ class StepGraphs:
         """Layers [start, stop) of a split step through torch.compile (eagerly once compiling
         failed, or too many segments are compiled)."""
         key = (self.cache.batch_size, c, m, start, stop, _phase(coreset))
-        compiled = self._compiled_layers is not None and not self.compile_failed and (
-            key in self._segment_keys or len(self._segment_keys) < self.MAX_COMPILED)
-        if compiled:
-            try:
-                with torch._dynamo.config.patch(recompile_limit=self.MAX_COMPILED + 2):
-                    out = self._compiled_layers(self.model, self.cache, ids, x, n, c, m, coreset, start, stop)
-                self._segment_keys.add(key)
-                return out
-            except Exception as e:  # noqa: BLE001 - a first compilation fails before anything runs
-                if key in self._segment_keys:
-                    raise
-                self._compile_failed(e)
-        self.last = "static"
-        return static_layers(self.model, self.cache, ids, x, n, c, m, coreset, start, stop)
-
-    def _compiled_step(self, key, ids, n, coreset):
-        """The step through torch.compile, or None to run it eagerly (compilation failed once, or
-        too many shapes already compiled)."""
-        if self.compile_failed or (key not in self._compiled_keys and len(self._compiled_keys) >= self.MAX_COMPILED):
-            return None
-        _, c, m, commit_logits, _, observed = key
-        check_static_step(self.model, self.cache, ids, c, m, observed)
-        try:
-            with torch._dynamo.config.patch(recompile_limit=self.MAX_COMPILED + 2):
-                out = self._compiled(self.model, self.cache, ids, n, c, m, commit_logits, coreset, observed)
-        except Exception as e:  # noqa: BLE001 - a first compilation fails before anything runs
-            if key in self._compiled_keys:
-                raise
-            self._compile_failed(e)
-            return None
-        self._compiled_keys.add(key)
+        args = (self.model, self.cache, ids, x, n, c, m, coreset, start, stop)
+        out = None if self._compiled_layers is None else self._through_compile(self._compiled_layers,
+                                                                               self._segment_keys, key, args)
+        if out is None:
+            self.last = "static"
+            out = static_layers(*args)
         return out
 
-    def _compile_failed(self, e: BaseException) -> None:
-        self.compile_failed = f"{type(e).__name__}: {e}"
-        warnings.warn(f"torch.compile of the step failed, running steps eagerly from now on "
-                      f"({self.compile_failed})", RuntimeWarning, stacklevel=4)
+    def _compiled_step(self, key, ids, n, coreset):
+        """The step through torch.compile, or None to run it eagerly."""
+        _, c, m, commit_logits, _, observed = key
+        check_static_step(self.model, self.cache, ids, c, m, observed)
+        return self._through_compile(self._compiled, self._compiled_keys, key,
+                                     (self.model, self.cache, ids, n, c, m, commit_logits, coreset, observed))
+
+    def _through_compile(self, compiled, keys: set, key, args: tuple):
+        """``compiled(*args)`` for the shape ``key`` (recorded in ``keys``), or None to run it
+        eagerly: compilation failed once (a warning, then eager from now on), or too many shapes
+        are compiled already."""
+        if self.compile_failed or (key not in keys and len(keys) >= self.MAX_COMPILED):
+            return None
+        try:
+            with torch._dynamo.config.patch(recompile_limit=self.MAX_COMPILED + 2):
+                out = compiled(*args)
+        except Exception as e:  # noqa: BLE001 - a first compilation fails before anything runs
+            if key in keys:
+                raise
+            self.compile_failed = f"{type(e).__name__}: {e}"
+            warnings.warn(f"torch.compile of the step failed, running steps eagerly from now on "
+                          f"({self.compile_failed})", RuntimeWarning, stacklevel=5)
+            return None
+        keys.add(key)
+        return out
+
+    def _check_coreset(self, coreset: Coreset | None, method: str) -> None:
+        if coreset is not None and self._coresets.get(coreset.size) is not coreset:
+            raise ValueError(f"StepGraphs.{method}: pass a coreset made by StepGraphs.coreset(size)")
 
     def _capture(self, key):
         batch, c, m, commit_logits, phase, observed = key
