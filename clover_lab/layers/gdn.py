@@ -109,13 +109,14 @@ class GatedDeltaNet(nn.Module):
         cache: GDNCache = ctx.cache.layers[self.layer]
         ring, state = cache.ring, cache.state
         conv_w = self.conv1d.weight[:, 0]
-        outs = []
+        # a fused commit+preview writes both parts' rows into one output (no concatenation)
+        o = mixed.new_empty(B, T, self.num_v_heads, self.head_v_dim) if c and m else None
         if c:
             g, beta = self._gates(b[:, :c], a[:, :c])
             if ctx.drafts is not None:  # a draft commit: what keeping only a prefix of it needs
                 ctx.drafts[self.layer] = DraftRows(ring.clone(), state.clone(), mixed[:, :c], g, beta)
-            o, ring, state = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state,
-                                            self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            o_c, ring, state = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state, self.num_k_heads,
+                                              self.head_k_dim, self.head_v_dim, out=None if o is None else o[:, :c])
             if ctx.hooks and self.hooks.active(self.state_point):
                 rows = ctx.cache.row_lengths if ctx.is_ragged else None  # host lengths: no sync
                 event = GDNStateEvent(self.layer, state, ring, ctx.n + c,
@@ -126,18 +127,17 @@ class GatedDeltaNet(nn.Module):
                         or (edit_count(state), edit_count(ring)) != before or None in before):
                     ring, state = checked_state(event, self.state_point, ring, state)
             ctx.pending += [(cache.ring, ring), (cache.state, state)]
-            outs.append(o)
+            o = o_c if o is None else o
         if m:
             want_history = ctx.hooks and self.hooks.active(self.preview_point)
             right, scale, bias, coef = self.preview_weights(m)
-            o, p_hist, h = ops.gdn_preview(mixed[:, c:], ring, conv_w, right, state, scale, bias, coef,
-                                           self.num_k_heads, self.head_k_dim, self.head_v_dim,
-                                           return_history=want_history)
+            o_p, p_hist, h = ops.gdn_preview(mixed[:, c:], ring, conv_w, right, state, scale, bias, coef,
+                                             self.num_k_heads, self.head_k_dim, self.head_v_dim,
+                                             return_history=want_history, out=None if o is None else o[:, c:])
             if want_history:
                 self.hooks.fire(self.preview_point,
                                 GDNPreviewEvent(self.layer, ctx.positions[..., c:], p_hist, h, where=ctx.where))
-            outs.append(o)
-        o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B, T, Hv, dv]
+            o = o_p if o is None else o  # [B, T, Hv, dv]
         return self.out_proj(self.norm(o, z).reshape(B, T, -1))
 
 

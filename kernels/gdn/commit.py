@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .common import check_gdn_shapes, conv_tile, dot_precision, l2norm_rows, last_dim_contiguous
+from .naive import check_out
 
 # rows per chunk of the chunked rule (a block of Clover is 32): at dk = dv = 128 the chunk kernels
 # hold q, k, w of a chunk in registers, and sm_90's 255 per thread fit 32 rows (16 with fp32 tiles)
@@ -211,10 +212,11 @@ def conv_silu(mixed, ring, conv_weight):
     return act, new_ring
 
 
-def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim,
+def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim, out=None,
                chunk_size: int | None = None):
     """Same contract as ``gdn.naive.gdn_commit``: (o [B, T, Hv, dv] in mixed's dtype,
-    new ring in ring's dtype, new state fp32). The input state is not modified.
+    new ring in ring's dtype, new state fp32). The input state is not modified. ``out``: the
+    kernels write o there (through its strides) and return it.
     ``chunk_size`` None: CHUNK_SIZE, or CHUNK_SIZE_FP32 for fp32 inputs."""
     B, T, C, K, Hv = check_gdn_shapes("gdn_commit", mixed, ring, conv_weight, state,
                                       num_k_heads, head_k_dim, head_v_dim)
@@ -229,7 +231,9 @@ def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim
     mixed = last_dim_contiguous(mixed)
     conv_weight = conv_weight.contiguous()
     s0 = state.to(torch.float32).contiguous()
-    o = torch.empty(B, T, Hv, dv, dtype=mixed.dtype, device=mixed.device)
+    if out is not None:
+        check_out("gdn_commit", out, (B, T, Hv, dv), mixed.dtype)
+    o = torch.empty(B, T, Hv, dv, dtype=mixed.dtype, device=mixed.device) if out is None else out
     s_final = torch.empty_like(s0)
     if T == 0:
         return o, ring.clone(), s0.clone()

@@ -78,25 +78,41 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return torch.stack(out, dim=1), S
 
 
+def into(out: torch.Tensor | None, o: torch.Tensor, name: str) -> torch.Tensor:
+    """``o``, or written into ``out`` (a slice of a bigger output: the fused step's commit and
+    preview rows share one buffer), which must have o's shape and dtype."""
+    if out is None:
+        return o
+    check_out(name, out, tuple(o.shape), o.dtype)
+    return out.copy_(o)
+
+
+def check_out(name: str, out: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    if tuple(out.shape) != shape or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"{name}: out must be {list(shape)} {dtype} with a unit last stride, got "
+                         f"{list(out.shape)} {out.dtype} strides {out.stride()}")
+
+
 def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim,
-               delta_rule=recurrent_gated_delta_rule):
+               delta_rule=recurrent_gated_delta_rule, out=None):
     """Causal GDN token mixing of T committed rows, by default one token at a time.
 
     mixed [B, T, C] (in_proj_qkv output), ring [B, C, K-1], conv_weight [C, K],
     g, beta [B, T, Hv], state [B, Hv, dk, dv] fp32.
     Returns (o [B, T, Hv, dv] in mixed's dtype, new ring, new state fp32).
     ``delta_rule`` has the contract of ``recurrent_gated_delta_rule``: ``torch.py`` passes the
-    chunked form, so that conv, split and casts are written once.
+    chunked form, so that conv, split and casts are written once. ``out``: o is written there
+    (``into``) and returned.
     """
     conv, new_ring = causal_conv(mixed, ring, conv_weight)
     q, k, v = split_heads(F.silu(conv), num_k_heads, head_k_dim, head_v_dim)
     o, new_state = delta_rule(q, k, v, g, beta, state)
-    return o.to(mixed.dtype), new_ring.to(ring.dtype), new_state
+    return into(out, o.to(mixed.dtype), "gdn_commit"), new_ring.to(ring.dtype), new_state
 
 
 def gdn_preview(
     mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
-    num_k_heads, head_k_dim, head_v_dim, return_history: bool = False,
+    num_k_heads, head_k_dim, head_v_dim, return_history: bool = False, out=None,
 ):
     """Clover's preview operator over a block of m rows; reads ring and state, writes nothing.
 
@@ -105,7 +121,8 @@ def gdn_preview(
     causal read of the frozen state, h_t = (q_t / sqrt(dk)) @ S0, and whose logit
     history_bias + history_log_n * ln(m) calibrates the memory against the block length.
 
-    Returns (o [B, m, Hv, dv] in mixed's dtype, p_hist [B, m, Hv] fp32, h [B, m, Hv, dv] fp32 or None).
+    Returns (o [B, m, Hv, dv] in mixed's dtype, p_hist [B, m, Hv] fp32, h [B, m, Hv, dv] fp32 or None);
+    ``out``: o is written there (``into``) and returned.
     """
     m = mixed.shape[1]
     conv, _ = causal_conv(mixed, ring, conv_weight)
@@ -118,4 +135,5 @@ def gdn_preview(
     p = torch.softmax(torch.cat([scores, hist_logit], dim=-1), dim=-1)  # [B, Hv, m, m+1]
     p_block, p_hist = p[..., :m], p[..., m]
     o = torch.einsum("bhtj,bjhv->bthv", p_block, v) + p_hist.transpose(1, 2)[..., None] * h
-    return o.to(mixed.dtype), p_hist.transpose(1, 2).contiguous(), (h if return_history else None)
+    return (into(out, o.to(mixed.dtype), "gdn_preview"), p_hist.transpose(1, 2).contiguous(),
+            (h if return_history else None))

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import check_gdn_shapes, conv_tile, dot_precision, l2norm_rows, last_dim_contiguous
+from .naive import check_out
 
 MAX_BLOCK = 64  # the block fits one tile of rows; longer blocks run the reference
 
@@ -28,7 +29,7 @@ MAX_BLOCK = 64  # the block fits one tile of rows; longer blocks run the referen
 @triton.jit
 def _preview_kernel(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, s0_ptr, bs_ptr, hb_ptr, hln_ptr,
                     o_ptr, p_ptr, h_ptr, m, log_m,
-                    s_mb, s_mt, s_rb, s_rc, s_ri, s_ob, s_ot, s_oh, s_pb, s_pt,
+                    s_mb, s_mt, s_rb, s_rc, s_ri, s_ob, s_ot, s_oh, s_pb, s_pt, s_hb, s_ht, s_hh,
                     HV, REP, KEY_DIM, scale,
                     K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, BM: tl.constexpr, RETURN_H: tl.constexpr, PREC: tl.constexpr):
@@ -72,13 +73,14 @@ def _preview_kernel(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, s0_ptr, bs_ptr, hb_ptr,
     if pid_v == 0:
         tl.store(p_ptr + b * s_pb + t * s_pt + h, p_h * inv_den, mask=tm)
     if RETURN_H:
-        tl.store(h_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + vr[None, :], hist, mask=out_mask)
+        tl.store(h_ptr + b * s_hb + t[:, None] * s_ht + h * s_hh + vr[None, :], hist, mask=out_mask)
 
 
 def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
-                num_k_heads, head_k_dim, head_v_dim, return_history: bool = False):
+                num_k_heads, head_k_dim, head_v_dim, return_history: bool = False, out=None):
     """Same contract as ``gdn.naive.gdn_preview``: (o [B, m, Hv, dv] in mixed's dtype,
-    p_hist [B, m, Hv] fp32, h [B, m, Hv, dv] fp32 or None). Reads ring and state only."""
+    p_hist [B, m, Hv] fp32, h [B, m, Hv, dv] fp32 or None). Reads ring and state only; ``out``:
+    the kernel writes o there (through its strides) and returns it."""
     B, m, C, K, Hv = check_gdn_shapes("gdn_preview", mixed, ring, conv_weight, state,
                                       num_k_heads, head_k_dim, head_v_dim)
     if tuple(right_weight.shape) != (C, K - 1):
@@ -91,11 +93,13 @@ def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, hist
     if m > MAX_BLOCK:  # blocks longer than one tile of rows: the reference (correct, not fast)
         from .naive import gdn_preview as reference
         return reference(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias,
-                         history_log_n, num_k_heads, head_k_dim, head_v_dim, return_history)
+                         history_log_n, num_k_heads, head_k_dim, head_v_dim, return_history, out)
     dk, dv = head_k_dim, head_v_dim
     mixed = last_dim_contiguous(mixed)
     s0 = state.to(torch.float32).contiguous()
-    o = torch.empty(B, m, Hv, dv, dtype=mixed.dtype, device=mixed.device)
+    if out is not None:
+        check_out("gdn_preview", out, (B, m, Hv, dv), mixed.dtype)
+    o = torch.empty(B, m, Hv, dv, dtype=mixed.dtype, device=mixed.device) if out is None else out
     p_hist = torch.empty(B, m, Hv, dtype=torch.float32, device=mixed.device)
     h = torch.empty(B, m, Hv, dv, dtype=torch.float32, device=mixed.device) if return_history else o
     BK = max(16, triton.next_power_of_2(dk))
@@ -107,7 +111,7 @@ def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, hist
         block_scale.contiguous(), history_bias.contiguous(), history_log_n.contiguous(),
         o, p_hist, h, m, math.log(m),
         mixed.stride(0), mixed.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
-        o.stride(0), o.stride(1), o.stride(2), p_hist.stride(0), p_hist.stride(1),
+        o.stride(0), o.stride(1), o.stride(2), p_hist.stride(0), p_hist.stride(1), h.stride(0), h.stride(1), h.stride(2),
         Hv, Hv // num_k_heads, num_k_heads * dk, dk ** -0.5,
         K=K, DK=dk, DV=dv, BK=BK, BV=BV, BM=BM, RETURN_H=return_history, PREC=dot_precision(mixed.dtype),
         num_warps=8 if BK * BM >= 4096 else 4,  # 32 rows at dk=128 on 4 warps: fp32 spills on sm_90

@@ -74,12 +74,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64, return
     return out, S
 
 
-def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim):
+def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim, out=None):
     """Causal GDN token mixing of T committed rows: ``naive.gdn_commit`` (same contract) with the
     chunked delta rule, or the recurrent one for a single row (one step needs no chunking)."""
     rule = recurrent_gated_delta_rule if mixed.shape[1] == 1 else chunk_gated_delta_rule
     return naive.gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim,
-                            delta_rule=rule)
+                            delta_rule=rule, out=out)
 
 
 def gdn_commit_blocks(mixed, conv_weight, g, beta, num_k_heads, head_k_dim, head_v_dim, block_size):

@@ -103,3 +103,45 @@ def test_commit_then_preview_on_views_of_one_projection(device, close):
     for a, b in zip((o_c, ring_c, state_c), ref_c):
         close(a, b, torch.float32, scale=max(1.0, b.abs().max().item()), what="commit")
     check((mixed[:, c:], ring_c, conv_w, right, state_c, bs, hb, hln), Hk, dk, dv, torch.float32, close)
+
+
+@pytest.mark.parametrize("history", [False, True])
+def test_commit_and_preview_write_into_one_output(device, dtype, close, history):
+    """The fused step's GDN output: the commit kernels write rows [0, c) and the preview kernel rows
+    [c, c + m) of one [B, c + m, Hv, dv] buffer through ``out`` (no concatenation), equal to the
+    references' outputs; the torch path fills the same slices with the same values; h keeps its
+    own layout."""
+    from clover_kernels.gdn import commit
+    from clover_kernels.gdn import torch as gdn_torch
+
+    c, m, Hk, Hv, dk, dv = 5, 11, 1, 2, 16, 32
+    mixed, ring, conv_w, right, state, bs, hb, hln = make_inputs(2, c + m, Hk, Hv, dk, dv, dtype, device)
+    g = torch.Generator().manual_seed(3)
+    log_decay = (-torch.rand(2, c, Hv, generator=g)).to(device)
+    beta = torch.rand(2, c, Hv, generator=g).to(dtype).to(device)
+    heads = (Hk, dk, dv)
+    want = []
+    for ops in (naive, gdn_torch):
+        o_c, ring_c, state_c = ops.gdn_commit(mixed[:, :c], ring, conv_w, log_decay, beta, state, *heads)
+        o_p, _, h_ref = ops.gdn_preview(mixed[:, c:], ring_c, conv_w, right, state_c, bs, hb, hln, *heads, history)
+        ref = torch.cat([o_c, o_p], dim=1)
+        out = torch.full_like(ref, float("nan"))
+        o_c2, *_ = ops.gdn_commit(mixed[:, :c], ring, conv_w, log_decay, beta, state, *heads, out=out[:, :c])
+        o_p2, _, _ = ops.gdn_preview(mixed[:, c:], ring_c, conv_w, right, state_c, bs, hb, hln, *heads, history,
+                                     out=out[:, c:])
+        assert o_c2.data_ptr() == out.data_ptr() and o_p2.data_ptr() == out[:, c:].data_ptr()
+        assert torch.equal(out, ref), "the torch path's slices differ from its outputs"
+        want.append((ref, ring_c, state_c, h_ref))
+    ref, ring_c, state_c, h_ref = want[0]
+    out = torch.full_like(ref, float("nan"))
+    commit.gdn_commit(mixed[:, :c], ring, conv_w, log_decay, beta, state, *heads, out=out[:, :c])
+    _, _, h = preview.gdn_preview(mixed[:, c:], ring_c, conv_w, right, state_c, bs, hb, hln, *heads, history,
+                                  out=out[:, c:])
+    close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()), what="o")
+    if history:
+        assert h.is_contiguous() and h.shape == (2, m, Hv, dv)
+        close(h, h_ref, dtype, scale=max(1.0, h_ref.abs().max().item()), what="h")
+    for fn, args in ((commit.gdn_commit, (mixed[:, :c], ring, conv_w, log_decay, beta, state)),
+                     (preview.gdn_preview, (mixed[:, c:], ring_c, conv_w, right, state_c, bs, hb, hln))):
+        with pytest.raises(ValueError, match="out must be"):
+            fn(*args, *heads, out=out[:, :c - 1])
