@@ -372,9 +372,17 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
                     _meta(1, m, C, dtype=dt), _meta(1, C, K - 1, dtype=dt), _meta(C, K, dtype=dt),
                     _meta(C, K - 1, dtype=dt), _meta(1, Hv, dk, dv, dtype=f32), _meta(Hv, dtype=dt), _meta(Hv, dtype=dt),
                     _meta(Hv, dtype=dt), Hk, dk, dv, history))
-        for T in moe_rows:  # the router's rule over T tokens' logits: every expert, or a coreset
+        S, i64 = d["coreset"], torch.int64
+        for T in moe_rows:  # the router's rule over T tokens' logits: every expert, or a coreset (mask or ids)
             yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k))
             yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k, _meta(E, dtype=torch.bool)))
+            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k, None, _meta(S, dtype=i64)))
+        for G in (1, 2, 8):  # a batch's blocks, each row its own coreset: recorded, then routed within
+            T = G * d["block"]
+            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k, None, None, _meta(G, S, dtype=i64)))
+            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k, None, _meta(G, S, dtype=i64)))
+        yield "route", label, d["block"], ("route", (_meta(d["block"], E, dtype=dt), k, None, None,
+                                                     _meta(S, dtype=i64)))
         for T in moe_rows:  # routed experts of T tokens (coreset routing changes ids, not shapes)
             yield "moe_experts", label, T, ("moe_experts", (
                 _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
@@ -433,6 +441,10 @@ def _gating_calls(label, dt, d, T):
     yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1], rows[2], _meta(1, H, dtype=dt), rows[3],
                                                     _meta(H, dtype=dt)))  # with the next layer's input norm
     yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1]))
+    slots = _meta(1, T, d["top_k"], H, dtype=torch.float32)  # the routed experts' per-slot outputs, summed here
+    yield "moe_combine", label, T, ("moe_combine", (rows[0], slots, rows[2], _meta(1, H, dtype=dt), rows[3],
+                                                    _meta(H, dtype=dt)))
+    yield "moe_combine", label, T, ("moe_combine", (rows[0], slots))
 
 
 # the 35B's quantized linears as (out, in) features: q (query + gate), k / v, o, GDN in_proj_qkv,

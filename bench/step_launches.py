@@ -35,11 +35,14 @@ def load_model(device: str = "cpu"):
     return CloverModel.from_pretrained(default_model_dir(), dtype=torch.float32).to(device)
 
 
-def count_static_steps(model, lengths=(21, 46), max_len: int = 256, coreset_size: int = 4) -> dict:
+def count_static_steps(model, lengths=(21, 46), max_len: int = 256, coreset_size: int = 4,
+                       outputs: dict | None = None) -> dict:
     """shape -> dict(kernels, per_layer, triton, by_name, syncs, same_sequence) at the first of
     ``lengths``; the others only check that the op sequence does not change with the length.
     Prefills and a coreset's recording for the routing previews run on the torch path (quick in
-    the interpreter's runs); the counted step through the dispatch as the caller set it."""
+    the interpreter's runs); the counted step through the dispatch as the caller set it.
+    ``outputs``: filled with shape -> (commit logits, preview logits, the coreset after the step)
+    of the counted step at the first length (tests compare the kernels' with the torch path's)."""
     import torch
 
     from clover_kernels.launches import LaunchCounter
@@ -67,7 +70,9 @@ def count_static_steps(model, lengths=(21, 46), max_len: int = 256, coreset_size
                     if shape.endswith("record"):
                         core.reset()
             with LaunchCounter() as count:
-                graphs.step(ids, c, m, commit_logits=logits, coreset=core)
+                result = graphs.step(ids, c, m, commit_logits=logits, coreset=core)
+            if outputs is not None and not runs:
+                outputs[shape] = (*result, None if core is None else {k: v.clone() for k, v in core.experts.items()})
             runs.append(count)
         first = runs[0]
         out[shape] = dict(kernels=first.kernels, per_layer=first.kernels / layers, triton=first.triton,

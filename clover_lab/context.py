@@ -60,13 +60,16 @@ class Coreset:
     def record(self, layer: int, ids: torch.Tensor) -> None:
         """A layer's coreset: ``ids`` [size] (one row) or [rows, size], into the buffer kept for
         that shape (a batch of another size has buffers of its own: a CUDA graph keeps reading its own)."""
-        key = (layer, tuple(ids.shape))
+        self.experts[layer] = self.buffer(layer, tuple(ids.shape), ids.device).copy_(ids)
+
+    def buffer(self, layer: int, shape: tuple, device) -> torch.Tensor:
+        """The int64 buffer kept for a layer's coreset of this shape, made on first use: the
+        block's first preview records into it in place (the router's kernel writes it)."""
+        key = (layer, tuple(shape))
         buf = self._buffers.get(key)
-        if buf is None or buf.device != ids.device:
-            buf = self._buffers[key] = ids.clone()
-        else:
-            buf.copy_(ids)
-        self.experts[layer] = buf
+        if buf is None or buf.device != torch.device(device):
+            buf = self._buffers[key] = torch.empty(shape, dtype=torch.long, device=device)
+        return buf
 
     def buffers(self, rows: int) -> dict[int, torch.Tensor]:
         """layer -> the buffer a batch of ``rows`` rows records into (what a replayed graph wrote)."""

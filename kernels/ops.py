@@ -50,9 +50,13 @@ class Op:
     def function(self) -> str:
         return self.kernel.split(":")[1]
 
-    def __call__(self, *args, **kwargs):
+    def runs_kernel(self, *args, **kwargs) -> bool:
+        """Whether a call with these arguments (its tensors, at least) runs the Triton kernel."""
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if (self.takes is None or self.takes(tensors[0])) and _package.backend_for(self.name, *tensors) == "triton":
+        return (self.takes is None or self.takes(tensors[0])) and _package.backend_for(self.name, *tensors) == "triton"
+
+    def __call__(self, *args, **kwargs):
+        if self.runs_kernel(*args, **kwargs):
             args = tuple(a for i, a in enumerate(args) if i not in self._dropped)
             kwargs = {k: v for k, v in kwargs.items() if k not in self.torch_only}
             return dispatch.kernel_table()[self.name](*args, **kwargs)
@@ -80,11 +84,13 @@ TABLE = (
     Op("sigmoid_gate", _gates.sigmoid_gate, "gates.fused:sigmoid_gate"),  # the attention output gate
     Op("silu_mul", _gates.silu_mul, "gates.fused:silu_mul"),  # SwiGLU's activation
     # a MoE block's output into the residual stream (the residual may be None), the shared expert's
-    # sigmoid gate included, and optionally the next norm of it; gate_packed: the CPU's oneDNN layout
+    # sigmoid gate included, and optionally the next norm of it; gate_packed: the CPU's oneDNN layout;
+    # routed may be the experts' per-slot outputs [..., k, H] (summed over k in the same pass)
     Op("moe_combine", _gates.moe_combine, "gates.fused:moe_combine", torch_only=("gate_packed",)),
     Op("gdn_commit", _gdn.gdn_commit, "gdn.commit:gdn_commit"),
     Op("gdn_preview", _gdn.gdn_preview, "gdn.preview:gdn_preview"),
-    # packed: the CPU path's kept oneDNN weights (see ``PackedWeight``)
+    # packed: the CPU path's kept oneDNN weights (see ``PackedWeight``); slots: each (token, slot) pair's
+    # weighted output [T, k, H] fp32, unsummed (moe_combine sums it over k)
     Op("moe_experts", _moe.moe_experts, "moe.fused:moe_experts", torch_only=("packed",)),
     # the router's rule over logits [T, E]: (probs fp32 [T, E], expert ids [T, k], weights fp32 [T, k]);
     # ``allowed`` [E] or [T, E] bool restricts the picks (a coreset)

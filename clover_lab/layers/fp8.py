@@ -52,6 +52,9 @@ class FP8Experts(Experts):
         return {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj,
                 "gate_up_proj_scale_inv": self.gate_up_proj_scale_inv, "down_proj_scale_inv": self.down_proj_scale_inv}
 
+    def leaves_slots(self, x, weights) -> bool:
+        return False  # the FP8 kernels sum the slots themselves
+
     def compute(self, x, expert_ids, weights, tensors, packed=None):
         return ops.moe_experts_fp8(x, expert_ids, weights, tensors["gate_up_proj"], tensors["down_proj"],
                                    tensors["gate_up_proj_scale_inv"], tensors["down_proj_scale_inv"], self.block)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import clover_kernels as ops
-from clover_kernels.moe.naive import select
+from clover_kernels.moe.naive import allowed_experts, select
 
 from ..config import CloverConfig
 from ..context import ForwardContext
@@ -45,10 +45,11 @@ class Router(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, packed=self.packed)
 
-    def route(self, logits: torch.Tensor, allowed: torch.Tensor | None = None):
+    def route(self, logits: torch.Tensor, within: torch.Tensor | None = None, record: torch.Tensor | None = None):
         """logits [T, E] -> (probs [T, E] fp32, expert ids [T, k], weights [T, k] fp32): softmax and
-        ``select`` in one kernel on a GPU (``clover_kernels.route``)."""
-        return ops.route(logits, self.top_k, allowed)
+        ``select`` in one kernel on a GPU (``clover_kernels.route``); ``within``: a coreset's expert
+        ids to route among, ``record``: a coreset buffer to record these rows' coreset into."""
+        return ops.route(logits, self.top_k, within=within, record=record)
 
     def select(self, probs: torch.Tensor, allowed: torch.Tensor | None = None):
         """probs [T, E], allowed [E] or [T, E] bool (None: every expert) -> (expert ids [T, k], weights [T, k]
@@ -77,17 +78,28 @@ class Experts(nn.Module):
         """Every per-expert tensor, by name, each indexed by expert along dim 0."""
         return {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}
 
-    def compute(self, x, expert_ids, weights, tensors: dict[str, torch.Tensor], packed=None) -> torch.Tensor:
+    def compute(self, x, expert_ids, weights, tensors: dict[str, torch.Tensor], packed=None,
+                slots: bool = False) -> torch.Tensor:
         """The routed experts' output [T, H] over ``tensors`` (this module's own, or a staged subset
-        with ``expert_ids`` renumbered into it)."""
-        return ops.moe_experts(x, expert_ids, weights, tensors["gate_up_proj"], tensors["down_proj"], packed)
+        with ``expert_ids`` renumbered into it); ``slots``: each (token, slot) pair's [T, k, H] fp32."""
+        return ops.moe_experts(x, expert_ids, weights, tensors["gate_up_proj"], tensors["down_proj"], packed,
+                               slots=slots)
 
-    def forward(self, x, expert_ids, weights, coreset: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H], expert_ids and weights [T, k]; ``coreset``: this layer's recorded coreset of the
-        current block, if any (an offload store keeps those experts staged for the block)."""
+    def leaves_slots(self, x, weights) -> bool:
+        """Whether the experts run here through the Triton kernels, whose per-slot outputs
+        ``moe_combine`` sums in its own pass (one launch fewer). The torch path sums here, in its
+        own order (by expert), which a sum over slots would change in the last bit."""
+        return self.store is None and ops.moe_experts.runs_kernel(x, weights, self.gate_up_proj, self.down_proj)
+
+    def forward(self, x, expert_ids, weights, coreset: torch.Tensor | None = None, slots: bool = False) -> torch.Tensor:
+        """x [T, H], expert_ids and weights [T, k] -> [T, H], or with ``slots`` (where
+        ``leaves_slots``) the per-slot outputs [T, k, H] fp32; ``coreset``: this layer's recorded
+        coreset of the current block, if any (an offload store keeps those experts staged for the block)."""
         if self.store is not None:  # a batch's per-row coresets [B, size]: the store holds their union
             held = coreset if coreset is None or coreset.dim() == 1 else coreset.reshape(-1).unique()
             return self.store.run(self, x, expert_ids, weights, held)
+        if slots:
+            return self.compute(x, expert_ids, weights, self.expert_tensors(), self.packed, slots=True)
         return self.compute(x, expert_ids, weights, self.expert_tensors(), self.packed)
 
 
@@ -120,28 +132,24 @@ class SparseMoE(nn.Module):
         preview with a coreset records it (the block's first preview) or routes within it.
         Returns (expert_ids [T, k], weights [T, k] in ``dtype``)."""
         coreset = ctx.coreset
-        allowed, recording = None, False
+        within = record = None
         if mode == "preview" and coreset is not None:
             if coreset.size < self.top_k:  # fewer allowed experts than picks would route outside the coreset
                 raise ValueError(f"coreset size {coreset.size} is below num_experts_per_tok={self.top_k}")
-            chosen = coreset.experts.get(self.layer)
-            recording = chosen is None  # the block's first preview: routed fully, it records the coreset
-            if chosen is not None and chosen.dim() == 1:
-                allowed = torch.zeros(self.num_experts, dtype=torch.bool, device=logits.device)
-                allowed[chosen] = True
-            elif chosen is not None:  # a batch: [batch, size] -> each routed token its row's experts
-                allowed = torch.zeros(batch, self.num_experts, dtype=torch.bool, device=logits.device)
-                allowed = allowed.scatter_(1, chosen, True).repeat_interleave(hi - lo, dim=0)  # [batch * (hi - lo), E]
-        probs, ids, weights = self.gate.route(logits, allowed)
-        if recording:
-            mass = probs.view(batch, hi - lo, -1).sum(1)  # [batch, E]: each row's block its own coreset
-            size = min(coreset.size, self.num_experts)
-            coreset.record(self.layer, (mass[0] if batch == 1 else mass).topk(size, dim=-1).indices)
+            # a batch's coreset is [batch, size]: each row's block its own, its tokens routed among it
+            within = coreset.experts.get(self.layer)
+            if within is None:  # the block's first preview: routed fully, it records the coreset in place
+                size = min(coreset.size, self.num_experts)
+                record = coreset.buffer(self.layer, (size,) if batch == 1 else (batch, size), logits.device)
+        probs, ids, weights = self.gate.route(logits, within, record)
+        if record is not None:
+            coreset.experts[self.layer] = record
         weights = weights.to(dtype)
         if ctx.router_stats is not None:
             ctx.router_stats.append((probs, ids))
         if ctx.hooks and self.hooks.active(self.route_point):
-            event = RouteEvent(self.layer, mode, ctx.flat_positions(lo, hi, batch), probs, ids, weights, allowed,
+            event = RouteEvent(self.layer, mode, ctx.flat_positions(lo, hi, batch), probs, ids, weights,
+                               self._allowed(within, probs),
                                select=self.gate.select, where=ctx.where)
             before = (edit_count(ids), edit_count(weights))
             self.hooks.fire(self.route_point, event)
@@ -151,8 +159,12 @@ class SparseMoE(nn.Module):
             weights = weights.to(dtype)
         elif self.route_point in ctx.observed:  # a static step: its observers read this after it
             ctx.observations.append((self.route_point, mode, lo, hi, ctx.flat_positions(lo, hi, batch), probs, ids,
-                                     weights, allowed))
+                                     weights, self._allowed(within, probs)))
         return ids, weights
+
+    def _allowed(self, within: torch.Tensor | None, probs: torch.Tensor) -> torch.Tensor | None:
+        """The mask a coreset's routing applied (what route events carry), built only for them."""
+        return None if within is None else allowed_experts(within, self.num_experts, probs.shape[0])
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None,
                 next_norm=None):
@@ -176,13 +188,20 @@ class SparseMoE(nn.Module):
         weights = torch.cat(weights, dim=1).reshape(B * T, -1) if len(weights) > 1 else weights[0].reshape(B * T, -1)
         flat = x.reshape(B * T, H)
         coreset = None if ctx.coreset is None else ctx.coreset.experts.get(self.layer)
-        out = self.experts(flat, ids, weights, coreset).view(B, T, H)
+        gate = self.shared_expert_gate
+        fused_gate = self.shared_expert is None or (isinstance(gate, Linear)
+                                                    and not (gate._forward_hooks or gate._forward_pre_hooks))
+        # moe_combine sums the Triton kernels' per-slot outputs [B, T, k, H] (it tells them by their
+        # extra dim, against the residual or x)
+        slots = (fused_gate and (residual is not None or self.shared_expert is not None)
+                 and self.experts.leaves_slots(flat, weights))
+        out = self.experts(flat, ids, weights, coreset, slots=slots)
+        out = out.view(B, T, *out.shape[1:])
         norm = {} if next_norm is None else dict(norm_weight=next_norm.weight, eps=next_norm.eps)
         if self.shared_expert is None:
             return ops.moe_combine(residual, out, **norm)
         shared = self.shared_expert.down(*shared)
-        gate = self.shared_expert_gate
-        if isinstance(gate, Linear) and not (gate._forward_hooks or gate._forward_pre_hooks):
+        if fused_gate:
             return ops.moe_combine(residual, out, x, gate.weight, shared, gate.packed, **norm)
         # a wrapped gate (a peft adapter, a module hook) runs its own forward
         return ops.moe_combine(residual, out + torch.sigmoid(gate(x)) * shared, **norm)

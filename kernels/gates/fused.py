@@ -6,7 +6,8 @@ launch where the torch path takes two to six:
   gate) or ``silu(gate) * up`` (SwiGLU), reading both inputs through their strides as [B, T, G, D]
   (the per-head views of a fused projection's output: no copies), writing a contiguous [B, T, G * D];
 - ``_moe_combine_kernel`` [grid: rows]: ``(residual +) routed (+ sigmoid(x . w) * shared)``, the
-  shared expert's one-column gate a dot product in the program, no GEMV launch; optionally the
+  shared expert's one-column gate a dot product in the program, no GEMV launch; the routed
+  experts' k per-slot outputs summed in the program (SLOTS: no reduction launch); optionally the
   next layer's input norm of the result too (the residual add fused with the norm after it).
 
 fp32 arithmetic, each result rounded to the activations' dtype where the reference rounds it.
@@ -57,14 +58,20 @@ def _gated_pair_kernel(x_ptr, y_ptr, out_ptr, T, G, D, s_xb, s_xt, s_xg, s_yb, s
 
 
 @triton.jit
-def _moe_combine_kernel(res_ptr, routed_ptr, x_ptr, w_ptr, shared_ptr, out_ptr, nw_ptr, normed_ptr, N,
-                        s_r, s_o, s_x, s_w, s_s, s_out, eps, HAS_RESIDUAL: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_combine_kernel(res_ptr, routed_ptr, x_ptr, w_ptr, shared_ptr, out_ptr, nw_ptr, normed_ptr, N, K,
+                        s_r, s_o, s_ok, s_x, s_w, s_s, s_out, eps, HAS_RESIDUAL: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        HAS_NORM: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
     dt = out_ptr.dtype.element_ty
-    out = tl.load(routed_ptr + row * s_o + cols, mask=m, other=0.0).to(tl.float32)
+    if SLOTS:  # the k slots' fp32 outputs, summed in slot order, rounded as the reference rounds the sum
+        out = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in range(K):
+            out += tl.load(routed_ptr + row * s_o + j * s_ok + cols, mask=m, other=0.0)
+        out = out.to(dt).to(tl.float32)
+    else:
+        out = tl.load(routed_ptr + row * s_o + cols, mask=m, other=0.0).to(tl.float32)
     if HAS_SHARED:
         x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols * s_w, mask=m, other=0.0).to(tl.float32)
@@ -133,15 +140,23 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, norm_weight=None, eps=1e-6):
     """Same contract as ``naive.moe_combine`` (its ``gate_packed``, the CPU's, not taken)."""
     n = routed.shape[-1]
-    if ((residual is not None and residual.shape != routed.shape)
-            or (shared is not None and (shared.shape != routed.shape or x is None or x.shape != routed.shape
+    like = residual if residual is not None else x
+    slots = like is not None and routed.dim() == like.dim() + 1  # [..., k, H]: the experts' per-slot outputs
+    shape = routed.shape[:-2] + routed.shape[-1:] if slots else routed.shape
+    if ((residual is not None and residual.shape != shape)
+            or (shared is not None and (shared.shape != shape or x is None or x.shape != shape
                                         or gate_weight is None or gate_weight.numel() != n))):
         raise ValueError(f"moe_combine: residual {None if residual is None else tuple(residual.shape)}, routed "
                          f"{tuple(routed.shape)}, x {None if x is None else tuple(x.shape)}, gate_weight "
                          f"{None if gate_weight is None else tuple(gate_weight.shape)}, shared "
                          f"{None if shared is None else tuple(shared.shape)}: expected one shape [..., H] "
                          f"and a [1, H] gate weight with a shared expert")
-    o2 = _rows(routed, n, "moe_combine: routed")
+    if slots:
+        k = routed.shape[-2]
+        o2 = routed.reshape(-1, k, n)
+        o2 = o2 if o2.stride(-1) == 1 else o2.contiguous()
+    else:
+        k, o2 = 1, _rows(routed, n, "moe_combine: routed")
     has_res, has_shared = residual is not None, shared is not None
     r2 = _rows(residual, n, "moe_combine: residual") if has_res else o2
     x2 = _rows(x, n, "moe_combine: x") if has_shared else o2
@@ -149,15 +164,15 @@ def moe_combine(residual, routed, x=None, gate_weight=None, shared=None, norm_we
     w = gate_weight.reshape(-1) if has_shared else o2
     if norm_weight is not None and norm_weight.shape != (n,):
         raise ValueError(f"moe_combine: norm_weight {tuple(norm_weight.shape)}, expected ({n},)")
-    out = torch.empty(o2.shape, dtype=routed.dtype, device=routed.device)
+    out = torch.empty(o2.shape[0], n, dtype=like.dtype if slots else routed.dtype, device=routed.device)
     has_norm = norm_weight is not None
     normed = torch.empty_like(out) if has_norm else out
     if o2.shape[0]:
         block = triton.next_power_of_2(n)
         _moe_combine_kernel[(o2.shape[0],)](r2, o2, x2, w, s2, out, norm_weight.contiguous() if has_norm else out,
-                                            normed, n, r2.stride(0), o2.stride(0), x2.stride(0),
-                                            w.stride(0) if has_shared else 0, s2.stride(0), out.stride(0), float(eps),
-                                            HAS_RESIDUAL=has_res, HAS_SHARED=has_shared, HAS_NORM=has_norm,
-                                            BLOCK=block, num_warps=_num_warps(block))
-    out = out.view(routed.shape)
-    return (out, normed.view(routed.shape)) if has_norm else out
+                                            normed, n, k, r2.stride(0), o2.stride(0), o2.stride(1) if slots else 0,
+                                            x2.stride(0), w.stride(0) if has_shared else 0, s2.stride(0),
+                                            out.stride(0), float(eps), HAS_RESIDUAL=has_res, HAS_SHARED=has_shared,
+                                            HAS_NORM=has_norm, SLOTS=slots, BLOCK=block, num_warps=_num_warps(block))
+    out = out.view(shape)
+    return (out, normed.view(shape)) if has_norm else out

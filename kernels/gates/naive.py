@@ -5,7 +5,8 @@
 - ``sigmoid_gate``: the attention output gate ``out * sigmoid(gate)``;
 - ``silu_mul``: the SwiGLU activation ``silu(gate) * up`` (the shared expert);
 - ``moe_combine``: the MoE block's output into the residual stream, ``residual + routed +
-  sigmoid(x . w_gate) * shared`` (the shared expert's one-column gate computed here).
+  sigmoid(x . w_gate) * shared`` (the shared expert's one-column gate computed here; the routed
+  experts' sum over their k slots too, when handed the slots).
 """
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,12 @@ def moe_combine(residual: torch.Tensor | None, routed: torch.Tensor, x: torch.Te
     [..., H], gate_weight [1, H] and shared its output [..., H]; every tensor [..., H] in one dtype,
     rounded where the unfused layer rounds. ``gate_packed``: the CPU's kept oneDNN layout of the
     gate weight (the kernel ignores it). ``norm_weight`` [H]: the next layer's input norm, and the
-    result is (the stream, its ``rms_norm``)."""
+    result is (the stream, its ``rms_norm``). ``routed`` may be the experts' per-slot outputs
+    [..., k, H] fp32 (``moe_experts(slots=True)``: one dim more than residual, or than x without
+    a residual): summed over k in fp32 first, rounded to their dtype."""
+    like = residual if residual is not None else x
+    if like is not None and routed.dim() == like.dim() + 1:
+        routed = routed.sum(-2).to(like.dtype)
     out = routed
     if shared is not None:
         out = out + torch.sigmoid(linear(x, gate_weight, packed=gate_packed)) * shared

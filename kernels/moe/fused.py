@@ -15,7 +15,8 @@ Layout (the scheme of SGLang/vLLM's fused_moe, written for this project's shapes
    silu(gate) * up into a padded scratch [blocks * BM, I].
 3. ``_down_kernel`` [grid: blocks x H tiles]: down projection of the scratch rows, times
    the pair's routing weight, stored per pair [P, H] (fp32).
-4. one torch reduction over the k slots of each token (deterministic, no atomics).
+4. the sum over the k slots of each token (deterministic, no atomics): in ``moe_combine``'s
+   pass when the layer asks for the slots (``slots=True``), else one torch reduction here.
 
 Experts hit by no token own no block, so their weights are never read.
 """
@@ -94,8 +95,9 @@ def _tile(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
 
-def moe_experts(x, expert_ids, weights, gate_up, down):
-    """Same contract as ``moe.naive.moe_experts``: [T, H] in x's dtype."""
+def moe_experts(x, expert_ids, weights, gate_up, down, slots: bool = False):
+    """Same contract as ``moe.naive.moe_experts``: [T, H] in x's dtype; ``slots``: the down
+    kernel's per-pair output [T, k, H] fp32 as it is (``moe_combine`` sums it in its pass)."""
     if x.dim() != 2:
         raise ValueError(f"moe_experts: x must be [T, H], got {tuple(x.shape)}")
     T, H = x.shape
@@ -111,7 +113,7 @@ def moe_experts(x, expert_ids, weights, gate_up, down):
     if tuple(down.shape) != (E, H, I):
         raise ValueError(f"moe_experts: down must be [{E}, {H}, {I}], got {tuple(down.shape)}")
     if T == 0 or topk == 0:
-        return x.new_zeros(T, H)
+        return x.new_zeros(T, topk, H, dtype=torch.float32) if slots else x.new_zeros(T, H)
     P = T * topk
     bm = block_m(P, E)
     x, pair_of_row, expert_of_block, act, y, prec = launch_buffers(x, expert_ids, E, I, bm)
@@ -131,4 +133,4 @@ def moe_experts(x, expert_ids, weights, gate_up, down):
         act.stride(0), down.stride(0), down.stride(1), down.stride(2), y.stride(0),
         BM=bm, BN=BN2, BK=BK2, PREC=prec, num_warps=warps2,
     )
-    return y.view(T, topk, H).sum(1).to(x.dtype)
+    return y.view(T, topk, H) if slots else y.view(T, topk, H).sum(1).to(x.dtype)

@@ -13,18 +13,26 @@ def moe_experts(
     weights: torch.Tensor,  # [T, k]
     gate_up: torch.Tensor,  # [E, 2I, H]: gate rows first, then up rows
     down: torch.Tensor,  # [E, H, I]
+    slots: bool = False,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = expert_ids[t, k];
-    accumulated in fp32 (float64 stays float64), returned as [T, H] in x's dtype."""
+    accumulated in fp32 (float64 stays float64), returned as [T, H] in x's dtype. ``slots``:
+    the terms of the sum, unsummed: [T, k, H] in the accumulation dtype (fp32)."""
     acc = torch.promote_types(x.dtype, torch.float32)
     I = gate_up.shape[1] // 2
-    out = torch.zeros(x.shape, dtype=acc, device=x.device)
-    for t in range(x.shape[0]):
-        for slot in range(expert_ids.shape[1]):
+    T, k = expert_ids.shape
+    out = torch.zeros(T, k, x.shape[1], dtype=acc, device=x.device)
+    for t in range(T):
+        for slot in range(k):
             e = int(expert_ids[t, slot])
             h = gate_up[e].to(acc) @ x[t].to(acc)  # [2I]
-            out[t] += weights[t, slot].to(acc) * (down[e].to(acc) @ (F.silu(h[:I]) * h[I:]))
-    return out.to(x.dtype)
+            out[t, slot] = weights[t, slot].to(acc) * (down[e].to(acc) @ (F.silu(h[:I]) * h[I:]))
+    if slots:
+        return out
+    total = torch.zeros(T, x.shape[1], dtype=acc, device=x.device)
+    for slot in range(k):  # slot by slot, in order
+        total += out[:, slot]
+    return total.to(x.dtype)
 
 
 def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -55,11 +63,53 @@ def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     return pair_of_row, expert_of_block
 
 
-def route(logits: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None):
+def route(logits: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None, within: torch.Tensor | None = None,
+          record: torch.Tensor | None = None):
     """The routing rule: logits [T, E] -> (probs [T, E], softmax over every expert in fp32; expert
-    ids [T, k] and weights [T, k] fp32 as ``select``)."""
+    ids [T, k] and weights [T, k] fp32 as ``select``). ``within``: a coreset's expert ids in place
+    of ``allowed`` (``allowed_experts``); ``record``: a coreset buffer, written with the coreset of
+    these rows (``record_coreset``)."""
+    T, E = logits.shape
+    if within is not None:
+        if allowed is not None:
+            raise ValueError("route: pass allowed or within, not both")
+        check_groups("route: within", within, T, E)
+        allowed = allowed_experts(within, E, T)
+    if record is not None:
+        check_groups("route: record", record, T, E)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if record is not None:
+        record_coreset(probs, record)
     return (probs, *select(probs, top_k, allowed))
+
+
+def check_groups(name: str, ids: torch.Tensor, rows: int, num_experts: int) -> None:
+    """``ids``: [S] or [G, S] integer expert ids, G dividing the rows, S <= E."""
+    if (ids.dim() not in (1, 2) or ids.dtype not in (torch.int64, torch.int32) or ids.shape[-1] > num_experts
+            or (ids.dim() == 2 and (ids.shape[0] == 0 or rows % ids.shape[0]))):
+        raise ValueError(f"{name}: expected integer expert ids [S] or [G, S] with S <= {num_experts} and G "
+                         f"dividing the {rows} rows, got {tuple(ids.shape)} {ids.dtype}")
+
+
+def allowed_experts(within: torch.Tensor, num_experts: int, rows: int) -> torch.Tensor:
+    """A coreset's expert ids -> the mask ``select`` takes: [S] -> [E] (every row routes among
+    them); [G, S] -> [rows, E], group g's rows // G consecutive rows among row g's (a batch's
+    rows, each with its own coreset)."""
+    if within.dim() == 1:
+        allowed = torch.zeros(num_experts, dtype=torch.bool, device=within.device)
+        allowed[within] = True
+        return allowed
+    allowed = torch.zeros(within.shape[0], num_experts, dtype=torch.bool, device=within.device)
+    return allowed.scatter_(1, within, True).repeat_interleave(rows // within.shape[0], dim=0)
+
+
+def record_coreset(probs: torch.Tensor, record: torch.Tensor) -> None:
+    """The coreset of rows probs [T, E] (spec 3.3) into ``record`` [S] or [G, S]: the S experts with
+    the largest probability summed over the rows (over each of G groups of T // G consecutive
+    rows), in descending order."""
+    groups = 1 if record.dim() == 1 else record.shape[0]
+    mass = probs.view(groups, -1, probs.shape[-1]).sum(1)  # [G, E]
+    record.copy_(mass.topk(record.shape[-1], dim=-1).indices.view(record.shape))
 
 
 def select(probs: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None):

@@ -27,19 +27,21 @@ def moe_experts(
     gate_up: torch.Tensor,  # [E, 2I, H]
     down: torch.Tensor,  # [E, H, I]
     packed=None,  # CPU: (gate_up, down) lists of E ``PackedWeight``s, each expert's kept oneDNN layout
+    slots: bool = False,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = expert_ids[t, k]; returns [T, H]."""
+    """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = expert_ids[t, k]; returns [T, H].
+    ``slots``: the terms of that sum unsummed, [T, k, H] fp32 (``naive.moe_experts``)."""
     T, H = x.shape
     k = expert_ids.shape[1]
     E, two_i, _ = gate_up.shape
     if T == 0:
-        return x.new_zeros(T, H)
+        return x.new_zeros(T, k, H, dtype=torch.float32) if slots else x.new_zeros(T, H)
     if x.device.type == "cpu":
         if torch.compiler.is_compiling():
-            if T * k > TRACED_PAIRS_PER_EXPERT * E:  # a batch's block: the grouped GEMMs, opaque to the trace
+            if T * k > TRACED_PAIRS_PER_EXPERT * E and not slots:  # a batch's block: the grouped GEMMs, opaque
                 return _moe_experts_grouped(x, expert_ids, weights, gate_up, down)
-            return _moe_experts_traced(x, expert_ids, weights, gate_up, down)
-        return _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed)
+            return _moe_experts_traced(x, expert_ids, weights, gate_up, down, slots)
+        return _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed, slots)
     order, offsets = group_by_expert(expert_ids, E)
     token_of = order // k  # [T*k] token index of each sorted pair
     xs = x[token_of]  # [T*k, H]
@@ -47,13 +49,20 @@ def moe_experts(
     gate, up = h.split(two_i // 2, dim=-1)
     act = F.silu(gate) * up
     y = F.grouped_mm(act, down.transpose(1, 2), offs=offsets)  # [T*k, H]
+    if slots:
+        return _unsorted(y.float() * weights.reshape(-1)[order, None].float(), order, T, k)
     w = weights.reshape(-1)[order].to(y.dtype)
     out = torch.zeros(T, H, dtype=y.dtype, device=x.device)
     out.index_add_(0, token_of, y * w[:, None])
     return out.to(x.dtype)
 
 
-def _moe_experts_traced(x, expert_ids, weights, gate_up, down):
+def _unsorted(y: torch.Tensor, order: torch.Tensor, T: int, k: int) -> torch.Tensor:
+    """Per-pair rows sorted by expert [T*k, H] -> in (token, slot) order [T, k, H]."""
+    return y.new_empty(y.shape).index_copy_(0, order, y).view(T, k, -1)
+
+
+def _moe_experts_traced(x, expert_ids, weights, gate_up, down, slots: bool = False):
     """CPU path under torch.compile (decode and block steps): every (token, slot) pair's expert
     rows gathered and contracted in one expression. Inductor fuses gather and contraction into
     one loop nest that reads only the rows of the experts hit, with no host synchronisation
@@ -67,7 +76,7 @@ def _moe_experts_traced(x, expert_ids, weights, gate_up, down):
     h = (gate_up[flat] * xs[:, None, :]).sum(-1)  # [T*k, 2I]
     act = F.silu(h[:, :I]) * h[:, I:]
     y = (down[flat] * act[:, None, :]).sum(-1).float() * weights.reshape(-1, 1).float()  # [T*k, H]
-    return y.view(T, k, H).sum(1).to(x.dtype)
+    return y.view(T, k, H) if slots else y.view(T, k, H).sum(1).to(x.dtype)
 
 
 # Under torch.compile the traced contraction reads an expert's weights once per (token, slot)
@@ -89,7 +98,7 @@ def _(x, expert_ids, weights, gate_up, down):
     return x.new_empty(x.shape)
 
 
-def _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed=None):
+def _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed=None, slots: bool = False):
     """CPU path: the (token, slot) pairs sorted by expert, one GEMM per expert *hit* and per
     projection on its contiguous rows (CPU grouped_mm issues a matmul for every expert, empty
     groups included, which dominates decoding at small token counts); the activation, the
@@ -106,6 +115,8 @@ def _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed=None):
     h = _per_expert(x[token_of], gate_up, groups, packed_gate_up)  # [T*k, 2I]
     y = _per_expert(F.silu(h[:, :I]).mul_(h[:, I:]), down, groups, packed_down).float()  # [T*k, H]
     y = y.mul_(weights.reshape(-1)[order, None].float())
+    if slots:
+        return _unsorted(y, order, T, k)
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     return out.index_add_(0, token_of, y).to(x.dtype)
 

@@ -67,6 +67,26 @@ def test_moe_combine(shape, shared, with_residual, dtype, device, close):
     close(out, naive.moe_combine(residual, routed, *args), dtype, scale=2.0, what="moe_combine")
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no_shared"])
+def test_moe_combine_sums_the_routed_slots(shared, dtype, device, close):
+    """Routed outputs per (token, slot) [..., k, H] fp32 (the experts' ``slots=True``): the kernel sums
+    them over k in its pass, as the reference sums them before the combine, with the next norm too."""
+    B, T, k, n = 2, 3, 4, 96
+    residual, x, s = (_randn(B, T, n, dtype=dtype, device=device, seed=i) for i in range(3))
+    routed = _randn(B, T, k, n, dtype=torch.float32, device=device, seed=3)
+    w = _randn(1, n, dtype=dtype, device=device, seed=5, scale=0.1)
+    nw = _randn(n, dtype=dtype, device=device, seed=6, scale=0.3)
+    args = (x, w, s) if shared else ()
+    summed = routed.sum(-2).to(dtype)
+    for res in (residual, None) if shared else (residual,):
+        got = fused.moe_combine(res, routed, *args, norm_weight=nw)
+        want = naive.moe_combine(res, routed, *args, norm_weight=nw)
+        assert got[0].shape == (B, T, n) and got[0].dtype == dtype
+        torch.testing.assert_close(want[0], naive.moe_combine(res, summed, *args), rtol=0, atol=0)
+        close(got[0], want[0], dtype, scale=2.0, what="stream")
+        close(got[1], want[1], dtype, scale=2.0, what="normed")
+
+
 def test_moe_combine_bad_shapes(device):
     x = torch.zeros(2, 8, device=device)
     with pytest.raises(ValueError, match="gate weight"):

@@ -39,6 +39,25 @@ def test_moe_experts(T, k, unused, dtype, device, close):
     close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()), what="moe")
 
 
+@pytest.mark.parametrize("T,k,unused", CASES[1:4], ids=lambda c: str(c))
+def test_moe_experts_slots(T, k, unused, dtype, device, close):
+    """``slots=True``: each (token, slot) pair's weighted output [T, k, H] fp32, unsummed (what
+    moe_combine sums), from the kernels and from the torch path, against the reference's terms;
+    summed over k they are the experts' output."""
+    from clover_kernels.moe import torch as moe_torch
+
+    x, ids, w, gate_up, down = make_inputs(T, k, dtype, device, unused)
+    ref = naive.moe_experts(x, ids, w, gate_up, down, slots=True)
+    assert ref.shape == (T, k, H) and ref.dtype == torch.float32
+    torch.testing.assert_close(ref.sum(1).to(dtype), naive.moe_experts(x, ids, w, gate_up, down), rtol=0, atol=0)
+    scale = max(1.0, ref.abs().max().item())
+    for got in (fused.moe_experts(x, ids, w, gate_up, down, slots=True),
+                moe_torch.moe_experts(x.cpu(), ids.cpu(), w.cpu(), gate_up.cpu(), down.cpu(), slots=True)):
+        assert got.shape == (T, k, H) and got.dtype == torch.float32
+        close(got.to(device), ref, dtype, scale=scale, what="slots")
+    assert fused.moe_experts(x[:0], ids[:0], w[:0], gate_up, down, slots=True).shape == (0, k, H)
+
+
 def test_block_m_follows_the_pairs_per_expert():
     """16 rows for decode and blocks, up to 128 for a prefill chunk, from the shapes alone."""
     assert fused.BLOCK_MS == (16, 32, 64, 128)
@@ -148,3 +167,38 @@ def test_route_kernel_equals_the_routing_rule(T, E, k, dtype, device):
         assert got[1].dtype == torch.int64 and torch.equal(got[1].cpu(), want[1].cpu())
         torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
         assert torch.allclose(got[2].sum(-1), torch.ones(T, device=device))
+
+
+@pytest.mark.parametrize("T,E,k,S,G", [(1, 8, 2, 4, 1), (32, 256, 8, 64, 1), (12, 40, 3, 5, 3), (32, 64, 4, 40, 2)],
+                         ids=str)
+def test_route_kernel_within_a_coreset_and_recording_one(T, E, k, S, G, dtype, device):
+    """A coreset handed as its expert ids (one for every row, or one per group of rows: a batch's
+    blocks), compared in the kernel, routes as the mask ``allowed_experts`` builds; recording one
+    writes each group's top-S experts of summed probability into the buffer, as
+    ``naive.record_coreset``, in its order."""
+    from clover_kernels.moe import route
+
+    g = torch.Generator().manual_seed(T * E + S)
+    logits = torch.stack([torch.randperm(E, generator=g) for _ in range(T)]).float().mul(6.0 / E).sub(3.0)
+    logits = logits.to(dtype).to(device)
+    within = torch.stack([torch.randperm(E, generator=g)[:S] for _ in range(G)]).to(device)
+    for core in (within[0], within) if G == 1 else (within,):
+        want = naive.route(logits, k, naive.allowed_experts(core, E, T))
+        assert all(torch.equal(a, b) for a, b in zip(want, naive.route(logits, k, within=core)))
+        got = route.route(logits, k, within=core)
+        assert torch.equal(got[1].cpu(), want[1].cpu())
+        assert set(got[1].reshape(G, -1).cpu()[0].tolist()) <= set(core.reshape(G, -1)[0].cpu().tolist())
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    shape = (S,) if G == 1 else (G, S)
+    want_core = torch.full(shape, -1, dtype=torch.long, device=device)
+    got_core = torch.full(shape, -1, dtype=torch.long, device=device)
+    want = naive.route(logits, k, record=want_core)
+    got = route.route(logits, k, record=got_core)
+    assert torch.equal(got_core.cpu(), want_core.cpu()), f"{got_core} vs {want_core}"
+    assert torch.equal(got[1].cpu(), want[1].cpu())
+    with pytest.raises(ValueError, match="not both"):
+        route.route(logits, k, naive.allowed_experts(within, E, T), within=within)
+    with pytest.raises(ValueError, match="dividing"):
+        route.route(logits, k, within=torch.zeros(T + 1, S, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="int64"):
+        route.route(logits, k, record=torch.zeros(shape, dtype=torch.int32, device=device))
