@@ -392,9 +392,10 @@ def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
         attention_rows = rows.get("cache_attention", ATTENTION_ROWS) if label in HALF_DTYPES else ()
         for T in attention_rows:  # the static steps' attention, at every buffer size
             for L in ATTENTION_BUFFERS:
-                yield "cache_attention", label, T, ("cache_attention", (
-                    _meta(1, Hq, T, D, dtype=dt), _meta(1, Hkv, L, D, dtype=dt), _meta(1, Hkv, L, D, dtype=dt),
-                    _meta(1, T, dtype=torch.int64), _meta(1, T, Hq * D, dtype=dt)))
+                for block_rows in {0, min(T, d["block"])} if T in (d["block"], 2 * d["block"]) else (0,):
+                    yield "cache_attention", label, T, ("cache_attention", (  # a preview's or fused step's block
+                        _meta(1, Hq, T, D, dtype=dt), _meta(1, Hkv, L, D, dtype=dt), _meta(1, Hkv, L, D, dtype=dt),
+                        _meta(1, T, dtype=torch.int64), _meta(1, T, Hq * D, dtype=dt), block_rows))
         if label in FP8_DTYPES:  # FP8 checkpoints: FP8 weights, bf16 / fp16 activations
             yield from _fp8_calls(label, dt, d, rows)
             yield from _moe_tile_calls(label, dt, d, fp8=True)

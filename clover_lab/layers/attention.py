@@ -90,8 +90,7 @@ class GatedAttention(nn.Module):
         at = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, H_kv, c + m, D]
         cache.k.scatter_(2, at, k)
         cache.v.scatter_(2, at, v)
-        last = pos if not ctx.m else torch.cat([pos[:, :ctx.c], pos[:, -1:].expand(-1, ctx.m)], dim=1)
-        return ops.cache_attention(q, cache.k, cache.v, last, gate)
+        return ops.cache_attention(q, cache.k, cache.v, pos, gate, ctx.m)  # the block's rows see it whole
 
     @staticmethod
     def _attend_ragged(q, k, v, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Split-KV attention of a step's rows over the live keys of the cache, in two Triton kernels.
 Reference: ``attention/torch.py: cache_attention`` (same arguments, same result).
 
-``last`` [B, T] is read on the device: each row sees keys [0, last[b, t]], and no program reads a
-key past the largest ``last`` of its rows, so a CUDA graph captured once reads the live keys at
-every length (the grid depends on shapes only).
+``last`` [B, T] is read on the device: each row sees keys [0, last[b, t]] (a block's rows, the final
+``block_rows``, the final row's: each program picks the row it reads), and no program reads a key
+past the largest of its rows, so a CUDA graph captured once reads the live keys at every length
+(the grid depends on shapes only).
 
 1. ``_split_kv_kernel``, one program per (batch row, kv head, tile of query rows, split). GQA:
    the G = Hq / Hkv query heads that share a kv head are folded into the query rows (row
@@ -24,7 +25,7 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _split_kv_kernel(q_ptr, k_ptr, v_ptr, last_ptr, acc_ptr, m_ptr, l_ptr,
-                     T, G, ROWS, HKV, D, s_qb, s_qh, s_qt, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_lb, s_lt,
+                     T, C, G, ROWS, HKV, D, s_qb, s_qh, s_qt, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_lb, s_lt,
                      scale_log2, SPLITS, DP: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
@@ -37,7 +38,7 @@ def _split_kv_kernel(q_ptr, k_ptr, v_ptr, last_ptr, acc_ptr, m_ptr, l_ptr,
     rm = r < ROWS
     g, t = r // T, r % T
     hq = h * G + g
-    last = tl.load(last_ptr + b * s_lb + t * s_lt, mask=rm, other=-1)
+    last = tl.load(last_ptr + b * s_lb + tl.where(t < C, t, T - 1) * s_lt, mask=rm, other=-1)  # a block: its last row's
     live = tl.max(last, axis=0) + 1  # the tile's keys: [0, live)
     chunk = tl.cdiv(tl.cdiv(live, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -113,13 +114,15 @@ def min_split_keys(rows: int, tiles: int, elem_bytes: int) -> int:
     return 16 * rows // (tiles * elem_bytes)
 
 
-def cache_attention(q, k, v, last, gate, splits: int | None = None):
+def cache_attention(q, k, v, last, gate, block_rows: int = 0, splits: int | None = None):
     """Same contract as ``attention.torch.cache_attention``; ``splits`` overrides ``split_count``."""
     B, HQ, T, D = q.shape
     HKV, L = k.shape[1], k.shape[2]
-    if HQ % HKV or k.shape != v.shape or k.shape[-1] != D or k.shape[0] != B or last.shape != (B, T):
+    if (HQ % HKV or k.shape != v.shape or k.shape[-1] != D or k.shape[0] != B or last.shape != (B, T)
+            or not 0 <= block_rows <= T):
         raise ValueError(f"cache_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"last {tuple(last.shape)}: expected Hq a multiple of Hkv, k and v alike, last [B, T]")
+                         f"last {tuple(last.shape)}, block_rows {block_rows}: expected Hq a multiple of Hkv, "
+                         f"k and v alike, last [B, T], 0 <= block_rows <= T")
     G = HQ // HKV
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     gate = gate.reshape(B, T, HQ, D) if gate.dim() == 3 else gate  # or q_proj's per-head views, read in place
@@ -136,7 +139,8 @@ def cache_attention(q, k, v, last, gate, splits: int | None = None):
         return out
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     _split_kv_kernel[(B * HKV * tiles, S)](
-        q, k, v, last, acc, m, l, T, G, rows, HKV, D, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        q, k, v, last, acc, m, l, T, T - block_rows, G, rows, HKV, D, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), last.stride(0), last.stride(1),
         1.4426950408889634 / D ** 0.5, S, DP=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
         PREC=prec, num_warps=warps)

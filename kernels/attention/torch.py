@@ -9,15 +9,28 @@ def visible_keys(last: torch.Tensor, length: int) -> torch.Tensor:
     return torch.arange(length, device=last.device)[None, None, :] <= last[:, :, None]
 
 
+def block_last(last: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """last [B, T] with its final ``block_rows`` rows (a block, which sees itself whole) all set to
+    the final row's."""
+    T = last.shape[1]
+    if not 0 <= block_rows <= T:
+        raise ValueError(f"cache_attention: block_rows {block_rows} must lie in [0, {T}]")
+    if not block_rows:
+        return last
+    return torch.cat([last[:, :T - block_rows], last[:, -1:].expand(-1, block_rows)], dim=1)
+
+
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor,
-                    gate: torch.Tensor) -> torch.Tensor:
+                    gate: torch.Tensor, block_rows: int = 0) -> torch.Tensor:
     """q [B, Hq, T, D]; k, v [B, Hkv, L, D]: the cache buffer, the step's own rows already written
     at their positions; last [B, T] int: row t of batch row b sees keys [0, last[b, t]] (a commit
-    row its prefix and itself, a block row the prefix and the whole block);
+    row its prefix and itself); the final ``block_rows`` rows (a block previewed: the prefix and the
+    whole block) see keys up to the final row's (``block_last``: the caller passes the positions);
     gate [B, T, Hq * D] or its per-head view [B, T, Hq, D].
 
     Returns [B, T, Hq * D]: per query head h, softmax(q k^T / sqrt(D)) v over the visible keys of
     kv head h // (Hq / Hkv), times sigmoid(gate) (the gated attention output; clover-architecture.md section 2)."""
     B, _, T, _ = q.shape
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible_keys(last, k.shape[2])[:, None], enable_gqa=True)
+    mask = visible_keys(block_last(last, block_rows), k.shape[2])[:, None]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))

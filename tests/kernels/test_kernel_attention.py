@@ -51,6 +51,24 @@ def test_split_kv_equals_the_reference(label, lasts, heads, D, dtype, device, cl
     close(out, _expected(*args), dtype, what=label)
 
 
+@pytest.mark.parametrize("c, m", [(0, 5), (3, 5), (1, 1), (2, 0)], ids=str)
+def test_a_block_of_rows_sees_itself_whole(c, m, dtype, device, close):
+    """``block_rows``: the last m rows (a block previewed after c commit rows) see keys up to the
+    block's last position, the commit rows up to their own; given the positions, the kernel picks
+    each row's last key as ``block_last`` does, with no [B, T] tensor built."""
+    from clover_kernels.attention.torch import block_last
+
+    positions = [[20 + i for i in range(c + m)], [41 + i for i in range(c + m)]]
+    q, k, v, pos, gate = _case(positions, dtype=dtype, device=device)
+    last = block_last(pos, m)
+    assert last[:, :c].tolist() == pos[:, :c].tolist() and (last[:, c:] == pos[:, -1:]).all()
+    want = _expected(q, k, v, last, gate)
+    torch.testing.assert_close(reference.cache_attention(q.float(), k.float(), v.float(), pos, gate.float(), m), want)
+    close(split_kv.cache_attention(q, k, v, pos, gate, m), want, dtype, what="block rows")
+    with pytest.raises(ValueError, match="block_rows"):
+        split_kv.cache_attention(q, k, v, pos, gate, c + m + 1)
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_every_split_count_merges_to_the_same_result(splits, device, close):
     args = _case([[40, 41], [130, 131]], device=device)
