@@ -98,9 +98,8 @@ class Experts(nn.Module):
         if self.store is not None:  # a batch's per-row coresets [B, size]: the store holds their union
             held = coreset if coreset is None or coreset.dim() == 1 else coreset.reshape(-1).unique()
             return self.store.run(self, x, expert_ids, weights, held)
-        if slots:
-            return self.compute(x, expert_ids, weights, self.expert_tensors(), self.packed, slots=True)
-        return self.compute(x, expert_ids, weights, self.expert_tensors(), self.packed)
+        extra = {"slots": True} if slots else {}  # only where leaves_slots (FP8Experts.compute has no slots)
+        return self.compute(x, expert_ids, weights, self.expert_tensors(), self.packed, **extra)
 
 
 class SparseMoE(nn.Module):

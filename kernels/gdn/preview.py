@@ -111,7 +111,8 @@ def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, hist
         block_scale.contiguous(), history_bias.contiguous(), history_log_n.contiguous(),
         o, p_hist, h, m, math.log(m),
         mixed.stride(0), mixed.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
-        o.stride(0), o.stride(1), o.stride(2), p_hist.stride(0), p_hist.stride(1), h.stride(0), h.stride(1), h.stride(2),
+        o.stride(0), o.stride(1), o.stride(2), p_hist.stride(0), p_hist.stride(1),
+        h.stride(0), h.stride(1), h.stride(2),
         Hv, Hv // num_k_heads, num_k_heads * dk, dk ** -0.5,
         K=K, DK=dk, DV=dv, BK=BK, BV=BV, BM=BM, RETURN_H=return_history, PREC=dot_precision(mixed.dtype),
         num_warps=8 if BK * BM >= 4096 else 4,  # 32 rows at dk=128 on 4 warps: fp32 spills on sm_90
