@@ -432,6 +432,11 @@ def _gating_calls(label, dt, d, T):
     yield "qk_norm_rope", label, T, ("qk_norm_rope", (
         query_gate[..., :D], _meta(1, T, Hkv, D, dtype=dt), _meta(D, dtype=dt), _meta(D, dtype=dt),
         _meta(T, dtype=torch.int64), _meta(R // 2, dtype=torch.float32)))
+    kv_cache = _meta(1, Hkv, ATTENTION_BUFFERS[1], D, dtype=dt)  # a static step: K,V written into the cache
+    yield "qk_norm_rope", label, T, ("qk_norm_rope", (
+        query_gate[..., :D], _meta(1, T, Hkv, D, dtype=dt), _meta(D, dtype=dt), _meta(D, dtype=dt),
+        _meta(1, T, dtype=torch.int64), _meta(R // 2, dtype=torch.float32), 1e-6,
+        (kv_cache, kv_cache, _meta(1, T, Hkv, D, dtype=dt))))
     yield "sigmoid_gate", label, T, ("sigmoid_gate", (_meta(1, Hq, T, D, dtype=dt).transpose(1, 2), query_gate[..., D:]))
     gates = _meta(1, T, 2 * Hv, dtype=dt)  # in_proj_b and in_proj_a's columns
     yield "gdn_gates", label, T, ("gdn_gates", (gates[..., :Hv], gates[..., Hv:], _meta(Hv, dtype=dt),

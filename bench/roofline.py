@@ -145,7 +145,7 @@ def step_kinds(cfg: CloverConfig, context: int):
 # (the newest bench/results/step-launches-*.json; these figures when there is none), times the
 # layers, at LAUNCH_S per kernel replayed in a CUDA graph. A step cannot be faster than it.
 LAUNCH_S = 2e-6
-KERNELS_PER_LAYER = {"AR": 17.25, "preview": 15.5, "fused": 18.75, "preview, coreset use": 15.5}
+KERNELS_PER_LAYER = {"AR": 16.75, "preview": 15.0, "fused": 18.25, "preview, coreset use": 15.0}
 
 
 def kernels_per_layer() -> dict:

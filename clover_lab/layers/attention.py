@@ -38,17 +38,20 @@ class GatedAttention(nn.Module):
         D = self.head_dim
         q, k, v = self.qkv_proj(self, x)
         q, gate = q.reshape(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)  # per-head views [B, T, Hq, D]
-        # q/k norms and RoPE in one kernel on a GPU -> [B, Hq, T, D], [B, Hkv, T, D]
+        v = v.reshape(B, T, self.num_kv_heads, D)
+        cache: AttentionCache | None = None if ctx.is_training else ctx.cache.layers[self.layer]
+        # q/k norms and RoPE in one kernel on a GPU -> [B, Hq, T, D], [B, Hkv, T, D]; a static step's
+        # K,V written into the cache at every row's position by the same kernel (rows past the committed
+        # length are scratch until a commit publishes them)
         q, k = ops.qk_norm_rope(q, k.reshape(B, T, self.num_kv_heads, D), self.q_norm.weight, self.k_norm.weight,
-                                ctx.positions, ctx.rope.inv_freq_on(q.device), self.q_norm.eps)
-        v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
+                                ctx.positions, ctx.rope.inv_freq_on(q.device), self.q_norm.eps,
+                                cache=(cache.k, cache.v, v) if ctx.is_static else None)
+        v = v.transpose(1, 2)
         if ctx.is_training:
             o = self._attend_blocks(q, k, v, ctx.c, ctx.block_size)
             return self.o_proj(self._gated(o, gate))
-
-        cache: AttentionCache = ctx.cache.layers[self.layer]
         if ctx.is_static:
-            return self.o_proj(self._attend_static(q, k, v, gate, cache, ctx))
+            return self.o_proj(self._attend_static(q, gate, cache, ctx))
         if ctx.is_ragged:
             return self.o_proj(self._gated(self._attend_ragged(q, k, v, cache, ctx), gate))
         n, c, m = ctx.n, ctx.c, ctx.m
@@ -79,18 +82,14 @@ class GatedAttention(nn.Module):
         return ops.sigmoid_gate(o.transpose(1, 2), gate).reshape(B, T, -1)
 
     @staticmethod
-    def _attend_static(q, k, v, gate, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:
-        """Static shapes for CUDA graphs: every row's K,V is written at its position (positions
-        [B, c + m], each batch row from its own length; rows past the committed length are scratch
-        until a commit publishes them), then the gated attention of each row up to the last key it
-        sees (``clover_kernels.cache_attention``: on a GPU it reads only those keys, the bound read
-        on the device; the torch path masks the whole buffer). Commit rows see the prefix
-        causally; block rows see the prefix and the block. Returns [B, c + m, Hq * D]."""
-        pos = ctx.positions  # [B, c + m]
-        at = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, H_kv, c + m, D]
-        cache.k.scatter_(2, at, k)
-        cache.v.scatter_(2, at, v)
-        return ops.cache_attention(q, cache.k, cache.v, pos, gate, ctx.m)  # the block's rows see it whole
+    def _attend_static(q, gate, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:
+        """Static shapes for CUDA graphs: every row's K,V already written at its position
+        (positions [B, c + m], each batch row from its own length: ``qk_norm_rope``), the gated
+        attention of each row up to the last key it sees (``clover_kernels.cache_attention``: on a
+        GPU it reads only those keys, the bound read on the device; the torch path masks the whole
+        buffer). Commit rows see the prefix causally; block rows see the prefix and the block.
+        Returns [B, c + m, Hq * D]."""
+        return ops.cache_attention(q, cache.k, cache.v, ctx.positions, gate, ctx.m)  # the block's rows see it whole
 
     @staticmethod
     def _attend_ragged(q, k, v, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:

@@ -26,11 +26,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 positions: torch.Tensor, inv_freq: torch.Tensor, eps: float = 1e-6):
+                 positions: torch.Tensor, inv_freq: torch.Tensor, eps: float = 1e-6, cache=None):
     """q [B, T, Hq, D], k [B, T, Hkv, D] (any strides: per-head views of a projection) -> their
     zero-centred RMSNorms (weights [D]) rotated at ``positions`` ([T], or [B, T] per row):
-    q [B, Hq, T, D], k [B, Hkv, T, D] in q's dtype."""
+    q [B, Hq, T, D], k [B, Hkv, T, D] in q's dtype. ``cache``: (k_cache, v_cache [B, Hkv, L, D], v
+    [B, T, Hkv, D]): k and v are also written into the caches at each row's position (the static
+    step's cache write; positions [B, T])."""
     cos, sin = cos_sin(positions, inv_freq, q.dtype)
     q = rms_norm(q, q_weight, eps).transpose(1, 2)
-    k = rms_norm(k, k_weight, eps).transpose(1, 2)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    k = apply_rotary(rms_norm(k, k_weight, eps).transpose(1, 2), cos, sin)
+    if cache is not None:
+        k_cache, v_cache, v = check_cache(cache, k, positions)
+        at = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, Hkv, T, D]
+        k_cache.scatter_(2, at, k)
+        v_cache.scatter_(2, at, v.transpose(1, 2))
+    return apply_rotary(q, cos, sin), k
+
+
+def check_cache(cache, k: torch.Tensor, positions: torch.Tensor):
+    """(k_cache, v_cache, v) as ``qk_norm_rope`` takes them, checked against k [B, Hkv, T, D]."""
+    k_cache, v_cache, v = cache
+    B, H, T, D = k.shape
+    if (k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[:2] != (B, H) or k_cache.shape[3] != D
+            or tuple(v.shape) != (B, T, H, D) or tuple(positions.shape) != (B, T)):
+        raise ValueError(f"qk_norm_rope: cache {tuple(k_cache.shape)}, {tuple(v_cache.shape)}, v {tuple(v.shape)}, "
+                         f"positions {tuple(positions.shape)}: expected caches [{B}, {H}, L, {D}], v [{B}, {T}, {H}, "
+                         f"{D}] and positions [{B}, {T}]")
+    return k_cache, v_cache, v
