@@ -34,6 +34,7 @@ from ..context import Coreset, ForwardContext, publish
 from ..hooks import points
 from ..hooks.events import NOWHERE
 from ..model import CloverModel
+from .observed import copied
 
 
 # --------------------------------------------------------------------------- one static step
@@ -333,8 +334,7 @@ def _fresh(static_out: tuple) -> tuple:
     logits = tuple(None if t is None else t.clone() for t in static_out[:2])
     if len(static_out) == 2:
         return logits
-    observations = [tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in o) for o in static_out[2]]
-    return (*logits, observations, static_out[3])
+    return (*logits, copied(static_out[2]), static_out[3])
 
 
 # --------------------------------------------------------------------------- which graphs a run uses
