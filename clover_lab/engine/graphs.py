@@ -18,7 +18,7 @@ costs ~10 s per step shape, once per process. With an expert coreset, a block's 
 (which records the coreset) and its later previews (which route within it) are two graphs
 that share the coreset's buffers, owned here (``coreset(size)``).
 
-Hooks inside the model (``observed.py``): a step records what route observers read and leaves
+Hooks inside the model (``observed.py``): a step records what observers read and leaves
 its cache writes for the caller to publish after them (``observed``); ``split_step`` runs a
 compiled step as compiled segments of layers around the layers whose hooks run live.
 """
