@@ -144,8 +144,7 @@ ENGINE_POINTS = (DENOISE_STEP, BLOCK_COMMIT)
 # ``recorded``: what a static step keeps for the notebook views' observers (MemoryView: the GDN
 # state and history weights, ExpertView: the routers' decisions)
 INPUT = declare("layers.{i}.input", layer_types=_BOTH, **_RESIDUAL)
-GDN_STATE = declare("layers.{i}.gdn.state", GDNStateEvent, layer_types=_GDN, recorded=("state", "ring"),
-                    fields=dict(
+GDN_STATE = declare("layers.{i}.gdn.state", GDNStateEvent, layer_types=_GDN, recorded=("state", "ring"), fields=dict(
     layer=value(int), state=tensor(FLOAT, 4, clone=True), ring=tensor(FLOAT, 3, clone=True), length=value(int),
     row_lengths=KEPT))
 GDN_PREVIEW = declare("layers.{i}.gdn.preview", GDNPreviewEvent, layer_types=_GDN,
