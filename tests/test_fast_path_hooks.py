@@ -129,8 +129,8 @@ def _memory_hooks(seen: list) -> dict:
     return {"layers.*.gdn.state": _memory_log(seen), "layers.*.gdn.preview": _memory_log(seen)}
 
 
-@pytest.mark.parametrize("prompts", [PROMPTS[1], PROMPTS])
-def test_gdn_observers_keep_the_whole_static_step(gen_model, prompts):
+@pytest.mark.parametrize("prompts, mode", [(PROMPTS[1], "diffusion"), (PROMPTS, "diffusion"), (PROMPTS, "ar")])
+def test_gdn_observers_keep_the_whole_static_step(gen_model, prompts, mode):
     """MemoryView's points (the GDN state after each commit, the preview's history weights and
     reads) are recorded by the static step like the routers' decisions: the observers see the
     eager forward's events, in its order, with its lengths and positions (a batch whose rows
@@ -138,11 +138,13 @@ def test_gdn_observers_keep_the_whole_static_step(gen_model, prompts):
     plain, fast = Engine(gen_model), Engine(gen_model)
     plain.step_graphs, fast.step_graphs = False, True
     want, got = [], []
-    a = _generate(plain, prompts, _memory_hooks(want), **KW)
-    b = _generate(fast, prompts, _memory_hooks(got), **KW)
+    kw = KW if mode == "diffusion" else dict(mode="ar", max_new_tokens=12)
+    a = _generate(plain, prompts, _memory_hooks(want), **kw)
+    b = _generate(fast, prompts, _memory_hooks(got), **kw)
     assert _tokens(b) == _tokens(a) and b.stats.forwards == a.stats.forwards
     assert [e[:3] for e in got] == [e[:3] for e in want]
-    assert {e[0] for e in got} == {"GDNStateEvent", "GDNPreviewEvent"} and {e[1].phase for e in got} >= {"decode"}
+    kinds = {"GDNStateEvent", "GDNPreviewEvent"} if mode == "diffusion" else {"GDNStateEvent"}
+    assert {e[0] for e in got} == kinds and {e[1].phase for e in got} >= {"decode"}
     assert len([e for e in got if e[1].phase == "decode"]) >= 12
     single = not isinstance(prompts[0], list)  # a batch's GEMMs run over its bucket's padding rows
     for (_, _, _, x), (_, _, _, y) in zip(got, want):
