@@ -49,9 +49,9 @@ def describe(names, limit: int = 3) -> str:
 
 
 def _rows(t, batch: int, per_row: int, index: list[int] | None):
-    """Rows ``index`` of a tensor laid out over ``batch`` rows of ``per_row`` entries each (a
-    tensor held once for every row, such as one row's coreset [E], only comes with one row)."""
-    if index is None or batch == 1 or not isinstance(t, torch.Tensor):
+    """Rows ``index`` of a tensor laid out over ``batch`` rows of ``per_row`` entries each; one
+    held once for every row (one row's coreset [E]) or None as it is."""
+    if index is None or batch == 1 or not isinstance(t, torch.Tensor) or t.shape[0] != batch * per_row:
         return t
     return t.view(batch, per_row, *t.shape[1:])[torch.tensor(index, device=t.device)].reshape(-1, *t.shape[1:])
 
