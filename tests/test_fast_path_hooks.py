@@ -169,7 +169,7 @@ def test_a_gdn_state_observer_that_raises_leaves_the_cache_unchanged(gen_model):
     @observer
     def broken(ev):
         if ev.where.phase == "prefill":
-            prefill[ev.layer] = ev.state.clone()
+            prefill[ev.layer] = (ev.state.clone(), ev.ring.clone())
         else:
             raise ValueError("broken observer")
 
@@ -177,8 +177,8 @@ def test_a_gdn_state_observer_that_raises_leaves_the_cache_unchanged(gen_model):
         fast.generate(PROMPTS[1], **KW)
     cache = fast._fast_path.graphs.cache
     assert cache.length == len(PROMPTS[1]) and set(prefill) == set(gen_model.config.gdn_layers())
-    for layer, state in prefill.items():
-        assert torch.equal(cache.layers[layer].state, state)
+    for layer, (state, ring) in prefill.items():
+        assert torch.equal(cache.layers[layer].state, state) and torch.equal(cache.layers[layer].ring, ring)
     assert fast.generate(PROMPTS[1], **KW).token_ids == want
 
 
