@@ -78,6 +78,7 @@ TABLE = (
     Op("add_rms_norm", _norm.add_rms_norm, "norm.rms:add_rms_norm"),
     Op("gated_rms_norm", _norm.gated_rms_norm, "norm.rms:gated_rms_norm"),
     # the attention's q/k norms and RoPE: q [B, T, Hq, D], k [B, T, Hkv, D] -> [B, heads, T, D] each
+    # (``cache``: a static step's K,V also written into the cache at the rows' positions)
     Op("qk_norm_rope", _rope.qk_norm_rope, "rope.fused:qk_norm_rope"),
     # in_proj_b / in_proj_a's outputs -> (log decay g fp32, beta)
     Op("gdn_gates", _gates.gdn_gates, "gates.fused:gdn_gates"),
@@ -93,7 +94,8 @@ TABLE = (
     # weighted output [T, k, H] fp32, unsummed (moe_combine sums it over k)
     Op("moe_experts", _moe.moe_experts, "moe.fused:moe_experts", torch_only=("packed",)),
     # the router's rule over logits [T, E]: (probs fp32 [T, E], expert ids [T, k], weights fp32 [T, k]);
-    # ``allowed`` [E] or [T, E] bool restricts the picks (a coreset)
+    # ``allowed`` [E] or [T, E] bool restricts the picks, or ``within`` a coreset's expert ids; ``record``:
+    # a coreset buffer the rows' coreset is written into (one more launch)
     Op("route", _moe_naive.route, "moe.route:route"),
     # the static step's attention: over the live keys (each row's last from the device), GQA folded, gated
     Op("cache_attention", _attention.cache_attention, "attention.split_kv:cache_attention", takes=_not_fp32_on_gpu),
