@@ -464,6 +464,7 @@ HALF_DTYPES = FP8_DTYPES
 KERNEL_DTYPES = {name: set(HALF_DTYPES) for name in ("_fp8_linear_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel",
                                                      "_split_kv_kernel", "_combine_kernel")}
 KERNEL_DTYPES["_align_kernel"] = {"bf16"}  # reads only expert ids: one binary for every activation dtype
+KERNEL_DTYPES["_coreset_kernel"] = {"bf16"}  # reads only the fp32 router probabilities: likewise
 
 
 def _fp8_calls(label, dt, d, rows):
