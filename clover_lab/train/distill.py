@@ -64,13 +64,15 @@ def distinct_ngrams(ids: torch.Tensor, n: int = 4) -> float:
 
 
 def make_corpus(model: CloverModel, tokens: torch.Tensor, sequences: int, seq_len: int = 256,
-                prompt_lens: tuple[int, ...] = (32, 48, 64, 96, 128), batch_size: int = 64,
+                prompt_lens: tuple[int, ...] = (32, 48, 64, 96, 128), batch_size: int = 256,
                 repetition_penalty: float = 1.2, min_distinct: float = 0.6, seed: int = 0,
                 progress: bool = True) -> dict:
     """``sequences`` rows of ``seq_len`` tokens: a real prefix from ``tokens`` (its length one of
     ``prompt_lens``, each a multiple of the block size so that the continuation starts a block)
     followed by the model's greedy continuation. Continuations whose share of distinct 4-grams is
-    below ``min_distinct`` (the model looping) are dropped and replaced."""
+    below ``min_distinct`` (the model looping) are dropped and replaced. Every batch is a whole
+    ``batch_size`` (the surplus of the last one is dropped): a step of the cache path costs nearly
+    the same for 7 rows as for 64, so a small refill batch would cost as much as a full one."""
     from tqdm.auto import tqdm
 
     bs = model.config.block_size
@@ -80,7 +82,7 @@ def make_corpus(model: CloverModel, tokens: torch.Tensor, sequences: int, seq_le
     rows, prompt_of, dropped = [], [], 0
     bar = tqdm(total=sequences, desc="self-distillation", unit="seq", disable=not progress)
     while len(rows) < sequences:
-        n = min(batch_size, sequences - len(rows))
+        n = batch_size
         P = prompt_lens[int(torch.randint(len(prompt_lens), (1,), generator=gen))]
         starts = torch.randint(0, len(tokens) - P, (n,), generator=gen)
         prompts = torch.stack([tokens[s:s + P] for s in starts.tolist()]).long()
@@ -110,7 +112,7 @@ def main(argv=None):
     ap.add_argument("--out", help="corpus file (default RUN/distill.pt)")
     ap.add_argument("--sequences", type=int, default=2048)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--repetition-penalty", type=float, default=1.2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
