@@ -67,6 +67,25 @@ def test_corpus_rows_are_real_prefix_then_continuation(tiny_model):
         make_corpus(tiny_model, tokens, 2, seq_len=64, prompt_lens=(16,), min_distinct=1.01, progress=False)
 
 
+def test_corpus_batches_are_whole(tiny_model, monkeypatch):
+    """Every generation batch has batch_size rows, the last one too (its surplus dropped): a cache-path
+    step costs about as much for a few rows as for a whole batch."""
+    from clover_lab.train import distill
+
+    shapes = []
+
+    def recorded(model, prompts, new_tokens, repetition_penalty):
+        shapes.append(tuple(prompts.shape))
+        return greedy_continuations(model, prompts, new_tokens, repetition_penalty)
+
+    monkeypatch.setattr(distill, "greedy_continuations", recorded)
+    tokens = torch.randint(3, 500, (2000,), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    corpus = make_corpus(tiny_model, tokens, 5, seq_len=48, prompt_lens=(16,), batch_size=4, min_distinct=0.0,
+                         progress=False)
+    assert len(corpus["sequences"]) == len(corpus["prompt_lens"]) == 5
+    assert shapes == [(4, 16), (4, 16)]
+
+
 def test_training_batch_mixes_the_corpus():
     tokens = torch.arange(1000, dtype=torch.int32)
     distilled = torch.full((7, 64), -1, dtype=torch.int32)
