@@ -86,6 +86,31 @@ def test_corpus_batches_are_whole(tiny_model, monkeypatch):
     assert shapes == [(4, 16), (4, 16)]
 
 
+def test_a_stopped_corpus_resumes_from_its_partial_file(tiny_model, tmp_path):
+    """A distillation stopped after a batch resumes from the partial file to the rows an uninterrupted
+    one makes; another model's or other settings' partial file is refused, naming what differs."""
+    from clover_lab.errors import CheckpointError
+    from clover_lab.train.distill import partial_path
+
+    tokens = torch.randint(3, 500, (2000,), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
+    kw = dict(seq_len=48, prompt_lens=(16, 32), batch_size=2, min_distinct=0.0, progress=False)
+    whole = make_corpus(tiny_model, tokens, 5, **kw)
+    partial = partial_path(tmp_path / "distill1.pt")
+    assert partial == tmp_path / "distill1.partial.pt"
+    make_corpus(tiny_model, tokens, 2, partial=partial, **kw)  # "stopped" after its first batch
+    assert len(torch.load(partial)["sequences"]) == 2
+    resumed = make_corpus(tiny_model, tokens, 5, partial=partial, **kw)
+    assert torch.equal(resumed["sequences"], whole["sequences"])
+    assert torch.equal(resumed["prompt_lens"], whole["prompt_lens"]) and resumed["settings"] == whole["settings"]
+    with pytest.raises(CheckpointError, match="repetition_penalty"):
+        make_corpus(tiny_model, tokens, 8, partial=partial, **{**kw, "repetition_penalty": 1.5})
+    other = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(2)
+    with pytest.raises(CheckpointError, match="model"):
+        make_corpus(other, tokens, 8, partial=partial, **kw)
+
+
 def test_training_batch_mixes_the_corpus():
     tokens = torch.arange(1000, dtype=torch.int32)
     distilled = torch.full((7, 64), -1, dtype=torch.int32)
