@@ -111,6 +111,30 @@ def test_a_stopped_corpus_resumes_from_its_partial_file(tiny_model, tmp_path):
         make_corpus(other, tokens, 8, partial=partial, **kw)
 
 
+def test_the_command_runs_a_small_model_on_one_thread_and_resumes(tiny_model, tmp_path):
+    """python -m clover_lab.train.distill: one thread for a small CPU model (unless --threads), and
+    its partial file removed once the corpus is written."""
+    from clover_lab.train import distill
+
+    tiny_model.save_pretrained(tmp_path / "model")
+    tokens = torch.randint(3, 500, (3000,), generator=torch.Generator().manual_seed(6), dtype=torch.int32)
+    torch.save({"train": tokens}, tmp_path / "data.pt")
+    before = torch.get_num_threads()
+    args = ["--model", str(tmp_path / "model"), "--tokens", str(tmp_path / "data.pt"), "--sequences", "2",
+            "--seq-len", "144", "--batch-size", "2"]
+    try:
+        torch.set_num_threads(2)
+        distill.main([*args, "--out", str(tmp_path / "d.pt")])
+        assert torch.get_num_threads() == 1
+        assert len(torch.load(tmp_path / "d.pt")["sequences"]) == 2 and not (tmp_path / "d.partial.pt").exists()
+        distill.main([*args, "--out", str(tmp_path / "e.pt"), "--threads", "2"])
+        assert torch.get_num_threads() == 2
+        with pytest.raises(SystemExit):
+            distill.main([*args, "--out", str(tmp_path / "f.pt"), "--threads", "0"])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_training_batch_mixes_the_corpus():
     tokens = torch.arange(1000, dtype=torch.int32)
     distilled = torch.full((7, 64), -1, dtype=torch.int32)
