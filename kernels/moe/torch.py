@@ -73,7 +73,7 @@ def _moe_experts_traced(x, expert_ids, weights, gate_up, down):
 # Under torch.compile the traced contraction reads an expert's weights once per (token, slot)
 # pair: it wins while few pairs share an expert (decode, one block), and loses to one GEMM per
 # expert hit past about this many pairs per expert (a batch of blocks: 2x slower at 64 pairs).
-TRACED_PAIRS_PER_EXPERT = 16
+TRACED_PAIRS_PER_EXPERT = 4
 
 
 @torch.library.custom_op("clover_kernels::moe_experts_grouped", mutates_args=())
