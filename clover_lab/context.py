@@ -108,7 +108,7 @@ class ForwardContext:
     pending: list = field(default_factory=list)  # (destination, source) cache writes, applied on success
     drafts: dict | None = None  # a draft commit: GDN layer -> what its rollback needs (``drafts.py``)
     # a static step: points whose hooks all only observe, read after the step from what it
-    # records here ((point, mode, lo, hi, tensors...) per event; ``engine/observed.py``)
+    # records here (``record``; ``engine/observed.py``)
     observed: frozenset = frozenset()
     observations: list = field(default_factory=list)
 
@@ -116,11 +116,8 @@ class ForwardContext:
     def cached(cls, cache: CloverCache, c: int, m: int, device, coreset: Coreset | None = None,
                where: Where = NOWHERE) -> "ForwardContext":
         n = cache.length
-        if cache.ragged:
-            positions = torch.tensor(cache.row_lengths, device=device)[:, None] + torch.arange(c + m, device=device)
-        else:
-            positions = torch.arange(n, n + c + m, device=device)
-        return cls(c, m, positions, cache=cache, n=n, coreset=coreset, where=where)
+        return cls(c, m, row_positions(cache.row_lengths if cache.ragged else [n], c + m, device), cache=cache, n=n,
+                   coreset=coreset, where=where)
 
     @classmethod
     def static(cls, cache: CloverCache, n: torch.Tensor, c: int, m: int,
@@ -135,6 +132,13 @@ class ForwardContext:
         clean = torch.arange(length, device=device)
         return cls(length, length, torch.cat([clean, clean]), block_size=block_size,  # noisy rows at clean positions
                    router_stats=None if router_stats is None else RouterStats(router_stats))
+
+    def record(self, point: str, mode: str, lo: int, hi: int, flat: bool, **fields) -> None:
+        """A static step's event at ``point`` for observers that read after the step: ``fields``
+        the device tensors it carries (the point's declared ``recorded`` fields) for rows [lo, hi)
+        of every batch row, flattened over the batch (``flat``: [B * (hi - lo), ...]) or one
+        entry per batch row ([B, ...])."""
+        self.observations.append((point, mode, lo, hi, flat, fields))
 
     def publish(self) -> None:
         """The forward succeeded: its deferred cache writes (GDN rings and states) land."""
@@ -157,6 +161,14 @@ class ForwardContext:
     @property
     def is_static(self) -> bool:
         return self.n_dev is not None
+
+
+def row_positions(lengths: list[int], rows: int, device) -> torch.Tensor:
+    """The absolute positions of ``rows`` rows after committed ``lengths``: [rows] from one
+    length, [B, rows] from a batch's rows at different lengths (each row from its own)."""
+    if len(set(lengths)) > 1:
+        return torch.tensor(lengths, device=device)[:, None] + torch.arange(rows, device=device)
+    return torch.arange(lengths[0], lengths[0] + rows, device=device)
 
 
 def publish(pending: list) -> None:

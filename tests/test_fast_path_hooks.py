@@ -111,3 +111,86 @@ def test_expert_view_keeps_the_static_path(view_engine):
     assert runs[False][1] == "eager: engine.step_graphs is False"
     assert runs[True][1].startswith("static (observers read after each step: layers.0.moe.route")
     assert (runs[True][2] == runs[False][2]).all() and runs[True][2].sum() > 0
+
+
+# --------------------------------------------------------------------------- MemoryView's GDN points
+def _memory_log(seen: list):
+    """What a GDN state or preview observer sees: the event's host fields and copies of its tensors."""
+    def hook(ev):
+        host = {k: getattr(ev, k) for k in ("layer", "length", "row_lengths", "positions") if hasattr(ev, k)}
+        host = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in host.items()}
+        tensors = {k: getattr(ev, k).clone() for k in ("state", "ring", "history_weights", "history_reads")
+                   if hasattr(ev, k)}
+        seen.append((type(ev).__name__, ev.where, host, tensors))
+    return observer(hook)
+
+
+def _memory_hooks(seen: list) -> dict:
+    return {"layers.*.gdn.state": _memory_log(seen), "layers.*.gdn.preview": _memory_log(seen)}
+
+
+@pytest.mark.parametrize("prompts, mode", [(PROMPTS[1], "diffusion"), (PROMPTS, "diffusion"), (PROMPTS, "ar")])
+def test_gdn_observers_keep_the_whole_static_step(gen_model, prompts, mode):
+    """MemoryView's points (the GDN state after each commit, the preview's history weights and
+    reads) are recorded by the static step like the routers' decisions: the observers see the
+    eager forward's events, in its order, with its lengths and positions (a batch whose rows
+    finish one by one: padding and rows sitting out left out), and the step stays static."""
+    plain, fast = Engine(gen_model), Engine(gen_model)
+    plain.step_graphs, fast.step_graphs = False, True
+    want, got = [], []
+    kw = KW if mode == "diffusion" else dict(mode="ar", max_new_tokens=12)
+    a = _generate(plain, prompts, _memory_hooks(want), **kw)
+    b = _generate(fast, prompts, _memory_hooks(got), **kw)
+    assert _tokens(b) == _tokens(a) and b.stats.forwards == a.stats.forwards
+    assert [e[:3] for e in got] == [e[:3] for e in want]
+    kinds = {"GDNStateEvent", "GDNPreviewEvent"} if mode == "diffusion" else {"GDNStateEvent"}
+    assert {e[0] for e in got} == kinds and {e[1].phase for e in got} >= {"decode"}
+    assert len([e for e in got if e[1].phase == "decode"]) >= 12
+    single = not isinstance(prompts[0], list)  # a batch's GEMMs run over its bucket's padding rows
+    for (_, _, _, x), (_, _, _, y) in zip(got, want):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k].shape == y[k].shape and x[k].dtype == y[k].dtype
+            assert torch.equal(x[k], y[k]) if single else torch.allclose(x[k], y[k], rtol=1e-4, atol=1e-5)
+    gdn = gen_model.config.gdn_layers()
+    assert b.stats.path == (f"static (observers read after each step: layers.{gdn[0]}.gdn.preview, "
+                            f"layers.{gdn[0]}.gdn.state, layers.{gdn[1]}.gdn.preview and "
+                            f"{2 * len(gdn) - 3} more points)")
+
+
+def test_a_gdn_state_observer_that_raises_leaves_the_cache_unchanged(gen_model):
+    """An observer raising at the first decode commit: the static step neither advanced nor
+    published its GDN writes (the cache holds the prefill's states), and the engine goes on."""
+    fast = Engine(gen_model)
+    fast.step_graphs = True
+    want = fast.generate(PROMPTS[1], **KW).token_ids
+    prefill = {}
+
+    @observer
+    def broken(ev):
+        if ev.where.phase == "prefill":
+            prefill[ev.layer] = (ev.state.clone(), ev.ring.clone())
+        else:
+            raise ValueError("broken observer")
+
+    with fast.hooks({"layers.*.gdn.state": broken}), pytest.raises(HookError, match=r"layers\.\d\.gdn\.state"):
+        fast.generate(PROMPTS[1], **KW)
+    cache = fast._fast_path.graphs.cache
+    assert cache.length == len(PROMPTS[1]) and set(prefill) == set(gen_model.config.gdn_layers())
+    for layer, (state, ring) in prefill.items():
+        assert torch.equal(cache.layers[layer].state, state) and torch.equal(cache.layers[layer].ring, ring)
+    assert fast.generate(PROMPTS[1], **KW).token_ids == want
+
+
+def test_a_gdn_state_hook_that_is_no_observer_leaves_the_static_step(gen_model):
+    """A hook that may change the state (any hook not marked an observer) runs live: on the
+    uncompiled static path that is the eager forward, and the stats say so."""
+    def damp(ev):
+        ev.state.mul_(0.5)
+
+    plain, fast = Engine(gen_model), Engine(gen_model)
+    plain.step_graphs, fast.step_graphs = False, True
+    a = _generate(plain, PROMPTS[1], {"layers.0.gdn.state": damp}, **KW)
+    b = _generate(fast, PROMPTS[1], {"layers.0.gdn.state": damp}, **KW)
+    assert b.token_ids == a.token_ids
+    assert b.stats.path == "eager: a hook on layers.0.gdn.state"

@@ -138,6 +138,31 @@ def test_a_point_is_declared_once():
     with pytest.raises(clover_lab.CloverError, match="names the layer types"):
         P.declare("layers.{i}.nowhere", ProbeEvent, {})
     assert "layers.{i}.nowhere" not in P.DECLARED and "nowhere" not in P.DECLARED
+    with pytest.raises(clover_lab.CloverError, match=r"recorded fields \['depth'\] are not among its fields"):
+        P.declare("layers.{i}.probe.depth", ProbeEvent, dict(rms=P.tensor(P.FLOAT, 2)),
+                  layer_types=("full_attention",), recorded=("rms", "depth"))
+    assert "probe.depth" not in P.DECLARED
+
+
+def test_the_static_step_serves_the_observers_of_points_declared_recorded(gen_model, monkeypatch):
+    """Which points a static step records for observers, and which fields, is their declaration's
+    ``recorded`` (engine/observed.py reads nothing else): declared without it, a route observer
+    takes the eager forward; declared with it, the static step and the eager tokens."""
+    from clover_lab.hooks.registry import observer
+
+    assert {k for k, p in P.DECLARED.items() if p.recorded} == {P.MOE_ROUTE, P.GDN_STATE, P.GDN_PREVIEW}
+    engine = Engine(gen_model)
+    engine.step_graphs = True
+    seen = []
+    hooks = {"layers.1.moe.route": observer(lambda ev: seen.append(ev.expert_ids.tolist()))}
+    with engine.hooks(hooks):
+        static = engine.generate(PROMPT, **GEN)
+    monkeypatch.setitem(P.DECLARED, P.MOE_ROUTE, replace(P.DECLARED[P.MOE_ROUTE], recorded=()))
+    with engine.hooks(hooks):
+        eager = engine.generate(PROMPT, **GEN)
+    assert static.stats.path == "static (observers read after each step: layers.1.moe.route)"
+    assert eager.stats.path == "eager: a hook on layers.1.moe.route"
+    assert static.token_ids == eager.token_ids and seen[:len(seen) // 2] == seen[len(seen) // 2:]
 
 
 def test_a_trace_saved_before_the_declarations_still_loads(tmp_path):

@@ -18,7 +18,7 @@ costs ~10 s per step shape, once per process. With an expert coreset, a block's 
 (which records the coreset) and its later previews (which route within it) are two graphs
 that share the coreset's buffers, owned here (``coreset(size)``).
 
-Hooks inside the model (``observed.py``): a step records what route observers read and leaves
+Hooks inside the model (``observed.py``): a step records what observers read and leaves
 its cache writes for the caller to publish after them (``observed``); ``split_step`` runs a
 compiled step as compiled segments of layers around the layers whose hooks run live.
 """
@@ -34,6 +34,7 @@ from ..context import Coreset, ForwardContext, publish
 from ..hooks import points
 from ..hooks.events import NOWHERE
 from ..model import CloverModel
+from .observed import copied
 
 
 # --------------------------------------------------------------------------- one static step
@@ -335,8 +336,7 @@ def _fresh(static_out: tuple) -> tuple:
     logits = tuple(None if t is None else t.clone() for t in static_out[:2])
     if len(static_out) == 2:
         return logits
-    observations = [tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in o) for o in static_out[2]]
-    return (*logits, observations, static_out[3])
+    return (*logits, copied(static_out[2]), static_out[3])
 
 
 # --------------------------------------------------------------------------- which graphs a run uses

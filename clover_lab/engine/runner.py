@@ -201,8 +201,10 @@ class Runner:
         index = None if rows == self.slots else [self.slots.index(r) for r in rows]
         read = None
         if detail:
+            lengths = self.cache.row_lengths or [self.cache.length] * self.cache.batch_size
+
             def read(observations):
-                fire_observed(self.model, self.hooks, observations, len(self.slots), index, where)
+                fire_observed(self.model, self.hooks, observations, lengths, c, index, where)
         if index is None:
             return self.graphs.step(ids, c, m, commit_logits, self.coreset, detail, read)
         at = torch.tensor(index, device=ids.device)

@@ -1,7 +1,8 @@
 """The one place hook points are declared: each point once, with its name pattern, the event
 class it fires and how each field of that event is saved. Capture (what it keeps and clones),
-traces (what a trace read back must hold), replay (the event a record is rebuilt as) and the
-layout test all read these declarations, so a new point is one :func:`declare` and its fire site.
+traces (what a trace read back must hold), replay (the event a record is rebuilt as), the static
+step (which fields it records for observers that read after it) and the layout test all read
+these declarations, so a new point is one :func:`declare` and its fire site.
 
 Names follow one scheme (section 5 of the architecture spec): ``<stage>.<point>`` for the
 engine, between forwards (``denoise.step``, ``block.commit``), and ``layers.{i}.<module>.<point>``
@@ -56,7 +57,11 @@ class Point:
     ``fields``: the event fields a capture keeps, in order, and how (:class:`Saved`); ``engine``:
     fired by the engine between forwards (a static step or CUDA graph never calls it);
     ``residual``: a residual-stream ``value`` a hook may replace; ``agree``: (data, config) ->
-    what is wrong with how a saved record's fields agree in shape, or None."""
+    what is wrong with how a saved record's fields agree in shape, or None; ``recorded``: the
+    event fields a static step (compiled, or a CUDA graph) writes into its outputs so that
+    observers of the point read after it (``engine/observed.py``; the other fields, such as the
+    layer, mode, lengths and positions, are the host's), empty for a point whose hooks split a
+    static step."""
 
     name: str
     event: type
@@ -65,6 +70,7 @@ class Point:
     engine: bool = False
     residual: bool = False
     agree: Callable | None = field(default=None, repr=False)
+    recorded: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -87,6 +93,9 @@ def declare(name: str, event: type, fields: dict[str, Saved], **how) -> str:
     if point.per_layer != bool(point.layer_types):
         raise InputError(f"hook point {name!r}: a per-layer point ({LAYER_PREFIX}...) names the layer types that "
                          f"have it, and only such a point")
+    if not set(point.recorded) <= set(point.fields):
+        raise InputError(f"hook point {name!r}: recorded fields {sorted(set(point.recorded) - set(point.fields))} "
+                         f"are not among its fields")
     DECLARED[point.kind] = point
     return point.kind
 
@@ -131,17 +140,21 @@ BLOCK_COMMIT = declare("block.commit", CommitEvent, engine=True, fields=dict(
 ENGINE_POINTS = (DENOISE_STEP, BLOCK_COMMIT)
 
 # per-layer points, in the order they fire within a layer. The residual stream: entering a layer,
-# the token mixer's and the MoE block's outputs (what each adds to the stream), leaving the layer
+# the token mixer's and the MoE block's outputs (what each adds to the stream), leaving the layer.
+# ``recorded``: what a static step keeps for the notebook views' observers (MemoryView: the GDN
+# state and history weights, ExpertView: the routers' decisions)
 INPUT = declare("layers.{i}.input", layer_types=_BOTH, **_RESIDUAL)
-GDN_STATE = declare("layers.{i}.gdn.state", GDNStateEvent, layer_types=_GDN, fields=dict(
+GDN_STATE = declare("layers.{i}.gdn.state", GDNStateEvent, layer_types=_GDN, recorded=("state", "ring"), fields=dict(
     layer=value(int), state=tensor(FLOAT, 4, clone=True), ring=tensor(FLOAT, 3, clone=True), length=value(int),
     row_lengths=KEPT))
-GDN_PREVIEW = declare("layers.{i}.gdn.preview", GDNPreviewEvent, layer_types=_GDN, fields=dict(
+GDN_PREVIEW = declare("layers.{i}.gdn.preview", GDNPreviewEvent, layer_types=_GDN,
+                      recorded=("history_weights", "history_reads"), fields=dict(
     layer=value(int), positions=tensor(INT, (1, 2)), history_weights=tensor(FLOAT, 3),
     history_reads=tensor(FLOAT, 4)))
 ATTN_OUTPUT = declare("layers.{i}.attn.output", layer_types=_ATTN, **_RESIDUAL)
 GDN_OUTPUT = declare("layers.{i}.gdn.output", layer_types=_GDN, **_RESIDUAL)
-MOE_ROUTE = declare("layers.{i}.moe.route", RouteEvent, layer_types=_BOTH, agree=_route_agrees, fields=dict(
+MOE_ROUTE = declare("layers.{i}.moe.route", RouteEvent, layer_types=_BOTH, agree=_route_agrees,
+                    recorded=("positions", "router_probs", "expert_ids", "weights", "selectable"), fields=dict(
     layer=value(int), mode=value(str, choices=MODES), positions=tensor(INT, 1), router_probs=tensor(FLOAT, 2),
     expert_ids=tensor(INT, 2), weights=tensor(FLOAT, 2), selectable=KEPT))
 MOE_OUTPUT = declare("layers.{i}.moe.output", layer_types=_BOTH, **_RESIDUAL)

@@ -125,15 +125,20 @@ class GatedDeltaNet(nn.Module):
                 if (event.state is not state or event.ring is not ring
                         or (edit_count(state), edit_count(ring)) != before or None in before):
                     ring, state = checked_state(event, self.state_point, ring, state)
+            elif self.state_point in ctx.observed:  # a static step: its observers read this after it
+                ctx.record(self.state_point, "commit", 0, c, False, state=state, ring=ring)
             ctx.pending += [(cache.ring, ring), (cache.state, state)]
             outs.append(o)
         if m:
-            want_history = ctx.hooks and self.hooks.active(self.preview_point)
+            observed = self.preview_point in ctx.observed  # a static step: its observers read after it
+            want_history = observed or (ctx.hooks and self.hooks.active(self.preview_point))
             right, scale, bias, coef = self.preview_weights(m)
             o, p_hist, h = ops.gdn_preview(mixed[:, c:], ring, conv_w, right, state, scale, bias, coef,
                                            self.num_k_heads, self.head_k_dim, self.head_v_dim,
                                            return_history=want_history)
-            if want_history:
+            if observed:
+                ctx.record(self.preview_point, "preview", c, c + m, False, history_weights=p_hist, history_reads=h)
+            elif want_history:
                 self.hooks.fire(self.preview_point,
                                 GDNPreviewEvent(self.layer, ctx.positions[..., c:], p_hist, h, where=ctx.where))
             outs.append(o)

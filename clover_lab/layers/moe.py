@@ -150,8 +150,8 @@ class SparseMoE(nn.Module):
                 ids, weights = checked_route(event, self.route_point, probs.shape[0], self.num_experts)
             weights = weights.to(dtype)
         elif self.route_point in ctx.observed:  # a static step: its observers read this after it
-            ctx.observations.append((self.route_point, mode, lo, hi, ctx.flat_positions(lo, hi, batch), probs, ids,
-                                     weights, allowed))
+            ctx.record(self.route_point, mode, lo, hi, True, positions=ctx.flat_positions(lo, hi, batch),
+                       router_probs=probs, expert_ids=ids, weights=weights, selectable=allowed)
         return ids, weights
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None,
