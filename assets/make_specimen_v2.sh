@@ -10,6 +10,11 @@
 #   then python -m clover_lab.train.card --run "$RUN" --model assets/clover-stdlib --baseline "$RUN/init_card.json"
 # Every stage resumes: a finished round is skipped (its round-N/measure.json exists), a stopped
 # training stage resumes from its checkpoint when the script runs again.
+# The round's settings (LR, CONFIDENCE, SHARE; GENERATION: the exported sampler defaults, as
+# space-separated SETTING=VALUE) are read each time the script runs: keep them for a run.
+# SWEEP (e.g. "repetition_penalty=1.0,1.15,1.3"): also measure each round with those sampler
+# settings, into round-N/sweep.json, to choose GENERATION by measurement (a swept setting replaces
+# only that one of the exported defaults: sweep every penalty that GENERATION sets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/specimen2}
@@ -17,9 +22,18 @@ INIT=${INIT:-assets/clover-stdlib}
 ROUNDS=${ROUNDS:-3}
 SEQUENCES=${SEQUENCES:-1024}  # self-distilled sequences per round (4096 made v1's round)
 STEPS=${STEPS:-300}           # training steps per round (1200 made v1's round)
-THREADS=${THREADS:-2}
+THREADS=${THREADS:-2}          # 1 on a machine busy with other work: two threads there wait on each other (10x slower)
 MINUTES=${MINUTES:-120}        # the wall-clock budget of each training stage
+LR=${LR:-6e-4}                 # the peak learning rate of each round's schedule
+CONFIDENCE=${CONFIDENCE:-0.5}  # the confidence term's weight
+SHARE=${SHARE:-0.75}           # the share of each batch's rows from the round's corpus
+GENERATION=${GENERATION-"repetition_penalty=1.3 frequency_penalty=0.5"}  # the shipped model's defaults (GENERATION= for none)
+SWEEP=${SWEEP:-}
 PY=${PY:-python}
+GENERATION_ARGS=()
+for G in $GENERATION; do GENERATION_ARGS+=(--generation "$G"); done
+SWEEP_ARGS=()
+for S in $SWEEP; do SWEEP_ARGS+=(--sweep "$S"); done
 [ -f "$RUN/train_state.pt" ] || $PY -m clover_lab.train --out "$RUN" --init "$INIT" --minutes 0 --threads "$THREADS"
 for N in $(seq 1 "$ROUNDS"); do
     [ -f "$RUN/round-$N/measure.json" ] && continue
@@ -28,12 +42,14 @@ for N in $(seq 1 "$ROUNDS"); do
     # the round's stage: a fresh schedule on distill$N.pt once, then resumed to its last step
     if ! $PY -c "import torch,sys; s=torch.load(sys.argv[1], weights_only=False)['settings']; \
 sys.exit(s['distill_data'] != sys.argv[2])" "$RUN/train_state.pt" "$RUN/distill$N.pt"; then
-        $PY -m clover_lab.train --out "$RUN" --minutes "$MINUTES" --extend-steps "$STEPS" --lr 6e-4 \
-            --threads "$THREADS" --confidence-weight 0.5 --distill "$RUN/distill$N.pt" --distill-share 0.75
+        $PY -m clover_lab.train --out "$RUN" --minutes "$MINUTES" --extend-steps "$STEPS" --lr "$LR" \
+            --threads "$THREADS" --confidence-weight "$CONFIDENCE" --distill "$RUN/distill$N.pt" --distill-share "$SHARE"
     fi
-    # exported with the shipped model's generation defaults, so that its measure compares like with like
+    # exported with GENERATION as its defaults (by default the shipped model's, so that its measure compares like with like)
     $PY -m clover_lab.train --out "$RUN" --minutes "$MINUTES" --threads "$THREADS" --export "$RUN/round-$N" \
-        --generation repetition_penalty=1.3 --generation frequency_penalty=0.5
+        "${GENERATION_ARGS[@]}"
+    [ -z "$SWEEP" ] || $PY -m clover_lab.train.measure --model "$RUN/round-$N" --run "$RUN" --threads "$THREADS" \
+        "${SWEEP_ARGS[@]}" --out "$RUN/round-$N/sweep.json"
     $PY -m clover_lab.train.measure --model "$RUN/round-$N" --run "$RUN" --threads "$THREADS" \
         --out "$RUN/round-$N/measure.json"
 done

@@ -67,6 +67,74 @@ def test_corpus_rows_are_real_prefix_then_continuation(tiny_model):
         make_corpus(tiny_model, tokens, 2, seq_len=64, prompt_lens=(16,), min_distinct=1.01, progress=False)
 
 
+def test_corpus_batches_are_whole(tiny_model, monkeypatch):
+    """Every generation batch has batch_size rows, the last one too (its surplus dropped): a cache-path
+    step costs about as much for a few rows as for a whole batch."""
+    from clover_lab.train import distill
+
+    shapes = []
+
+    def recorded(model, prompts, new_tokens, repetition_penalty):
+        shapes.append(tuple(prompts.shape))
+        return greedy_continuations(model, prompts, new_tokens, repetition_penalty)
+
+    monkeypatch.setattr(distill, "greedy_continuations", recorded)
+    tokens = torch.randint(3, 500, (2000,), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    corpus = make_corpus(tiny_model, tokens, 5, seq_len=48, prompt_lens=(16,), batch_size=4, min_distinct=0.0,
+                         progress=False)
+    assert len(corpus["sequences"]) == len(corpus["prompt_lens"]) == 5
+    assert shapes == [(4, 16), (4, 16)]
+
+
+def test_a_stopped_corpus_resumes_from_its_partial_file(tiny_model, tmp_path):
+    """A distillation stopped after a batch resumes from the partial file to the rows an uninterrupted
+    one makes; another model's or other settings' partial file is refused, naming what differs."""
+    from clover_lab.errors import CheckpointError
+    from clover_lab.train.distill import partial_path
+
+    tokens = torch.randint(3, 500, (2000,), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
+    kw = dict(seq_len=48, prompt_lens=(16, 32), batch_size=2, min_distinct=0.0, progress=False)
+    whole = make_corpus(tiny_model, tokens, 5, **kw)
+    partial = partial_path(tmp_path / "distill1.pt")
+    assert partial == tmp_path / "distill1.partial.pt"
+    make_corpus(tiny_model, tokens, 2, partial=partial, **kw)  # "stopped" after its first batch
+    assert len(torch.load(partial)["sequences"]) == 2
+    resumed = make_corpus(tiny_model, tokens, 5, partial=partial, **kw)
+    assert torch.equal(resumed["sequences"], whole["sequences"])
+    assert torch.equal(resumed["prompt_lens"], whole["prompt_lens"]) and resumed["settings"] == whole["settings"]
+    with pytest.raises(CheckpointError, match="repetition_penalty"):
+        make_corpus(tiny_model, tokens, 8, partial=partial, **{**kw, "repetition_penalty": 1.5})
+    other = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(2)
+    with pytest.raises(CheckpointError, match="model"):
+        make_corpus(other, tokens, 8, partial=partial, **kw)
+
+
+def test_the_command_runs_a_small_model_on_one_thread_and_resumes(tiny_model, tmp_path):
+    """python -m clover_lab.train.distill: one thread for a small CPU model (unless --threads), and
+    its partial file removed once the corpus is written."""
+    from clover_lab.train import distill
+
+    tiny_model.save_pretrained(tmp_path / "model")
+    tokens = torch.randint(3, 500, (3000,), generator=torch.Generator().manual_seed(6), dtype=torch.int32)
+    torch.save({"train": tokens}, tmp_path / "data.pt")
+    before = torch.get_num_threads()
+    args = ["--model", str(tmp_path / "model"), "--tokens", str(tmp_path / "data.pt"), "--sequences", "2",
+            "--seq-len", "144", "--batch-size", "2"]
+    try:
+        torch.set_num_threads(2)
+        distill.main([*args, "--out", str(tmp_path / "d.pt")])
+        assert torch.get_num_threads() == 1
+        assert len(torch.load(tmp_path / "d.pt")["sequences"]) == 2 and not (tmp_path / "d.partial.pt").exists()
+        distill.main([*args, "--out", str(tmp_path / "e.pt"), "--threads", "2"])
+        assert torch.get_num_threads() == 2
+        with pytest.raises(SystemExit):
+            distill.main([*args, "--out", str(tmp_path / "f.pt"), "--threads", "0"])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_training_batch_mixes_the_corpus():
     tokens = torch.arange(1000, dtype=torch.int32)
     distilled = torch.full((7, 64), -1, dtype=torch.int32)

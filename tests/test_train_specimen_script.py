@@ -1,0 +1,46 @@
+"""assets/make_specimen_v2.sh: the commands each round runs, with its settings (a stand-in PY records them)."""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "assets" / "make_specimen_v2.sh"
+
+# records each call's arguments; `-c` (the script's "is this round's stage begun?" check) answers no
+FAKE_PY = """#!/usr/bin/env bash
+printf '%s\\n' "$*" >> "$CALLS"
+[ "$1" != "-c" ]
+"""
+
+
+def rounds(tmp_path, **env) -> list[str]:
+    run, calls, py = tmp_path / "run", tmp_path / "calls.txt", tmp_path / "py"
+    run.mkdir()
+    (run / "train_state.pt").touch()
+    (run / "distill1.pt").touch()  # round 1's corpus exists: the stage is trained next
+    py.write_text(FAKE_PY)
+    py.chmod(0o755)
+    full = {**os.environ, "RUN": str(run), "ROUNDS": "1", "PY": str(py), "CALLS": str(calls), **env}
+    subprocess.run(["bash", str(SCRIPT)], env=full, check=True, capture_output=True, text=True)
+    return calls.read_text().splitlines()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_rounds_settings_reach_its_commands(tmp_path):
+    train, export, measure = [c for c in rounds(tmp_path, LR="1e-3", CONFIDENCE="1.0", SHARE="0.5") if c[:2] != "-c"]
+    assert "--extend-steps 300 --lr 1e-3" in train and "--confidence-weight 1.0" in train
+    assert "--distill-share 0.5" in train and train.endswith(str(tmp_path / "run" / "distill1.pt") + " --distill-share 0.5")
+    assert export.endswith("--generation repetition_penalty=1.3 --generation frequency_penalty=0.5")  # the defaults
+    assert measure.endswith("--out " + str(tmp_path / "run" / "round-1" / "measure.json"))
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_no_generation_defaults_and_a_sweep(tmp_path):
+    calls = [c for c in rounds(tmp_path, GENERATION="", SWEEP="repetition_penalty=1.0,1.2 frequency_penalty=0,0.5")
+             if c[:2] != "-c"]
+    export, sweep, measure = calls[1:]
+    assert "--generation" not in export and export.endswith("--export " + str(tmp_path / "run" / "round-1"))
+    assert "--sweep repetition_penalty=1.0,1.2 --sweep frequency_penalty=0,0.5" in sweep
+    assert sweep.endswith("round-1/sweep.json") and measure.endswith("round-1/measure.json")
