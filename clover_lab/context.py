@@ -128,7 +128,7 @@ class ForwardContext:
         """``n``: each row's committed length, [B] on the device. ``observed``: points whose
         observers read the step's records afterwards (no hook is called inside a static step)."""
         return cls(c, m, n[:, None] + torch.arange(c + m, device=n.device), cache=cache, n_dev=n, coreset=coreset,
-                   hooks=False, observed=observed)
+                   hooks=False, observed=observed, where=NOWHERE)  # given: torch.compile cannot wrap a default
 
     @classmethod
     def training(cls, length: int, block_size: int, device, router_stats: list | None = None) -> "ForwardContext":

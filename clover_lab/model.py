@@ -151,6 +151,12 @@ class CloverModel(RandomWeights, PackedWeights, nn.Module):
         cast (``_apply``). Returns the groups fused."""
         return sum(group.fuse(module) for module, group in self.projection_groups())
 
+    def check_projections(self) -> None:
+        """Drop every fused weight whose parts moved on (``FusedProjections.current``): a host
+        check, run before a compiled step, whose traced code trusts the fused weights it finds."""
+        for module, group in self.projection_groups():
+            group.current(module)
+
     def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(), to_empty(): the parts are new tensors
         out = super()._apply(fn, *args, **kwargs)
         self.fuse_projections()

@@ -56,7 +56,9 @@ def static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, n: to
 def check_static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, c: int, m: int,
                       observed: frozenset = frozenset(), live: tuple[int, ...] = ()) -> None:
     """What a static step refuses, checked outside any traced or captured code: a hook it would
-    not call (one not on an ``observed`` point and only observing, nor in a ``live`` layer)."""
+    not call (one not on an ``observed`` point and only observing, nor in a ``live`` layer); a
+    fused projection weight gone stale is dropped here, where its data pointers can be read."""
+    model.check_projections()
     if model.hooks.model_hooks_attached():
         missed = [p for p in model.hooks.model_points()
                   if not (p in observed and model.hooks.observers_only(p))

@@ -72,13 +72,23 @@ class FusedProjections:
         self._parts = [(m, m.weight.data_ptr()) for m in mods]
         return True
 
-    def active(self, owner: nn.Module, x: torch.Tensor) -> bool:
+    def current(self, owner: nn.Module) -> bool:
+        """Whether the fused weight is still the parts' (the same modules, their weights still its
+        views, on its device); a stale one is dropped. A host check that torch.compile cannot trace
+        (it compares data pointers): a compiled step runs it before the step
+        (``CloverModel.check_projections``), and the traced ``active`` trusts it."""
         if self.weight is None:
             return False
         for (held, ptr), m in zip(self._parts, self.modules(owner)):
             if held is not m or m.weight.data_ptr() != ptr or m.weight.device != self.weight.device:
                 self.weight, self.packed, self._parts = None, None, []  # stale: the parts moved on
                 return False
+        return True
+
+    def active(self, owner: nn.Module, x: torch.Tensor) -> bool:
+        if self.weight is None or not (torch.compiler.is_compiling() or self.current(owner)):
+            return False
+        for m in self.modules(owner):
             if m._forward_hooks or m._forward_pre_hooks or (torch.is_grad_enabled() and m.weight.requires_grad):
                 return False
         return not (torch.is_grad_enabled() and x.requires_grad)
