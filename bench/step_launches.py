@@ -81,6 +81,40 @@ def count_static_steps(model, lengths=(21, 46), max_len: int = 256, coreset_size
     return out
 
 
+def count_sampler_steps(engine, prompt: str = "def fibonacci(n):\n", new_tokens: int = 32) -> dict:
+    """mode -> kernels and host syncs of the decoding work between two forwards, per step: the
+    policy's decision, the sampler (penalties, temperature, top-k/p as the model's generation
+    defaults set them), the canvas update and the one host transfer. Block diffusion: each call of
+    ``diffusion.denoise_step``; AR: each row's ``sampling.decide``. The model's forwards are not
+    in these counts (``count_static_steps`` has them). ``syncs``: the ops the dispatcher sees force
+    one; the step's one host transfer (``.tolist()`` of the decision) reads a CPU tensor's memory
+    without an aten op, so it is not among them on a CPU."""
+    from clover_kernels.launches import LaunchCounter
+    from clover_lab import sampling
+    from clover_lab.engine import diffusion
+
+    out = {}
+    for mode, module, name in (("diffusion", diffusion, "denoise_step"), ("ar", sampling, "decide")):
+        original, calls = getattr(module, name), []
+
+        def counted(*args, _original=original, **kwargs):
+            with LaunchCounter() as count:
+                result = _original(*args, **kwargs)
+            calls.append(count)
+            return result
+
+        setattr(module, name, counted)
+        try:
+            engine.generate(prompt, max_new_tokens=new_tokens, mode=mode)
+        finally:
+            setattr(module, name, original)
+        kernels = [c.kernels for c in calls]
+        by_name = sum((c.by_name for c in calls), start=type(calls[0].by_name)())
+        out[mode] = dict(steps=len(calls), kernels_per_step=sum(kernels) / len(calls), max_kernels=max(kernels),
+                         syncs=sorted({x for c in calls for x in c.syncs}), by_name={k: v / len(calls) for k, v in by_name.most_common()})
+    return out
+
+
 @contextlib.contextmanager
 def torch_path():
     """CLOVER_KERNELS=torch meanwhile (the set-up of a count, not what is counted)."""
@@ -118,12 +152,21 @@ def main(argv=None) -> int:
     counts = count_static_steps(model)
     layers = model.config.num_hidden_layers
     print_table(counts, layers)
+    from clover_lab import load
+
+    with torch_path():  # the forwards between the counted steps need not run in the interpreter
+        sampler = count_sampler_steps(load(device=str(model.device), dtype=torch.float32))
+    for mode, r in sampler.items():
+        print(f"decoding work per step outside the forward, {mode}: {r['kernels_per_step']:.1f} kernels "
+              f"(at most {r['max_kernels']}); at 40 layers "
+              f"{r['kernels_per_step'] / 40:.2f} per layer")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(
             benchmark="step_launches", date=dt.datetime.now().isoformat(timespec="seconds"), device=str(model.device),
             kernels_env=os.environ.get("CLOVER_KERNELS"), interpret=os.environ.get("TRITON_INTERPRET") == "1",
-            torch=torch.__version__, python=platform.python_version(), layers=layers, steps=counts), indent=1) + "\n")
+            torch=torch.__version__, python=platform.python_version(), layers=layers, steps=counts,
+            decoding=sampler), indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -97,3 +97,18 @@ def test_the_counter_sees_syncs_views_and_triton_launches():
     with LaunchCounter() as count:
         rms.rms_norm(x.to(w.device), w, 1e-6)
     assert count.triton == 1
+
+
+# the decoding work between two forwards, per step (bench/step_launches.py: count_sampler_steps), on
+# the embedded model with its generation defaults (repetition and frequency penalties): block
+# diffusion's denoise_step (policy, sampler, canvas update) and AR's sampling.decide per row
+DECODING_BUDGET = {"diffusion": 36, "ar": 14}
+
+
+def test_the_decoding_work_per_step_stays_on_the_device_under_its_budget():
+    from clover_lab import load
+
+    counts = step_launches.count_sampler_steps(load(dtype=torch.float32), new_tokens=16)
+    for mode, r in counts.items():
+        assert r["steps"] > 0 and r["syncs"] == [], (mode, r)
+        assert r["max_kernels"] <= DECODING_BUDGET[mode], f"{mode}: {r['max_kernels']} kernels a step, {r['by_name']}"
