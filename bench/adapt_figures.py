@@ -24,8 +24,8 @@ import torch
 from clover_lab import load
 from clover_lab.train.card import speed
 from clover_lab.train.objective import evaluate
+from result_file import DATE, RESULTS, result_path, write_json
 
-RESULTS = Path(__file__).resolve().parent / "results"
 THRESHOLDS = (0.9, 0.5)
 
 
@@ -87,8 +87,7 @@ def main():
            "run": {"adapt": state["adapt"], "settings": state["settings"], "steps": state["step"],
                    "train_seconds": state.get("train_seconds"), "last_log": log[-1] if log else None},
            "heldout_tokens": len(heldout), "command": args.command, "models": results}
-    dest = Path(args.json) if args.json else RESULTS / f"adapt-small-cpu-{date.today()}.json"
-    dest.write_text(json.dumps(out, indent=2) + "\n")
+    dest = write_json(args.json or result_path(RESULTS, "adapt-small-cpu", DATE), out, indent=2)
     print(f"wrote {dest}")
 
 

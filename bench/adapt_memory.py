@@ -16,17 +16,15 @@ Prints a table; writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 from datetime import date
-from pathlib import Path
 
 import torch
 
 from clover_lab import CloverConfig, CloverModel
 from clover_lab.train.objective import TrainSettings, block_diffusion_loss
 from clover_lab.train.plan import GIB, memory_plan, render
+from result_file import DATE, RESULTS, write_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def saved_bytes(model: CloverModel, length: int) -> dict[str, int]:
@@ -108,9 +106,7 @@ def main():
     print(render({"all, bf16": plan}))
     for k, v in result["activations_gib"].items():
         print(f"| activations, one row of {args.seq_len} tokens: {k} | {v:.1f} |")
-    dest = RESULTS / f"adapt-memory-{args.preset}-{date.today()}.json"
-    dest.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {dest}")
+    write_result(RESULTS, f"adapt-memory-{args.preset}", result, DATE, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from clover_lab import CloverConfig, CloverModel, Engine, load
+from result_file import RESULTS, write_result
 
 
 def parse_args(argv=None):
@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU")
     p.add_argument("--compiled", action="store_true",
                    help="also time every batch with engine.compile_steps = True (a compiled column)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     if any(b < 1 or args.prompts % b for b in args.batch_sizes):
         p.error(f"--batch-sizes must divide --prompts={args.prompts}")
@@ -155,16 +155,12 @@ def main(argv=None) -> int:
     Console(width=140).print(table)
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    path = out / f"batch-{name}-{tag}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({
+    write_result(args.out, f"batch-{name}-{tag}", {
         "benchmark": "bench_batch", "date": dt.datetime.now().isoformat(timespec="seconds"),
         "device": args.device, "device_name": device_name, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "args": vars(args), "rows": rows,
-    }, indent=2) + "\n")
-    print(f"wrote {path}")
+    }, indent=2)
     return 0 if all(r["same_tokens"] and r.get("compiled_same_tokens", True) for r in rows) else 1
 
 

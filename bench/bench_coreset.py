@@ -9,14 +9,13 @@ A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 from pathlib import Path
 
 import torch
 
 from clover_lab import load
 from clover_lab.lens import coreset_sweep
+from result_file import RESULTS, write_result
 
 
 def parse_args(argv=None):
@@ -30,7 +29,7 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plot", default=None, metavar="PNG")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
 
@@ -80,11 +79,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{str(r['coreset_size'] or 'none'):>8} {r['tokens_equal']:>13.3f} {r['tokens_per_forward']:>11.3f} "
               f"{1000 * r['seconds_per_step']:>8.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = out / f"coreset-{Path(args.model).name}-cpu-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    name.write_text(json.dumps(dict(settings=vars(args), rows=rows), indent=1))
-    print(f"wrote {name}")
+    write_result(args.out, f"coreset-{Path(args.model).name}-cpu", dict(settings=vars(args), rows=rows))
     if args.plot:
         plot(rows, args.plot, f"expert coreset, {engine.model.config.num_experts} experts top-"
                               f"{engine.model.config.num_experts_per_tok}")

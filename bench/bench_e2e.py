@@ -40,22 +40,20 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
 import warnings
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
 from clover_lab.config import CloverConfig
 from clover_lab.engine.runner import StepGraphs
 from clover_lab.model import CloverModel, Coreset
+from result_file import RESULTS, result_path, slug, write_json
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -76,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=16, help="rows of the batched steps (below 2: none)")
     p.add_argument("--init", default="device", choices=("device", "seeded"))
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for the JSON")
+    p.add_argument("--out", default=str(RESULTS), help="folder for the JSON")
     return p.parse_args(argv)
 
 
@@ -272,16 +270,14 @@ def main(argv=None) -> int:
     ]
     model.preview(cache, block, coreset=coreset)  # the block's first preview records the coreset (untimed)
     name, now = device_name(dev), dt.datetime.now()
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
-    path = Path(args.out) / f"e2e_{args.preset}_{now:%Y-%m-%d_%H%M%S}_{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = result_path(args.out, f"e2e_{args.preset}_{now:%Y-%m-%d_%H%M%S}_{slug(name)}", None)
 
     def write(complete: bool) -> None:  # after every step too: a run cut short keeps what it measured
-        path.write_text(json.dumps(dict(
+        write_json(path, dict(
             benchmark="bench_e2e", date=now.isoformat(timespec="seconds"), device=dev, device_name=name,
             preset=args.preset, dtype=args.dtype, torch=torch.__version__, python=platform.python_version(),
             hbm_roofline_bytes_per_s=HBM_BYTES_PER_S, args=vars(args), prompt_len=n, block=B,
-            complete=complete, rows=rows), indent=2) + "\n")
+            complete=complete, rows=rows), indent=2)
 
     rows = []
     for step, variant, setting in variants:

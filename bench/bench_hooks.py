@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import statistics
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from clover_lab import CloverConfig, CloverModel, Engine
+from result_file import RESULTS, write_result
 
 
 def parse_args(argv=None):
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--lm-head-scale", type=float, default=30.0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
 
@@ -149,17 +149,12 @@ def main(argv=None) -> int:
     Console(width=140).print(table)
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    path = out / f"hooks-{args.preset}-{tag}-{stamp}.json"
-    path.write_text(json.dumps({
+    write_result(args.out, f"hooks-{args.preset}-{tag}", {
         "benchmark": "bench_hooks", "date": dt.datetime.now().isoformat(timespec="seconds"),
         "device": args.device, "device_name": device_name, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "args": vars(args), "rows": rows,
-    }, indent=2) + "\n")
-    print(f"wrote {path}")
+    }, indent=2)
     return 0
 
 

@@ -8,8 +8,6 @@ table and writes JSON to bench/results/. A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import statistics
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ import torch
 
 from clover_lab import load
 from clover_lab.model import CloverModel, DecoderLayer
+from result_file import RESULTS, write_result
 
 
 def bare_layer_forward(self, x, ctx):
@@ -38,7 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = load(None if args.model == "default" else args.model)
@@ -65,11 +64,7 @@ def main(argv=None) -> int:
     print(f"{'mode':10} {'with points s':>14} {'without s':>10} {'ratio':>6}")
     for row in rows:
         print(f"{row['mode']:10} {row['with_points_s']:>14.4f} {row['without_s']:>10.4f} {row['ratio']:>6.3f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = out / f"idle-points-{Path(args.model).name}-cpu-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    name.write_text(json.dumps(dict(settings=vars(args), rows=rows), indent=1))
-    print(f"wrote {name}")
+    write_result(args.out, f"idle-points-{Path(args.model).name}-cpu", dict(settings=vars(args), rows=rows))
     return 0
 
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import math
 import os
 import platform
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from result_file import RESULTS, result_path, slug, write_json
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 
@@ -33,7 +33,7 @@ HBM_BYTES_PER_S = 4.8e12  # H200
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--interpret", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for the JSON")
+    p.add_argument("--out", default=str(RESULTS), help="folder for the JSON")
     p.add_argument("--repeat", type=int, default=50, help="timed calls per case (CUDA)")
     p.add_argument("--only", default="", help="comma-separated op names")
     p.add_argument("--count", action="store_true",
@@ -113,20 +113,15 @@ ROWS = []
 STARTED = dt.datetime.now()
 
 
-def write_json(complete: bool) -> Path:
-    """The rows so far (after every case too: a run cut short keeps what it measured)."""
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
-    out_dir = Path(ARGS.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"kernels_{STARTED:%Y-%m-%d_%H%M}_{slug}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dict(
+def write_rows(complete: bool) -> Path:
+    """The rows so far (after every case too: a run cut short keeps what it measured), whole or not
+    at all under the name readers look for."""
+    path = result_path(ARGS.out, f"kernels_{STARTED:%Y-%m-%d_%H%M}_{slug(device_name())}", None)
+    return write_json(path, dict(
         date=STARTED.isoformat(timespec="seconds"), device=device_name(), interpret=ARGS.interpret,
         dtype=str(DTYPE), torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
         hbm_roofline_bytes_per_s=HBM_BYTES_PER_S, dims=DIMS, complete=complete, rows=ROWS,
-    ), indent=2))
-    tmp.replace(path)  # never half a file under the name readers look for
-    return path
+    ), indent=2)
 
 
 def record(op, shape, kernel, reference, args, bytes_moved, extra=None):
@@ -146,7 +141,7 @@ def record(op, shape, kernel, reference, args, bytes_moved, extra=None):
         row["triton_error"] = f"{type(exc).__name__}: {exc}"[:300]
     row.update(extra or {})
     ROWS.append(row)
-    write_json(complete=False)
+    write_rows(complete=False)
     return row
 
 
@@ -278,8 +273,8 @@ def count_steps():
     spec.loader.exec_module(step_launches)
     if DEVICE == "cpu":
         os.environ["CLOVER_KERNELS"] = "triton"  # the kernels in the interpreter
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
-    return step_launches.main(["--json", str(Path(ARGS.out) / f"step-launches_{STARTED:%Y-%m-%d_%H%M}_{slug}.json")])
+    path = result_path(ARGS.out, f"step-launches_{STARTED:%Y-%m-%d_%H%M}_{slug(device_name())}", None)
+    return step_launches.main(["--json", str(path)])
 
 
 def main():
@@ -295,7 +290,7 @@ def main():
     if ARGS.interpret:
         print("(interpreter smoke run: times and bandwidths mean nothing)")
     print_table()
-    print(f"wrote {write_json(complete=True)}")
+    print(f"wrote {write_rows(complete=True)}")
     return 1 if any("triton_error" in r for r in ROWS) else 0
 
 

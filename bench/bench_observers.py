@@ -15,17 +15,15 @@ bench/results/. A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from clover_lab import load
 from clover_lab.hooks import points
 from clover_lab.hooks.registry import observer
+from result_file import RESULTS, write_result
 
 SETTINGS = ("none", "observers", "views")
 PROMPT = "def fibonacci(n):\n"
@@ -38,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--fps", type=float, default=10.0, help="the views' redraw rate (their default: 10)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
 
@@ -84,11 +82,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['setting']:10s} {r['median_s']:9.2f} {r['ratio']:6.2f} {r['tokens']:6d}  {str(r['same_tokens']):11s}  "
               f"{r['path']}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = out / f"observers-{engine.model.device.type}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    name.write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
-    print(f"wrote {name}")
+    write_result(args.out, f"observers-{engine.model.device.type}", dict(args=vars(args), rows=rows))
     return 0
 
 

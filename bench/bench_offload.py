@@ -16,11 +16,12 @@ Figures: bench/results/offload-default-model-cpu-2026-12-01.json (the README's t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
+
+from result_file import write_json
 
 
 def main(argv=None) -> int:
@@ -89,8 +90,7 @@ def main(argv=None) -> int:
               f"{r['former_copies_per_layer_forward']:>7.1f} {r['experts_per_layer_forward']:>8.2f} "
               f"{r['kib_per_layer_forward']:>9.1f} {r['prefetched_experts']:>10} {share:>6}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
     return 0
 
 

@@ -18,15 +18,13 @@ a test.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 
 from clover_lab import load
+from result_file import RESULTS, write_result
 
 # plain greedy decoding: the embedded model's generation_config.json adds penalties against loops
 GREEDY = dict(temperature=0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
@@ -60,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--only", nargs="*", default=None, help="labels to run (default: all)")
     p.add_argument("--plot", default=None, metavar="PNG")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
 
@@ -129,12 +127,8 @@ def main(argv=None) -> int:
         if "mean_accepted" in r:
             print(f"{r['policy']}: tokens per forward per prompt "
                   + " ".join(f"{x:.2f}" for x in r["per_prompt_tokens_per_forward"]))
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) / f"policies-default-model-cpu-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(args=vars(args), host=platform.node(), threads=torch.get_num_threads(),
-                                   rows=rows), indent=1))
-    print(f"wrote {out}")
+    write_result(args.out, "policies-default-model-cpu", dict(args=vars(args), host=platform.node(),
+                                                              threads=torch.get_num_threads(), rows=rows))
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import platform
 import socket
@@ -32,6 +31,7 @@ import uvicorn
 
 import clover_lab
 from clover_lab.serve import create_app
+from result_file import RESULTS, write_result
 
 PROMPTS = ["def parse(line):\n", "import os\n", "class Stack:\n", "def f(x):\n    return", "for i in range(",
            "# read a file\n", "x = [", "with open(path) as f:\n", "def main():\n", "try:\n", "if __name__ ==",
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
 
@@ -135,13 +135,9 @@ def main(argv=None):
         print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_second']:.1f} | "
               f"{r['tokens_per_second'] / base1:.2f}x | {r['ttft_median']:.2f} / {r['ttft_p90']:.2f} | {pt} | "
               f"{'yes' if r['same_text_as_alone'] else 'NO'} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = out / f"serve-{'default-model' if args.model is None else Path(args.model).name}-cpu-{stamp}.json"
-    path.write_text(json.dumps(dict(args=vars(args), host=platform.node(), torch=torch.__version__,
-                                    threads=args.threads, rows=rows), indent=1))
-    print(f"\n{path}")
+    print()
+    write_result(args.out, f"serve-{'default-model' if args.model is None else Path(args.model).name}-cpu",
+                 dict(args=vars(args), host=platform.node(), torch=torch.__version__, threads=args.threads, rows=rows))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ ratios and writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import platform
 import tempfile
 import time
@@ -22,6 +20,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from result_file import DATE, RESULTS, stamp, write_result
 
 SIZES = {
     # (layers, hidden, experts, top-k, expert FFN, GDN key/value heads, attention heads)
@@ -212,7 +212,7 @@ def main(argv=None):
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from clover_lab import malloc
@@ -242,13 +242,10 @@ def main(argv=None):
           "(prefill: every weight on its rows through clover_kernels.linear, plain or packed; decode: one token's\n"
           "matvecs), the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.\n"
           f"glibc malloc tuned for both (clover_lab.malloc): {tuned}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y-%m-%d")
-    file = out / f"compare_transformers-cpu-{stamp}-{args.dtype}-prompt{args.prompt}.json"
-    file.write_text(json.dumps({"date": stamp, "device": "cpu", "threads": args.threads, "malloc_tuned": tuned,
-                                "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {file}")
+    day = stamp(DATE)
+    write_result(args.out, f"compare_transformers-cpu-{day}-{args.dtype}-prompt{args.prompt}",
+                 {"date": day, "device": "cpu", "threads": args.threads, "malloc_tuned": tuned,
+                  "torch": torch.__version__, "rows": rows}, None, indent=2)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ import tempfile
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-if str(BENCH) not in sys.path:  # compile_check.py, the sm_90 gate, lives beside this script
+if str(BENCH) not in sys.path:  # compile_check.py, the sm_90 gate, and result_file.py live beside this script
     sys.path.insert(0, str(BENCH))
+
+from result_file import write_json  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 PEAK_FLOPS = {"bf16_dot": 790e12, "tf32_dot": 395e12, "fp32": 67e12}  # H200 (SXM), dense
@@ -341,9 +343,7 @@ def main(argv=None) -> int:
     if other is not None:
         result["other_triton"] = _summary(other)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, default=str) + "\n")
-        print(f"wrote {args.json}")
+        print(f"wrote {write_json(args.json, result, indent=None, default=str)}")
     failed = not args.costs_only and not report.get("ok")
     if other is not None and ("error" in other or not other.get("ok")):
         print(f"kernel_report: under Triton {args.triton}: " + (other.get("error") or "failures (marked above)"))

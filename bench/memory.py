@@ -11,12 +11,13 @@ what that costs.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from result_file import DATE, RESULTS, stamp, write_result
 
 CHILD = r"""
 import json, sys, time, torch
@@ -75,7 +76,7 @@ def main(argv=None):
     ap.add_argument("--big-layers", type=int, default=8, help="layers of the random bf16 checkpoint (8: ~2B)")
     ap.add_argument("--keep", default=None, help="keep the random checkpoint in this directory")
     ap.add_argument("--skip-big", action="store_true", help="only the embedded model")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     from clover_lab.loading import default_model_dir
 
@@ -95,12 +96,9 @@ def main(argv=None):
         print(f"{r['model']:34} {r['checkpoint_mb']:14.0f} {r['baseline_mb']:11.0f} {r['after_load_mb']:16.0f} "
               f"{r['after_generate_mb']:20.0f} "
               f"{grown / r['checkpoint_mb']:12.2f} {r['load_seconds']:7.1f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y-%m-%d")
-    file = out / f"memory-cpu-{stamp}{'-small' if args.skip_big else ''}.json"
-    file.write_text(json.dumps({"date": stamp, "device": "cpu", "rows": rows}, indent=2) + "\n")
-    print(f"wrote {file}")
+    day = stamp(DATE)
+    write_result(args.out, f"memory-cpu-{day}{'-small' if args.skip_big else ''}",
+                 {"date": day, "device": "cpu", "rows": rows}, None, indent=2)
 
 
 if __name__ == "__main__":

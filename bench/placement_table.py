@@ -12,15 +12,17 @@ CUDA context and the allocator. Experts that do not fit stay in host memory (CPU
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
+import sys
 from pathlib import Path
 
 import torch
 
-from clover_lab import CloverConfig, CloverModel
-from clover_lab.cache import cache_bytes
-from clover_lab.placement import meta_model, plan_placement
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_file.py, when a test imports this
+from result_file import DATE, RESULTS, write_result  # noqa: E402
+
+from clover_lab import CloverConfig, CloverModel  # noqa: E402
+from clover_lab.cache import cache_bytes  # noqa: E402
+from clover_lab.placement import meta_model, plan_placement  # noqa: E402
 
 GiB = 1 << 30
 # (label, GiB per GPU as the driver reports it, count)
@@ -64,7 +66,7 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=32768, help="tokens of cache to leave room for")
     ap.add_argument("--activations", type=float, default=3.0, help="GiB per GPU for activations and the context")
     ap.add_argument("--coreset", type=int, default=0, help="coreset size whose staging room the plan reserves")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     config = CloverConfig.preset("clover-35b-a3b")
     headroom = cache_bytes(config, args.context, dtype=torch.bfloat16) + int(args.activations * GiB)
@@ -77,11 +79,10 @@ def main(argv=None) -> None:
         per = " + ".join(f"{v:.1f}" for v in r["per_gpu_gib"].values())
         print(f"| {r['gpus']} | {r['dtype']} ({r['weights_gib']:.1f} GiB) | {'yes' if r['fits'] else 'no'} | {per} | "
               f"{host} | `{r['command']}` |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"placement-35b-{dt.date.today().isoformat()}.json"
-    out.write_text(json.dumps({"context": args.context, "activations_gib": args.activations, "coreset": args.coreset,
-                               "headroom_gib": headroom / GiB, "rows": rows}, indent=2) + "\n")
-    print(f"\nwritten to {out}")
+    print()
+    write_result(args.out, "placement-35b", {"context": args.context, "activations_gib": args.activations,
+                                             "coreset": args.coreset, "headroom_gib": headroom / GiB, "rows": rows},
+                 DATE, indent=2)
 
 
 if __name__ == "__main__":

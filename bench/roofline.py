@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import HBM_BYTES_PER_S, roofline_bytes  # noqa: E402  (one byte count for both tables)
+from result_file import RESULTS, write_json  # noqa: E402
 
 from clover_lab.config import CloverConfig  # noqa: E402
 from clover_lab.model import CloverModel  # noqa: E402
@@ -149,7 +150,7 @@ KERNELS_PER_LAYER = {"AR": 16.75, "preview": 15.0, "fused": 18.25, "preview, cor
 
 
 def kernels_per_layer() -> dict:
-    results = sorted((Path(__file__).resolve().parent / "results").glob("step-launches-*.json"))
+    results = sorted(RESULTS.glob("step-launches-*.json"))
     if results:
         steps = json.loads(results[-1].read_text())["steps"]
         return {k: steps[k]["per_layer"] for k in KERNELS_PER_LAYER if k in steps}
@@ -359,9 +360,7 @@ def main(argv=None) -> int:
                   attention=attention_table(model.config))
     print_tables(result)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        print(f"wrote {write_json(args.json, result)}")
     return 0
 
 

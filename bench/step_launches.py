@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
 import os
 import platform
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_file.py, when a test imports this
+from result_file import write_json  # noqa: E402
 
 SHAPES = ("AR", "preview", "fused", "preview, coreset record", "preview, coreset use")
 
@@ -161,12 +163,11 @@ def main(argv=None) -> int:
               f"(at most {r['max_kernels']}); at 40 layers "
               f"{r['kernels_per_step'] / 40:.2f} per layer")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(
+        write_json(args.json, dict(
             benchmark="step_launches", date=dt.datetime.now().isoformat(timespec="seconds"), device=str(model.device),
             kernels_env=os.environ.get("CLOVER_KERNELS"), interpret=os.environ.get("TRITON_INTERPRET") == "1",
             torch=torch.__version__, python=platform.python_version(), layers=layers, steps=counts,
-            decoding=sampler), indent=1) + "\n")
+            decoding=sampler))
         print(f"wrote {args.json}")
     return 0
 

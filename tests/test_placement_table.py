@@ -1,6 +1,8 @@
 """The README's table of GPU sets for the 35B model is bench/placement_table.py's output: every
 row the README shows is a row the script computes from the preset's config today."""
 import importlib.util
+import json
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,3 +20,7 @@ def test_the_readme_table_is_what_the_script_computes(capsys, tmp_path):
     assert len(readme) >= 8
     stale = [line for line in readme if line not in computed]
     assert not stale, "README rows the script no longer computes (rerun bench/placement_table.py):\n" + "\n".join(stale)
+    (written,) = tmp_path.iterdir()  # its JSON (bench/result_file.py), named by the day, nothing else
+    assert re.fullmatch(r"placement-35b-\d{4}-\d{2}-\d{2}\.json", written.name)
+    doc = json.loads(written.read_text())
+    assert doc["context"] == 32768 and len(doc["rows"]) == len(computed)
