@@ -20,15 +20,13 @@ A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from clover_lab import CloverConfig, CloverModel, Engine, load
-from result_file import RESULTS, write_result
+from result_file import RESULTS, run_fields, write_result
 
 
 def parse_args(argv=None):
@@ -154,13 +152,9 @@ def main(argv=None) -> int:
                       f"{r['ratio']:.2f}x", str(r["forwards"]), "yes" if r["same_tokens"] else "NO", *compiled)
     Console(width=140).print(table)
 
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    write_result(args.out, f"batch-{name}-{tag}", {
-        "benchmark": "bench_batch", "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "device": args.device, "device_name": device_name, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "args": vars(args), "rows": rows,
-    }, indent=2)
+    write_result(args.out, f"batch-{name}-{tag}", {**run_fields("bench_batch", args.device), "args": vars(args), "rows": rows},
+                 indent=2)
     return 0 if all(r["same_tokens"] and r.get("compiled_same_tokens", True) for r in rows) else 1
 
 

@@ -19,8 +19,6 @@ step, closer to a trained model's tokens per forward.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ from pathlib import Path
 import torch
 
 from clover_lab import CloverConfig, CloverModel, Engine
-from result_file import RESULTS, write_result
+from result_file import RESULTS, run_fields, write_result
 
 
 def parse_args(argv=None):
@@ -148,13 +146,9 @@ def main(argv=None) -> int:
                       "-" if r["records"] is None else str(r["records"]))
     Console(width=140).print(table)
 
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    write_result(args.out, f"hooks-{args.preset}-{tag}", {
-        "benchmark": "bench_hooks", "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "device": args.device, "device_name": device_name, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "args": vars(args), "rows": rows,
-    }, indent=2)
+    write_result(args.out, f"hooks-{args.preset}-{tag}", {**run_fields("bench_hooks", args.device), "args": vars(args), "rows": rows},
+                 indent=2)
     return 0
 
 

@@ -19,12 +19,15 @@ from clover_lab.model import CloverModel, DecoderLayer
 from result_file import RESULTS, write_result
 
 
-def bare_layer_forward(self, x, ctx):
-    """DecoderLayer.forward without the residual points (as before issue 17)."""
-    h = self.input_layernorm(x)
+def bare_layer_forward(self, x, ctx, normed=None, next_layer=None):
+    """DecoderLayer.forward without the residual points' lookups (issue 17): the same kernels (the
+    norms fused after the adds), no hook checks."""
+    h = self.input_layernorm(x) if normed is None else normed
     h = self.linear_attn(h, ctx) if self.layer_type == "linear_attention" else self.self_attn(h, ctx)
-    x = x + h
-    return x + self.mlp(self.post_attention_layernorm(x), ctx)
+    x, h = self.post_attention_layernorm.after_add(x, h)
+    if next_layer is None:
+        return self.mlp(h, ctx, residual=x), None
+    return self.mlp(h, ctx, residual=x, next_norm=next_layer.input_layernorm)
 
 
 def bare_head(self, rows, ctx=None, mode=None, positions=None):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import platform
 import re
 from pathlib import Path
 
@@ -31,6 +32,16 @@ def stamp(fmt: str = TIME) -> str:
 def slug(name: str) -> str:
     """A device's name as a part of a file name: "NVIDIA H200" -> "nvidia-h200"."""
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+def run_fields(benchmark: str, device: str) -> dict:
+    """What ran where, the head of a payload: the benchmark, the local date and time, the device
+    and its name (the GPU's, or the CPU's), torch and its threads."""
+    import torch
+
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+    return {"benchmark": benchmark, "date": dt.datetime.now().isoformat(timespec="seconds"), "device": device,
+            "device_name": name, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def result_path(out_dir, stem: str, fmt: str | None = TIME) -> Path:

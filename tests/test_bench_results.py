@@ -30,6 +30,15 @@ def test_names_hold_the_stem_and_the_utc_time_or_day(tmp_path):
     assert result_file.RESULTS == BENCH / "results"
 
 
+def test_run_fields_say_what_ran_where():
+    import torch
+
+    fields = result_file.run_fields("bench_batch", "cpu")
+    assert list(fields) == ["benchmark", "date", "device", "device_name", "torch", "threads"]
+    assert fields["benchmark"] == "bench_batch" and fields["device"] == "cpu" and fields["device_name"]
+    assert fields["torch"] == torch.__version__ and fields["threads"] == torch.get_num_threads()
+
+
 def test_a_result_round_trips_and_its_folder_is_made(tmp_path, capsys):
     path = result_file.write_result(tmp_path / "new" / "folder", "hooks-default-model-cpu", PAYLOAD, indent=2)
     assert path.parent == tmp_path / "new" / "folder" and path.name.startswith("hooks-default-model-cpu-")
