@@ -153,8 +153,8 @@ def main(argv=None) -> int:
     Console(width=140).print(table)
 
     tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    write_result(args.out, f"batch-{name}-{tag}", {**run_fields("bench_batch", args.device), "args": vars(args), "rows": rows},
-                 indent=2)
+    write_result(args.out, f"batch-{name}-{tag}",
+                 {**run_fields("bench_batch", args.device), "args": vars(args), "rows": rows}, indent=2)
     return 0 if all(r["same_tokens"] and r.get("compiled_same_tokens", True) for r in rows) else 1
 
 

@@ -147,8 +147,8 @@ def main(argv=None) -> int:
     Console(width=140).print(table)
 
     tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    write_result(args.out, f"hooks-{args.preset}-{tag}", {**run_fields("bench_hooks", args.device), "args": vars(args), "rows": rows},
-                 indent=2)
+    write_result(args.out, f"hooks-{args.preset}-{tag}",
+                 {**run_fields("bench_hooks", args.device), "args": vars(args), "rows": rows}, indent=2)
     return 0
 
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from clover_lab import CloverConfig, CloverModel
+from clover_lab.cache import cache_bytes
+from clover_lab.placement import meta_model, plan_placement
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_file.py, when a test imports this
 from result_file import DATE, RESULTS, write_result  # noqa: E402
-
-from clover_lab import CloverConfig, CloverModel  # noqa: E402
-from clover_lab.cache import cache_bytes  # noqa: E402
-from clover_lab.placement import meta_model, plan_placement  # noqa: E402
 
 GiB = 1 << 30
 # (label, GiB per GPU as the driver reports it, count)
