@@ -21,7 +21,7 @@ from clover_lab import CloverConfig, CloverModel
 from clover_lab.cache import cache_bytes
 from clover_lab.placement import meta_model, plan_placement
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_file.py, when a test imports this
+sys.path.append(str(Path(__file__).resolve().parent))  # result_file.py, when a test imports this (last: shadows nothing)
 from result_file import DATE, RESULTS, write_result  # noqa: E402
 
 GiB = 1 << 30

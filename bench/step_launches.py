@@ -22,7 +22,7 @@ import platform
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_file.py, when a test imports this
+sys.path.append(str(Path(__file__).resolve().parent))  # result_file.py, when a test imports this (last: shadows nothing)
 from result_file import write_json  # noqa: E402
 
 SHAPES = ("AR", "preview", "fused", "preview, coreset record", "preview, coreset use")
