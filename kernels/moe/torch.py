@@ -81,11 +81,11 @@ def _moe_experts_traced(x, expert_ids, weights, gate_up, down, slots: bool = Fal
 
 
 # Under torch.compile the traced contraction reads an expert's weights once per (token, slot)
-# pair: it wins while few pairs share an expert (decode, one block), and loses to one GEMM per
-# expert hit past about this many pairs per expert. Measured in the engine's compiled preview
-# step (16 experts, top 2, 1 thread): 2 pairs per expert (batch 1) 7.3 ms traced against 11.2 ms
-# grouped, 4 (batch 2) 14.7 against 13.6, 8 (batch 4) 26.4 against 18.5.
-TRACED_PAIRS_PER_EXPERT = 4
+# pair: it wins while few pairs share an expert (decode, one block), and loses to the grouped
+# GEMMs past about this many pairs per expert. Measured compiled (16 experts, top 2, H = I = 256,
+# one thread, the experts alone): 2 pairs per expert (batch 1's block) 1.13 ms traced against
+# 1.34 ms grouped, 4 (batch 2) 2.30 against 1.61, 8 (batch 4) 4.46 against 2.30.
+TRACED_PAIRS_PER_EXPERT = 2
 
 
 @torch.library.custom_op("clover_kernels::moe_experts_grouped", mutates_args=())

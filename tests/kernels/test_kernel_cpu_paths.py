@@ -167,7 +167,7 @@ def test_compiled_experts_take_the_grouped_op_past_a_few_pairs_per_expert():
     gate_up = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
     down = torch.randn(E, H, I, generator=g) * I ** -0.5
     step = torch.compile(moe_torch.moe_experts, dynamic=False)
-    for T in (3, moe_torch.TRACED_PAIRS_PER_EXPERT * E):  # 6 pairs traced; 8 per expert (past 4) grouped
+    for T in (3, moe_torch.TRACED_PAIRS_PER_EXPERT * E):  # 6 pairs traced; 4 per expert (past 2) grouped
         x = torch.randn(T, H, generator=g)
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
         weights = torch.softmax(torch.randn(T, k, generator=g), -1)
