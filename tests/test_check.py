@@ -25,7 +25,8 @@ def multiplier_dir(tmp_path_factory):
     dst = tmp_path_factory.mktemp("reencoded") / "clover"
     shutil.copytree(default_model_dir(), dst)
     tensors = load_file(str(dst / "model.safetensors"))
-    for name in [n for n in tensors if n.endswith("block_scale")]:
+    # v1 stored clover_lab's names (block_scale), the exports since the release's (bd_softmax_logit_scale)
+    for name in [n for n in tensors if n.endswith(("block_scale", "bd_softmax_logit_scale"))]:
         tensors[name.replace("block_scale", "bd_softmax_logit_scale")] = tensors.pop(name).float().exp()
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
