@@ -88,6 +88,8 @@ def test_heldout_tokens_from_a_run_or_from_the_models_tokenizer(gen_text_model_d
     assert len(expected) > 1 and torch.equal(measure.heldout_tokens(gen_text_model_dir), expected)
     with pytest.raises(CheckpointError, match="no tokenizer files"):
         measure.heldout_tokens(tmp_path)
+    with pytest.raises(CheckpointError, match="not a training run"):
+        measure.heldout_tokens(gen_text_model_dir, tmp_path / "nowhere")
 
 
 def _measured(tpf: float, looping: int, settings: dict, perplexity=None) -> dict:

@@ -311,7 +311,9 @@ Reproduce (from the repository root):
 {command}
 ```
 
-## Held-out figures (measured by `python -m clover_lab.train.card`)
+## Held-out figures (measured by `python -m clover_lab.train.card --run RUN --model assets/clover-stdlib{" --baseline RUN/init_card.json" if f.get("baseline") else ""}`)
+
+RUN: the training run the command above makes ({"`runs/specimen2`, v2's" if f.get("init") else "`runs/stdlib`"}); every figure is measured on its held-out split.
 
 Masked-token accuracy, each block of 16 masked at exactly the given ratio, previewed against the clean prefix:
 

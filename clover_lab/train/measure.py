@@ -73,9 +73,12 @@ def distinctness(completions: list[str]) -> dict:
 def heldout_tokens(model_dir: str | Path, run: str | Path | None = None) -> torch.Tensor:
     """The held-out token stream: ``run``'s data.pt, or the interpreter's held-out stdlib modules
     (``split_corpus``) encoded with the tokenizer in ``model_dir``."""
-    if run is not None:
-        return torch.load(Path(run) / "data.pt")["heldout"]
     from ..errors import CheckpointError
+
+    if run is not None:
+        if not (Path(run) / "data.pt").is_file():
+            raise CheckpointError(f"{run}: not a training run (no data.pt with its held-out split)")
+        return torch.load(Path(run) / "data.pt")["heldout"]
     from ..loading import load_tokenizer
     from .corpus import encode_files, split_corpus
 
