@@ -114,6 +114,9 @@ class ForwardContext:
     # records here (``record``; ``engine/observed.py``)
     observed: frozenset = frozenset()
     observations: list = field(default_factory=list)
+    # a static step off a CUDA graph: the cache rows its attention reads, a host bound on every
+    # row's committed length plus the step's rows (None: the whole buffer)
+    keys: int | None = None
 
     @classmethod
     def cached(cls, cache: CloverCache, c: int, m: int, device, coreset: Coreset | None = None,
@@ -124,11 +127,14 @@ class ForwardContext:
 
     @classmethod
     def static(cls, cache: CloverCache, n: torch.Tensor, c: int, m: int,
-               coreset: Coreset | None = None, observed: frozenset = frozenset()) -> "ForwardContext":
+               coreset: Coreset | None = None, observed: frozenset = frozenset(),
+               keys: int | None = None) -> "ForwardContext":
         """``n``: each row's committed length, [B] on the device. ``observed``: points whose
-        observers read the step's records afterwards (no hook is called inside a static step)."""
+        observers read the step's records afterwards (no hook is called inside a static step).
+        ``keys``: the cache rows attention reads (``graphs.key_span``), None for the whole buffer."""
         return cls(c, m, n[:, None] + torch.arange(c + m, device=n.device), cache=cache, n_dev=n, coreset=coreset,
-                   hooks=False, observed=observed, where=NOWHERE)  # given: torch.compile cannot wrap a default
+                   hooks=False, observed=observed, where=NOWHERE,  # given: torch.compile cannot wrap a default
+                   keys=keys)
 
     @classmethod
     def training(cls, length: int, block_size: int, device, router_stats: list | None = None) -> "ForwardContext":

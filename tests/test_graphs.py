@@ -1,5 +1,6 @@
 """The no-hook fast path: static-shape steps (CUDA graphs on CUDA) equal the ordinary forward."""
 import gc
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -50,6 +51,39 @@ def test_static_steps_equal_the_forward(gen_model):
         for i, layer in eager.layers.items():
             if hasattr(layer, "k"):
                 torch.testing.assert_close(static.layers[i].k[:, :, :n], layer.k[:, :, :n])
+
+
+def test_static_steps_read_a_span_of_keys_that_grows_with_the_rows(gen_model):
+    """Off a CUDA graph a static step's attention reads ``key_span`` cache rows (a power of two at
+    least 256, not the whole buffer): steps on either side of a span's edge, batch rows at
+    different lengths, give the plain forward's logits."""
+    from clover_lab.engine.graphs import key_span
+
+    model = gen_model
+    graphs = StepGraphs(model, 1024)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 500, (1, n), generator=g) for n in (240, 200)]
+    eager = [model.new_cache(1024) for _ in prompts]
+    for cache, prompt in zip(eager, prompts):
+        model.prefill(cache, prompt, logits=None)
+    part = model.new_cache(1024, 2)
+    for r, prompt in enumerate(prompts):
+        model.prefill(part.row(r), prompt, logits=None)
+    part.set_row_lengths([240, 200])
+    static = graphs.adopt(part, 2)
+    spans = []
+    for c in (0, 16, 16):  # a preview ending at key 255, then two fused commits + previews past it
+        commit = torch.randint(0, 500, (2, c), generator=g)
+        block = torch.randint(0, 500, (2, 16), generator=g)
+        spans.append(key_span(static, c + 16))
+        got = graphs.step(torch.cat([commit, block], 1), c, 16)[1]
+        for r, cache in enumerate(eager):
+            want = (model.commit_and_preview(cache, commit[r:r + 1], block[r:r + 1]).preview_logits if c
+                    else model.preview(cache, block[r:r + 1]))
+            torch.testing.assert_close(got[r:r + 1], want, rtol=1e-5, atol=1e-5)
+    assert spans == [256, 512, 512]
+    rows_at = [SimpleNamespace(length=n, max_len=1024) for n in (0, 255, 256, 1000)]
+    assert [key_span(cache, 1) for cache in rows_at] == [256, 256, 512, 1024]
 
 
 def test_static_step_refuses_what_it_cannot_do(gen_model):

@@ -40,17 +40,19 @@ from .observed import copied
 # --------------------------------------------------------------------------- one static step
 @torch.no_grad()
 def static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, n: torch.Tensor, c: int, m: int,
-                commit_logits: bool = False, coreset: Coreset | None = None, observed: frozenset = frozenset()):
+                commit_logits: bool = False, coreset: Coreset | None = None, observed: frozenset = frozenset(),
+                keys: int | None = None):
     """``CloverModel.forward`` with static shapes and no host synchronisation, the body of a CUDA
     graph: ids [B, c + m] on the model's device, ``n`` the rows' committed lengths, [B] on the
     device. Writes the cache (K,V rows at n.., GDN ring and state when c > 0) but leaves its
     lengths to the caller. Refused while a hook is attached inside the model, except observers
-    on the ``observed`` points: a graph replays kernels and would never call a hook.
+    on the ``observed`` points: a graph replays kernels and would never call a hook. ``keys``:
+    the cache rows attention reads (:func:`key_span`; None, the whole buffer, in a CUDA graph).
     Returns (logits of the last commit row or None, logits of every block row or None); with
     ``observed`` also (what the observers read, the GDN writes still to publish: the caller
     fires the observers first, ``engine/observed.py``)."""
     check_static_step(model, cache, ids, c, m, observed)
-    return static_body(model, cache, ids, n, c, m, commit_logits, coreset, observed)
+    return static_body(model, cache, ids, n, c, m, commit_logits, coreset, observed, keys)
 
 
 def check_static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor, c: int, m: int,
@@ -72,11 +74,11 @@ def check_static_step(model: CloverModel, cache: CloverCache, ids: torch.Tensor,
 
 
 @torch.no_grad()
-def static_body(model: CloverModel, cache, ids, n, c, m, commit_logits, coreset, observed=frozenset()):
+def static_body(model: CloverModel, cache, ids, n, c, m, commit_logits, coreset, observed=frozenset(), keys=None):
     """What ``torch.compile`` traces for a static step: no hook lookups, so that attaching an
     engine hook does not invalidate the compiled code; no autograd history either. The tail is
     the ordinary forward's (``ForwardContext.publish``, ``CloverModel.heads``)."""
-    ctx = ForwardContext.static(cache, n, c, m, coreset, observed)
+    ctx = ForwardContext.static(cache, n, c, m, coreset, observed, keys)
     x = model.hidden_states(ids, ctx)
     if observed:  # the caller publishes once the observers have read
         out = model.heads(x, ctx, "last" if commit_logits else None)
@@ -87,11 +89,11 @@ def static_body(model: CloverModel, cache, ids, n, c, m, commit_logits, coreset,
 
 
 @torch.no_grad()
-def static_layers(model: CloverModel, cache, ids, x, n, c, m, coreset, start: int, stop: int):
+def static_layers(model: CloverModel, cache, ids, x, n, c, m, coreset, start: int, stop: int, keys=None):
     """Layers [start, stop) of a static step, from the embedding of ``ids`` (``x`` None) or from
     ``x``: what torch.compile traces between a split step's live layers. Returns (the layers'
     output, their deferred cache writes)."""
-    ctx = ForwardContext.static(cache, n, c, m, coreset)
+    ctx = ForwardContext.static(cache, n, c, m, coreset, keys=keys)
     return model.hidden_states(ids, ctx, start, stop, x), ctx.pending
 
 
@@ -99,6 +101,18 @@ def bucket(rows: int) -> int:
     """The batch a static step of ``rows`` rows runs at: the next power of two (the rest padding),
     so that rows leaving one by one do not compile or capture a step per row count."""
     return 1 << max(rows - 1, 0).bit_length()
+
+
+MIN_KEY_SPAN = 256
+
+
+def key_span(cache: CloverCache, rows: int) -> int:
+    """The cache rows a static step's attention reads off a CUDA graph: the longest row's
+    committed length plus the step's ``rows``, rounded up to a power of two (at least
+    ``MIN_KEY_SPAN``, at most the buffer), so that a generation compiles a few spans, not one
+    per length. The torch path of ``cache_attention`` masks every key it is given: a 1,024-row
+    buffer read whole cost 4.7 ms a call at 16 rows on 2 CPU cores, against 0.75 ms eager."""
+    return min(cache.max_len, max(MIN_KEY_SPAN, 1 << (cache.length + rows - 1).bit_length()))
 
 
 # --------------------------------------------------------------------------- graphs per step shape
@@ -187,7 +201,9 @@ class StepGraphs:
         cache.check_room(c + m)
         ids = ids.to(self.device, torch.long)
         phase = _phase(coreset)
-        key = (cache.batch_size, c, m, bool(commit_logits), phase, frozenset(observed))
+        # a CUDA graph's kernel bounds its keys on the device; other static steps read key_span rows
+        keys = None if self.capture and not self.disabled else key_span(cache, c + m)
+        key = (cache.batch_size, c, m, bool(commit_logits), phase, keys, frozenset(observed))
         graph = self._graphs.get(key) if self.capture and not self.disabled else None
         if graph is None and self.capture and not self.disabled:
             graph = self._capture(key)
@@ -196,7 +212,7 @@ class StepGraphs:
             out = self._compiled_step(key, ids, n, coreset) if self._compiled is not None else None
             self.last = "compiled"
             if out is None:  # eager static step
-                out = static_step(self.model, cache, ids, n, c, m, commit_logits, coreset, key[-1])
+                out = static_step(self.model, cache, ids, n, c, m, commit_logits, coreset, key[-1], keys)
                 self.last = "static"
         else:
             self.last = "cuda graph"
@@ -246,8 +262,9 @@ class StepGraphs:
     def _segment(self, ids, x, n, c, m, coreset, start: int, stop: int):
         """Layers [start, stop) of a split step through torch.compile (eagerly once compiling
         failed, or too many segments are compiled)."""
-        key = (self.cache.batch_size, c, m, start, stop, _phase(coreset))
-        args = (self.model, self.cache, ids, x, n, c, m, coreset, start, stop)
+        keys = key_span(self.cache, c + m)
+        key = (self.cache.batch_size, c, m, start, stop, _phase(coreset), keys)
+        args = (self.model, self.cache, ids, x, n, c, m, coreset, start, stop, keys)
         out = None if self._compiled_layers is None else self._through_compile(self._compiled_layers,
                                                                                self._segment_keys, key, args)
         if out is None:
@@ -257,10 +274,10 @@ class StepGraphs:
 
     def _compiled_step(self, key, ids, n, coreset):
         """The step through torch.compile, or None to run it eagerly."""
-        _, c, m, commit_logits, _, observed = key
+        _, c, m, commit_logits, _, keys, observed = key
         check_static_step(self.model, self.cache, ids, c, m, observed)
         return self._through_compile(self._compiled, self._compiled_keys, key,
-                                     (self.model, self.cache, ids, n, c, m, commit_logits, coreset, observed))
+                                     (self.model, self.cache, ids, n, c, m, commit_logits, coreset, observed, keys))
 
     def _through_compile(self, compiled, keys: set, key, args: tuple):
         """``compiled(*args)`` for the shape ``key`` (recorded in ``keys``), or None to run it
@@ -286,7 +303,7 @@ class StepGraphs:
             raise ValueError(f"StepGraphs.{method}: pass a coreset made by StepGraphs.coreset(size)")
 
     def _capture(self, key):
-        batch, c, m, commit_logits, phase, observed = key
+        batch, c, m, commit_logits, phase, _, observed = key
         cache, model = self.cache, self.model
         coreset = None if phase is None else self._coresets[phase[0]]
         recorded = None if coreset is None else dict(coreset.experts)

@@ -86,10 +86,12 @@ class GatedAttention(nn.Module):
         """Static shapes for CUDA graphs: every row's K,V already written at its position
         (positions [B, c + m], each batch row from its own length: ``qk_norm_rope``), the gated
         attention of each row up to the last key it sees (``clover_kernels.cache_attention``: on a
-        GPU it reads only those keys, the bound read on the device; the torch path masks the whole
-        buffer). Commit rows see the prefix causally; block rows see the prefix and the block.
+        GPU it reads only those keys, the bound read on the device; the torch path masks the keys
+        it is given: the first ``ctx.keys`` rows of the buffer off a CUDA graph, else all of them).
+        Commit rows see the prefix causally; block rows see the prefix and the block.
         Returns [B, c + m, Hq * D]."""
-        return ops.cache_attention(q, cache.k, cache.v, ctx.positions, gate, ctx.m)  # the block's rows see it whole
+        k, v = (cache.k, cache.v) if ctx.keys is None else (cache.k[:, :, :ctx.keys], cache.v[:, :, :ctx.keys])
+        return ops.cache_attention(q, k, v, ctx.positions, gate, ctx.m)  # the block's rows see it whole
 
     @staticmethod
     def _attend_ragged(q, k, v, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 On CUDA the tokens are sorted by expert and fed to ``grouped_mm`` against the whole fused
 [E, ...] weight tensors with one (possibly empty) group per expert, so experts no token picked
-are never read and there is no Python loop over experts. On the CPU one GEMM per expert hit
-(oneDNN), or, under torch.compile, one traced contraction.
+are never read and there is no Python loop over experts. On the CPU the same ``grouped_mm``
+once the pairs outnumber the experts, else one GEMM per expert hit (oneDNN); under
+torch.compile a decode step's experts are one traced contraction.
 """
 import torch
 import torch.nn.functional as F
@@ -101,21 +102,29 @@ def _(x, expert_ids, weights, gate_up, down):
 
 
 def _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed=None, slots: bool = False):
-    """CPU path: the (token, slot) pairs sorted by expert, one GEMM per expert *hit* and per
-    projection on its contiguous rows (CPU grouped_mm issues a matmul for every expert, empty
-    groups included, which dominates decoding at small token counts); the activation, the
-    routing weights and the scatter back run once over all pairs, accumulated in fp32."""
+    """CPU path: the (token, slot) pairs sorted by expert; while fewer pairs than experts (decode:
+    most experts idle), one GEMM per expert *hit* and per projection on its contiguous rows (CPU
+    grouped_mm issues a matmul for every expert, empty groups included); from as many pairs as
+    experts on (a block, a batch), one ``grouped_mm`` per projection, which runs the groups in one
+    call (1.3-2x faster than the loop at 16-512 tokens of the embedded model, one thread). The
+    activation, the routing weights and the scatter back run once over all pairs, in fp32."""
     T, H = x.shape
     k = expert_ids.shape[1]
-    I = gate_up.shape[1] // 2
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    groups = list(zip(hit.tolist(), torch.cumsum(counts, 0).tolist(), counts.tolist()))  # (expert, end, rows)
     token_of = order // k
-    packed_gate_up, packed_down = packed if packed is not None else (None, None)
-    h = _per_expert(x[token_of], gate_up, groups, packed_gate_up)  # [T*k, 2I]
-    y = _per_expert(F.silu(h[:, :I]).mul_(h[:, I:]), down, groups, packed_down).float()  # [T*k, H]
+    if T * k >= E:
+        offsets = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+        h = F.grouped_mm(x[token_of], gate_up.transpose(1, 2), offs=offsets)  # [T*k, 2I]
+        y = F.grouped_mm(F.silu(h[:, :I]).mul_(h[:, I:]), down.transpose(1, 2), offs=offsets).float()  # [T*k, H]
+    else:
+        hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        groups = list(zip(hit.tolist(), torch.cumsum(counts, 0).tolist(), counts.tolist()))  # (expert, end, rows)
+        packed_gate_up, packed_down = packed if packed is not None else (None, None)
+        h = _per_expert(x[token_of], gate_up, groups, packed_gate_up)  # [T*k, 2I]
+        y = _per_expert(F.silu(h[:, :I]).mul_(h[:, I:]), down, groups, packed_down).float()  # [T*k, H]
     y = y.mul_(weights.reshape(-1)[order, None].float())
     if slots:
         return _unsorted(y, order, T, k)
