@@ -25,7 +25,8 @@ def multiplier_dir(tmp_path_factory):
     dst = tmp_path_factory.mktemp("reencoded") / "clover"
     shutil.copytree(default_model_dir(), dst)
     tensors = load_file(str(dst / "model.safetensors"))
-    for name in [n for n in tensors if n.endswith("block_scale")]:
+    # v1 stored clover_lab's names (block_scale), the exports since the release's (bd_softmax_logit_scale)
+    for name in [n for n in tensors if n.endswith(("block_scale", "bd_softmax_logit_scale"))]:
         tensors[name.replace("block_scale", "bd_softmax_logit_scale")] = tensors.pop(name).float().exp()
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
@@ -41,8 +42,8 @@ def test_embedded_model_spec_reading_wins_widely(gen_one_thread, capsys, tmp_pat
     assert len(rows) == len(readings()) + 1 == 9
     assert report["best"] == "spec" and report["trained"] and report["config_line"] is None
     spec, untrained = rows["spec"]["mean_accuracy"], rows["untrained defaults"]["mean_accuracy"]
-    assert spec >= 1.3 * untrained  # measured: 0.258 against 0.175
-    assert report["margin"] >= 0.3  # nats of masked-token cross-entropy below the next reading's; measured 0.66
+    assert spec >= 1.3 * untrained  # measured: 0.258 against 0.180 (v2; v1: 0.258 against 0.175)
+    assert report["margin"] >= 0.3  # nats of masked-token cross-entropy below the next reading's; measured 0.68 (v1: 0.66)
     assert rows["spec"]["tokens_per_forward"] >= 1.0 and 0 < report["causal_accuracy"] < 1
     for line in ("reading", "untrained defaults", "causal next-token accuracy"):
         assert line in out

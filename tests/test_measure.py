@@ -67,3 +67,90 @@ def test_card_remeasures_generation_figures_and_keeps_the_models(gen_text_model_
     assert "repetition_penalty=1.3" in readme and "bash make.sh" in readme
     assert (f"| heldout (12 prompts) | {t['tokens_per_forward']:.2f} | {t['max_line_repeats']} | {t['looping']} |"
             in readme)
+
+
+def test_heldout_tokens_from_a_run_or_from_the_models_tokenizer(gen_text_model_dir, tmp_path, monkeypatch):
+    import torch
+
+    from clover_lab.errors import CheckpointError
+    from clover_lab.loading import load_tokenizer
+    from clover_lab.train import corpus
+
+    run = tmp_path / "run"
+    run.mkdir()
+    held = torch.arange(7, dtype=torch.int32)
+    torch.save({"heldout": held}, run / "data.pt")
+    assert torch.equal(measure.heldout_tokens(gen_text_model_dir, run), held)
+    module = tmp_path / "held.py"
+    module.write_text("w1 w2 w3\n")
+    monkeypatch.setattr(corpus, "split_corpus", lambda: ([], [module]))
+    expected = corpus.encode_files(load_tokenizer(gen_text_model_dir), [module])
+    assert len(expected) > 1 and torch.equal(measure.heldout_tokens(gen_text_model_dir), expected)
+    with pytest.raises(CheckpointError, match="no tokenizer files"):
+        measure.heldout_tokens(tmp_path)
+    with pytest.raises(CheckpointError, match="not a training run"):
+        measure.heldout_tokens(gen_text_model_dir, tmp_path / "nowhere")
+
+
+def _measured(tpf: float, looping: int, settings: dict, perplexity=None) -> dict:
+    s = {"tokens_per_forward": tpf, "looping": looping, "max_line_repeats": 2 + looping, "distinct_first_lines": 0.75,
+         "mean_distance": 0.8, "prompts": 12, "samples": [{"prompt": "p", "completion": "c"}]}
+    out = {"settings": {"threshold": 0.9, "repetition_penalty": 1.0, "frequency_penalty": 0.0, **settings},
+           "written": s, "heldout": {**s, "tokens_per_forward": tpf - 0.5}}
+    return out if perplexity is None else {**out, "ar_perplexity": perplexity}
+
+
+def test_round_rows_read_each_rounds_measure_and_sweep(tmp_path):
+    import json
+
+    from clover_lab.train import rounds
+
+    for n, tpf in ((1, 1.43), (2, 2.57)):
+        (tmp_path / f"round-{n}").mkdir()
+        (tmp_path / f"round-{n}" / "measure.json").write_text(json.dumps(_measured(tpf, n - 1, {}, 60.0 + n)))
+    (tmp_path / "round-2" / "sweep.json").write_text(json.dumps(
+        [_measured(2.42, 0, {"repetition_penalty": 1.3}, 61.0),
+         _measured(2.25, 0, {"repetition_penalty": 1.3, "frequency_penalty": 0.5})]))
+    (tmp_path / "round-4").mkdir()  # a gap ends the rounds: round 3 was never measured
+    (tmp_path / "round-4" / "measure.json").write_text(json.dumps(_measured(9.0, 0, {})))
+    rows = rounds.round_rows(tmp_path)
+    assert [(r["round"], r["settings"]) for r in rows] == [
+        (1, "no penalties"), (2, "no penalties"), (2, "repetition_penalty 1.3"),
+        (2, "repetition_penalty 1.3, frequency_penalty 0.5")]
+    assert rows[1]["written"]["tokens_per_forward"] == 2.57 and rows[1]["heldout"]["looping"] == 1
+    assert "samples" not in rows[0]["written"] and rows[3]["ar_perplexity"] is None
+    table = rounds.render_rounds(rows)
+    assert "| 2 | no penalties | 2.57 | 1/12 | 3 | 0.75 | 2.07 | 1/12 | 3 | 0.75 | 62.0 |" in table
+    assert "| 2 | repetition_penalty 1.3, frequency_penalty 0.5 | 2.25 | 0/12 | 2 | 0.75 | 1.75 | 0/12 | 2 | 0.75 |  |" in table
+    assert rounds.render_rounds([]) == ""
+
+
+def test_card_of_a_run_started_from_a_model_says_v2_and_sets_v1_beside_it():
+    import json
+    from pathlib import Path
+
+    from clover_lab.config import CloverConfig
+    from clover_lab.train import card
+
+    v1 = json.loads((Path(card.__file__).parents[2] / "assets/clover-stdlib/card.json").read_text())
+    v1.pop("init", None), v1.pop("rounds", None), v1.pop("baseline", None)
+    v1["targets"] = _measured(1.61, 0, {"repetition_penalty": 1.3, "frequency_penalty": 0.5})
+    v2 = {**v1, "init": "assets/clover-stdlib", "training_steps": 1250, "baseline": v1,
+          "distillation": {"from_step": 750, "share": 0.75, "confidence_weight": 1.0},
+          "targets": _measured(2.54, 0, {"repetition_penalty": 1.3}, 60.1),
+          "rounds": [{"round": n, "settings": "no penalties", "written": v1["targets"]["written"],
+                      "heldout": v1["targets"]["heldout"], "ar_perplexity": None} for n in (1, 2, 3)]}
+    config = CloverConfig(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    readme = card.render(v2, config, "bash make.sh")
+    assert readme.startswith("# clover-stdlib: the embedded default model of clover_lab (specimen v2)")
+    steps = v1["training_steps"]
+    assert f"{steps} + 1250 = {steps + 1250} training steps (v1 + v2)" in readme
+    assert "adds 1250 steps in 3 rounds of self-distillation" in readme and "75% of every batch" in readme
+    assert "| figure | v1 | v2 |" in readme
+    assert "| heldout prompts, tokens per forward (its own defaults) | 1.11 | 2.04 |" in readme
+    assert "Next-token perplexity there (16 held-out windows of 256 tokens): 60.1." in readme
+    assert "measured by `python -m clover_lab.train.measure --model assets/clover-stdlib`)" in readme
+    assert readme.count("| 3 | no penalties |") == 1
+    v1_readme = card.render(v1, config, "bash make.sh")  # a card of a run from scratch reads as before
+    assert "(specimen v2)" not in v1_readme and f"- {steps} training steps over" in v1_readme
+    assert "## The rounds" not in v1_readme

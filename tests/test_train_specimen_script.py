@@ -44,3 +44,31 @@ def test_no_generation_defaults_and_a_sweep(tmp_path):
     assert "--generation" not in export and export.endswith("--export " + str(tmp_path / "run" / "round-1"))
     assert "--sweep repetition_penalty=1.0,1.2 --sweep frequency_penalty=0,0.5" in sweep
     assert sweep.endswith("round-1/sweep.json") and measure.endswith("round-1/measure.json")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_steps_per_round_and_the_export_of_the_last_round(tmp_path):
+    calls = [c for c in rounds(tmp_path, ROUNDS="3", STEPS="250 500", GENERATION="repetition_penalty=1.3",
+                               EXPORT=str(tmp_path / "model")) if c[:2] != "-c"]
+    trains = [c for c in calls if "--extend-steps" in c]
+    assert [c.split("--extend-steps ")[1].split()[0] for c in trains] == ["250", "500", "500"]  # the last repeats
+    assert [c.split("--seed ")[1].split()[0] for c in calls if "train.distill" in c] == ["2", "3"]  # round 1's exists
+    export, card = calls[-2:]
+    assert export.endswith(f"--export {tmp_path / 'model'} --generation repetition_penalty=1.3")
+    assert "--extend-steps" not in export and "--distill" not in export  # the run's last step, nothing trained
+    assert card == (f"-m clover_lab.train.card --run {tmp_path / 'run'} --model {tmp_path / 'model'} "
+                    f"--baseline {tmp_path / 'run' / 'init_card.json'} --threads 2")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_without_export_the_rounds_are_all(tmp_path):
+    assert not [c for c in rounds(tmp_path) if "train.card" in c or "clover-stdlib" in c]
+
+
+def test_the_default_model_script_continues_with_specimen_v2():
+    text = (SCRIPT.parent / "make_default_model.sh").read_text()
+    v2 = text[text.index("bash assets/make_specimen_v2.sh") - 400:]
+    for setting in ('ROUNDS=3', 'SEQUENCES=2048', 'STEPS="250 500 500"', 'LR=6e-4', 'CONFIDENCE=1.0', 'SHARE=0.75',
+                    'GENERATION="repetition_penalty=1.3"', 'EXPORT=assets/clover-stdlib', 'THREADS=1'):
+        assert setting in v2, setting
+    assert text.rstrip().endswith("bash assets/make_specimen_v2.sh")

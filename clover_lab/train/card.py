@@ -21,6 +21,7 @@ from ..engine import load
 from ..hooks import points
 from ..writes import atomic_path, write_text
 from .measure import LOOP_REPEATS, NEW_TOKENS, measure
+from .rounds import render_rounds, round_rows
 from .objective import evaluate, unigram_accuracy
 
 
@@ -129,18 +130,24 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
         "distillation": ({"from_step": state["settings"]["schedule_start"], "share": state["settings"]["distill_share"],
                           "confidence_weight": state["settings"]["confidence_weight"]}
                          if state["settings"].get("distill_data") else None),
+        "init": state["settings"].get("init"),
+        "rounds": round_rows(run),
         "heldout_modules": len(data["heldout_modules"]),
         "heldout_tokens": len(held),
         "train_tokens": len(train_tokens),
     }
-    figures["targets"] = measure(model_dir, held, perplexity=False)
+    figures["targets"] = measure(model_dir, held)
     figures["measure_seconds"] = time.time() - t0
     if baseline is not None:
         b = json.loads(Path(baseline).read_text())
         figures["baseline"] = {k: b[k] for k in ("training_steps", "heldout", "speed_cpu", "speed_cpu_thresholds")
                                if k in b}
+        if "targets" in b:  # without its samples
+            figures["baseline"]["targets"] = {k: ({n: x for n, x in v.items() if n != "samples"}
+                                                  if isinstance(v, dict) else v) for k, v in b["targets"].items()}
     write_text(model_dir / "card.json", json.dumps(figures, indent=2) + "\n")
-    loss_curve(run, model_dir / "loss_curve.png", figures["distillation"])
+    # a run started from a model (--init) is self-distilled throughout: no step marks where that began
+    loss_curve(run, model_dir / "loss_curve.png", None if figures["init"] else figures["distillation"])
     write_text(model_dir / "README.md", render(figures, engine.model.config, command))
     return figures
 
@@ -179,18 +186,41 @@ def render_targets(f: dict) -> str:
                      f"{t[name]['max_line_repeats']} | {t[name]['looping']} | {t[name]['distinct_first_lines']:.2f} | "
                      f"{t[name]['mean_distance']:.2f} |" for name in ("written", "heldout"))
     return f"""
-## What a newcomer sees (measured by `python -m clover_lab.train.measure --model assets/clover-stdlib --run RUN`)
+## What a newcomer sees (measured by `python -m clover_lab.train.measure --model assets/clover-stdlib`)
 
 Block diffusion with the model's own generation_config.json defaults ({", ".join(f"{k}={v}" for k, v in defaults.items())}),
 {NEW_TOKENS} new tokens per prompt. `written`: code prompts of kinds the standard library does not hold
-(`def is_prime(n):`, `class RunningAverage: ...`; `clover_lab/train/measure.py`), `heldout`: windows of held-out modules.
+(`def is_prime(n):`, `class RunningAverage: ...`; `clover_lab/train/measure.py`), `heldout`: windows of held-out modules
+(the interpreter's standard-library modules that training never saw, picked by a hash of their path).
 A completion loops when a non-blank line occurs more than {LOOP_REPEATS} times; distinctness compares the
 completions of different prompts (mean distance: 1 - difflib's similarity ratio, 0 = identical).
 
 | prompts | tokens per forward | most repeats of a line | looping completions | distinct first lines | mean distance |
 |---|---|---|---|---|---|
-{rows}
+{rows}{render_perplexity(t)}
 """
+
+
+def render_perplexity(t: dict) -> str:
+    if t.get("ar_perplexity") is None:
+        return ""
+    return f"\n\nNext-token perplexity there (16 held-out windows of 256 tokens): {t['ar_perplexity']:.1f}.\n"
+
+
+def render_rounds_section(f: dict) -> str:
+    """A run's rounds of self-distillation, each measured like the targets (``train.rounds``)."""
+    table = render_rounds(f.get("rounds") or [])
+    if not table:
+        return ""
+    return f"""
+## The rounds (each exported to RUN/round-N and measured there by `python -m clover_lab.train.measure`)
+
+The same measurements as above, per round and sampler setting (round-N/measure.json: the round
+as exported; round-N/sweep.json: the penalty sweep that chose the shipped defaults). Looping: completions
+that repeat a line more than {LOOP_REPEATS} times, of all; perplexity: 16 held-out windows. Each round's settings
+(corpus size, steps, learning rate, confidence weight, share): the command under "Reproduce".
+
+{table}"""
 
 
 GENERATION_SHOWN = ("threshold", "temperature", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -200,10 +230,27 @@ def render_distillation(f: dict) -> str:
     d = f.get("distillation")
     if not d:
         return ""
+    if f.get("init"):
+        rounds = len({r["round"] for r in f.get("rounds") or []})
+        return (f"\n- Specimen v2: it starts from v1 (`{f['init']}` as it was: the same architecture, tokenizer and "
+                f"held-out split,\n  {(f.get('baseline') or {}).get('training_steps', '?')} steps trained from scratch) "
+                f"and adds {f['training_steps']} steps in {rounds} rounds of self-distillation\n  "
+                f"(`assets/make_specimen_v2.sh`): each round the model's own greedy continuations of training "
+                f"prefixes\n  (`python -m clover_lab.train.distill`, continuations that loop dropped) were "
+                f"{d['share']:.0%} of every batch, with the\n  confidence term at weight {d['confidence_weight']}, "
+                f"so that it learns to be sure of whole blocks and unmasks several tokens per pass.")
     return (f"\n- Self-distillation from step {d['from_step']} on: {d['share']:.0%} of every batch were the "
             f"model's own greedy continuations\n  of training prefixes (`python -m clover_lab.train.distill`), with "
             f"the confidence term at weight {d['confidence_weight']}, so that\n  it learns to be sure of "
             f"whole blocks and unmasks several tokens per pass.")
+
+
+def render_steps(f: dict) -> str:
+    """The training steps: a run started from a model (--init) adds its own to the baseline's."""
+    start = (f.get("baseline") or {}).get("training_steps") if f.get("init") else None
+    if start is None:
+        return f"{f['training_steps']} training steps"
+    return f"{start} + {f['training_steps']} = {start + f['training_steps']} training steps (v1 + v2)"
 
 
 def render_baseline(f: dict) -> str:
@@ -219,7 +266,17 @@ def render_baseline(f: dict) -> str:
         if str(t) in b.get("speed_cpu_thresholds", {}):
             rows.append((f"tokens per forward, threshold {t}",
                          lambda x, t=t: x["speed_cpu_thresholds"][str(t)]["diffusion"]["tokens_per_forward"], ".2f"))
+    if "targets" in b and "targets" in f:  # train.measure's, each model with its own defaults
+        for name, key, fmt in (("tokens per forward", "tokens_per_forward", ".2f"), ("looping completions", "looping", "d"),
+                               ("most repeats of a line", "max_line_repeats", "d"),
+                               ("distinct first lines", "distinct_first_lines", ".2f")):
+            for prompts in ("heldout", "written"):
+                rows.append((f"{prompts} prompts, {name} (its own defaults)",
+                             lambda x, p=prompts, k=key: x["targets"][p][k], fmt))
     body = "\n".join(f"| {name} | {get(b):{fmt}} | {get(f):{fmt}} |" for name, get, fmt in rows)
+    if f.get("init"):
+        return (f"\nv1 (the model this one started from, its card's figures) and v2 (the same measurements):\n\n"
+                f"| figure | v1 | v2 |\n|---|---|---|\n{body}\n")
     return (f"\nBefore and after the last training stage (the same measurements; before: step "
             f"{b['training_steps']}):\n\n| figure | step {b['training_steps']} | step {f['training_steps']} |\n"
             f"|---|---|---|\n{body}\n")
@@ -235,7 +292,7 @@ def render(f: dict, config, command: str) -> str:
                       f"{x['ar']['tokens_per_second']:.1f} |" for t, x in f.get("speed_cpu_thresholds", {}).items())
     samples_md = "\n\n".join(f"Prompt:\n```python\n{s['prompt']}```\nCompletion (tokens per forward "
                              f"{s['tokens_per_forward']:.2f}):\n```python\n{s['completion']}\n```" for s in f["samples"])
-    return f"""# clover-stdlib: the embedded default model of clover_lab
+    return f"""# clover-stdlib: the embedded default model of clover_lab{" (specimen v2)" if f.get("init") else ""}
 
 A {f['parameters'] / 1e6:.1f}M-parameter Clover (block-diffusion Qwen3.5-MoE architecture) trained from scratch
 on 2 CPU cores on the Python standard library's own source (the interpreter's stdlib `.py` files, no test
@@ -245,7 +302,7 @@ unmasking, expert routing and GDN memory show real structure. It is a small code
 - {config.num_hidden_layers} layers ({config.layer_types.count('linear_attention')} GDN + {config.layer_types.count('full_attention')} gated attention), hidden {config.hidden_size},
   {config.num_experts} experts top-{config.num_experts_per_tok} plus a shared expert, block size {config.block_size},
   byte-level BPE vocabulary of {config.vocab_size} (mask token id {config.mask_token_id}).
-- {f['training_steps']} training steps over {f['train_tokens'] / 1e6:.1f}M training tokens;
+- {render_steps(f)} over {f['train_tokens'] / 1e6:.1f}M training tokens;
   held out: {f['heldout_modules']} modules, {f['heldout_tokens'] / 1e3:.0f}k tokens.{render_distillation(f)}
 
 Reproduce (from the repository root):
@@ -254,7 +311,9 @@ Reproduce (from the repository root):
 {command}
 ```
 
-## Held-out figures (measured by `python -m clover_lab.train.card`)
+## Held-out figures (measured by `python -m clover_lab.train.card --run RUN --model assets/clover-stdlib{" --baseline RUN/init_card.json" if f.get("baseline") else ""}`)
+
+RUN: the training run the command above makes ({"`runs/specimen2`, v2's" if f.get("init") else "`runs/stdlib`"}); every figure is measured on its held-out split.
 
 Masked-token accuracy, each block of 16 masked at exactly the given ratio, previewed against the clean prefix:
 
@@ -280,7 +339,7 @@ the threshold-0.9 output for fewer forwards):
 | threshold | diffusion tokens per forward | diffusion tokens/s | AR tokens/s |
 |---|---|---|---|
 {sweep}
-{render_baseline(f)}{render_targets(f)}
+{render_baseline(f)}{render_targets(f)}{render_rounds_section(f)}
 Expert usage on held-out text (entropy of the routed-slot distribution; uniform = max):
 
 | layer | entropy (bits) | max / mean load |

@@ -1,9 +1,13 @@
 """The embedded specimen's targets, measured with its own generation defaults (generation_config.json)
 or with settings given to compare them:
 
-    python -m clover_lab.train.measure --model assets/clover-stdlib --run runs/stdlib
+    python -m clover_lab.train.measure --model assets/clover-stdlib
     python -m clover_lab.train.measure --model assets/clover-stdlib --run runs/stdlib \\
         --sweep repetition_penalty=1.0,1.2,1.4 --sweep presence_penalty=0,0.5
+
+The held-out split is the run's ``data.pt``, or without ``--run`` the interpreter's own held-out
+standard-library modules encoded with the model's tokenizer (``heldout_tokens``: the same tokens
+as the data.pt of a run that trained that tokenizer on this interpreter).
 
 On two prompt sets, ``NEW_TOKENS`` new tokens each, block diffusion: ``written``, code prompts
 of kinds the standard library does not hold (small exercises a newcomer types), and ``heldout``,
@@ -64,6 +68,24 @@ def distinctness(completions: list[str]) -> dict:
     distance = sum(1 - difflib.SequenceMatcher(None, a, b).ratio() for a, b in pairs) / max(1, len(pairs))
     return {"distinct_first_lines": len({first_line(c) for c in completions}) / max(1, len(completions)),
             "mean_distance": distance}
+
+
+def heldout_tokens(model_dir: str | Path, run: str | Path | None = None) -> torch.Tensor:
+    """The held-out token stream: ``run``'s data.pt, or the interpreter's held-out stdlib modules
+    (``split_corpus``) encoded with the tokenizer in ``model_dir``."""
+    from ..errors import CheckpointError
+
+    if run is not None:
+        if not (Path(run) / "data.pt").is_file():
+            raise CheckpointError(f"{run}: not a training run (no data.pt with its held-out split)")
+        return torch.load(Path(run) / "data.pt")["heldout"]
+    from ..loading import load_tokenizer
+    from .corpus import encode_files, split_corpus
+
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:
+        raise CheckpointError(f"{model_dir}: no tokenizer files to encode the held-out modules with (give --run)")
+    return encode_files(tokenizer, split_corpus()[1])
 
 
 def heldout_prompts(tokens: torch.Tensor, count: int = 12, length: int = 48, seed: int = 11) -> list[list[int]]:
@@ -129,14 +151,15 @@ def _sweep(items: list[str]) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m clover_lab.train.measure", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="the model directory (its generation_config.json is the default)")
-    ap.add_argument("--run", required=True, help="a training run directory: its data.pt holds the held-out split")
+    ap.add_argument("--run", help="a training run directory: its data.pt holds the held-out split (default: the "
+                                   "interpreter's held-out stdlib modules, encoded with the model's tokenizer)")
     ap.add_argument("--sweep", action="append", default=[], metavar="NAME=V1,V2",
                     help="also measure with these sampler settings (every combination)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", help="write the figures (JSON) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    heldout = torch.load(Path(args.run) / "data.pt")["heldout"]
+    heldout = heldout_tokens(args.model, args.run)
     results = []
     for sampler in _sweep(args.sweep):
         figures = measure(args.model, heldout, sampler, perplexity=not results)
