@@ -91,8 +91,9 @@ TRACED_PAIRS_PER_EXPERT = 2
 @torch.library.custom_op("clover_kernels::moe_experts_grouped", mutates_args=())
 def _moe_experts_grouped(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                          down: torch.Tensor) -> torch.Tensor:
-    """The CPU path's grouped GEMMs as one op a compiled step calls without tracing into it (its
-    loop over the experts hit reads their count from the host, outside the traced graph)."""
+    """The CPU path's grouped GEMMs as one op a compiled step calls without tracing into it
+    (torch's ``grouped_mm`` has a meta function for bf16 only, and below as many pairs as experts
+    the loop over the experts hit reads their count from the host: both stay outside the graph)."""
     return _moe_experts_cpu(x, expert_ids, weights, gate_up, down)
 
 
