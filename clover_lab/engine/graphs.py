@@ -201,11 +201,12 @@ class StepGraphs:
         cache.check_room(c + m)
         ids = ids.to(self.device, torch.long)
         phase = _phase(coreset)
+        capturing = self.capture and not self.disabled
         # a CUDA graph's kernel bounds its keys on the device; other static steps read key_span rows
-        keys = None if self.capture and not self.disabled else key_span(cache, c + m)
+        keys = None if capturing else key_span(cache, c + m)
         key = (cache.batch_size, c, m, bool(commit_logits), phase, keys, frozenset(observed))
-        graph = self._graphs.get(key) if self.capture and not self.disabled else None
-        if graph is None and self.capture and not self.disabled:
+        graph = self._graphs.get(key) if capturing else None
+        if graph is None and capturing:
             graph = self._capture(key)
         n = self._load_lengths(cache)  # a capture above restored the cache, and so its lengths
         if graph is None:
