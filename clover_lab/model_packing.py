@@ -22,7 +22,8 @@ class PackedWeights:
         packed; ``pack_weights(False)`` drops the copies."""
         enabled = flag("pack_weights enabled", enabled, none=False)
         if enabled and not ops.can_pack(self.model.embed_tokens.weight):
-            raise ValueError(f"pack_weights: packed weights are for fp32/bf16 models on an x86 CPU with oneDNN; "
+            raise ValueError(f"pack_weights: packed weights are for fp32 models (bf16 where the CPU has oneDNN's bf16 "
+                             f"GEMM) on an x86 CPU with oneDNN; "
                              f"this model is {str(self.dtype).removeprefix('torch.')} on {self.device}")
 
         def pack(weight) -> ops.PackedWeight:

@@ -26,10 +26,12 @@ import torch
 import torch.nn.functional as F
 
 MIN_ROWS = 4
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 _ONEDNN = (torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64")
            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+# oneDNN packs bf16 only on CPUs with avx512bw/vl/dq or avx_ne_convert (an AVX2-only CPU refuses)
+_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+PACKED_DTYPES = (torch.float32, torch.bfloat16) if _BF16 else (torch.float32,)
 
 
 def _inference_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -45,7 +47,8 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``PackedWeight`` applies to this weight: fp32 or bf16, on an x86 CPU with oneDNN."""
+    """Whether ``PackedWeight`` applies to this weight: fp32 (or bf16, where the CPU has oneDNN's
+    bf16 GEMM), on an x86 CPU with oneDNN."""
     return _ONEDNN and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
 
 
