@@ -325,6 +325,29 @@ def test_the_batch_benchmark_runs_and_its_batches_give_batch_1s_tokens(tmp_path)
     assert all(r["same_tokens"] and r["new_tokens"] == 64 for r in rows)
 
 
+def test_the_bound_benchmark_sums_the_gemms_inside_the_steps(tmp_path):
+    """bench_batch_bound.py profiles an eager pass and finds GEMMs inside the step regions of
+    both modes (a part of every GEMM, of the steps' time), and a bound of at least 1."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "bench_batch_bound.py"
+    proc = subprocess.run([sys.executable, str(script), "--model", "random", "--prompts", "2", "--batch-sizes", "2",
+                           "--max-new-tokens", "16", "--threshold", "0.3", "--rounds", "1", "--threads", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (result,) = tmp_path.glob("batch-bound-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["diffusion", "ar"]
+    for r in rows:
+        assert 0 < r["step_gemm_seconds"] <= r["gemm_seconds"] and r["step_gemm_seconds"] < r["step_seconds"]
+        assert r["step_seconds"] < r["seconds"] and r["bound"] >= 1
+
+
 def test_a_batch_whose_cache_does_not_fit_is_refused_up_front(tiny_engine, monkeypatch):
     from clover_lab.cache import cache_bytes
     from clover_lab.engine import requests
@@ -467,3 +490,24 @@ def test_speed_view_shows_which_path_ran(view_engine):
     finally:
         view_engine.step_graphs = None
         view.close()
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_a_batch_times_its_forwards_by_kind_and_a_profile_names_them(tiny_engine, mode):
+    """A batch's stats time its shared forwards by kind, as a row's do (previews, commits: within
+    the decode time); under torch.profiler every forward is a named region of the trace
+    (``bench/bench_batch_bound.py`` reads them), and outside one no region is entered."""
+    from torch.profiler import profile
+
+    from clover_lab.engine.runner import NO_REGION, region
+
+    with profile() as prof:
+        batch = tiny_engine.generate(PROMPTS[:2], mode=mode, **KW)
+    st = batch.stats
+    steps = st.preview_seconds if mode == "diffusion" else st.commit_seconds
+    assert steps > 0 and st.preview_seconds + st.commit_seconds <= st.decode_seconds
+    assert (st.preview_seconds > 0) is (mode == "diffusion")
+    names = {e.name for e in prof.events()}
+    kinds = {"prefill", "commit"} | ({"preview"} if mode == "diffusion" else set())
+    assert {f"clover_lab.{kind}" for kind in kinds} <= names
+    assert region("preview") is NO_REGION

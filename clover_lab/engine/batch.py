@@ -11,8 +11,9 @@ from .results import GenerationResult
 @dataclass
 class BatchStats:
     """Figures of a batched generation. ``forwards`` counts the shared forwards after the prefill
-    (each row's own stats count those it took part in); ``tokens_per_second`` is every row's new
-    tokens over the wall time after the prefill, until the last row finished."""
+    (each row's own stats count those it took part in); ``preview_seconds`` and
+    ``commit_seconds`` time them (as ``GenerationStats`` does a row's); ``tokens_per_second`` is
+    every row's new tokens over the wall time after the prefill, until the last row finished."""
 
     mode: str
     rows: int
@@ -22,6 +23,8 @@ class BatchStats:
     prefill_forwards: int = 0
     tokens_per_forward: float = 0.0
     prefill_seconds: float = 0.0
+    preview_seconds: float = 0.0
+    commit_seconds: float = 0.0
     decode_seconds: float = 0.0
     total_seconds: float = 0.0
     tokens_per_second: float = 0.0

@@ -173,6 +173,7 @@ class Run:
         st.stop_reasons = [r.stop_reason for r in results]
         st.tokens_per_forward = st.new_tokens / st.forwards if st.forwards else 0.0
         st.prefill_seconds = self.clock.total("prefill")
+        st.preview_seconds, st.commit_seconds = self.clock.total("preview"), self.clock.total("commit")
         st.decode_seconds = end - self.t_decode
         st.total_seconds = end - self.t0
         st.tokens_per_second = st.new_tokens / st.decode_seconds if st.decode_seconds > 0 else 0.0

@@ -9,9 +9,13 @@ smaller bucket, and then move into that bucket's cache; so rows finishing one by
 compile or capture a step per row count. The eager forward runs on the rows exactly: a row
 whose block is done sits out the others' previews (they preview against a copy of their own
 cache rows), and a padded cache is compacted before it. Every forward runs inside
-``hooks.applied()``, so that the model's events see the generation's hooks.
+``hooks.applied()``, so that the model's events see the generation's hooks, and inside a named
+region of torch.profiler's traces (``clover_lab.prefill``, ``.preview``, ``.commit``): a profile
+of a generation tells the steps' time from the loop's (``bench/bench_batch_bound.py``).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -115,7 +119,7 @@ class Runner:
                 cache = self.cache.row(index[0])  # views: the commit lands in this cache
             else:
                 cache = self.model.new_cache(self.cache.max_len, len(rows))
-            with timed(rows), self.hooks.applied():
+            with timed(rows), self.hooks.applied(), region("prefill"):
                 out = self.model.prefill(cache, [prompts[r] for r in rows], chunk_size=chunk, logits=logits,
                                          where=where(rows))
             if 1 < len(rows) < self.cache.batch_size:
@@ -147,7 +151,7 @@ class Runner:
         of their rows written back."""
         c = 0 if pending is None else pending.shape[1]
         ids = canvas if pending is None else torch.cat([pending, canvas], dim=1)
-        with self.hooks.applied():
+        with self.hooks.applied(), region("preview"):
             kind, detail = self.plan()
             if kind != "eager" and rows != self.rows:
                 if c:  # a static step commits every row of its cache
@@ -166,7 +170,7 @@ class Runner:
         """Commit ``ids`` [R, c] (a token or a block per row); the last row's logits [R, 1, V] when
         ``logits`` is "last" (the static AR step always gives them). Every row: in place; some rows
         only (their last block, as they leave): on a copy of their rows, the others' untouched."""
-        with self.hooks.applied():
+        with self.hooks.applied(), region("commit"):
             if rows != self.rows:
                 index = [self.slots.index(r) for r in rows]
                 return self.model.commit(self.cache.select(index), ids, logits=logits, where=where)
@@ -185,7 +189,7 @@ class Runner:
         ``DraftCommit`` then keeps each row's accepted prefix in the cache (``drafts.py``)."""
         if rows != self.rows:
             raise ValueError(f"commit_draft: every row commits its draft together ({self.rows}), got {rows}")
-        with self.hooks.applied():
+        with self.hooks.applied(), region("commit"):
             self._arrange(fast=False)
             out = self.model.commit_draft(self.cache, ids, where=where)
             kind, detail = self.plan()
@@ -263,6 +267,15 @@ class Runner:
             return
         if self.coreset is not None and self.coreset.experts:
             self.coreset.keep(keep)
+
+
+def region(name: str):
+    """A forward's named region in torch.profiler's traces (``clover_lab.<name>``) while a profiler
+    runs; otherwise nothing (a record_function costs ~17 us even then)."""
+    return torch.profiler.record_function(f"clover_lab.{name}") if torch._C._autograd._profiler_enabled() else NO_REGION
+
+
+NO_REGION = contextlib.nullcontext()
 
 
 def allocation_error(model, length: int, rows: int, e: BaseException) -> GenerationError:
