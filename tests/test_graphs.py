@@ -242,3 +242,27 @@ def test_cuda_graph_replays_equal_eager(gen_model):
         assert captured.disabled is None and len(captured._graphs) == 4
     finally:
         gen_model.to("cpu")
+
+
+def test_a_step_about_to_compile_asks_which_form_its_experts_take(gen_model, monkeypatch):
+    """Before a step shape compiles on the CPU, StepGraphs asks ``calibrate`` (clover_kernels.moe)
+    whether its experts trace the contraction or call the grouped GEMMs: for the step's tokens
+    (rows x (c + m)), on every MoE layer's weights. Offloaded experts are not measured."""
+    from clover_lab.engine import graphs as graphs_module
+
+    asked = []
+    monkeypatch.setattr(graphs_module, "calibrate", lambda T, k, experts: asked.append((T, k, experts)))
+    graphs = StepGraphs(gen_model, 128, compile=True)
+    monkeypatch.setattr(graphs, "_through_compile", lambda *args: None)  # the eager static step, no compilation
+    cache = graphs.reset(2)
+    gen_model.prefill(cache, torch.tensor([PROMPT, PROMPT[::-1]]), logits=None)
+    graphs.step(torch.full((2, 16), 511), 0, 16)
+    ((tokens, k, weights),) = asked
+    assert (tokens, k) == (2 * 16, gen_model.config.num_experts_per_tok)
+    layers = [layer.mlp.experts for layer in gen_model.model.layers]
+    assert [(up.data_ptr(), down.data_ptr()) for up, down in weights] == \
+        [(e.gate_up_proj.data_ptr(), e.down_proj.data_ptr()) for e in layers]
+    experts = layers[1]
+    monkeypatch.setattr(experts, "store", object())  # an offload store stages the experts a step routes to
+    graphs._calibrate_experts(2 * 17)
+    assert len(asked) == 1

@@ -28,11 +28,13 @@ import warnings
 import weakref
 
 import torch
+from clover_kernels.moe.torch import calibrate
 
 from ..cache import CloverCache
 from ..context import Coreset, ForwardContext, publish
 from ..hooks import points
 from ..hooks.events import NOWHERE
+from ..layers.moe import Experts
 from ..model import CloverModel
 from .observed import copied
 
@@ -265,6 +267,8 @@ class StepGraphs:
         failed, or too many segments are compiled)."""
         keys = key_span(self.cache, c + m)
         key = (self.cache.batch_size, c, m, start, stop, _phase(coreset), keys)
+        if self._compiled_layers is not None and key not in self._segment_keys:
+            self._calibrate_experts(self.cache.batch_size * (c + m))
         args = (self.model, self.cache, ids, x, n, c, m, coreset, start, stop, keys)
         out = None if self._compiled_layers is None else self._through_compile(self._compiled_layers,
                                                                                self._segment_keys, key, args)
@@ -273,10 +277,23 @@ class StepGraphs:
             out = static_layers(*args)
         return out
 
+    def _calibrate_experts(self, tokens: int) -> None:
+        """Before a step of ``tokens`` tokens compiles on the CPU: which form its experts take
+        (``clover_kernels.moe.torch.calibrate``, measured once per process and number of
+        tokens, on every MoE layer's weights). Not for FP8 or offloaded experts."""
+        experts = [layer.mlp.experts for layer in self.model.model.layers]
+        if self.compile_failed or any(type(e) is not Experts or e.store is not None
+                                      or e.gate_up_proj.device.type != "cpu" for e in experts):
+            return
+        calibrate(tokens, self.model.config.num_experts_per_tok,
+                  [(e.gate_up_proj.detach(), e.down_proj.detach()) for e in experts])
+
     def _compiled_step(self, key, ids, n, coreset):
         """The step through torch.compile, or None to run it eagerly."""
-        _, c, m, commit_logits, _, keys, observed = key
+        batch, c, m, commit_logits, _, keys, observed = key
         check_static_step(self.model, self.cache, ids, c, m, observed)
+        if key not in self._compiled_keys:
+            self._calibrate_experts(batch * (c + m))
         return self._through_compile(self._compiled, self._compiled_keys, key,
                                      (self.model, self.cache, ids, n, c, m, commit_logits, coreset, observed, keys))
 

@@ -3,9 +3,12 @@
 On CUDA the tokens are sorted by expert and fed to ``grouped_mm`` against the whole fused
 [E, ...] weight tensors with one (possibly empty) group per expert, so experts no token picked
 are never read and there is no Python loop over experts. On the CPU the same ``grouped_mm``
-once the pairs outnumber the experts, else one GEMM per expert hit (oneDNN); under
-torch.compile a decode step's experts are one traced contraction.
+once the pairs outnumber the experts, else one GEMM per expert hit (oneDNN). Under
+torch.compile a step's experts are one traced contraction or the grouped GEMMs as an opaque op,
+whichever this machine runs faster at the step's number of pairs (``calibrate``).
 """
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +42,7 @@ def moe_experts(
         return x.new_zeros(T, k, H, dtype=torch.float32) if slots else x.new_zeros(T, H)
     if x.device.type == "cpu":
         if torch.compiler.is_compiling():
-            if T * k > TRACED_PAIRS_PER_EXPERT * E and not slots:  # a batch's block: the grouped GEMMs, opaque
+            if not slots and not traced_is_faster(T * k, E, two_i, H, str(x.dtype)):  # the grouped GEMMs, opaque
                 return _moe_experts_grouped(x, expert_ids, weights, gate_up, down)
             return _moe_experts_traced(x, expert_ids, weights, gate_up, down, slots)
         return _moe_experts_cpu(x, expert_ids, weights, gate_up, down, packed, slots)
@@ -81,11 +84,69 @@ def _moe_experts_traced(x, expert_ids, weights, gate_up, down, slots: bool = Fal
 
 
 # Under torch.compile the traced contraction reads an expert's weights once per (token, slot)
-# pair: it wins while few pairs share an expert (decode, one block), and loses to the grouped
-# GEMMs past about this many pairs per expert. Measured compiled (16 experts, top 2, H = I = 256,
-# one thread, the experts alone): 2 pairs per expert (batch 1's block) 1.13 ms traced against
-# 1.34 ms grouped, 4 (batch 2) 2.30 against 1.61, 8 (batch 4) 4.46 against 2.30.
+# pair, in one loop nest; the grouped GEMMs read them once per expert, in a GEMM call per expert.
+# Where one overtakes the other depends on the machine. Measured compiled (16 experts, top 2,
+# H = I = 256, the experts alone), traced against grouped:
+#   AVX-512 EPYC, 1 thread:  2 pairs per expert 1.13 ms / 1.34, 4: 2.30 / 1.61, 8: 4.46 / 2.30
+#   AVX2 EPYC, 2 threads:    2: 0.81 / 4.47, 4: 2.42 / 6.80, 8: 3.97 / 6.73, 16: 4.61 / 5.82, 32: 8.77 / 8.60
+# The contraction wins up to 2 pairs per expert on both. Past that a compiled step measures both
+# once per number of pairs (``calibrate``: StepGraphs calls it before it compiles a step) and
+# traces the faster; unmeasured, the grouped GEMMs.
 TRACED_PAIRS_PER_EXPERT = 2
+_TRACED_FASTER: dict[tuple, bool] = {}  # (pairs, E, 2I, H, dtype, threads) -> measured by calibrate
+
+
+def _choice_key(pairs: int, E: int, two_i: int, H: int, dtype: str) -> tuple:
+    return pairs, E, two_i, H, dtype, torch.get_num_threads()
+
+
+@torch._dynamo.assume_constant_result
+def traced_is_faster(pairs: int, E: int, two_i: int, H: int, dtype: str) -> bool:
+    """Whether a compiled step traces its experts' contraction (else it calls the grouped GEMMs).
+    Read once as a constant when a step is traced, with no guard: a compiled step keeps the form
+    it was traced with, and a later measurement does not recompile it."""
+    measured = _TRACED_FASTER.get(_choice_key(pairs, E, two_i, H, dtype))
+    return pairs <= TRACED_PAIRS_PER_EXPERT * E if measured is None else measured
+
+
+def calibrate(T: int, k: int, experts: list[tuple[torch.Tensor, torch.Tensor]], repeats: int = 3) -> bool:
+    """Whether the traced contraction is the faster compiled form of T tokens' experts, over
+    ``experts``: every MoE layer's (gate_up, down), run one after the other as a step does (a
+    model's experts outgrow the CPU's caches; one layer's alone would not). Up to
+    ``TRACED_PAIRS_PER_EXPERT`` pairs per expert it is; past that both are timed (random rows and
+    routing, the best of a few runs each), once per number of pairs, shape, dtype and thread
+    count, and the answer recorded for :func:`traced_is_faster`. A measurement costs a
+    compilation of the contraction (~3 s on 2 CPU cores)."""
+    gate_up = experts[0][0]
+    E, two_i, H = gate_up.shape
+    if T * k <= TRACED_PAIRS_PER_EXPERT * E:
+        return True
+    key = _choice_key(T * k, E, two_i, H, str(gate_up.dtype))
+    if key not in _TRACED_FASTER:
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, H, generator=g).to(gate_up.dtype)
+        weights, ids = torch.softmax(torch.randn(T, E, generator=g), -1).topk(min(k, E), dim=-1)
+        weights = weights.to(gate_up.dtype)
+        traced = torch.compile(_moe_experts_traced, dynamic=False)
+
+        def every_layer(form):
+            return lambda: [form(x, ids, weights, up, down) for up, down in experts]
+
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
+            t_traced = _best_seconds(every_layer(traced), repeats)
+            t_grouped = _best_seconds(every_layer(_moe_experts_cpu), repeats)
+        _TRACED_FASTER[key] = t_traced < t_grouped
+    return _TRACED_FASTER[key]
+
+
+def _best_seconds(run, repeats: int) -> float:
+    run()  # compiles, warms the caches
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 @torch.library.custom_op("clover_kernels::moe_experts_grouped", mutates_args=())

@@ -178,3 +178,55 @@ def test_compiled_experts_take_the_grouped_op_past_a_few_pairs_per_expert():
         with torch.inference_mode():
             out = step(x, ids, weights, gate_up, down)
         torch.testing.assert_close(out.double(), expert_loop(x, ids, weights, gate_up, down), atol=2e-5, rtol=2e-5)
+
+
+def test_compiled_experts_take_the_form_calibrate_measured_the_faster(monkeypatch):
+    """Past 2 (token, slot) pairs per expert a compiled step's experts take the form that
+    ``calibrate`` timed the faster on this machine: the traced contraction or the grouped op. It
+    times once per number of pairs; a step compiled with one form keeps it (no guard, no
+    recompilation) when a later measurement says otherwise. Every form equals the loop."""
+    E, H, I, k = 4, 32, 24, 2
+    g = torch.Generator().manual_seed(6)
+    gate_up = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
+    down = torch.randn(E, H, I, generator=g) * I ** -0.5
+    layers = [(gate_up, down)]
+    monkeypatch.setattr(moe_torch, "_TRACED_FASTER", {})
+    timed = []  # (traced, grouped) seconds handed out, in calibrate's order
+
+    def best_seconds(run, repeats):
+        timed.append(run)
+        return seconds.pop(0)
+
+    monkeypatch.setattr(moe_torch, "_best_seconds", best_seconds)
+    seconds = [1.0, 2.0]  # 8 tokens: the contraction faster
+    assert moe_torch.calibrate(8, k, layers) and moe_torch.calibrate(8, k, layers)
+    seconds = [2.0, 1.0]  # 10 tokens: the grouped GEMMs faster
+    assert not moe_torch.calibrate(10, k, layers)
+    assert len(timed) == 4 and moe_torch.calibrate(3, k, layers) and len(timed) == 4  # 6 pairs: traced, untimed
+
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def grouped_op_in(gm) -> bool:
+        return any("moe_experts_grouped" in str(node.target) for node in gm.graph.nodes)
+
+    def rows(T):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        return torch.randn(T, H, generator=g), ids, torch.softmax(torch.randn(T, k, generator=g), -1)
+
+    step = torch.compile(moe_torch.moe_experts, backend=keep_graph, dynamic=False)
+    for T, grouped in ((8, False), (10, True)):
+        x, ids, weights = rows(T)
+        with torch.inference_mode():
+            out = step(x, ids, weights, gate_up, down)
+        assert grouped_op_in(graphs[-1]) is grouped
+        torch.testing.assert_close(out.double(), expert_loop(x, ids, weights, gate_up, down), atol=2e-5, rtol=2e-5)
+    moe_torch._TRACED_FASTER[next(key for key in moe_torch._TRACED_FASTER if key[0] == 16)] = False
+    x, ids, weights = rows(8)  # 8 tokens now measured grouped: their compiled step stays traced
+    with torch.inference_mode():
+        out = step(x, ids, weights, gate_up, down)
+    assert len(graphs) == 2
+    torch.testing.assert_close(out.double(), expert_loop(x, ids, weights, gate_up, down), atol=2e-5, rtol=2e-5)
