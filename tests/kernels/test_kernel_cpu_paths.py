@@ -184,7 +184,8 @@ def test_compiled_experts_take_the_form_calibrate_measured_the_faster(monkeypatc
     """Past 2 (token, slot) pairs per expert a compiled step's experts take the form that
     ``calibrate`` timed the faster on this machine: the traced contraction or the grouped op. It
     times once per number of pairs; a step compiled with one form keeps it (no guard, no
-    recompilation) when a later measurement says otherwise. Every form equals the loop."""
+    recompilation) when a later measurement says otherwise; a contraction that does not compile
+    leaves the grouped op. Every form equals the loop."""
     E, H, I, k = 4, 32, 24, 2
     g = torch.Generator().manual_seed(6)
     gate_up = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
@@ -195,7 +196,10 @@ def test_compiled_experts_take_the_form_calibrate_measured_the_faster(monkeypatc
 
     def best_seconds(run, repeats):
         timed.append(run)
-        return seconds.pop(0)
+        t = seconds.pop(0)
+        if isinstance(t, Exception):
+            raise t
+        return t
 
     monkeypatch.setattr(moe_torch, "_best_seconds", best_seconds)
     seconds = [1.0, 2.0]  # 8 tokens: the contraction faster
@@ -203,6 +207,8 @@ def test_compiled_experts_take_the_form_calibrate_measured_the_faster(monkeypatc
     seconds = [2.0, 1.0]  # 10 tokens: the grouped GEMMs faster
     assert not moe_torch.calibrate(10, k, layers)
     assert len(timed) == 4 and moe_torch.calibrate(3, k, layers) and len(timed) == 4  # 6 pairs: traced, untimed
+    seconds = [RuntimeError("the contraction does not compile"), 1.0]  # 12 tokens: the grouped op
+    assert not moe_torch.calibrate(12, k, layers) and not seconds
 
     graphs = []
 
