@@ -62,7 +62,10 @@ def test_card_remeasures_generation_figures_and_keeps_the_models(gen_text_model_
     assert written["heldout"] == shipped["heldout"] and written["expert_usage"] == shipped["expert_usage"]
     assert written["targets"]["settings"]["repetition_penalty"] == 1.3
     assert written["targets"]["written"]["prompts"] == 2 and written["speed_cpu"] == figures["speed_cpu"]
+    # perplexity does not depend on the generation defaults: the card's figure is kept, and shown
+    assert written["targets"]["ar_perplexity"] == shipped["targets"]["ar_perplexity"]
     readme = (model / "README.md").read_text()
+    assert f"perplexity there (16 held-out windows of 256 tokens): {shipped['targets']['ar_perplexity']:.1f}" in readme
     t = written["targets"]["heldout"]
     assert "repetition_penalty=1.3" in readme and "bash make.sh" in readme
     assert (f"| heldout (12 prompts) | {t['tokens_per_forward']:.2f} | {t['max_line_repeats']} | {t['looping']} |"
