@@ -248,10 +248,10 @@ def test_a_step_about_to_compile_asks_which_form_its_experts_take(gen_model, mon
     """Before a step shape compiles on the CPU, StepGraphs asks ``calibrate`` (clover_kernels.moe)
     whether its experts trace the contraction or call the grouped GEMMs: for the step's tokens
     (rows x (c + m)), on every MoE layer's weights. Offloaded experts are not measured."""
-    from clover_lab.engine import graphs as graphs_module
+    from clover_lab.layers import moe as moe_module
 
     asked = []
-    monkeypatch.setattr(graphs_module, "calibrate", lambda T, k, experts: asked.append((T, k, experts)))
+    monkeypatch.setattr(moe_module, "calibrate", lambda T, k, experts: asked.append((T, k, experts)))
     graphs = StepGraphs(gen_model, 128, compile=True)
     monkeypatch.setattr(graphs, "_through_compile", lambda *args: None)  # the eager static step, no compilation
     cache = graphs.reset(2)

@@ -28,13 +28,12 @@ import warnings
 import weakref
 
 import torch
-from clover_kernels.moe.torch import calibrate
 
 from ..cache import CloverCache
 from ..context import Coreset, ForwardContext, publish
 from ..hooks import points
 from ..hooks.events import NOWHERE
-from ..layers.moe import Experts
+from ..layers.moe import calibrate_experts
 from ..model import CloverModel
 from .observed import copied
 
@@ -278,15 +277,9 @@ class StepGraphs:
         return out
 
     def _calibrate_experts(self, tokens: int) -> None:
-        """Before a step of ``tokens`` tokens compiles on the CPU: which form its experts take
-        (``clover_kernels.moe.torch.calibrate``, measured once per process and number of
-        tokens, on every MoE layer's weights). Not for FP8 or offloaded experts."""
-        experts = [layer.mlp.experts for layer in self.model.model.layers]
-        if self.compile_failed or any(type(e) is not Experts or e.store is not None
-                                      or e.gate_up_proj.device.type != "cpu" for e in experts):
-            return
-        calibrate(tokens, self.model.config.num_experts_per_tok,
-                  [(e.gate_up_proj.detach(), e.down_proj.detach()) for e in experts])
+        """Before a step of ``tokens`` tokens compiles: which form its experts take (``layers/moe.py``)."""
+        if not self.compile_failed:
+            calibrate_experts(self.model.model.layers, tokens, self.model.config.num_experts_per_tok)
 
     def _compiled_step(self, key, ids, n, coreset):
         """The step through torch.compile, or None to run it eagerly."""

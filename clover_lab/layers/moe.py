@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import clover_kernels as ops
 from clover_kernels.moe.naive import allowed_experts, select
+from clover_kernels.moe.torch import calibrate
 
 from ..config import CloverConfig
 from ..context import ForwardContext
@@ -100,6 +101,15 @@ class Experts(nn.Module):
             return self.store.run(self, x, expert_ids, weights, held)
         extra = {"slots": True} if slots else {}  # only where leaves_slots (FP8Experts.compute has no slots)
         return self.compute(x, expert_ids, weights, self.expert_tensors(), self.packed, **extra)
+
+
+def calibrate_experts(layers, tokens: int, k: int) -> None:
+    """Which form a compiled CPU step of ``tokens`` tokens gives its experts, the traced
+    contraction or the grouped GEMMs (``clover_kernels.moe.torch.calibrate``: measured once per
+    process and number of tokens, on every MoE layer's weights). Not for FP8 or offloaded experts."""
+    experts = [layer.mlp.experts for layer in layers]
+    if all(type(e) is Experts and e.store is None and e.gate_up_proj.device.type == "cpu" for e in experts):
+        calibrate(tokens, k, [(e.gate_up_proj.detach(), e.down_proj.detach()) for e in experts])
 
 
 class SparseMoE(nn.Module):
