@@ -95,21 +95,29 @@ def generate_all(engine: Engine, prompts, batch_size: int, mode: str, args):
     return time.perf_counter() - t, tokens, forwards
 
 
-def measure(engine: Engine, prompts, mode: str, args) -> list[dict]:
+def best_rounds(engine: Engine, prompts, args, run) -> dict:
+    """(batch size, compiled) -> the fastest of ``args.rounds`` results of ``run(prompts, b)``
+    (each with its ``seconds`` first), eager and, with ``args.compiled``, compiled batches side by
+    side in every round, after a warm-up of every shape (the compiled steps compile there)."""
     paths = [False, True] if args.compiled else [False]  # compile_steps: eager batches, compiled ones
-    for compiled in paths:  # warm-up: every batch size's shapes once (the compiled steps compile here)
+    for compiled in paths:
         engine.compile_steps = compiled
         for b in args.batch_sizes:
-            generate_all(engine, prompts[:b], b, mode, args)
+            run(prompts[:b], b)
     best: dict[tuple, tuple] = {}
     for _ in range(args.rounds):
         for b in args.batch_sizes:
             for compiled in paths:  # side by side, in the same round
                 engine.compile_steps = compiled
-                seconds, tokens, forwards = generate_all(engine, prompts, b, mode, args)
-                if (b, compiled) not in best or seconds < best[b, compiled][0]:
-                    best[b, compiled] = (seconds, tokens, forwards)
+                result = run(prompts, b)
+                if (b, compiled) not in best or result[0] < best[b, compiled][0]:
+                    best[b, compiled] = result
     engine.compile_steps = False
+    return best
+
+
+def measure(engine: Engine, prompts, mode: str, args) -> list[dict]:
+    best = best_rounds(engine, prompts, args, lambda some, b: generate_all(engine, some, b, mode, args))
     base_tokens = best[min(args.batch_sizes), False][1]
     new = sum(len(t) for t in base_tokens)
     base_tps = new / best[min(args.batch_sizes), False][0]
@@ -127,6 +135,12 @@ def measure(engine: Engine, prompts, mode: str, args) -> list[dict]:
     return rows
 
 
+def model_name(args) -> str:
+    """The model as result files name it: the preset, "default-model" or the directory's name."""
+    return args.preset if args.model == "random" else ("default-model" if args.model == "default"
+                                                       else Path(args.model).name)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -137,8 +151,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    name = args.preset if args.model == "random" else ("default-model" if args.model == "default"
-                                                       else Path(args.model).name)
+    name = model_name(args)
     table = Table(title=f"batched generation: {name} ({args.dtype}) on {args.device}, {args.prompts} prompts of 24-64 tokens, "
                         f"{args.max_new_tokens} new tokens, threshold {args.threshold}, {torch.get_num_threads()} "
                         f"threads, best of {args.rounds}")

@@ -25,12 +25,11 @@ and writes JSON to bench/results/. A benchmark, not a test.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_batch import build, parse_args
+from bench_batch import best_rounds, build, model_name, parse_args
 from result_file import run_fields, write_result
 
 GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
@@ -40,14 +39,14 @@ STEPS = {"diffusion": ("clover_lab.preview", "preview_seconds"),  # the runner's
 
 
 def one_pass(engine, prompts, b: int, mode: str, args) -> dict:
-    """Every prompt at batch ``b``: wall seconds, the batches' step seconds, their tokens."""
+    """Every prompt at batch ``b``: (wall seconds, the batches' step seconds, their tokens)."""
     kw = dict(mode=mode, max_new_tokens=args.max_new_tokens, threshold=args.threshold, temperature=0)
     t, steps, tokens = time.perf_counter(), 0.0, []
     for i in range(0, len(prompts), b):
         batch = engine.generate(prompts[i:i + b], **kw)
         steps += getattr(batch.stats, STEPS[mode][1])
         tokens += [r.token_ids for r in batch]
-    return dict(seconds=time.perf_counter() - t, step_seconds=steps, tokens=tokens)
+    return time.perf_counter() - t, steps, tokens
 
 
 def gemm_seconds(engine, prompts, b: int, mode: str, args) -> tuple[float, float]:
@@ -68,37 +67,22 @@ def gemm_seconds(engine, prompts, b: int, mode: str, args) -> tuple[float, float
 
 
 def measure(engine, prompts, mode: str, args) -> list[dict]:
-    paths = (False, True) if args.compiled else (False,)  # compile_steps
-    for compiled in paths:  # warm-up: every shape once (the compiled steps compile here)
-        engine.compile_steps = compiled
-        for b in args.batch_sizes:
-            one_pass(engine, prompts[:b], b, mode, args)
-    best: dict[tuple, dict] = {}
-    for _ in range(args.rounds):
-        for b in args.batch_sizes:
-            for compiled in paths:
-                engine.compile_steps = compiled
-                r = one_pass(engine, prompts, b, mode, args)
-                if (b, compiled) not in best or r["seconds"] < best[b, compiled]["seconds"]:
-                    best[b, compiled] = r
+    best = best_rounds(engine, prompts, args, lambda some, b: one_pass(engine, some, b, mode, args))
     rows = []
     for b in args.batch_sizes:
-        eager = best[b, False]
-        engine.compile_steps = False
+        seconds, steps, tokens = best[b, False]
         gemm_in, gemm_all = gemm_seconds(engine, prompts, b, mode, args)
-        rest = max(eager["step_seconds"] - gemm_in, 0.0)  # what compiled steps could remove at best
-        row = dict(mode=mode, batch_size=b, seconds=eager["seconds"], step_seconds=eager["step_seconds"],
-                   step_gemm_seconds=gemm_in, gemm_seconds=gemm_all, step_rest_seconds=rest,
-                   bound=eager["seconds"] / (eager["seconds"] - rest))
+        rest = max(steps - gemm_in, 0.0)  # what compiled steps could remove at best
+        row = dict(mode=mode, batch_size=b, seconds=seconds, step_seconds=steps, step_gemm_seconds=gemm_in,
+                   gemm_seconds=gemm_all, step_rest_seconds=rest, bound=seconds / (seconds - rest))
         if args.compiled:
-            comp = best[b, True]
+            c_seconds, c_steps, c_tokens = best[b, True]
             engine.compile_steps = True
-            row.update(compiled_seconds=comp["seconds"], compiled_step_seconds=comp["step_seconds"],
+            row.update(compiled_seconds=c_seconds, compiled_step_seconds=c_steps,
                        compiled_step_gemm_seconds=gemm_seconds(engine, prompts, b, mode, args)[0],
-                       compiled_ratio=eager["seconds"] / comp["seconds"],
-                       compiled_same_tokens=comp["tokens"] == eager["tokens"])
+                       compiled_ratio=seconds / c_seconds, compiled_same_tokens=c_tokens == tokens)
+            engine.compile_steps = False
         rows.append(row)
-    engine.compile_steps = False
     return rows
 
 
@@ -112,8 +96,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    name = args.preset if args.model == "random" else ("default-model" if args.model == "default"
-                                                       else Path(args.model).name)
+    name = model_name(args)
     table = Table(title=f"compiled batches, the bound: {name} ({args.dtype}) on {args.device}, {args.prompts} prompts, "
                         f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, best of {args.rounds}")
     compiled_cols = (("compiled s", "compiled steps s", "their GEMMs s ", "compiled vs eager", "same tokens")
