@@ -20,11 +20,11 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from result_file import DATE, RESULTS, result_path, write_json
 
 from clover_lab import load
 from clover_lab.train.card import speed
 from clover_lab.train.objective import evaluate
-from result_file import DATE, RESULTS, result_path, write_json
 
 THRESHOLDS = (0.9, 0.5)
 

@@ -1,5 +1,5 @@
 """Activation memory of the block-diffusion training forward, per token, at Clover-35B-A3B's widths,
-beside the state plan of ``clover_lab.train.plan`` (weights, gradients, AdamW moments per rank).
+beside the state plan of ``clover_lab.train.memory_plan`` (weights, gradients, AdamW moments per rank).
 
     python bench/adapt_memory.py [--ranks 8] [--seq-len 4096]
 
@@ -19,12 +19,11 @@ import argparse
 from datetime import date
 
 import torch
-
-from clover_lab import CloverConfig, CloverModel
-from clover_lab.train.objective import TrainSettings, block_diffusion_loss
-from clover_lab.train.plan import GIB, memory_plan, render
 from result_file import DATE, RESULTS, write_result
 
+from clover_lab import CloverConfig, CloverModel
+from clover_lab.train.memory_plan import GIB, memory_plan, render
+from clover_lab.train.objective import TrainSettings, block_diffusion_loss
 
 
 def saved_bytes(model: CloverModel, length: int) -> dict[str, int]:

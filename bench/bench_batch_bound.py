@@ -27,10 +27,9 @@ from __future__ import annotations
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from bench_batch import best_rounds, build, model_name, parse_args
 from result_file import run_fields, write_result
+from torch.profiler import ProfilerActivity, profile
 
 GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
                    "mkldnn::_linear_pointwise"})

@@ -12,10 +12,10 @@ import argparse
 from pathlib import Path
 
 import torch
+from result_file import RESULTS, write_result
 
 from clover_lab import load
 from clover_lab.lens import coreset_sweep
-from result_file import RESULTS, write_result
 
 
 def parse_args(argv=None):

@@ -49,11 +49,11 @@ import warnings
 from collections import defaultdict
 
 import torch
+from result_file import RESULTS, result_path, slug, write_json
 
 from clover_lab.config import CloverConfig
-from clover_lab.engine.runner import StepGraphs
-from clover_lab.model import CloverModel, Coreset
-from result_file import RESULTS, result_path, slug, write_json
+from clover_lab.engine.graphs import StepGraphs
+from clover_lab.model.decoder import CloverModel, Coreset
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

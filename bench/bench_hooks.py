@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import torch
+from result_file import RESULTS, run_fields, write_result
 
 from clover_lab import CloverConfig, CloverModel, Engine
-from result_file import RESULTS, run_fields, write_result
 
 
 def parse_args(argv=None):

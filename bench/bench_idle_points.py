@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import torch
+from result_file import RESULTS, write_result
 
 from clover_lab import load
-from clover_lab.model import CloverModel, DecoderLayer
-from result_file import RESULTS, write_result
+from clover_lab.model.decoder import CloverModel, DecoderLayer
 
 
 def bare_layer_forward(self, x, ctx, normed=None, next_layer=None):

@@ -58,10 +58,12 @@ from clover_kernels.moe import torch as moe_ref  # noqa: E402
 from clover_kernels.norm import naive as norm_ref  # noqa: E402
 
 try:
-    from clover_kernels.gdn import commit as gdn_commit_k, preview as gdn_preview_k
+    import triton
+
+    from clover_kernels.gdn import commit as gdn_commit_k
+    from clover_kernels.gdn import preview as gdn_preview_k
     from clover_kernels.moe import fused as moe_k
     from clover_kernels.norm import rms as norm_k
-    import triton
 except ImportError as exc:
     print(f"bench_kernels: triton kernels unavailable ({exc})")
     sys.exit(2)

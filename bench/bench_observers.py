@@ -19,11 +19,11 @@ import statistics
 import time
 
 import torch
+from result_file import RESULTS, write_result
 
 from clover_lab import load
 from clover_lab.hooks import points
 from clover_lab.hooks.registry import observer
-from result_file import RESULTS, write_result
 
 SETTINGS = ("none", "observers", "views")
 PROMPT = "def fibonacci(n):\n"

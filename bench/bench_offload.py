@@ -20,7 +20,6 @@ import os
 import sys
 
 import torch
-
 from result_file import write_json
 
 
@@ -32,7 +31,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import clover_lab
-    from clover_lab import loading
+    from clover_lab.checkpoint import loading
 
     path = args.model or loading.default_model_dir()
     config = loading.load_config(path)

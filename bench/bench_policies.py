@@ -22,9 +22,9 @@ import platform
 import time
 
 import torch
+from result_file import RESULTS, write_result
 
 from clover_lab import load
-from result_file import RESULTS, write_result
 
 # plain greedy decoding: the embedded model's generation_config.json adds penalties against loops
 GREEDY = dict(temperature=0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)

@@ -28,10 +28,10 @@ from pathlib import Path
 import httpx
 import torch
 import uvicorn
+from result_file import RESULTS, write_result
 
 import clover_lab
 from clover_lab.serve import create_app
-from result_file import RESULTS, write_result
 
 PROMPTS = ["def parse(line):\n", "import os\n", "class Stack:\n", "def f(x):\n    return", "for i in range(",
            "# read a file\n", "x = [", "with open(path) as f:\n", "def main():\n", "try:\n", "if __name__ ==",

@@ -20,7 +20,6 @@ import warnings
 from pathlib import Path
 
 import torch
-
 from result_file import DATE, RESULTS, stamp, write_result
 
 SIZES = {
@@ -151,7 +150,7 @@ def run_size(size: str, dtype: torch.dtype, prompt_len: int, decode: int, repeat
                 out = ref(nxt, cache=cache, use_cache=True)
             return time.perf_counter() - t, torch.cat(tokens, dim=1)[0]
 
-        from clover_lab.engine.runner import StepGraphs
+        from clover_lab.engine.graphs import StepGraphs
 
         graphs = StepGraphs(ours, prompt_len + decode + 1, compile=True)
 
@@ -215,9 +214,9 @@ def main(argv=None):
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from clover_lab import malloc
+    from clover_lab import cpu
 
-    tuned = malloc.tune()  # for both sides: this process's large activations from glibc's heap, reused
+    tuned = cpu.tune_malloc()  # for both sides: this process's large activations from glibc's heap, reused
     dtype = getattr(torch, args.dtype)
     rows = [run_size(s, dtype, args.prompt, args.decode, args.repeat) for s in args.sizes.split(",")]
 
@@ -241,7 +240,7 @@ def main(argv=None):
           "static steps through torch.compile. max x: transformers' time over the bare matrix products alone\n"
           "(prefill: every weight on its rows through clover_kernels.linear, plain or packed; decode: one token's\n"
           "matvecs), the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.\n"
-          f"glibc malloc tuned for both (clover_lab.malloc): {tuned}")
+          f"glibc malloc tuned for both (clover_lab.cpu): {tuned}")
     day = stamp(DATE)
     write_result(args.out, f"compare_transformers-cpu-{day}-{args.dtype}-prompt{args.prompt}",
                  {"date": day, "device": "cpu", "threads": args.threads, "malloc_tuned": tuned,

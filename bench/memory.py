@@ -78,7 +78,7 @@ def main(argv=None):
     ap.add_argument("--skip-big", action="store_true", help="only the embedded model")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
-    from clover_lab.loading import default_model_dir
+    from clover_lab.checkpoint.loading import default_model_dir
 
     rows = []
     small = default_model_dir()

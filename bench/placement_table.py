@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from clover_lab import CloverConfig, CloverModel
-from clover_lab.cache import cache_bytes
+from clover_lab.model.cache import cache_bytes
 from clover_lab.placement import meta_model, plan_placement
 
 sys.path.append(str(Path(__file__).resolve().parent))  # result_file.py, when a test imports this (last: shadows nothing)

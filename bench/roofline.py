@@ -50,7 +50,7 @@ from bench_e2e import HBM_BYTES_PER_S, roofline_bytes  # noqa: E402  (one byte c
 from result_file import RESULTS, write_json  # noqa: E402
 
 from clover_lab.config import CloverConfig  # noqa: E402
-from clover_lab.model import CloverModel  # noqa: E402
+from clover_lab.model.decoder import CloverModel  # noqa: E402
 
 BF16_FLOPS_PER_S = 790e12  # H200, dense bf16 tensor cores (what the issue plans against)
 H200_GIB = 139  # usable HBM of one H200 as torch reports it

@@ -32,7 +32,7 @@ def load_model(device: str = "cpu"):
     import torch
 
     from clover_lab import CloverModel
-    from clover_lab.loading import default_model_dir
+    from clover_lab.checkpoint.loading import default_model_dir
 
     return CloverModel.from_pretrained(default_model_dir(), dtype=torch.float32).to(device)
 
@@ -48,7 +48,7 @@ def count_static_steps(model, lengths=(21, 46), max_len: int = 256, coreset_size
     import torch
 
     from clover_kernels.launches import LaunchCounter
-    from clover_lab.engine.runner import StepGraphs
+    from clover_lab.engine.graphs import StepGraphs
 
     cfg, dev = model.config, model.device
     B, mask, layers = cfg.block_size, cfg.mask_token_id, cfg.num_hidden_layers
@@ -92,8 +92,7 @@ def count_sampler_steps(engine, prompt: str = "def fibonacci(n):\n", new_tokens:
     one; the step's one host transfer (``.tolist()`` of the decision) reads a CPU tensor's memory
     without an aten op, so it is not among them on a CPU."""
     from clover_kernels.launches import LaunchCounter
-    from clover_lab import sampling
-    from clover_lab.engine import diffusion
+    from clover_lab.engine import diffusion, sampling
 
     out = {}
     for mode, module, name in (("diffusion", diffusion, "denoise_step"), ("ar", sampling, "decide")):

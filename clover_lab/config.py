@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CloverError
-from .writes import write_text
+from clover_lab.errors import CloverError
+from clover_lab.writes import write_text
 
 MODEL_TYPE = "clover_moe"
 ARCHITECTURE = "CloverMoeModelLM"  # the release's (spec 3.2.1); what clover_lab writes

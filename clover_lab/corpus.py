@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CorpusError, CorpusNotFoundError
+from clover_lab.errors import CorpusError, CorpusNotFoundError
 
 TEXT_SUFFIXES = {".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js", ".ts", ".json", ".jsonl",
                  ".html", ".css", ".yaml", ".yml", ".toml", ".sh", ".go", ".rs", ".java"}

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import CheckpointError, OutputError
-from .signals import NotedSignals
+from clover_lab.errors import CheckpointError, OutputError
+from clover_lab.signals import NotedSignals
 
 MARKER = ".clover-save-incomplete"
 TMP_TAG = ".clover-tmp-"

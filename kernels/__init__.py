@@ -8,8 +8,6 @@ reference, Triton implementation); calling it dispatches between the two (``disp
 """
 from .dense import PackedWeight, can_pack, linear
 from .dispatch import backend_for, forced_backend, kernel_table
-from .moe import torch as _moe  # noqa: F401 - the torch paths by their old names (tests)
-from .norm import naive as _norm  # noqa: F401
 from .ops import OPS
 
 rms_norm = OPS["rms_norm"]

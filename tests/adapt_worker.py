@@ -5,7 +5,7 @@ import sys
 
 import torch.distributed as dist
 
-from clover_lab.cli import main
+from clover_lab.cli.main import main
 
 dist.init_process_group("gloo")
 try:

@@ -3,7 +3,7 @@ speculative-sampling rule gives AR's distribution (measured on a tiny vocabulary
 import pytest
 import torch
 
-from clover_lab.acceptance import greedy_accept, speculative_accept
+from clover_lab.engine.acceptance import greedy_accept, speculative_accept
 
 
 def test_greedy_accepts_the_leading_agreement():

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 import clover_lab
 from clover_lab import CloverConfig, CloverModel
-from clover_lab import loading
-from clover_lab.cli import main as cli_main
+from clover_lab.checkpoint import names
+from clover_lab.cli.main import main as cli_main
 from clover_lab.train import adapt, lora, mask_token, shard, train_tokenizer
-from clover_lab.train.corpus import stdlib_files
+from clover_lab.train.stdlib_corpus import stdlib_files
 
 SMALL = ("bisect.py", "heapq.py", "colorsys.py", "keyword.py", "abc.py", "fnmatch.py")
 COMMON = ["--steps", "2", "--seq-len", "32", "--batch-size", "4", "--log-every", "1", "--seed", "3"]
@@ -61,7 +61,7 @@ def ar_tokenizer(files, vocab_size: int):
 def weights(directory) -> dict:
     """The saved tensors by parameter name, in the parameters' shapes (the file has the release's names)."""
     stored = load_file(str(Path(directory) / "model.safetensors"))
-    out = {loading.canonical_name(n): t for n, t in stored.items()}
+    out = {names.canonical_name(n): t for n, t in stored.items()}
     return {n: t[:, None] if n.endswith("conv1d_right.weight") else t for n, t in out.items()}
 
 
@@ -134,7 +134,7 @@ def test_terminated_run_checkpoints_and_exports(tmp_path, clover_init, data):
     argv = ["adapt", "--init", clover_init, "--data", data, "--out", out, "--train", "preview",
             "--steps", "100000", "--seq-len", "32", "--batch-size", "2",
             "--log-every", "1"]
-    proc = subprocess.Popen([sys.executable, "-m", "clover_lab.cli", *map(str, argv)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "clover_lab.cli.main", *map(str, argv)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     log = out / "training" / "loss_log.jsonl"
     deadline = time.monotonic() + 300
@@ -285,7 +285,7 @@ def test_bad_arguments_exit_2_naming_them(capsys, clover_init, tmp_path):
 
 # --------------------------------------------------------------------------- the memory plan
 def test_memory_plan_counts_the_models_parameters():
-    from clover_lab.train import plan
+    from clover_lab.train import memory_plan as plan
 
     config = CloverConfig.preset("clover-tiny")
     counts = plan.parameter_counts(config)

@@ -1,4 +1,4 @@
-"""Routing statistics over a corpus (clover_lab.analysis): against a direct count from route
+"""Routing statistics over a corpus (clover_lab.lens.routing_stats): against a direct count from route
 hooks, batched against one window at a time, the file, and data-parallel over 2 gloo ranks."""
 import os
 import subprocess
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from clover_lab.analysis import RouteStats, route_stats
-from clover_lab.context import ForwardContext
 from clover_lab.engine import Engine
+from clover_lab.lens.routing_stats import RouteStats, route_stats
+from clover_lab.model.context import ForwardContext
 
 
 def corpus(n_docs=5, seed=0):
@@ -20,7 +20,7 @@ def corpus(n_docs=5, seed=0):
 
 
 def direct_counts(model, docs, mode, seq_len, block):
-    """Expert counts and tokens from a route hook, window by window, without clover_lab.analysis:
+    """Expert counts and tokens from a route hook, window by window, without clover_lab.lens.routing_stats:
     commit windows through ``model.logits``; preview windows padded to whole blocks and previewed
     fully masked, counting only their real rows."""
     c = model.config
@@ -132,18 +132,18 @@ def _write_corpus(folder):
 
 
 def test_cli_routes_over_two_gloo_ranks_equals_one_process(gen_text_model_dir, tmp_path):
-    """``torchrun --nproc-per-node 2 -m clover_lab.cli routes``: each rank takes every other
+    """``torchrun --nproc-per-node 2 -m clover_lab.cli.main routes``: each rank takes every other
     window, the sums are all-reduced and rank 0 writes a file equal to one process's."""
     _write_corpus(tmp_path / "data")
     args = ["routes", "--model", str(gen_text_model_dir), "--data", str(tmp_path / "data"), "--batch-size", "1",
             "--seq-len", "32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    one = subprocess.run([sys.executable, "-m", "clover_lab.cli", *args, "--out", str(tmp_path / "one.npz")],
+    one = subprocess.run([sys.executable, "-m", "clover_lab.cli.main", *args, "--out", str(tmp_path / "one.npz")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert one.returncode == 0, one.stderr
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(_free_port()),
-                          "-m", "clover_lab.cli", *args, "--out", str(tmp_path / "two.npz")],
+                          "-m", "clover_lab.cli.main", *args, "--out", str(tmp_path / "two.npz")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = RouteStats.load(tmp_path / "one.npz"), RouteStats.load(tmp_path / "two.npz")

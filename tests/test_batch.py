@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from clover_lab import BatchResult, Engine, GenerationError, StopGeneration, load_trace
-from clover_lab.context import Coreset
+from clover_lab.model.context import Coreset
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 # prompts of different lengths: rows stand at different cache lengths throughout
@@ -349,8 +349,8 @@ def test_the_bound_benchmark_sums_the_gemms_inside_the_steps(tmp_path):
 
 
 def test_a_batch_whose_cache_does_not_fit_is_refused_up_front(tiny_engine, monkeypatch):
-    from clover_lab.cache import cache_bytes
     from clover_lab.engine import requests
+    from clover_lab.model.cache import cache_bytes
 
     one = cache_bytes(tiny_engine.model.config, 10 + 40, 1, dtype=tiny_engine.model.dtype)
     monkeypatch.setattr(requests, "available_bytes", lambda device: 2 * one)  # room for two rows, not three
@@ -422,7 +422,7 @@ def test_a_new_decoding_policy_needs_no_loop_change(tiny_engine):
     memo of the block's logits over its steps; batched rows each get their own blocks and memos."""
     import torch
 
-    from clover_lab.engine.policy import DecodingPolicy, Proposal
+    from clover_lab.engine.policies import DecodingPolicy, Proposal
 
     class LeftToRight(DecodingPolicy):
         def __init__(self):
@@ -456,7 +456,7 @@ def test_a_new_decoding_policy_needs_no_loop_change(tiny_engine):
         tiny_engine.generate(PROMPTS[0], **KW)
     with pytest.raises(ValueError, match="policy must be a DecodingPolicy"):
         tiny_engine.policy = "threshold"
-    from clover_lab.engine.policy import ThresholdPolicy
+    from clover_lab.engine.policies import ThresholdPolicy
 
     tiny_engine.policy = ThresholdPolicy()
     assert tiny_engine.generate(PROMPTS[0], **KW).token_ids == want  # the engine stays usable

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from clover_lab.loading import default_model_dir
+from clover_lab.checkpoint.loading import default_model_dir
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import clover_lab
 import clover_kernels.gdn.naive as naive
+import clover_lab
 from clover_lab import CheckpointError, CloverModel, ConfigError
-from clover_lab.check import CheckReport, Row, check_preview, readings
-from clover_lab.cli import main as cli_main
-from clover_lab.loading import default_model_dir
+from clover_lab.checkpoint.loading import default_model_dir
+from clover_lab.cli.main import main as cli_main
+from clover_lab.lens.preview_check import CheckReport, Row, check_preview, readings
 
 WINDOWS = 4  # small and fast: the margins below are many times the noise of 512 tokens
 

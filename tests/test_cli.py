@@ -7,8 +7,8 @@ import sys
 import pytest
 
 import clover_lab
-from clover_lab import cli
-from clover_lab.cli_view import MASK_GLYPH, LiveView
+from clover_lab.cli import main as cli
+from clover_lab.cli.view import MASK_GLYPH, LiveView
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 
@@ -129,7 +129,7 @@ def test_ctrl_c_prints_what_was_generated_and_exits_130(capsys, interrupted_engi
 
 def test_module_entry_point(gen_model_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "clover_lab.cli", "generate", "--model", str(gen_model_dir),
+    proc = subprocess.run([sys.executable, "-m", "clover_lab.cli.main", "generate", "--model", str(gen_model_dir),
                            "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr

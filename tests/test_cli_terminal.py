@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from clover_lab import cli
-from clover_lab.cli_view import LiveView
+from clover_lab.cli import main as cli
+from clover_lab.cli.view import LiveView
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
 
@@ -26,7 +26,7 @@ def run_in_terminal(*argv, columns: int = 100, timeout: float = 240.0) -> tuple[
     master, slave = pty.openpty()
     env = dict(os.environ, COLUMNS=str(columns), LINES="40", TERM="xterm-256color", OMP_NUM_THREADS="1")
     env.pop("NO_COLOR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "clover_lab.cli", *map(str, argv)], stdin=slave, stdout=slave,
+    proc = subprocess.Popen([sys.executable, "-m", "clover_lab.cli.main", *map(str, argv)], stdin=slave, stdout=slave,
                             stderr=slave, env=env, close_fds=True)
     os.close(slave)
     chunks, deadline = [], time.time() + timeout

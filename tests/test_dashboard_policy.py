@@ -6,7 +6,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 from clover_lab.engine.policies import POLICIES, TopKPolicy  # noqa: E402
-from clover_lab.sampling import SettingsError  # noqa: E402
+from clover_lab.engine.sampling import SettingsError  # noqa: E402
 from clover_lab.widgets import Dashboard  # noqa: E402
 
 

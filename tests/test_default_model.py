@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from clover_lab import load
-from clover_lab.loading import default_model_dir
+from clover_lab.checkpoint.loading import default_model_dir
 from clover_lab.train import encode_files, evaluate, split_corpus
 
 MODEL = default_model_dir()

@@ -1,4 +1,4 @@
-"""Checkpoint defaults (clover_lab/defaults.py): a real Qwen3.5-MoE checkpoint, whose config has no
+"""Checkpoint defaults (clover_lab/checkpoint/defaults.py): a real Qwen3.5-MoE checkpoint, whose config has no
 mask token, runs block diffusion without one set by hand; generation_config.json's block size,
 mask token and EOS ids reach the engine and the CLI; the loading progress bar is a flag."""
 import json
@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import clover_lab
-from clover_lab import cli
+from clover_lab.cli import main as cli
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 

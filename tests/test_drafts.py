@@ -3,8 +3,8 @@ of the kept prefix, on a random transformers-equal model and on the embedded mod
 import pytest
 import torch
 
-from clover_lab.cache import AttentionCache
-from clover_lab.drafts import DraftError
+from clover_lab.model.cache import AttentionCache
+from clover_lab.model.drafts import DraftError
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 

@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 
 from clover_kernels.fp8 import naive
 from clover_lab import CheckpointError, CloverModel, load
-from clover_lab.fp8 import checkpoint as fp8_checkpoint
-from clover_lab.fp8.quantize import quantize_checkpoint
-from clover_lab.layers.fp8 import FP8Experts, FP8Linear
-from clover_lab.layers.linear import Linear
+from clover_lab.checkpoint import fp8 as fp8_checkpoint
+from clover_lab.checkpoint.quantize import quantize_checkpoint
+from clover_lab.model.layers.fp8_linear import FP8Experts, FP8Linear
+from clover_lab.model.layers.linear import Linear
 
 
 def dequantized_reference(model: CloverModel, block) -> CloverModel:

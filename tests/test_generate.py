@@ -7,7 +7,7 @@ import torch
 
 import clover_lab
 from clover_lab import Engine, GenerationError
-from clover_lab.cache import cache_bytes
+from clover_lab.model.cache import cache_bytes
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
@@ -275,7 +275,7 @@ def test_load(gen_text_model_dir, gen_model_dir, monkeypatch, tmp_path):
     bare = clover_lab.load(gen_model_dir)
     assert bare.tokenizer is None
     monkeypatch.delenv("CLOVER_LAB_MODEL", raising=False)
-    monkeypatch.setattr("clover_lab.loading.DEFAULT_MODEL_ROOTS", (tmp_path / "assets",))
+    monkeypatch.setattr("clover_lab.checkpoint.loading.DEFAULT_MODEL_ROOTS", (tmp_path / "assets",))
     with pytest.raises(FileNotFoundError, match="no default model"):
         clover_lab.load()
     (tmp_path / "assets").mkdir()

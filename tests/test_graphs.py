@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from clover_lab import Engine
-from clover_lab.engine.runner import StepGraphs
-from clover_lab.model import Coreset
+from clover_lab.engine.graphs import StepGraphs
+from clover_lab.model.decoder import Coreset
 
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64, 8, 400, 23]
 
@@ -248,7 +248,7 @@ def test_a_step_about_to_compile_asks_which_form_its_experts_take(gen_model, mon
     """Before a step shape compiles on the CPU, StepGraphs asks ``calibrate`` (clover_kernels.moe)
     whether its experts trace the contraction or call the grouped GEMMs: for the step's tokens
     (rows x (c + m)), on every MoE layer's weights. Offloaded experts are not measured."""
-    from clover_lab.layers import moe as moe_module
+    from clover_lab.model.layers import moe as moe_module
 
     asked = []
     monkeypatch.setattr(moe_module, "calibrate", lambda T, k, experts: asked.append((T, k, experts)))

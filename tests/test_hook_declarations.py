@@ -7,13 +7,12 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from test_layout import point_name_pattern
 
 import clover_lab
 from clover_lab import Engine
 from clover_lab.hooks import points as P
 from clover_lab.hooks.events import Event, _RowsOfOneMode
-
-from test_layout import point_name_pattern
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301]

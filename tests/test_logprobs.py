@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from clover_lab import SamplerSettings, SettingsError
-from clover_lab.cli import build_parser
-from clover_lab.engine import token_info
-from clover_lab import sampling
+from clover_lab.cli.main import build_parser
+from clover_lab.engine import sampling, token_info
 
 PROMPT = [5, 6, 7, 8, 9]
 

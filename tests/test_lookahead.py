@@ -8,7 +8,7 @@ import torch
 
 from clover_lab import Engine
 from clover_lab.engine import LookAheadPolicy, make_policy
-from clover_lab.sampling import SettingsError
+from clover_lab.engine.sampling import SettingsError
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPTS = [[5, 17, 33], [5, 17, 33, 100, 2, 9, 77, 301, 12, 64], [400, 3, 250, 7, 88, 19]]
@@ -111,7 +111,7 @@ def test_batches_equal_one_by_one(tiny_engine, kw):
 
 
 def test_the_command_line_takes_it(capsys):
-    from clover_lab.cli import main
+    from clover_lab.cli.main import main
 
     assert main(["generate", "--prompt-ids", "5,17,33", "--max-new-tokens", "40", "--policy",
                  "lookahead:start=0.5,threshold=0.5", "--no-progress", "--json"]) == 0

@@ -1,4 +1,4 @@
-"""clover_lab.malloc: with the settings applied, a large freed block is reused without faulting
+"""clover_lab.cpu: with the settings applied, a large freed block is reused without faulting
 its pages in again (glibc's default unmaps blocks over 32 MB on free and faults them back)."""
 import platform
 import resource
@@ -6,7 +6,7 @@ import resource
 import pytest
 import torch
 
-from clover_lab import malloc
+from clover_lab import cpu
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 
@@ -22,15 +22,15 @@ def faults_of_a_fresh_block(mb: int = 64) -> int:
 @glibc
 def test_a_large_block_is_reused_without_page_faults(monkeypatch):
     monkeypatch.delenv("CLOVER_MALLOC", raising=False)
-    assert malloc.tune()
+    assert cpu.tune_malloc()
     faults_of_a_fresh_block()  # the first one may grow the heap
     assert faults_of_a_fresh_block() < 1000  # 64 MB is 16384 pages: none faulted again
 
 
 def test_system_malloc_is_left_alone_when_asked(monkeypatch):
-    monkeypatch.setattr(malloc, "_applied", False)
+    monkeypatch.setattr(cpu, "_applied", False)
     monkeypatch.setenv("CLOVER_MALLOC", "system")
-    assert malloc.tune() is False
+    assert cpu.tune_malloc() is False
 
 
 @glibc
@@ -38,6 +38,6 @@ def test_an_engine_on_the_cpu_tunes_malloc(monkeypatch, tiny_model):
     from clover_lab import Engine
 
     monkeypatch.delenv("CLOVER_MALLOC", raising=False)
-    monkeypatch.setattr(malloc, "_applied", False)
+    monkeypatch.setattr(cpu, "_applied", False)
     Engine(tiny_model)
-    assert malloc._applied
+    assert cpu._applied

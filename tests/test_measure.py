@@ -75,9 +75,9 @@ def test_card_remeasures_generation_figures_and_keeps_the_models(gen_text_model_
 def test_heldout_tokens_from_a_run_or_from_the_models_tokenizer(gen_text_model_dir, tmp_path, monkeypatch):
     import torch
 
+    from clover_lab.checkpoint.loading import load_tokenizer
     from clover_lab.errors import CheckpointError
-    from clover_lab.loading import load_tokenizer
-    from clover_lab.train import corpus
+    from clover_lab.train import stdlib_corpus as corpus
 
     run = tmp_path / "run"
     run.mkdir()

@@ -124,8 +124,8 @@ def test_packed_weights_give_the_same_model(tiny_model):
     with torch.inference_mode():
         plain = tiny_model.logits(ids)
         plain_preview = tiny_model.denoise_logits(ids, block)
-        from clover_lab.layers.linear import Linear
-        from clover_lab.layers.moe import Experts, Router
+        from clover_lab.model.layers.linear import Linear
+        from clover_lab.model.layers.moe import Experts, Router
 
         gemm_weights = [t for m in tiny_model.modules() if isinstance(m, (Linear, Router, Experts))
                         for t in m.parameters(recurse=False) if t.dim() >= 2]

@@ -10,7 +10,7 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-from clover_lab.loading import default_model_dir  # noqa: E402
+from clover_lab.checkpoint.loading import default_model_dir  # noqa: E402
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 HAVE_MODEL = bool(os.environ.get("CLOVER_LAB_MODEL")) or default_model_dir() is not None

@@ -8,7 +8,7 @@ import torch
 
 import clover_lab
 from clover_lab.config import CloverConfig
-from clover_lab.layers.moe import Experts
+from clover_lab.model.layers.moe import Experts
 from clover_lab.placement import ExpertStore
 from clover_lab.placement.staging import ALIGN, Staging, expert_bytes, layout, pin_in_place
 
@@ -54,7 +54,7 @@ def test_pinning_in_place_keeps_one_host_copy():
     CUDA, so a plain copy stands in for Tensor.pin_memory here."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from clover_lab.layers.fp8 import FP8Experts
+    from clover_lab.model.layers.fp8_linear import FP8Experts
 
     config = CloverConfig.preset("clover-tiny")
     for experts in (Experts(config), FP8Experts(config, (16, 16))):

@@ -36,7 +36,7 @@ def test_offloaded_experts_give_the_unplaced_models_logits_and_tokens(engines, g
     plain, placed = engines
     ids = torch.randint(0, 500, (1, 40), generator=torch.Generator().manual_seed(1))
     logits = [e.model.forward(e.model.new_cache(64), ids[:, :24], ids[:, 24:], commit_logits="all",
-                              coreset=None if coreset is None else clover_lab.model.Coreset(coreset))
+                              coreset=None if coreset is None else clover_lab.model.decoder.Coreset(coreset))
               for e in (plain, placed)]
     torch.testing.assert_close(logits[1].commit_logits, logits[0].commit_logits, atol=0, rtol=0)
     torch.testing.assert_close(logits[1].preview_logits, logits[0].preview_logits, atol=0, rtol=0)
@@ -114,7 +114,7 @@ def test_fp8_experts_kept_in_fp8_stage_with_their_scales(source_fp8, gen_one_thr
 
 @pytest.fixture(scope="module")
 def source_fp8(gen_model_dir, tmp_path_factory):
-    from clover_lab.fp8.quantize import quantize_checkpoint
+    from clover_lab.checkpoint.quantize import quantize_checkpoint
 
     return quantize_checkpoint(gen_model_dir, tmp_path_factory.mktemp("fp8"), block=(16, 16))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from clover_lab.engine import EntropyBoundedPolicy, ThresholdPolicy, TopKPolicy, make_policy
-from clover_lab.sampling import SettingsError
+from clover_lab.engine.sampling import SettingsError
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPTS = [[5, 17, 33], [5, 17, 33, 100, 2, 9, 77, 301, 12, 64], [400, 3, 250, 7, 88, 19]]
@@ -71,7 +71,7 @@ def test_speculative_drafts_through_a_policy_stay_exact(tiny_engine):
 
 
 def test_the_command_line_takes_a_policy(capsys):
-    from clover_lab.cli import main
+    from clover_lab.cli.main import main
 
     assert main(["generate", "--prompt-ids", "5,17,33", "--max-new-tokens", "8", "--policy", "topk:k=2",
                  "--no-progress", "--json"]) == 0

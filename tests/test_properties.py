@@ -244,7 +244,7 @@ def corpus_file(tmp_path_factory):
 @bounded(40)
 @given(data=corpora)
 def test_a_corpus_gives_statistics_of_real_tokens_or_a_clover_error(engine_and_base, corpus_file, data):
-    from clover_lab.analysis import route_stats
+    from clover_lab.lens.routing_stats import route_stats
 
     engine, _ = engine_and_base
     try:

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 import clover_lab
 from clover_lab import CheckpointError, CloverConfig, CloverModel, ConfigError
-from clover_lab.loading import RELEASE_NAMES, default_model_dir
+from clover_lab.checkpoint.loading import default_model_dir
+from clover_lab.checkpoint.names import RELEASE_NAMES
 
 PROMPT = "def main():\n    "
 

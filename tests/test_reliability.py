@@ -15,9 +15,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import clover_lab
-from clover_lab import (CheckpointError, CloverError, CloverModel, Coreset, Engine, GenerationError, HookError,
-                        SettingsError, StopGeneration)
-
+from clover_lab import (
+    CheckpointError,
+    CloverError,
+    CloverModel,
+    Coreset,
+    Engine,
+    GenerationError,
+    HookError,
+    SettingsError,
+    StopGeneration,
+)
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]

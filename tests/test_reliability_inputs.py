@@ -28,14 +28,14 @@ PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
     (torch.zeros(0, dtype=torch.long), "empty"),
 ])
 def test_a_corpus_is_what_it_says(tiny_engine, data, match):
-    from clover_lab.analysis import route_stats
+    from clover_lab.lens.routing_stats import route_stats
 
     with pytest.raises(CorpusError, match=match):
         route_stats(tiny_engine, data, seq_len=32)
 
 
 def test_empty_unmatched_binary_and_missing_corpora_are_named(tiny_text_engine, tmp_path):
-    from clover_lab.analysis import route_stats
+    from clover_lab.lens.routing_stats import route_stats
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "images").mkdir()
@@ -66,7 +66,7 @@ def test_empty_unmatched_binary_and_missing_corpora_are_named(tiny_text_engine, 
 
 
 def test_cli_routes_checks_the_corpus_and_out_before_loading(gen_text_model_dir, tmp_path, capsys):
-    from clover_lab.cli import main
+    from clover_lab.cli.main import main
 
     for argv, match in [(["--data", str(tmp_path / "nowhere")], "nowhere"),
                         (["--data", str(gen_text_model_dir), "--out", str(tmp_path / "no" / "r.npz")],
@@ -181,7 +181,7 @@ def test_sweeps_refuse_forwards_steps_and_positions_that_do_not_exist(tiny_engin
 # --------------------------------------------------------------------------- 3. FP8 checkpoints
 @pytest.fixture
 def fp8_dir(gen_model_dir, tmp_path):
-    from clover_lab.fp8.quantize import quantize_checkpoint
+    from clover_lab.checkpoint.quantize import quantize_checkpoint
 
     return quantize_checkpoint(gen_model_dir, tmp_path / "fp8", block=(16, 16))
 
@@ -228,7 +228,7 @@ def test_nan_in_kept_fp8_weights_is_found_at_load(fp8_dir):
     (dict(block=(16, -4)), "block=-4"), (dict(max_shard_bytes=0), "max_shard_bytes=0"),
 ])
 def test_quantize_checkpoint_arguments(gen_model_dir, tmp_path, kwargs, match):
-    from clover_lab.fp8.quantize import quantize_checkpoint
+    from clover_lab.checkpoint.quantize import quantize_checkpoint
 
     with pytest.raises(InputError, match=match):
         quantize_checkpoint(gen_model_dir, tmp_path / "q", **kwargs)
@@ -260,7 +260,7 @@ def test_a_gpu_placement_without_cuda_is_one_line(gen_model_dir, capsys):
                    dict(device_map={"": "cuda:0"})):
         with pytest.raises(clover_lab.CheckpointError, match="no CUDA device is available"):
             clover_lab.load(gen_model_dir, **kwargs)
-    from clover_lab.cli import main
+    from clover_lab.cli.main import main
 
     assert main(["generate", "--model", str(gen_model_dir), "--prompt-ids", "1,2", "--device-map", "auto",
                  "--max-memory", "0=1GiB", "--no-live"]) == 2
@@ -370,7 +370,7 @@ def test_a_bad_default_coreset_is_blamed_on_what_set_it(gen_model_dir, tmp_path)
     (["--minutes", "0"], "--minutes=0.0"), (["--minutes", "nan"], "--minutes=nan"),
 ])
 def test_adapt_stops_are_checked_before_anything_runs(gen_text_model_dir, tmp_path, capsys, option, match):
-    from clover_lab.cli import main
+    from clover_lab.cli.main import main
 
     with pytest.raises(SystemExit) as info:
         main(["adapt", "--init", str(gen_text_model_dir), "--data", str(gen_text_model_dir), "--out",
@@ -391,7 +391,7 @@ def test_adapt_api_refuses_the_same_stops(gen_text_model_dir, tmp_path):
 
 def test_a_tokenizer_past_the_models_vocabulary_is_refused_before_training(gen_text_model_dir, gen_tokenizer,
                                                                            tmp_path, capsys):
-    from clover_lab.cli import main
+    from clover_lab.cli.main import main
 
     big = gen_tokenizer.__class__.from_pretrained(str(gen_text_model_dir))
     big.add_tokens([f"extra{i}" for i in range(20)])
@@ -500,7 +500,7 @@ def test_records_of_a_batch_or_of_another_type_are_refused_where_one_run_is_read
         clover_lab.Trace([{"point": "denoise.step"}], ["denoise.step"])
     with pytest.raises(InputError, match="pack_weights enabled='no'"):
         tiny_engine.model.pack_weights("no")
-    from clover_lab.analysis import route_stats
+    from clover_lab.lens.routing_stats import route_stats
 
     with pytest.raises(InputError, match="progress='yes'"):
         route_stats(tiny_engine, [[1, 2, 3]], progress="yes")

@@ -20,10 +20,10 @@ import torch
 
 import clover_lab
 from clover_lab import CheckpointError, CloverError, CloverModel, TraceError
-from clover_lab.analysis import RouteStats
+from clover_lab.errors import OutputError
 from clover_lab.hooks.records import Record
 from clover_lab.hooks.trace import Trace, load_trace
-from clover_lab.errors import OutputError
+from clover_lab.lens.routing_stats import RouteStats
 from clover_lab.writes import MARKER, is_own_temp
 
 FULL = OSError(errno.ENOSPC, "No space left on device")
@@ -49,7 +49,7 @@ class Writes:
         def write_text(path, data, *a, **k):
             return self._write(lambda: real_text(path, data, *a, **k), path)
 
-        for module in ("clover_lab.saving", "clover_lab.hooks.trace"):
+        for module in ("clover_lab.checkpoint.saving", "clover_lab.hooks.trace"):
             monkeypatch.setattr(f"{module}.save_file", save_file)
         monkeypatch.setattr(pathlib.Path, "write_text", write_text)
 
@@ -158,7 +158,7 @@ def test_an_index_naming_a_missing_shard_is_refused_as_incomplete(tmp_path):
 
 @pytest.mark.parametrize("error", [FULL, KeyboardInterrupt()], ids=["disk-full", "interrupt"])
 def test_a_failed_quantization_leaves_the_previous_one(tmp_path, monkeypatch, error):
-    from clover_lab.fp8.quantize import quantize_checkpoint
+    from clover_lab.checkpoint.quantize import quantize_checkpoint
 
     src = tmp_path / "src"
     CloverModel.random("clover-tiny", seed=1).save_pretrained(src)
@@ -273,7 +273,7 @@ def test_a_failed_single_file_write_leaves_the_previous_file(tmp_path, monkeypat
 # --------------------------------------------------------------------------- adapt's outputs
 from test_adapt import clover_init, data  # noqa: E402,F401 - the same small init and corpus
 
-from clover_lab.cli import main as cli_main  # noqa: E402
+from clover_lab.cli.main import main as cli_main  # noqa: E402
 
 STEPS = ["--steps", "4", "--seq-len", "32", "--batch-size", "2", "--log-every", "1", "--checkpoint-every", "2",
          "--seed", "3", "--train", "all"]

@@ -115,9 +115,9 @@ def test_no_residual_events_are_built_without_hooks(tiny_engine, monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("a residual event was built with no hook attached")
 
-    monkeypatch.setattr("clover_lab.layers.residual.ResidualEvent", forbidden)
-    monkeypatch.setattr("clover_lab.model.fire_residual", forbidden)
-    monkeypatch.setattr("clover_lab.model.fire_head_rows", forbidden)
+    monkeypatch.setattr("clover_lab.model.layers.residual.ResidualEvent", forbidden)
+    monkeypatch.setattr("clover_lab.model.decoder.fire_residual", forbidden)
+    monkeypatch.setattr("clover_lab.model.decoder.fire_head_rows", forbidden)
     tiny_engine.generate(PROMPT, max_new_tokens=16, threshold=0.3)
     tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4)
     # another point attached does not wake these

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from clover_lab import sampling
-from clover_lab.sampling import SamplerSettings
+from clover_lab.engine import sampling
+from clover_lab.engine.sampling import SamplerSettings
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 

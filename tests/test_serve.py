@@ -319,7 +319,7 @@ def test_a_full_queue_refuses_with_429(engine):
 def test_sigterm_lets_the_stream_in_flight_finish(refs):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "clover_lab.cli", "serve", "--port", str(port), "--dtype",
+    proc = subprocess.Popen([sys.executable, "-m", "clover_lab.cli.main", "serve", "--port", str(port), "--dtype",
                              "float32", "--threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -8,7 +8,7 @@ import torch
 
 import clover_lab
 from clover_lab import Engine, GenerationError, SamplerSettings
-from clover_lab.sampling import SettingsError
+from clover_lab.engine.sampling import SettingsError
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPTS = [[5, 17, 33], [5, 17, 33, 100, 2, 9, 77, 301, 12, 64], [400, 3, 250, 7, 88, 19]]

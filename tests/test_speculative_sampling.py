@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from clover_lab import CloverConfig, CloverModel, Engine
-from clover_lab.acceptance import greedy_accept
 from clover_lab.engine import speculative
+from clover_lab.engine.acceptance import greedy_accept
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 V = 8

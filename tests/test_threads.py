@@ -1,12 +1,12 @@
-"""torch's thread count, one policy for load() and the CLI (clover_lab/threads.py): one thread
+"""torch's thread count, one policy for load() and the CLI (clover_lab/cpu.py): one thread
 for a small model on the CPU, an explicit count wins, and the user's own count is left alone."""
 import pytest
 import torch
 
 import clover_lab
-from clover_lab import threads
-from clover_lab.loading import default_model_dir
-from clover_lab.sampling import SettingsError
+from clover_lab import cpu
+from clover_lab.checkpoint.loading import default_model_dir
+from clover_lab.engine.sampling import SettingsError
 
 needs_model = pytest.mark.skipif(default_model_dir() is None, reason="the embedded model is missing")
 
@@ -17,7 +17,7 @@ def torch_threads(monkeypatch):
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     torch.set_num_threads(2)
-    monkeypatch.setattr(threads, "_AT_IMPORT", 2)
+    monkeypatch.setattr(cpu, "_AT_IMPORT", 2)
     yield
     torch.set_num_threads(before)
 
@@ -26,24 +26,24 @@ def torch_threads(monkeypatch):
 def test_load_chooses_by_model_as_the_cli_does(torch_threads):
     engine = clover_lab.load()
     assert torch.get_num_threads() == 1  # the embedded model: one thread
-    assert threads.threads_for(engine.model) == 1
+    assert cpu.threads_for(engine.model) == 1
     torch.set_num_threads(2)
-    threads._AT_IMPORT = 2
+    cpu._AT_IMPORT = 2
     clover_lab.load(threads=2)  # an explicit count wins
     assert torch.get_num_threads() == 2
     # a model over the size: torch's count as it was (the CLI's and load()'s rule alike)
-    assert threads.set_threads(engine.model, small=10) == 2
-    from clover_lab import cli
-    assert cli.set_threads(engine.model, None) == 1 and cli.SMALL_MODEL_PARAMETERS == threads.SMALL_MODEL_PARAMETERS
+    assert cpu.set_threads(engine.model, small=10) == 2
+    from clover_lab.cli import main as cli
+    assert cli.set_threads(engine.model, None) == 1 and cli.SMALL_MODEL_PARAMETERS == cpu.SMALL_MODEL_PARAMETERS
 
 
 @needs_model
 def test_load_leaves_the_users_own_count(torch_threads, monkeypatch):
     torch.set_num_threads(2)
-    threads._AT_IMPORT = 3  # the count changed since clover_lab was imported: the user's
+    cpu._AT_IMPORT = 3  # the count changed since clover_lab was imported: the user's
     clover_lab.load()
     assert torch.get_num_threads() == 2
-    threads._AT_IMPORT = 2
+    cpu._AT_IMPORT = 2
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # chosen in the environment
     clover_lab.load()
     assert torch.get_num_threads() == 2

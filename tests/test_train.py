@@ -91,7 +91,7 @@ def test_tiny_run_learns_and_resumes(tmp_path, monkeypatch):
     state = torch.load(run / "train_state.pt", weights_only=False)
     assert state["step"] == 50 and state["settings"]["distill_data"] == str(run / "distill.pt")
     model_dir = training.export(run, tmp_path / "model")
-    from clover_lab.loading import load_tokenizer
+    from clover_lab.checkpoint.loading import load_tokenizer
 
     model, tok = CloverModel.from_pretrained(model_dir), load_tokenizer(model_dir)
     assert model.config.mask_token_id == tok.mask_token_id and tok.decode(tok("def f(x):")["input_ids"]) == "def f(x):"
@@ -113,7 +113,7 @@ def test_a_run_starts_from_an_init_model_and_resumes_from_its_own_checkpoint(gen
     state = torch.load(run / "train_state.pt", weights_only=False)
     assert state["step"] == 0 and state["settings"]["init"] == str(gen_text_model_dir)
     assert json.loads((run / "init_card.json").read_text()) == {"training_steps": 7}
-    from clover_lab.loading import load_tokenizer
+    from clover_lab.checkpoint.loading import load_tokenizer
 
     assert load_tokenizer(run / "tokenizer").get_vocab() == load_tokenizer(gen_text_model_dir).get_vocab()
     # the run continues from its own checkpoint (init is for a new run only) with a fresh schedule

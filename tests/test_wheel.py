@@ -47,7 +47,7 @@ def test_the_wheel_carries_the_default_model(wheel):
 def test_load_works_from_the_installed_wheel_outside_the_repository(wheel, tmp_path):
     site = tmp_path / "site"
     run(sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", site, wheel)
-    code = ("import clover_lab, clover_lab.loading as L; "
+    code = ("import clover_lab, clover_lab.checkpoint.loading as L; "
             "assert clover_lab.__file__.startswith(%r), clover_lab.__file__; "
             "e = clover_lab.load(); print(L.default_model_dir()); "
             "print(len(e.generate('def f(x):', max_new_tokens=8).token_ids))") % str(site)

@@ -13,7 +13,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 from clover_lab.widgets import Dashboard, DenoiseView, ExpertView, MemoryView, SpeedView, Throttle  # noqa: E402
-from clover_lab.widgets.base import export_html  # noqa: E402
+from clover_lab.widgets.pieces import export_html  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 42, 8, 8, 123]
 GEN = dict(max_new_tokens=40, threshold=0.3, temperature=0.0)

@@ -9,10 +9,10 @@ from typing import Iterator
 
 import torch
 
-from .. import sampling
-from ..hooks.registry import StopGeneration
-from .faults import check_logits, collapsed, logits_health
-from .results import StreamUpdate
+from clover_lab.engine import sampling
+from clover_lab.engine.faults import check_logits, collapsed, logits_health
+from clover_lab.engine.results import StreamUpdate
+from clover_lab.hooks.registry import StopGeneration
 
 
 def run_ar(run) -> Iterator[StreamUpdate]:

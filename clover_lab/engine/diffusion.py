@@ -29,12 +29,12 @@ from typing import Iterator
 
 import torch
 
-from ..hooks import points
-from ..hooks.events import StepEvent
-from ..hooks.registry import HookError, StopGeneration
-from .faults import check_logits, collapsed, logits_health
-from .requests import GenerationError
-from .results import StreamUpdate
+from clover_lab.engine.faults import check_logits, collapsed, logits_health
+from clover_lab.engine.requests import GenerationError
+from clover_lab.engine.results import StreamUpdate
+from clover_lab.hooks import points
+from clover_lab.hooks.events import StepEvent
+from clover_lab.hooks.registry import HookError, StopGeneration
 
 
 class Block:

@@ -1,6 +1,7 @@
 """The engine, the front door: ``Engine`` runs generations on one model (block diffusion or AR),
-checks requests up front, and hands out hooks and captures; ``load`` (``loader.py``) builds one
-from a Hugging Face directory or the embedded default model.
+checks requests up front, and hands out hooks and captures; ``load`` builds one from a Hugging Face
+directory (or the embedded default model), with the defaults of its generation_config.json, its
+weights placed on one device or over several.
 
 Hooks: any exception in a hook ends the run with HookError naming the point, and the engine is
 ready for the next call either way (the cache is per generation). Scoped hooks and captures
@@ -13,28 +14,43 @@ naming it.
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import malloc
-from ..hooks.capture import Capture
-from ..hooks.registry import MAX_NESTED_GENERATIONS, hook_depth
-from ..model import CloverModel
-from ..sampling import SamplerSettings
-from . import attributes as A
-from .attributes import Checked
-from .ar import run_ar
-from .diffusion import run_diffusion
-from .speculative import run_speculative
-from .graphs import FastPath
-from .policies import make_policy
-from .policy import DecodingPolicy, ThresholdPolicy
-from .requests import (GenerationError, check_coreset, check_join, check_memory, check_mode_settings, check_request,
-                       encode_prompt, is_batch, stop_list)
-from .results import GenerationResult, StreamUpdate
-from .run import Run
-from .thinking import Thinking, stop_ids
+from clover_lab.checkpoint import defaults as checkpoint_defaults
+from clover_lab.checkpoint import loading
+from clover_lab.checkpoint.loading import resolve_device
+from clover_lab.cpu import check_threads, set_threads, tune_malloc
+from clover_lab.engine import attributes as A
+from clover_lab.engine.ar import run_ar
+from clover_lab.engine.attributes import Checked, plain_int
+from clover_lab.engine.diffusion import run_diffusion
+from clover_lab.engine.graphs import FastPath
+from clover_lab.engine.policies import DecodingPolicy, ThresholdPolicy, make_policy
+from clover_lab.engine.requests import (
+    GenerationError,
+    check_coreset,
+    check_join,
+    check_memory,
+    check_mode_settings,
+    check_request,
+    encode_prompt,
+    is_batch,
+    stop_list,
+)
+from clover_lab.engine.results import GenerationResult, StreamUpdate
+from clover_lab.engine.run import Run
+from clover_lab.engine.sampling import SamplerSettings
+from clover_lab.engine.speculative import run_speculative
+from clover_lab.engine.thinking import Thinking, stop_ids
+from clover_lab.errors import CheckpointError, flag
+from clover_lab.hooks.capture import Capture
+from clover_lab.hooks.registry import MAX_NESTED_GENERATIONS, hook_depth
+from clover_lab.model.decoder import CloverModel
+from clover_lab.placement import plan_placement
+from clover_lab.placement.plan import check_usable
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -42,7 +58,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 class Engine:
     """Runs generations on one model: ``generate`` (a result), ``stream`` (updates as it goes),
     ``hooks`` / ``add_hook`` (interventions), ``capture`` (recordings). For a model on the CPU it
-    applies ``clover_lab.malloc.tune()`` once per process (``CLOVER_MALLOC=system`` opts out).
+    applies ``clover_lab.cpu.tune()`` once per process (``CLOVER_MALLOC=system`` opts out).
 
     ``settings``: the sampler settings a request does not override; ``max_new_tokens``: the
     default length of a response (a model directory's generation_config.json sets both)."""
@@ -52,7 +68,7 @@ class Engine:
         if not isinstance(model, CloverModel):
             raise TypeError(f"Engine needs a CloverModel, got {type(model).__name__}")
         if model.device.type == "cpu":
-            malloc.tune()  # large activations from glibc's heap, reused: no page fault per fresh page
+            tune_malloc()  # large activations from glibc's heap, reused: no page fault per fresh page
         if model.device.type == "meta":
             raise ValueError("Engine: the model is on the meta device (shapes only, no weights); "
                              "load it onto a real device, e.g. CloverModel.from_pretrained(path, device='cpu')")
@@ -63,7 +79,7 @@ class Engine:
         self.prefill_chunk_size = 1024
         self.block_size = model.config.block_size
         self.mask_token_id = model.config.mask_token_id
-        # where the mask token came from (clover_lab/defaults.py): "config.json", the tokenizer, ...
+        # where the mask token came from (clover_lab/checkpoint/defaults.py): "config.json", the tokenizer, ...
         self.mask_token_source = "config.json" if model.config.mask_token_id is not None else None
         eos = list(model.config.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -114,9 +130,9 @@ class Engine:
                           "The no-hook fast path: None = where it pays (CUDA), True = also on a CPU, False = off.")
     compile_steps = Checked(A.one_of(True, False, what="True or False"),
                             "On a CPU, run the fast path's steps through torch.compile.")
-    policy = Checked(A.instance_of(DecodingPolicy, "a DecodingPolicy (clover_lab.engine.policy)"),
+    policy = Checked(A.instance_of(DecodingPolicy, "a DecodingPolicy (clover_lab.engine.policies)"),
                      "The decoding rule block diffusion asks, per row and step, which positions to unmask with "
-                     "which tokens and when a block is done (``clover_lab.engine.policy``).")
+                     "which tokens and when a block is done (``clover_lab.engine.policies``).")
     block_size = Checked(A.positive_int, "Tokens per block.")
     mask_token_id = Checked(A.token_id_or_none, "The mask token a preview's masked positions hold, or None.")
 
@@ -252,3 +268,88 @@ class Engine:
 
 LOOPS = {"diffusion": run_diffusion, "ar": run_ar, "speculative": run_speculative}
 
+
+def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dict | None = None,
+         keep_fp8: bool | None = None, coreset_size: int | None = None, pin_memory: bool = False,
+         progress: bool | None = None, check_finite: bool | None = None, threads: int | None = None) -> Engine:
+    """An Engine over the model (and tokenizer, when present) in the Hugging Face directory ``path``,
+    with the defaults of its generation_config.json. ``check_finite``: refuse weights holding NaN
+    or inf (default: for checkpoints up to ``loading.CHECK_FINITE_MAX_BYTES``).
+
+    With no path: ``$CLOVER_LAB_MODEL`` when set, else the embedded default model
+    (``assets/clover-stdlib``). Without one that is a FileNotFoundError saying so; there is
+    deliberately no random-weights fallback, whose output would look like a broken model.
+
+    ``device``: one device for the whole model. ``device_map``: "auto" (planned by accelerate
+    within ``max_memory``, e.g. ``{0: "22GiB", 1: "22GiB", "cpu": "120GiB"}``) or a dict of
+    module name -> device; routed experts that do not fit stay in host memory and are staged onto
+    their layer's GPU when routed (``clover_lab/placement``). ``coreset_size``: the engine's
+    default expert coreset, and the staging room the plan reserves for it. ``pin_memory``:
+    offloaded experts in page-locked memory. ``keep_fp8``: an FP8 checkpoint's linears and experts
+    stay FP8 (default: when they run on CUDA) or are dequantized as they load. ``progress``: a
+    progress bar (default: for checkpoints over 1 GB). ``threads``: torch's intra-op threads; by
+    default one for a small model on the CPU (the embedded one), as the CLI chooses, unless you
+    set a count yourself (``OMP_NUM_THREADS``, or ``torch.set_num_threads`` after importing
+    clover_lab): ``clover_lab/cpu.py``."""
+    check_threads(threads, "load(threads)")  # before the weights are read
+    keep_fp8, progress, check_finite = (flag(n, v) for n, v in (("keep_fp8", keep_fp8), ("progress", progress),
+                                                               ("check_finite", check_finite)))
+    pin_memory = flag("pin_memory", pin_memory, none=False)
+    if device_map is None:
+        resolve_device(device)  # before anything is read: an unknown or unusable device, or meta
+        if max_memory is not None:
+            raise CheckpointError("max_memory bounds the plan of device_map='auto'; without a device_map "
+                                          "it would be ignored: pass device_map='auto' too, or drop it")
+    else:
+        check_usable(device_map, max_memory)
+    if path is None:
+        path = os.environ.get("CLOVER_LAB_MODEL") or loading.default_model_dir()
+        if path is None:
+            raise FileNotFoundError(
+                "no default model found (looked for a model directory in "
+                + ", ".join(str(d) for d in loading.DEFAULT_MODEL_ROOTS)
+                + "); pass a model directory: clover_lab.load('path/to/model'), or set CLOVER_LAB_MODEL")
+    if coreset_size is not None:  # the argument's own error, before the weights are read
+        if isinstance(plain_int(coreset_size), bool) or not isinstance(plain_int(coreset_size), int):
+            raise GenerationError(f"load(coreset_size={coreset_size!r}): expected an int (or None for no coreset)")
+        try:
+            check_coreset(loading.load_config(path), plain_int(coreset_size))
+        except GenerationError as e:
+            raise GenerationError(f"load(coreset_size={coreset_size!r}): {e}") from None
+    placement = None
+    if device_map is not None:
+        if device is not None:
+            raise ValueError("load: pass device (one device) or device_map (placed over devices), not both")
+        placement = _planner(device_map, max_memory, coreset_size, pin_memory)
+        if keep_fp8 is None:
+            keep_fp8 = torch.cuda.is_available() and (device_map == "auto" or _names_a_gpu(device_map))
+    model = CloverModel.from_pretrained(path, device=device, dtype=dtype, keep_fp8=keep_fp8, progress=progress,
+                                        placement=placement, check_finite=check_finite)
+    generation = loading.load_generation_config(path, SamplerSettings.names())
+    engine = Engine(model, loading.load_tokenizer(path),
+                    max_new_tokens=generation.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+    try:
+        defaults = checkpoint_defaults.apply(engine, model.config, generation, SamplerSettings, coreset_size)
+        engine.settings = SamplerSettings(**defaults)
+        check_coreset(model.config, engine.settings.coreset_size)
+    except (TypeError, ValueError) as e:
+        where = "/generation_config.json" if os.path.isfile(os.path.join(path, "generation_config.json")) else \
+            " (its sampler defaults)"
+        raise CheckpointError(f"{path}{where}: {e}") from None
+    set_threads(model, threads)
+    return engine
+
+
+def _planner(device_map, max_memory, coreset_size, pin_memory):
+    """The loader's placement callable: (meta model, dtype) -> Placement."""
+    def plan(model, dtype):
+        placed = plan_placement(model, device_map, max_memory, dtype, coreset_size or 0)
+        placed.pin_memory = pin_memory
+        return placed
+
+    return plan
+
+
+def _names_a_gpu(device_map) -> bool:
+    return isinstance(device_map, dict) and any(
+        (isinstance(v, int) and not isinstance(v, bool)) or str(v).startswith("cuda") for v in device_map.values())

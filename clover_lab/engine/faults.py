@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import AttentionCache
-from ..context import ForwardContext
-from .requests import GenerationError
-
+from clover_lab.engine.requests import GenerationError
+from clover_lab.model.cache import AttentionCache
+from clover_lab.model.context import ForwardContext
 
 OK, NONFINITE, COLLAPSED = 1, 0, 2
 

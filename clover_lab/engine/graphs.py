@@ -29,13 +29,13 @@ import weakref
 
 import torch
 
-from ..cache import CloverCache
-from ..context import Coreset, ForwardContext, publish
-from ..hooks import points
-from ..hooks.events import NOWHERE
-from ..layers.moe import calibrate_experts
-from ..model import CloverModel
-from .observed import copied
+from clover_lab.engine.observed import copied
+from clover_lab.hooks import points
+from clover_lab.hooks.events import NOWHERE
+from clover_lab.model.cache import CloverCache
+from clover_lab.model.context import Coreset, ForwardContext, publish
+from clover_lab.model.decoder import CloverModel
+from clover_lab.model.layers.moe import calibrate_experts
 
 
 # --------------------------------------------------------------------------- one static step

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..context import row_positions
-from ..hooks import points
+from clover_lab.hooks import points
+from clover_lab.model.context import row_positions
 
 
 def observed_points(hooks) -> frozenset | None:

@@ -1,5 +1,5 @@
-"""Decoding rules from the field, through the seam (``policy.py``), beside the spec's threshold
-rule (:class:`~.policy.ThresholdPolicy`: probability, margin or entropy confidence):
+"""Decoding policies: the seam (:class:`DecodingPolicy`), the spec's threshold rule
+(:class:`ThresholdPolicy`: probability, margin or entropy confidence) and rules from the field:
 
 - :class:`EntropyBoundedPolicy`, the EB-sampler (Ben-Hamu et al. 2025): the masked positions in
   order of rising entropy, unmasking the longest run whose summed entropy, less its largest,
@@ -12,6 +12,25 @@ rule (:class:`~.policy.ThresholdPolicy`: probability, margin or entropy confiden
   this one's current guesses) and unmasks there the positions at ``threshold``; the next block
   starts with them, so it needs fewer steps, and the run fewer forwards.
 
+The loop (``diffusion.py``) owns the mechanics every rule shares: the forwards, the one
+device-to-host transfer per step, the logits' health, the ``denoise.step`` hooks (which may
+change any decision), the canvas, EOS and stop strings. A :class:`DecodingPolicy` owns the
+decision: given a step's logits at a block's still-masked positions, which of them to unmask
+and with which tokens (:meth:`~DecodingPolicy.propose`, on the device, no host sync), and when
+the block is done (:meth:`~DecodingPolicy.finishes_block`: this step resolves every position
+left). :meth:`~DecodingPolicy.begin_block` gives a rule a place of its own per row and block
+(``block.memo``): one that needs the block's logits over several steps keeps them there. A new
+rule is a subclass; the loop does not change. The loop holds the rule to its word, from the
+step's one transfer: a step unmasks at least one position, a finishing step every one (a
+GenerationError naming the policy otherwise).
+
+Looking ahead (multi-block decoding): a rule whose :meth:`~DecodingPolicy.look_ahead` says so
+for a step has the loop preview the row's next block in the same forward, as a longer canvas
+``[block ; next block]`` over the committed prefix, so the next block sees this block's current
+guesses; :meth:`~DecodingPolicy.propose_ahead` then decides which of the next block's positions
+to unmask already (none is required). The next block starts with them. Rules that do not look
+ahead (the default) see no change.
+
 Candidates come from the row's sampler settings (penalties, temperature, top-k / top-p) as in
 the threshold rule; the step limit unmasks everything left. Each rule checks its settings when
 made (a SettingsError naming the setting). :func:`make_policy` makes one by name
@@ -19,11 +38,66 @@ made (a SettingsError naming the setting). :func:`make_policy` makes one by name
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .. import sampling
-from ..sampling import SettingsError
-from .policy import DecodingPolicy, Proposal, ThresholdPolicy
+from clover_lab.engine import sampling
+from clover_lab.engine.sampling import SettingsError
+
+
+@dataclass
+class Proposal:
+    """A rule's decision for one step of one row, as device tensors over the N still-masked
+    positions of its block (in ``block.masked`` order)."""
+
+    tokens: torch.Tensor  # [N] long: the candidate token at each masked position
+    confidences: torch.Tensor  # [N] float: how sure the rule is of each (what denoise.step events carry)
+    unmask: torch.Tensor  # [N] bool: the positions to unmask now (at least one, or the block never ends)
+
+
+class DecodingPolicy:
+    """A decoding rule behind the block loop; subclass it and set ``engine.policy``.
+
+    ``row`` is the generation's row (``engine/run.py``: its sampler settings ``row.s``, generator
+    ``row.generator``, penalty counts ``row.counts``, response ``row.committed``), ``block`` the
+    block being resolved (``diffusion.Block``: ``index``, ``step``, ``masked``, ``limit``,
+    ``canvas`` on the device, ``host`` on the host, ``memo``)."""
+
+    def begin_block(self, row, block) -> object:
+        """A block starts for this row; what is returned is kept as ``block.memo``."""
+        return None
+
+    def finishes_block(self, row, block) -> bool:
+        """Whether this step is the block's last: its proposal must then unmask every masked
+        position (default: at the step limit, ``max_steps_per_block`` or the block's length)."""
+        return block.step + 1 >= block.limit
+
+    def look_ahead(self, row, block) -> bool:
+        """Whether this step of ``block`` also previews the row's next block (the loop does so
+        only when the row has one: this block does not end it). Default: never."""
+        return False
+
+    def propose_ahead(self, row, block, ahead, logits: torch.Tensor) -> Proposal:
+        """A look-ahead step's decision for ``ahead``, the next block, from ``logits`` [N, V] at
+        its N still-masked positions (previewed beside ``block``, whose step came first); its
+        ``unmask`` may be all False. Asked only of a rule whose :meth:`look_ahead` said so."""
+        raise NotImplementedError(f"{type(self).__name__} looks ahead but has no propose_ahead")
+
+    def propose(self, row, block, logits: torch.Tensor, finish: bool) -> Proposal:
+        """This step's decision from ``logits`` [N, V] (float32, the mask token already -inf) at
+        the block's N still-masked positions; ``finish``: :meth:`finishes_block`'s answer. Must
+        not read the device from the host."""
+        raise NotImplementedError
+
+
+class ThresholdPolicy(DecodingPolicy):
+    """Low-confidence remasking with the row's sampler settings (threshold, confidence rule,
+    cap per step, temperature / top-p / top-k, penalties)."""
+
+    def propose(self, row, block, logits: torch.Tensor, finish: bool) -> Proposal:
+        tokens, conf, flags = sampling.decide(logits, row.counts, row.s, row.generator, force_all=finish)
+        return Proposal(tokens, conf, flags)
 
 
 def _candidates(row, logits: torch.Tensor):

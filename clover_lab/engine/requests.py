@@ -7,8 +7,8 @@ import warnings
 
 import torch
 
-from ..cache import cache_bytes
-from ..errors import CloverError, flag
+from clover_lab.errors import CloverError, flag
+from clover_lab.model.cache import cache_bytes
 
 MODES = ("diffusion", "ar", "speculative")
 # sampler settings that only block diffusion reads: an AR request given one would ignore it

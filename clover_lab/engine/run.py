@@ -17,16 +17,15 @@ from contextlib import contextmanager
 
 import torch
 
-from ..hooks import points
-from ..hooks.events import CommitEvent, Where
-from ..hooks.registry import StopGeneration
-from ..sampling import SamplerSettings
-from .batch import BatchResult, BatchStats
-from .requests import StopStrings
-from .results import Clock, GenerationResult, GenerationStats, StreamUpdate
-from .runner import Runner
-from .thinking import Thinking, texts
-from .token_info import TokenInfo
+from clover_lab.engine.requests import StopStrings
+from clover_lab.engine.results import BatchResult, BatchStats, Clock, GenerationResult, GenerationStats, StreamUpdate
+from clover_lab.engine.runner import Runner
+from clover_lab.engine.sampling import SamplerSettings
+from clover_lab.engine.thinking import Thinking, texts
+from clover_lab.engine.token_info import TokenInfo
+from clover_lab.hooks import points
+from clover_lab.hooks.events import CommitEvent, Where
+from clover_lab.hooks.registry import StopGeneration
 
 
 class Run:

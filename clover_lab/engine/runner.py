@@ -19,11 +19,11 @@ import contextlib
 
 import torch
 
-from ..cache import CloverCache, cache_bytes
-from ..context import Coreset
-from .graphs import StepGraphs, bucket, static_step  # noqa: F401 - StepGraphs and static_step: the runner's steps
-from .observed import describe, fire_observed, live_layers, observed_points
-from .requests import GenerationError
+from clover_lab.engine.graphs import bucket
+from clover_lab.engine.observed import describe, fire_observed, live_layers, observed_points
+from clover_lab.engine.requests import GenerationError
+from clover_lab.model.cache import CloverCache, cache_bytes
+from clover_lab.model.context import Coreset
 
 
 class Runner:

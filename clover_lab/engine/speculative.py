@@ -30,13 +30,13 @@ from typing import Iterator
 
 import torch
 
-from .. import sampling
-from ..acceptance import greedy_accept, speculative_accept
-from ..hooks.registry import StopGeneration
-from .ar import end_reason
-from .diffusion import Block, denoise_step
-from .faults import check_logits, collapsed, logits_health
-from .results import StreamUpdate
+from clover_lab.engine import sampling
+from clover_lab.engine.acceptance import greedy_accept, speculative_accept
+from clover_lab.engine.ar import end_reason
+from clover_lab.engine.diffusion import Block, denoise_step
+from clover_lab.engine.faults import check_logits, collapsed, logits_health
+from clover_lab.engine.results import StreamUpdate
+from clover_lab.hooks.registry import StopGeneration
 
 
 def run_speculative(run) -> Iterator[StreamUpdate]:

@@ -13,7 +13,7 @@ from collections import deque
 
 import torch
 
-from ..sampling import log_probs
+from clover_lab.engine.sampling import log_probs
 
 
 class TokenInfo:

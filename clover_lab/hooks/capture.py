@@ -21,10 +21,10 @@ from typing import Iterable
 
 import torch
 
-from . import points as P
-from .records import Record, RecordSet
-from .registry import HookRegistry
-from .trace import save_trace
+from clover_lab.hooks import points as P
+from clover_lab.hooks.records import Record, RecordSet
+from clover_lab.hooks.registry import HookRegistry
+from clover_lab.hooks.trace import save_trace
 
 
 class Capture(RecordSet):
@@ -101,7 +101,7 @@ class Capture(RecordSet):
         """Write the records to the directory ``path`` (tensors in safetensors, the rest in JSON):
         ``clover_lab.load_trace(path)`` reads them back, with no model. ``path`` is a new or empty
         directory or a trace (replaced); one holding other files is refused (``OutputError``)."""
-        from .trace import token_table
+        from clover_lab.hooks.trace import token_table
 
         config = {} if self.config is None else {"config": self.config.to_dict()}
         vocab = None if self.config is None else self.config.vocab_size

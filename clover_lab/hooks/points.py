@@ -17,8 +17,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import InputError
-from .events import CommitEvent, GDNPreviewEvent, GDNStateEvent, ResidualEvent, RouteEvent, StepEvent
+from clover_lab.errors import InputError
+from clover_lab.hooks.events import CommitEvent, GDNPreviewEvent, GDNStateEvent, ResidualEvent, RouteEvent, StepEvent
 
 LAYER_PREFIX = "layers.{i}."  # a declared name starting so is a point of each layer
 INT, FLOAT = "int", "float"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from .events import Where
+from clover_lab.hooks.events import Where
 
 
 @dataclass

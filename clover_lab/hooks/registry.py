@@ -21,8 +21,8 @@ import itertools
 from contextlib import contextmanager
 from typing import Callable, Iterable
 
-from ..errors import CloverError, InputError
-from .points import is_model_point
+from clover_lab.errors import CloverError, InputError
+from clover_lab.hooks.points import is_model_point
 
 # how deeply hook calls are nested in this context (a hook that generates fires hooks again):
 # the engine refuses generations nested deeper than MAX_NESTED_GENERATIONS

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numbers
 import time
 
-from ..engine.requests import is_batch
-from ..errors import InputError
+from clover_lab.engine.requests import is_batch
+from clover_lab.errors import InputError
 
 
 def _same_tokens(a: list[int], b: list[int]) -> int:

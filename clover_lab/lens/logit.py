@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InputError
-from ..hooks import points as P
-from ..hooks.events import ResidualEvent
-from ..patching.patch import one_prompt
+from clover_lab.errors import InputError
+from clover_lab.hooks import points as P
+from clover_lab.hooks.events import ResidualEvent
+from clover_lab.patching.patch import one_prompt
 
 
 @dataclass

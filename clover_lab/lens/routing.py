@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InputError
-from ..engine.requests import is_batch
-from ..hooks import points as P
-from ..hooks.records import Record, RecordSet
+from clover_lab.engine.requests import is_batch
+from clover_lab.errors import InputError
+from clover_lab.hooks import points as P
+from clover_lab.hooks.records import Record, RecordSet
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ rows of block ``b`` at denoising step ``s`` are (b, s), the prompt's prefill (No
 run's token ``i`` is committed as block ``i``. Positions are absolute sequence positions, so the
 two prompts of a sweep must have the same length.
 """
-from .metrics import Metric, logit_diff, measure, probability
-from .patch import PatchRun, Site, Source, patch, record, residual_points
-from .sweeps import Sweep, sweep_layers_positions, sweep_steps_layers
+from clover_lab.patching.metrics import Metric, logit_diff, measure, probability
+from clover_lab.patching.patch import PatchRun, Site, Source, patch, record, residual_points
+from clover_lab.patching.sweeps import Sweep, sweep_layers_positions, sweep_steps_layers
 
 __all__ = ["Metric", "logit_diff", "measure", "probability", "PatchRun", "Site", "Source", "patch", "record", "residual_points",
            "Sweep", "sweep_layers_positions", "sweep_steps_layers"]

@@ -9,11 +9,11 @@ from typing import Callable
 
 import torch
 
-from ..errors import InputError
-from ..hooks import points as P
-from ..hooks.events import ResidualEvent
-from ..hooks.registry import StopGeneration
-from .patch import one_prompt
+from clover_lab.errors import InputError
+from clover_lab.hooks import points as P
+from clover_lab.hooks.events import ResidualEvent
+from clover_lab.hooks.registry import StopGeneration
+from clover_lab.patching.patch import one_prompt
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from typing import Iterable
 
 import torch
 
-from ..engine.requests import is_batch
-from ..errors import InputError
-from ..hooks import points as P
-from ..hooks.events import ResidualEvent
+from clover_lab.engine.requests import is_batch
+from clover_lab.errors import InputError
+from clover_lab.hooks import points as P
+from clover_lab.hooks.events import ResidualEvent
 
 
 def one_prompt(prompt, what: str) -> None:

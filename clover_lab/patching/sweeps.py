@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InputError
-from ..hooks import points as P
-from .metrics import Metric, measure
-from .patch import Site, Source, check_site, one_prompt, patch_hooks, record
+from clover_lab.errors import InputError
+from clover_lab.hooks import points as P
+from clover_lab.patching.metrics import Metric, measure
+from clover_lab.patching.patch import Site, Source, check_site, one_prompt, patch_hooks, record
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .staging import Staged, Staging
+from clover_lab.placement.staging import Staged, Staging
 
 
 class ExpertStore:

@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..config import CloverConfig
-from ..errors import CheckpointError
-from ..fp8.checkpoint import QWEN_UNQUANTIZED
-from ..layers.fp8 import FP8Experts, FP8Linear
-from ..layers.linear import Linear
-from ..layers.moe import Experts
-from ..load_checks import resolve_device
-from .offload import ElsewhereExperts, ExpertStore
-from .staging import Staging, pin_in_place
+from clover_lab.checkpoint.fp8 import QWEN_UNQUANTIZED
+from clover_lab.checkpoint.loading import resolve_device
+from clover_lab.config import CloverConfig
+from clover_lab.errors import CheckpointError
+from clover_lab.model.layers.fp8_linear import FP8Experts, FP8Linear
+from clover_lab.model.layers.linear import Linear
+from clover_lab.model.layers.moe import Experts
+from clover_lab.placement.offload import ElsewhereExperts, ExpertStore
+from clover_lab.placement.staging import Staging, pin_in_place
 
 OFFLOAD = "offload"  # a device_map value: host memory, staged onto the layer's device when routed
 CPU = torch.device("cpu")

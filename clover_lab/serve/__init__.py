@@ -2,6 +2,6 @@
 request bodies (``schemas.py``, checked into jobs by ``jobs.py``), the worker that owns the
 engine and batches (``scheduler.py``), the answers' shapes (``responses.py``) and Prometheus
 metrics (``metrics.py``)."""
-from .app import create_app
+from clover_lab.serve.app import create_app
 
 __all__ = ["create_app"]

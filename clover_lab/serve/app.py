@@ -22,12 +22,12 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from ..hooks.trace import META_FILE, TENSOR_FILE
-from . import responses as R
-from . import schemas
-from .jobs import RequestError, make_jobs
-from .metrics import Metrics
-from .scheduler import Scheduler, TraceStore
+from clover_lab.hooks.trace import META_FILE, TENSOR_FILE
+from clover_lab.serve import responses as R
+from clover_lab.serve import schemas
+from clover_lab.serve.jobs import RequestError, make_jobs
+from clover_lab.serve.prometheus import Metrics
+from clover_lab.serve.scheduler import Scheduler, TraceStore
 
 
 def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queue: int = 256,

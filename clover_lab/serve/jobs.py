@@ -12,10 +12,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine.requests import GenerationError, check_coreset, check_request, stop_list
-from ..errors import CloverError
-from ..sampling import SamplerSettings, SettingsError
-from . import schemas
+from clover_lab.engine.requests import GenerationError, check_coreset, check_request, stop_list
+from clover_lab.engine.sampling import SamplerSettings, SettingsError
+from clover_lab.errors import CloverError
+from clover_lab.serve import schemas
 
 
 class RequestError(CloverError, ValueError):

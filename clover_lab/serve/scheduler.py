@@ -22,10 +22,9 @@ from collections import OrderedDict, deque
 from contextlib import nullcontext
 from pathlib import Path
 
-from ..hooks import points
-from .jobs import Job, RequestError
-from .metrics import Metrics
-
+from clover_lab.hooks import points
+from clover_lab.serve.jobs import Job, RequestError
+from clover_lab.serve.prometheus import Metrics
 
 DEFAULT_CAPACITY = 4096  # positions per row of a batch that jobs join
 

@@ -10,7 +10,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..hooks import points
+from clover_lab.hooks import points
 
 # the engine points a trace records unless the request names others
 TRACE_POINTS = (points.DENOISE_STEP, points.BLOCK_COMMIT)

@@ -9,7 +9,7 @@ import threading
 
 import uvicorn
 
-from .app import create_app
+from clover_lab.serve.app import create_app
 
 
 class Server(uvicorn.Server):

@@ -1,5 +1,5 @@
 import sys
 
-from .loop import main
+from clover_lab.train.loop import main
 
 sys.exit(main())

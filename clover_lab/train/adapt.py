@@ -29,19 +29,40 @@ from pathlib import Path
 
 import torch
 
-from ..arguments import ArgumentParser
-from ..errors import CloverError
-from ..loading import load_config, resolve_dtype
-from ..signals import NotedSignals
-from ..writes import atomic_path, check_writable, refuse_same
-from . import lora as lora_
-from .adapt_setup import (DEFAULT_LR, EMBEDDING, MODES, RUN_FIELDS, AdaptSettings, Run, build_model, check_stops,
-                          check_tokenizer_fits, init_tokenizer, is_preview, keep_mask_row, optimizer, prepare_data,
-                          write_clover_dir)
-from .corpus import text_files
-from .loop import distill_corpus, interrupted_inside, lr_at, training_batch, trim_log
-from .objective import TrainSettings, block_diffusion_loss
-from .shard import Shard, from_environment, full_state_dict, load_checkpoint, save_checkpoint, shard_model
+from clover_lab.checkpoint.loading import load_config, resolve_dtype
+from clover_lab.cli.arguments import ArgumentParser
+from clover_lab.errors import CloverError
+from clover_lab.signals import NotedSignals
+from clover_lab.train import lora as lora_
+from clover_lab.train.adapt_setup import (
+    DEFAULT_LR,
+    EMBEDDING,
+    MODES,
+    RUN_FIELDS,
+    AdaptSettings,
+    Run,
+    build_model,
+    check_stops,
+    check_tokenizer_fits,
+    init_tokenizer,
+    is_preview,
+    keep_mask_row,
+    optimizer,
+    prepare_data,
+    write_clover_dir,
+)
+from clover_lab.train.loop import distill_corpus, interrupted_inside, lr_at, training_batch, trim_log
+from clover_lab.train.objective import TrainSettings, block_diffusion_loss
+from clover_lab.train.shard import (
+    Shard,
+    from_environment,
+    full_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    shard_model,
+)
+from clover_lab.train.stdlib_corpus import text_files
+from clover_lab.writes import atomic_path, check_writable, refuse_same
 
 __all__ = ["AdaptSettings", "Adaptation", "EMBEDDING", "adapt", "build_model", "is_preview", "main"]
 

@@ -11,16 +11,17 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, InputError, count
-from ..loading import PREVIEW_PARAMS, load_generation_config, load_tokenizer, resolve_dtype
-from ..model import CloverModel
-from ..saving import stage_model
-from ..writes import FileSet, atomic_path
-from . import lora as lora_
-from .corpus import encode_files, split_files, text_files
-from .mask_token import ensure_mask_token
-from .objective import TrainSettings
-from .shard import Shard
+from clover_lab.checkpoint.loading import load_generation_config, load_tokenizer, resolve_dtype
+from clover_lab.checkpoint.names import PREVIEW_PARAMS
+from clover_lab.checkpoint.saving import stage_model
+from clover_lab.errors import CheckpointError, InputError, count
+from clover_lab.model.decoder import CloverModel
+from clover_lab.train import lora as lora_
+from clover_lab.train.mask_token import ensure_mask_token
+from clover_lab.train.objective import TrainSettings
+from clover_lab.train.shard import Shard
+from clover_lab.train.stdlib_corpus import encode_files, split_files, text_files
+from clover_lab.writes import FileSet, atomic_path
 
 MODES = ("preview", "lora", "all")
 DEFAULT_LR = {"lora": 1e-3, "all": 3e-4}  # for the init's weights (adapters); new parameters: preview_lr

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from ..engine import load
-from ..hooks import points
-from ..writes import atomic_path, write_text
-from .measure import LOOP_REPEATS, NEW_TOKENS, measure
-from .rounds import render_rounds, round_rows
-from .objective import evaluate, unigram_accuracy
+from clover_lab.engine import load
+from clover_lab.hooks import points
+from clover_lab.train.measure import LOOP_REPEATS, NEW_TOKENS, measure
+from clover_lab.train.objective import evaluate, unigram_accuracy
+from clover_lab.train.rounds import render_rounds, round_rows
+from clover_lab.writes import atomic_path, write_text
 
 
 @torch.no_grad()

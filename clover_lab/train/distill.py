@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
-from ..model import CloverModel
-from ..sampling import SamplerSettings, apply_penalties
-from ..threads import set_threads
-from ..writes import OutputError, atomic_path, check_writable
+from clover_lab.cpu import set_threads
+from clover_lab.engine.sampling import SamplerSettings, apply_penalties
+from clover_lab.errors import CheckpointError
+from clover_lab.model.decoder import CloverModel
+from clover_lab.writes import OutputError, atomic_path, check_writable
 
 
 @torch.no_grad()

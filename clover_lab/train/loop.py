@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from ..arguments import ArgumentParser
-from ..config import PRESETS, CloverConfig, ConfigError
-from ..errors import CheckpointError
-from ..model import CloverModel
-from ..saving import stage_model
-from ..signals import NotedSignals
-from ..writes import FileSet, atomic_path, check_writable, refuse_same, write_text
-from .corpus import encode_files, split_corpus, train_tokenizer
-from .objective import TrainSettings, block_diffusion_loss
+from clover_lab.checkpoint.saving import stage_model
+from clover_lab.cli.arguments import ArgumentParser
+from clover_lab.config import PRESETS, CloverConfig, ConfigError
+from clover_lab.errors import CheckpointError
+from clover_lab.model.decoder import CloverModel
+from clover_lab.signals import NotedSignals
+from clover_lab.train.objective import TrainSettings, block_diffusion_loss
+from clover_lab.train.stdlib_corpus import encode_files, split_corpus, train_tokenizer
+from clover_lab.writes import FileSet, atomic_path, check_writable, refuse_same, write_text
 
 
 def training_batch(tokens: torch.Tensor, distilled: torch.Tensor | None, s: TrainSettings,
@@ -315,7 +315,7 @@ def _config_overrides(ap, preset: str, items: list[str]) -> dict:
 
 def _generation_defaults(ap, items: list[str]) -> dict:
     """``--generation SETTING=VALUE`` items (VALUE as JSON), checked as sampler settings now."""
-    from ..sampling import SamplerSettings, SettingsError
+    from clover_lab.engine.sampling import SamplerSettings, SettingsError
 
     defaults = {}
     for item in items:

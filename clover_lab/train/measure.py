@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine import load
-from .objective import evaluate
+from clover_lab.engine import load
+from clover_lab.train.objective import evaluate
 
 NEW_TOKENS = 96
 LOOP_REPEATS = 3
@@ -73,14 +73,14 @@ def distinctness(completions: list[str]) -> dict:
 def heldout_tokens(model_dir: str | Path, run: str | Path | None = None) -> torch.Tensor:
     """The held-out token stream: ``run``'s data.pt, or the interpreter's held-out stdlib modules
     (``split_corpus``) encoded with the tokenizer in ``model_dir``."""
-    from ..errors import CheckpointError
+    from clover_lab.errors import CheckpointError
 
     if run is not None:
         if not (Path(run) / "data.pt").is_file():
             raise CheckpointError(f"{run}: not a training run (no data.pt with its held-out split)")
         return torch.load(Path(run) / "data.pt")["heldout"]
-    from ..loading import load_tokenizer
-    from .corpus import encode_files, split_corpus
+    from clover_lab.checkpoint.loading import load_tokenizer
+    from clover_lab.train.stdlib_corpus import encode_files, split_corpus
 
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
@@ -167,7 +167,7 @@ def main(argv=None):
         print(f"== {json.dumps(sampler) if sampler else 'generation_config.json defaults'}\n{summary(figures)}",
               flush=True)
     if args.out:
-        from ..writes import write_text
+        from clover_lab.writes import write_text
 
         write_text(Path(args.out), json.dumps(results if args.sweep else results[0], indent=2) + "\n")
 

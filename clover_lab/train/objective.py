@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model import CloverModel
+from clover_lab.model.decoder import CloverModel
 
 
 @dataclass

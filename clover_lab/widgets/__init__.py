@@ -17,14 +17,16 @@ view removes its hooks; an engine with no view attached pays nothing.
 
 Needs the notebook extra: ``pip install 'clover-lab[notebook]'``.
 """
-from .base import Attachment, Throttle, View, export_html
-from .dashboard import Dashboard
-from .denoise import DenoiseView
-from .experts import ExpertView
-from .lens import LensView
-from .memory import MemoryView
-from .patching import PatchingView
-from .speed import SpeedView
+from clover_lab.widgets.base import View
+from clover_lab.widgets.dashboard import Dashboard
+from clover_lab.widgets.denoise import DenoiseView
+from clover_lab.widgets.experts import ExpertView
+from clover_lab.widgets.lens import LensView
+from clover_lab.widgets.memory import MemoryView
+from clover_lab.widgets.patching import PatchingView
+from clover_lab.widgets.pieces import export_html
+from clover_lab.widgets.speed import SpeedView
+from clover_lab.widgets.throttle import Attachment, Throttle
 
 __all__ = ["Attachment", "Dashboard", "DenoiseView", "ExpertView", "LensView", "MemoryView", "PatchingView",
            "SpeedView", "Throttle", "View", "export_html"]

@@ -19,11 +19,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from ..writes import write_text
-from .pieces import (export_html, figure_html, page, require_notebook, section,  # noqa: F401
-                     to_numpy, token_piece, visible)
-from .throttle import Attachment, Throttle, _weak_hook, weak_callback  # noqa: F401
-
+from clover_lab.widgets.pieces import page, require_notebook, section
+from clover_lab.widgets.throttle import Attachment, Throttle, _weak_hook, weak_callback
+from clover_lab.writes import write_text
 
 # --------------------------------------------------------------------------- throttling
 
@@ -142,7 +140,7 @@ class View:
         self.detach()
         self.throttle.cancel()
         self._closed = True
-        _close_tree(self.widget)
+        close_tree(self.widget)
 
     def __enter__(self):
         return self
@@ -274,7 +272,7 @@ class View:
     def to_html(self, frame: int | str | None = None, *, full_html: bool = True) -> str:
         """This view as HTML, plotly.js inline: works offline. ``frame``: one frame's index, None
         (the shown frame) or "all" (every frame under a slider: the whole run replayed)."""
-        from .replay import frames_html
+        from clover_lab.widgets.replay import frames_html
 
         with self._lock:
             if frame == "all":
@@ -289,7 +287,7 @@ class View:
         """Show a saved trace (``clover_lab.load_trace``) or a capture: its records of this view's
         points become frames, as if the run were live. No model needed, except by a view that
         computes from the weights (``needs_model``: LensView), which reads ``engine``'s."""
-        from .replay import replay
+        from clover_lab.widgets.replay import replay
 
         replay(self, trace, engine)
         return self
@@ -305,7 +303,7 @@ class View:
 
 
 # --------------------------------------------------------------------------- helpers
-def _close_tree(widget) -> None:
+def close_tree(widget) -> None:
     seen = set()
 
     def walk(w):

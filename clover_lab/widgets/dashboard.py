@@ -13,15 +13,17 @@ from __future__ import annotations
 import html
 import threading
 
-from ..engine.policies import POLICIES, make_policy
-from ..engine.requests import settings_for_mode
-from ..hooks import StopGeneration, points
-from ..sampling import CONFIDENCE_RULES
-from .base import _close_tree, export_html, require_notebook, weak_callback
-from .denoise import DenoiseView
-from .experts import ExpertView
-from .memory import MemoryView
-from .speed import SpeedView
+from clover_lab.engine.policies import POLICIES, make_policy
+from clover_lab.engine.requests import settings_for_mode
+from clover_lab.engine.sampling import CONFIDENCE_RULES
+from clover_lab.hooks import StopGeneration, points
+from clover_lab.widgets.base import close_tree
+from clover_lab.widgets.denoise import DenoiseView
+from clover_lab.widgets.experts import ExpertView
+from clover_lab.widgets.memory import MemoryView
+from clover_lab.widgets.pieces import export_html, require_notebook
+from clover_lab.widgets.speed import SpeedView
+from clover_lab.widgets.throttle import weak_callback
 
 VIEWS = {"denoise": DenoiseView, "speed": SpeedView, "experts": ExpertView, "memory": MemoryView}
 DEFAULT_PROMPT = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
@@ -249,4 +251,4 @@ class Dashboard:
         for v in self.views.values():
             v.close()
         self._closed = True
-        _close_tree(self.widget)
+        close_tree(self.widget)

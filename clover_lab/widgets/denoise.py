@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import html
 
-from ..hooks import points
-from .base import View, token_piece, visible, weak_callback
+from clover_lab.hooks import points
+from clover_lab.widgets.base import View
+from clover_lab.widgets.pieces import token_piece, visible
+from clover_lab.widgets.throttle import weak_callback
 
 # viridis anchors: step 0 dark purple ... late steps yellow
 _VIRIDIS = [(68, 1, 84), (72, 40, 120), (62, 73, 137), (49, 104, 142), (38, 130, 142), (31, 158, 137),

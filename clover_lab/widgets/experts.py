@@ -18,8 +18,10 @@ import html
 
 import numpy as np
 
-from ..hooks import points
-from .base import View, figure_html, to_numpy, token_piece, visible, weak_callback
+from clover_lab.hooks import points
+from clover_lab.widgets.base import View
+from clover_lab.widgets.pieces import figure_html, to_numpy, token_piece, visible
+from clover_lab.widgets.throttle import weak_callback
 
 PHASES = ("preview", "commit", "prefill")
 # routing -> what the controls and tables call it
@@ -44,9 +46,9 @@ class ExpertView(View):
     @classmethod
     def from_stats(cls, stats, **kwargs) -> "ExpertView":
         """A view of routing statistics over a corpus: a ``RouteStats`` or the ``.npz`` that
-        ``clover_lab.analysis`` / ``clover-lab routes`` saved. Usage, router mass, load and
+        ``clover_lab.lens.routing_stats`` / ``clover-lab routes`` saved. Usage, router mass, load and
         co-activation show the whole corpus in one frame (no per-token routing)."""
-        from ..analysis import RouteStats
+        from clover_lab.lens.routing_stats import RouteStats
 
         if not isinstance(stats, RouteStats):
             stats = RouteStats.load(stats)
@@ -75,7 +77,8 @@ class ExpertView(View):
     def _build(self):
         import ipywidgets as W
         import plotly.graph_objects as go
-        from .figure import Figure
+
+        from clover_lab.widgets.figure import Figure
 
         self.phase_dd = W.Dropdown(options=list(PHASES) + ["all"], value=self._phase, description="forwards",
                                    layout=W.Layout(width="200px"))

@@ -13,9 +13,10 @@ import html
 
 import numpy as np
 
-from ..hooks import points
-from ..lens.logit import LensStep, _Reader
-from .base import View, figure_html, token_piece, visible
+from clover_lab.hooks import points
+from clover_lab.lens.logit import LensStep, _Reader
+from clover_lab.widgets.base import View
+from clover_lab.widgets.pieces import figure_html, token_piece, visible
 
 
 class LensView(View):
@@ -78,7 +79,8 @@ class LensView(View):
     def _build(self):
         import ipywidgets as W
         import plotly.graph_objects as go
-        from .figure import Figure
+
+        from clover_lab.widgets.figure import Figure
 
         self.fig = Figure(go.Heatmap(z=[[0.0]], colorscale="Viridis", zmin=0, zmax=1,
                                               texttemplate="%{text}", textfont=dict(size=9)))

@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..hooks import points
-from .base import View, figure_html, to_numpy, weak_callback
-from .pieces import LEGEND_BELOW, series_colour
+from clover_lab.hooks import points
+from clover_lab.widgets.base import View
+from clover_lab.widgets.pieces import LEGEND_BELOW, figure_html, series_colour, to_numpy
+from clover_lab.widgets.throttle import weak_callback
 
 
 class MemoryView(View):
@@ -54,7 +55,8 @@ class MemoryView(View):
     def _build(self):
         import ipywidgets as W
         import plotly.graph_objects as go
-        from .figure import Figure
+
+        from clover_lab.widgets.figure import Figure
 
         self.layer_dd = W.Dropdown(options=[0], value=0, description="GDN layer", layout=W.Layout(width="200px"))
         self.head_dd = W.Dropdown(options=[0], value=0, description="head", layout=W.Layout(width="160px"))

@@ -8,11 +8,11 @@ metric with one site patched per cell, normalised so that 1 means "restores the 
 from __future__ import annotations
 
 import html
+
 import numpy as np
 
-from .base import View, figure_html
-from .pieces import finite_rows
-
+from clover_lab.widgets.base import View
+from clover_lab.widgets.pieces import figure_html, finite_rows
 
 BLANK_NOTE = ("blank: no reading (the metric's position was already unmasked at that step, or the run<br>"
               "did not take it: a preview has logits only where the block is still masked)")
@@ -34,7 +34,8 @@ class PatchingView(View):
     def _build(self):
         import ipywidgets as W
         import plotly.graph_objects as go
-        from .figure import Figure
+
+        from clover_lab.widgets.figure import Figure
 
         self.fig = Figure(go.Heatmap(z=[[0.0]], colorscale="RdBu", zmid=0))
         self.fig.update_layout(height=400, width=640, margin=dict(l=60, r=10, t=40, b=100))  # room for the blank note

@@ -5,7 +5,7 @@ import html
 from pathlib import Path
 from typing import Iterable
 
-from ..writes import write_text
+from clover_lab.writes import write_text
 
 
 def require_notebook():

@@ -11,9 +11,9 @@ import fnmatch
 import html
 from types import SimpleNamespace
 
-from ..errors import InputError
-from ..hooks import points as P
-from ..hooks.events import Where
+from clover_lab.errors import InputError
+from clover_lab.hooks import points as P
+from clover_lab.hooks.events import Where
 
 _NO_LOGITS = None  # a trace keeps no logits: views fall back to the recorded candidates
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import html
 
-from ..engine.requests import settings_for_mode
-from ..hooks import points
-from .base import View, figure_html, weak_callback
-from .pieces import LEGEND_BELOW, series_colour
+from clover_lab.engine.requests import settings_for_mode
+from clover_lab.hooks import points
+from clover_lab.widgets.base import View
+from clover_lab.widgets.pieces import LEGEND_BELOW, figure_html, series_colour
+from clover_lab.widgets.throttle import weak_callback
 
 
 class SpeedView(View):
@@ -47,9 +48,9 @@ class SpeedView(View):
     # ---------------------------------------------------------------- widgets
     def _build(self):
         import ipywidgets as W
-        import plotly.graph_objects as go
-        from .figure import Figure
         from plotly.subplots import make_subplots
+
+        from clover_lab.widgets.figure import Figure
 
         self.fig_rate = Figure(make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                                                       subplot_titles=("tokens/s (since the start)", "tokens per forward")))

@@ -8,7 +8,7 @@ import time
 import weakref
 from typing import Callable
 
-from ..hooks.registry import observer
+from clover_lab.hooks.registry import observer
 
 
 class Throttle:

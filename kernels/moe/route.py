@@ -1,6 +1,6 @@
 """The router's softmax, top-k and renormalisation in one Triton program per token, and a
 coreset's recording in one more launch. Reference: ``moe/naive.py: route`` (the routing rule of
-``clover_lab.layers.moe.Router``).
+``clover_lab.model.layers.moe.Router``).
 
 ``_route_kernel``, program t: the token's E router logits -> fp32 probabilities (softmax over
 every expert); the disallowed experts (a coreset: a mask, or the coreset's expert ids read in

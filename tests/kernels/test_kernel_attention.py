@@ -113,7 +113,7 @@ def test_the_op_dispatches_to_the_kernel(monkeypatch, device, close):
 def test_static_steps_through_the_kernel_equal_the_forward(tiny_model, monkeypatch):
     """The runner's static steps (AR, preview, fused commit+preview) with the attention on the split-KV
     kernel (every other op on its torch path) give the plain forward's logits."""
-    from clover_lab.engine.runner import StepGraphs
+    from clover_lab.engine.graphs import StepGraphs
 
     chosen = clover_kernels.backend_for
     monkeypatch.setattr(clover_kernels, "backend_for",

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from clover_kernels import dense
 from clover_kernels.dense import PackedWeight, linear, uses_onednn
-from clover_kernels.moe import naive, torch as moe_torch
+from clover_kernels.moe import naive
+from clover_kernels.moe import torch as moe_torch
 
 
 @pytest.mark.parametrize("shape", [(4, 64), (32, 512), (2, 7, 96), (300, 33)])

@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_kernel_moe import make_inputs  # noqa: E402  (rootdir-relative: tests/ has no __init__)
+
 from clover_kernels.fp8 import gemm, moe, naive  # noqa: E402
 from clover_kernels.fp8 import torch as fp8_torch  # noqa: E402
-
-from test_kernel_moe import make_inputs  # noqa: E402  (rootdir-relative: tests/ has no __init__)
 
 
 def test_quantize_round_trip_error_is_within_e4m3_precision():
@@ -146,7 +146,7 @@ def test_an_fp8_model_through_the_kernels_matches_the_dequantized_model(tmp_path
     fp32 activations would send the FP8 ops to torch there) and nothing is forced onto CPU tensors."""
     import clover_kernels
     from clover_lab import CloverConfig, CloverModel
-    from clover_lab.fp8.quantize import quantize_checkpoint
+    from clover_lab.checkpoint.quantize import quantize_checkpoint
 
     on_cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if on_cuda else ("cpu", torch.float32)

@@ -4,8 +4,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from clover_kernels.gdn import commit  # noqa: E402
-from clover_kernels.gdn import naive  # noqa: E402
+from clover_kernels.gdn import (
+    commit,  # noqa: E402
+    naive,  # noqa: E402
+)
 
 
 def make_inputs(B, T, Hk, Hv, dk, dv, dtype, device, K=4, seed=0):

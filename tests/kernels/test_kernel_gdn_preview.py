@@ -6,8 +6,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from clover_kernels.gdn import naive  # noqa: E402
-from clover_kernels.gdn import preview  # noqa: E402
+from clover_kernels.gdn import (
+    naive,  # noqa: E402
+    preview,  # noqa: E402
+)
 
 
 def make_inputs(B, m, Hk, Hv, dk, dv, dtype, device, K=4, seed=0, default_weights=False):

@@ -4,8 +4,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from clover_kernels.moe import fused  # noqa: E402
-from clover_kernels.moe import naive  # noqa: E402
+from clover_kernels.moe import (
+    fused,  # noqa: E402
+    naive,  # noqa: E402
+)
 
 E, H, I = 8, 64, 32
 

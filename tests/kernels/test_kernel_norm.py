@@ -4,8 +4,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from clover_kernels.norm import naive  # noqa: E402
-from clover_kernels.norm import rms  # noqa: E402
+from clover_kernels.norm import (
+    naive,  # noqa: E402
+    rms,  # noqa: E402
+)
 
 SHAPES = [(1, 16), (3, 5, 100), (7, 64), (2, 33)]
 

@@ -1,0 +1,107 @@
+"""What the command line's subcommands share: exit codes, the one-line error, the sampler and
+placement options, the engine an ``args`` names, and the option types (token ids, device maps,
+memory sizes)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+
+
+class UsageError(Exception):
+    """A request the command line refuses; the message is printed as one line, exit code 2."""
+
+
+def fail(message: str) -> int:
+    message = " ".join(message.split())  # one line, however the message was wrapped
+    print(f"clover-lab: error: {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def add_sampler_options(parser: argparse.ArgumentParser) -> None:
+    """One ``--option`` per SamplerSettings field, defaulting to None: what is not given keeps the
+    engine's settings (the model's generation_config.json, else SamplerSettings' defaults)."""
+    from clover_lab.engine.sampling import SamplerSettings
+
+    types = {"float": float, "int": int, "str": str}
+    for f in dataclasses.fields(SamplerSettings):
+        kind = types[str(f.type).split(" |")[0]]
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
+                            help=f"{f.metadata.get('help', '')} (default: {f.default})")
+
+
+def sampler_kwargs(args) -> dict:
+    from clover_lab.engine.sampling import SamplerSettings
+
+    return {name: getattr(args, name) for name in SamplerSettings.names() if getattr(args, name) is not None}
+
+
+def load_engine(args):
+    """The engine for ``args``. A seam for tests: ``generate`` calls ``clover_lab.cli.main.load_engine``,
+    which a test may replace."""
+    from clover_lab.engine import load
+
+    placed = {name: getattr(args, name, None) for name in ("device_map", "max_memory", "keep_fp8", "coreset_size",
+                                                            "progress", "check_finite")}  # absent options: defaults
+    return load(args.model, device=args.device, dtype=args.dtype, pin_memory=getattr(args, "pin_memory", False),
+                **placed)
+
+
+def add_placement_options(parser: argparse.ArgumentParser) -> None:
+    """Where the weights go: --device-map, --max-memory, --pin-memory, --keep-fp8, --progress."""
+    parser.add_argument("--device-map", type=_device_map, default=None, metavar="MAP",
+                        help="auto (planned by accelerate within --max-memory), or a JSON object / file of module "
+                             "name -> device, e.g. '{\"\": 0, \"model.layers.39.mlp.experts\": \"cpu\"}'; "
+                             "experts that do not fit a GPU stay in host memory and are staged when routed")
+    parser.add_argument("--max-memory", type=_max_memory, default=None, metavar="DEV=SIZE,...",
+                        help="memory per device for --device-map auto, e.g. 0=22GiB,1=22GiB,cpu=120GiB")
+    parser.add_argument("--pin-memory", action="store_true", help="offloaded experts page-locked in place "
+                        "(asynchronous staging; no second copy, their size stays pinned in RAM)")
+    parser.add_argument("--keep-fp8", action=argparse.BooleanOptionalAction, default=None,
+                        help="an FP8 checkpoint's weights stay FP8 (default: on CUDA) or are dequantized")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar while loading (default: for checkpoints over 1 GB)")
+
+
+def _device_map(text: str):
+    if text == "auto":
+        return text
+    source = Path(text).read_text() if not text.lstrip().startswith("{") and Path(text).is_file() else text
+    try:
+        value = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected 'auto', a JSON object or a JSON file, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of module name -> device, got {text!r}")
+    return value
+
+
+def _max_memory(text: str) -> dict:
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        device, sep, size = item.partition("=")
+        if not sep or not size:
+            raise argparse.ArgumentTypeError(f"expected DEVICE=SIZE pairs like 0=22GiB,cpu=100GiB, got {item!r}")
+        out[int(device) if device.isdigit() else device] = int(size) if size.isdigit() else size
+    return out
+
+
+def set_block_size(engine, value: int) -> None:
+    try:
+        engine.block_size = value
+    except ValueError as e:
+        raise UsageError(f"--block-size: {e}") from None

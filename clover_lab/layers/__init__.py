@@ -1,3 +1,0 @@
-"""The model's building blocks as pure math over a :class:`~clover_lab.context.ForwardContext`:
-linear and norms, rotary embeddings, gated attention, Gated DeltaNet, the MoE block and its router.
-Every op they run goes through ``clover_kernels``."""
