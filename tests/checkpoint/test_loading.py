@@ -1,12 +1,20 @@
 """Checkpoint loading and saving: round trips, shards, and a clear error for each bad input."""
 import json
+import shutil
 import warnings
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clover_lab import CheckpointError, CloverConfig, CloverModel, ConfigError
+import clover_lab
+from clover_lab import (
+    CheckpointError,
+    CloverConfig,
+    CloverError,
+    CloverModel,
+    ConfigError,
+)
 
 
 @pytest.fixture
@@ -251,3 +259,89 @@ def test_a_bad_generation_config_is_named(gen_model_dir, tmp_path, content, matc
     with pytest.raises(CheckpointError, match=match) as err:
         clover_lab.load(d)
     assert "generation_config.json" in str(err.value)
+
+
+# --------------------------------------------------------------------------- 8. config.json
+@pytest.fixture
+def model_copy(gen_model_dir, tmp_path):
+    dest = tmp_path / "model"
+    shutil.copytree(gen_model_dir, dest)
+    return dest
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is _DROP:
+            cfg.pop(key)
+        elif key in ("rope_theta", "partial_rotary_factor"):
+            cfg["rope_parameters"][key] = value
+        else:
+            cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+_DROP = object()
+
+
+# --------------------------------------------------------------------------- smaller
+def _rewrite_weights(path, change):
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(hidden_size=_DROP), "missing required field.*'hidden_size'"),
+    (dict(num_experts=_DROP, moe_intermediate_size=_DROP), "'num_experts', 'moe_intermediate_size'"),
+    (dict(rms_norm_eps="abc"), "'rms_norm_eps': must be a positive finite number"),
+    (dict(rms_norm_eps=-1e-6), "'rms_norm_eps': must be a positive"),
+    (dict(rope_theta=0), "'rope_theta': must be a positive"),
+    (dict(eos_token_id=100_000), "'eos_token_id': must be below vocab_size=512"),
+    (dict(eos_token_id=[510, -1]), "'eos_token_id': must be a token id"),
+    (dict(attention_bias="no"), "'attention_bias': must be true or false"),
+])
+def test_bad_config_fields_are_named_at_load(model_copy, changes, match):
+    _edit_config(model_copy, **changes)
+    with pytest.raises(CheckpointError, match=r"config\.json.*" + match):
+        clover_lab.load(model_copy)
+
+
+def test_two_stored_tensors_for_one_parameter_are_an_error(model_copy):
+    def both_norms(t):
+        t["model.language_model.norm.weight"] = t["model.norm.weight"] + 1.0
+
+    _rewrite_weights(model_copy, both_norms)
+    with pytest.raises(CheckpointError, match=r"'model.language_model.norm.weight' \(model.safetensors\) and "
+                                              r"'model.norm.weight' .* are both the parameter 'model.norm.weight'"):
+        clover_lab.load(model_copy)
+
+
+def test_fused_and_per_expert_copies_are_an_error(model_copy):
+    def add_expert(t):
+        I, H = 32, 64
+        t["model.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(I, H)
+
+    _rewrite_weights(model_copy, add_expert)
+    with pytest.raises(CheckpointError, match="model.layers.0.mlp.experts is stored both as fused tensors and "
+                                              "per expert"):
+        clover_lab.load(model_copy)
+
+
+# --------------------------------------------------------------------------- 4. booleans, placement, shards
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(keep_fp8="false"), "keep_fp8='false'"), (dict(check_finite=1), "check_finite=1"),
+    (dict(progress="no"), "progress='no'"), (dict(pin_memory=None), "pin_memory=None"),
+    (dict(coreset_size=1), r"load\(coreset_size=1\): .*num_experts_per_tok"),
+    (dict(coreset_size="4"), r"load\(coreset_size='4'\): expected an int"),
+    (dict(max_memory={"cpu": "1GiB"}), "without a device_map it would be ignored"),
+    (dict(device_map={"": "cpu"}, max_memory={"cpu": "1GiB"}), "it would be ignored"),
+    (dict(device_map={"": -1}), r'"" -> -1 is not a device'),
+    (dict(device_map={"": "meta"}), "'meta' holds shapes but no weights"),
+    (dict(device_map={"": "cuda:x"}), "'cuda:x' is not a device"),
+    (dict(device_map="everywhere"), "expected 'auto' or a dict"),
+    (dict(device_map="auto", max_memory=5), "max_memory: expected a dict"),
+])
+def test_load_arguments_are_named_before_anything_is_read(gen_model_dir, kwargs, match):
+    with pytest.raises(CloverError, match=match):
+        clover_lab.load(gen_model_dir, **kwargs)

@@ -2,7 +2,6 @@
 weights (spec 3.2.1) finds the spec's reading on the embedded model, and the alternative one on a
 copy re-encoded to it; the model honours config.json's preview_reading."""
 import json
-import math
 import shutil
 
 import pytest

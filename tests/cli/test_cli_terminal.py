@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from clover_lab.cli import main as cli

@@ -4,6 +4,7 @@ import math
 import pytest
 
 from clover_lab import patching
+from clover_lab.errors import InputError
 from clover_lab.hooks import points as P
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
@@ -92,3 +93,48 @@ def test_measure_is_nan_where_the_run_never_reads(tiny_engine):
     ref = tiny_engine.model.denoise_logits(CLEAN, [[511] * 16])[0, 1]
     ref[511] = float("-inf")
     assert v == pytest.approx(float(ref.softmax(-1)[7]), abs=1e-6)
+
+
+PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
+
+
+OTHER = [7, 8, 9, 200, 300]
+
+
+def test_patch_sites_must_exist_in_the_source(tiny_engine):
+    from clover_lab import patching
+
+    a = patching.record(tiny_engine, PROMPT, points="layers.*[0-9].output", **KW)
+    site = patching.Site("layers.1.output", 0, 0, positions=(len(PROMPT) + 2,))
+    assert patching.patch(tiny_engine, PROMPT[::-1], a, [site], **KW).applied  # same length: patched
+    with pytest.raises(InputError, match="10 tokens and this prompt has 5"):
+        patching.patch(tiny_engine, OTHER, a, "all", **KW)
+    with pytest.raises(InputError, match="batch"):
+        patching.patch(tiny_engine, [PROMPT, PROMPT], a, "all", **KW)
+    for bad, match in [(patching.Site("layers.1.output", 99, 0), "no layers.1.output at block 99, step 0"),
+                       (patching.Site("layers.1.output", 0, 99), "at block 0, step 99"),
+                       (patching.Site("layers.1.output", 0, 0, positions=(5000,)), r"positions \[5000\]"),
+                       (patching.Site("layers.1.input", 0, 0), "did not record layers.1.input")]:
+        with pytest.raises(InputError, match=match):
+            patching.patch(tiny_engine, PROMPT, a, [bad], **KW)
+    with pytest.raises(InputError, match="list of Site"):
+        patching.patch(tiny_engine, PROMPT, a, site, **KW)
+
+
+def test_sweeps_refuse_forwards_steps_and_positions_that_do_not_exist(tiny_engine):
+    from clover_lab import patching
+
+    metric = patching.probability(len(PROMPT) + 1, 7)
+    corrupt = PROMPT[:3] + [200] + PROMPT[4:]
+    for kwargs, match in [(dict(block=0, step=99), "metric's block 0, step 99: the clean run has no such forward"),
+                          (dict(block=0, step=0, patch_at=(7, 0)), "patch_at block 7"),
+                          (dict(block=0, step=0, positions=[]), "positions is empty"),
+                          (dict(block=0, step=0, positions=[9999]), r"positions \[9999\]")]:
+        with pytest.raises(InputError, match=match):
+            patching.sweep_layers_positions(tiny_engine, PROMPT, corrupt, metric, **kwargs, **KW)
+    for kwargs, match in [(dict(steps=[]), "steps is empty"), (dict(steps=[0, 99]), "step 99"),
+                          (dict(steps=5), "steps=5")]:
+        with pytest.raises(InputError, match=match):
+            patching.sweep_steps_layers(tiny_engine, PROMPT, corrupt, metric, block=0, **kwargs, **KW)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        patching.sweep_steps_layers(tiny_engine, PROMPT, corrupt, patching.logit_diff(11, 0, 10**6), block=0, **KW)

@@ -6,12 +6,15 @@ import warnings
 
 import pytest
 import torch
+from failing_writes import FULL, Writes
 from safetensors.torch import load_file, save_file
 
+import clover_lab
 from clover_kernels.fp8 import naive
 from clover_lab import CheckpointError, CloverModel, load
 from clover_lab.checkpoint import fp8 as fp8_checkpoint
 from clover_lab.checkpoint.quantize import quantize_checkpoint
+from clover_lab.errors import InputError, OutputError
 from clover_lab.model.layers.fp8_linear import FP8Experts, FP8Linear
 from clover_lab.model.layers.linear import Linear
 
@@ -177,3 +180,82 @@ def test_a_bad_quantization_config_is_named(fp8_dir, edit, match):
         edit_config(fp8_dir, edit)
     with pytest.raises(CheckpointError, match=match):
         CloverModel.from_pretrained(fp8_dir)
+
+
+# --------------------------------------------------------------------------- 3. FP8 checkpoints
+@pytest.fixture
+def gen_fp8_dir(gen_model_dir, tmp_path):
+    from clover_lab.checkpoint.quantize import quantize_checkpoint
+
+    return quantize_checkpoint(gen_model_dir, tmp_path / "fp8", block=(16, 16))
+
+
+def _rewrite(path, fn):
+    from safetensors.torch import load_file, save_file
+
+    save_file(fn(load_file(path / "model.safetensors")), path / "model.safetensors")
+
+
+FP8_WEIGHT = "model.layers.1.mlp.experts.2.down_proj.weight"
+
+
+FP8_SCALE = FP8_WEIGHT + "_scale_inv"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_fp8_scales_must_be_finite_and_positive(gen_fp8_dir, value, keep):
+    def damage(t):
+        t[FP8_SCALE][0, 0] = value
+        return t
+
+    _rewrite(gen_fp8_dir, damage)
+    with pytest.raises(clover_lab.CheckpointError, match=rf"scale tensor '{FP8_SCALE}' holds 1 entries that are "
+                                                         r"not finite and positive"):
+        clover_lab.CloverModel.from_pretrained(gen_fp8_dir, keep_fp8=keep)
+
+
+def test_nan_in_kept_fp8_weights_is_found_at_load(gen_fp8_dir):
+    def damage(t):
+        raw = t[FP8_WEIGHT].view(torch.uint8).clone()
+        raw[0, 0] = 0x7F  # float8_e4m3fn's NaN
+        t[FP8_WEIGHT] = raw.view(torch.float8_e4m3fn)
+        return t
+
+    _rewrite(gen_fp8_dir, damage)
+    for keep in (True, False):
+        with pytest.raises(clover_lab.CheckpointError, match=rf"tensor '{FP8_WEIGHT}' holds NaN"):
+            clover_lab.CloverModel.from_pretrained(gen_fp8_dir, keep_fp8=keep)
+    clover_lab.CloverModel.from_pretrained(gen_fp8_dir, keep_fp8=True, check_finite=False)  # asked not to look
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block=(0, 0)), r"block=0"), (dict(block=(16,)), "two block sizes"), (dict(block=16), "two block sizes"),
+    (dict(block=(16, -4)), "block=-4"), (dict(max_shard_bytes=0), "max_shard_bytes=0"),
+])
+def test_quantize_checkpoint_arguments(gen_model_dir, tmp_path, kwargs, match):
+    from clover_lab.checkpoint.quantize import quantize_checkpoint
+
+    with pytest.raises(InputError, match=match):
+        quantize_checkpoint(gen_model_dir, tmp_path / "q", **kwargs)
+    assert not (tmp_path / "q").exists()  # refused before anything is written
+
+
+
+@pytest.mark.parametrize("error", [FULL, KeyboardInterrupt()], ids=["disk-full", "interrupt"])
+def test_a_failed_quantization_leaves_the_previous_one(tmp_path, monkeypatch, error):
+    from clover_lab.checkpoint.quantize import quantize_checkpoint
+
+    src = tmp_path / "src"
+    CloverModel.random("clover-tiny", seed=1).save_pretrained(src)
+    dst = tmp_path / "fp8"
+    quantize_checkpoint(src, dst, block=(32, 32), max_shard_bytes=1 << 16)
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    CloverModel.random("clover-tiny", seed=2).save_pretrained(src)
+    with monkeypatch.context() as m:
+        Writes(m, fail_at=3, error=error)  # the third shard
+        with pytest.raises(type(error)):
+            quantize_checkpoint(src, dst, block=(32, 32), max_shard_bytes=1 << 16)
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+    with pytest.raises(OutputError, match="is the input"):  # and never onto its own source
+        quantize_checkpoint(src, src)

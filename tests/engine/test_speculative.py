@@ -1,7 +1,6 @@
 """Exact self-speculative decoding (issue 30): greedy output equals mode="ar" token for token, in
 fp32, on the embedded model, a random transformers-equal model and the tiny generation model,
 with EOS and stop strings inside a block, penalties, batches and hooks."""
-import warnings
 
 import pytest
 import torch

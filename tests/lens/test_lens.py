@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from clover_lab import lens
+from clover_lab.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
@@ -97,3 +98,61 @@ def test_coreset_sweep(tiny_engine):
     for bad in (E, E + 1, 1):  # every expert restricts nothing; fewer than top-k cannot route
         with pytest.raises(ValueError, match="coreset sizes"):
             lens.coreset_sweep(tiny_engine, [PROMPT], sizes=[bad], **KW)
+
+
+OTHER = [7, 8, 9, 200, 300]
+
+
+def test_the_routing_lens_of_a_batch_is_read_per_row(tiny_engine):
+    from clover_lab import lens
+
+    for r, prompt in enumerate([PROMPT, OTHER]):
+        alone = lens.routing_lens(tiny_engine, prompt, **KW)
+        row = lens.routing_lens(tiny_engine, [PROMPT, OTHER], row=r, **KW)
+        assert [(x["layer"], x["block"], x["step"]) for x in row.rows] == \
+               [(x["layer"], x["block"], x["step"]) for x in alone.rows]
+        for a, b in zip(alone.by_layer(), row.by_layer()):
+            assert b["step_flip_rate"] == pytest.approx(a["step_flip_rate"], abs=0.05)
+            assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-3)
+    with pytest.raises(InputError, match=r"batch of 2 prompts.*row=0 .. 1"):
+        lens.routing_lens(tiny_engine, [PROMPT, OTHER], **KW)
+    with pytest.raises(InputError, match="one generation"):
+        lens.routing_lens(tiny_engine, PROMPT, row=0, **KW)
+    with tiny_engine.capture("layers.*.moe.route") as cap:  # a recording of a batch, read per row
+        tiny_engine.generate([PROMPT, OTHER], **KW)
+    with pytest.raises(InputError, match=r"batch of rows 0..1.*row=0 .. 1"):
+        lens.routing_lens(cap)
+    assert lens.routing_lens(cap, row=1).by_layer() == lens.routing_lens(tiny_engine, [PROMPT, OTHER], row=1,
+                                                                          **KW).by_layer()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda e, lens, pt: lens.logit_lens(e, PROMPT, k=0, **KW), "k=0"),
+    (lambda e, lens, pt: lens.logit_lens(e, PROMPT, k=-3, **KW), "k=-3"),
+    (lambda e, lens, pt: lens.logit_lens(e, [PROMPT, OTHER], **KW), "batch of 2"),
+    (lambda e, lens, pt: lens.coreset_sweep(e, [PROMPT], sizes=[2], mode="ar", max_new_tokens=4), "mode='ar'"),
+    (lambda e, lens, pt: lens.coreset_sweep(e, [PROMPT], sizes=4, **KW), "sizes=4"),
+    (lambda e, lens, pt: lens.coreset_sweep(e, [PROMPT], sizes=["4"], **KW), "ints"),
+    (lambda e, lens, pt: lens.coreset_sweep(e, [PROMPT], sizes=[2.5], **KW), "ints"),
+    (lambda e, lens, pt: pt.Site("layers.0.output", 0, 0, positions=5), r"positions=5.*\(5,\)"),
+    (lambda e, lens, pt: pt.Site("layers.0.output", 0, 0, positions=[]), "one or more"),
+    (lambda e, lens, pt: pt.Site("layers.0.output", -1, 0), "block=-1"),
+    (lambda e, lens, pt: pt.Site("layers.0.output", None, 2), "without a block"),
+    (lambda e, lens, pt: pt.Site("layers.x.output", 0, 0), "layers.x.output"),
+    (lambda e, lens, pt: pt.record(e, [PROMPT, OTHER], **KW), "batch"),
+    (lambda e, lens, pt: pt.measure(e, PROMPT, pt.probability(11, 512), 0, 0, **KW), r"\[512\].*vocabulary"),
+    (lambda e, lens, pt: pt.logit_diff(11, 3, -1), "token=-1"),
+])
+def test_lens_and_patching_arguments_are_named(tiny_engine, call, match):
+    from clover_lab import lens, patching
+
+    with pytest.raises(InputError, match=match):
+        call(tiny_engine, lens, patching)
+    assert len(tiny_engine.generate(PROMPT, max_new_tokens=4).token_ids) == 4
+
+
+def test_coreset_sweep_takes_one_prompt_as_one(tiny_engine):
+    from clover_lab import lens
+
+    rows = lens.coreset_sweep(tiny_engine, PROMPT, sizes=[2], max_new_tokens=8, threshold=0.3)
+    assert [r["prompts"] for r in rows] == [1, 1]

@@ -8,6 +8,7 @@ import pytest
 
 import clover_lab
 from clover_lab.cli import main as cli
+from clover_lab.cli.main import main as cli_main  # noqa: E402
 from clover_lab.cli.view import MASK_GLYPH, LiveView
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
@@ -235,3 +236,33 @@ def test_ctrl_c_in_a_batch_prints_every_rows_tokens(capsys, interrupted_engine):
     data = json.loads(out)
     expected = engine.generate([[5, 17, 33], [8, 8]], max_new_tokens=40, threshold=0.3)
     assert data["interrupted"] and [r["token_ids"] for r in data["results"]] == [r.token_ids[:16] for r in expected]
+
+
+def test_cli_routes_checks_the_corpus_and_out_before_loading(gen_text_model_dir, tmp_path, capsys):
+    from clover_lab.cli.main import main
+
+    for argv, match in [(["--data", str(tmp_path / "nowhere")], "nowhere"),
+                        (["--data", str(gen_text_model_dir), "--out", str(tmp_path / "no" / "r.npz")],
+                         "does not exist")]:
+        argv = ["routes", "--model", str(tmp_path / "not-loaded"), *argv]
+        if "--out" not in argv:
+            argv += ["--out", str(tmp_path / "r.npz")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert match in err and len(err.strip().splitlines()) == 1 and "not-loaded" not in err
+
+
+def test_the_other_commands_find_an_unwritable_output_before_the_run(tmp_path, capsys):
+    """train and distill: the output checked before the model is loaded or trained (routes:
+    tests/test_reliability_inputs.py)."""
+    (tmp_path / "a-file").write_text("x")
+    bad = tmp_path / "a-file" / "sub"
+    assert cli_main(["train", "--out", str(bad), "--minutes", "1"]) == 2
+    assert cli_main(["train", "--out", str(tmp_path / "run"), "--export", str(bad), "--minutes", "1"]) == 2
+    assert not (tmp_path / "run").exists()
+    from clover_lab.train import distill
+
+    with pytest.raises(SystemExit):
+        distill.main(["--model", str(tmp_path), "--tokens", str(tmp_path / "a-file"), "--out", str(bad / "d.pt")])
+    err = capsys.readouterr().err
+    assert err.count(f"--out {bad}: {tmp_path / 'a-file'} is a file") == 2 and f"--export {bad}: " in err, err

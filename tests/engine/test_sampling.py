@@ -4,6 +4,9 @@ import math
 import pytest
 import torch
 
+from clover_lab import (
+    SettingsError,
+)
 from clover_lab.engine import sampling
 from clover_lab.engine.sampling import SamplerSettings
 
@@ -98,3 +101,16 @@ def test_decide_applies_penalties_to_candidates():
     assert tokens.tolist() == [1] and flags.tolist() == [True]
     tokens, _, _ = sampling.decide(logits, None, SamplerSettings(presence_penalty=3.0))
     assert tokens.tolist() == [0]
+
+
+PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
+
+
+def test_penalties_are_bounded_so_logits_stay_finite(tiny_engine):
+    for name, value in (("presence_penalty", 1e39), ("frequency_penalty", -1e5), ("repetition_penalty", 1e-30),
+                        ("repetition_penalty", 1e39), ("temperature", 1e-300), ("seed", 2**70)):
+        with pytest.raises(SettingsError, match=name):
+            tiny_engine.generate(PROMPT, **{name: value})
+    r = tiny_engine.generate(PROMPT, max_new_tokens=20, presence_penalty=1e4, frequency_penalty=-1e4,
+                             repetition_penalty=1e4)
+    assert len(r.token_ids) == 20 and tiny_engine.mask_token_id not in r.token_ids

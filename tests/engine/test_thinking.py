@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import clover_lab
+from clover_lab import GenerationError
 from clover_lab.engine.thinking import Thinking
+from clover_lab.errors import InputError
 
 QWEN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -154,3 +156,14 @@ def test_a_model_that_opens_its_own_think():
     assert t.split([1, 5]) == ([5], [])  # still thinking
     assert t.parts([1, 5, None, 2, 7]) == ["reasoning", "reasoning", None, "reasoning", "answer"]
     assert Thinking(1, 2, open=True).split([5, 2, 7]) == ([5], [7])
+
+
+def test_thinking_is_for_chat_messages_and_a_boolean(tiny_text_engine):
+    for prompt in ("w1 w2", [1, 2, 3]):
+        with pytest.raises(GenerationError, match="thinking=True applies to chat messages"):
+            tiny_text_engine.generate(prompt, thinking=True, max_new_tokens=4)
+    with pytest.raises(InputError, match="thinking='false'"):
+        tiny_text_engine.generate([{"role": "user", "content": "w1"}], thinking="false", max_new_tokens=4)
+    on = tiny_text_engine.encode([{"role": "user", "content": "w1"}], thinking=True)
+    off = tiny_text_engine.encode([{"role": "user", "content": "w1"}], thinking=False)
+    assert on != off

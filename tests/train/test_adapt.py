@@ -1,8 +1,10 @@
 """``clover-lab adapt``: an AR checkpoint gets a mask token and a trained preview; runs resume;
 two gloo processes under torchrun (FSDP2) give the loss and weights of one process."""
+import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -10,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from failing_writes import FULL, Writes, leftovers
 from safetensors.torch import load_file
 
 import clover_lab
 from clover_lab import CloverConfig, CloverModel
 from clover_lab.checkpoint import names
 from clover_lab.cli.main import main as cli_main
+from clover_lab.errors import InputError
 from clover_lab.train import adapt, lora, mask_token, shard, train_tokenizer
 from clover_lab.train.stdlib_corpus import stdlib_files
 
@@ -315,3 +319,224 @@ def test_self_distillation_stage_from_an_adapted_model(one_process, tmp_path, da
     state = torch.load(out / "training" / "state.pt", weights_only=False)
     assert state["settings"]["distill_data"] == str(corpus) and state["step"] == 2
     assert clover_lab.load(out).model.config.mask_token_id == clover_lab.load(root / "all").model.config.mask_token_id
+
+
+# --------------------------------------------------------------------------- 7. training arguments
+@pytest.mark.parametrize("option,match", [
+    (["--stop-at", "0"], "--stop-at=0: expected a positive integer"),
+    (["--stop-at", "-2"], "--stop-at=-2"),
+    (["--minutes", "-1"], "--minutes=-1.0: expected a positive number"),
+    (["--minutes", "0"], "--minutes=0.0"), (["--minutes", "nan"], "--minutes=nan"),
+])
+def test_adapt_stops_are_checked_before_anything_runs(gen_text_model_dir, tmp_path, capsys, option, match):
+    from clover_lab.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["adapt", "--init", str(gen_text_model_dir), "--data", str(gen_text_model_dir), "--out",
+              str(tmp_path / "o"), *option])
+    assert info.value.code == 2 and match in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_adapt_api_refuses_the_same_stops(gen_text_model_dir, tmp_path):
+    from clover_lab.train.adapt import AdaptSettings, adapt
+    from clover_lab.train.objective import TrainSettings
+
+    for kwargs, match in [(dict(stop_at=0), "stop_at=0"), (dict(minutes=-1), "minutes=-1")]:
+        with pytest.raises(InputError, match=match):
+            adapt(tmp_path / "o", [str(gen_text_model_dir)], AdaptSettings(init=str(gen_text_model_dir)),
+                  TrainSettings(), **kwargs)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_refused_before_training(gen_text_model_dir, gen_tokenizer,
+                                                                           tmp_path, capsys):
+    from clover_lab.cli.main import main
+
+    big = gen_tokenizer.__class__.from_pretrained(str(gen_text_model_dir))
+    big.add_tokens([f"extra{i}" for i in range(20)])
+    big.save_pretrained(str(tmp_path / "tok"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.py").write_text("w1 w2 w3\n" * 50)
+    assert main(["adapt", "--init", str(gen_text_model_dir), "--tokenizer", str(tmp_path / "tok"), "--data",
+                 str(tmp_path / "data"), "--out", str(tmp_path / "o"), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "has 532 tokens, but the init's embedding has 512 rows" in err and not (tmp_path / "o").exists()
+
+
+
+STEPS = ["--steps", "4", "--seq-len", "32", "--batch-size", "2", "--log-every", "1", "--checkpoint-every", "2",
+         "--seed", "3", "--train", "all"]
+
+
+def adapt_code(*argv) -> int:
+    return cli_main(["adapt", *map(str, argv)])
+
+
+# --------------------------------------------------------------------------- training stops
+def log_of(out) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "training" / "loss_log.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "time"} for r in rows]
+
+
+def trained_state(out) -> int:
+    return torch.load(out / "training" / "state.pt", weights_only=False)["step"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, clover_init, data):
+    out = tmp_path_factory.mktemp("uninterrupted") / "out"
+    assert adapt_code("--init", clover_init, "--data", data, "--out", out, *STEPS) == 0
+    return out
+
+
+def _at(n: int, action: str):
+    """What happens at the n-th call of a boundary: a signal delivered there (noted, acted on
+    after the step), a KeyboardInterrupt raised after the real call (a step applied but not
+    counted: the worst place), or a full disk before it."""
+    calls = []
+
+    def wrap(real):
+        def wrapper(*a, **k):
+            calls.append(1)
+            if len(calls) == n and action in ("SIGINT", "SIGTERM"):
+                signal.raise_signal(getattr(signal, action))
+            if len(calls) == n and action == "disk-full":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            out = real(*a, **k)
+            if len(calls) == n and action == "raise":
+                raise KeyboardInterrupt
+            return out
+        return wrapper
+
+    return wrap
+
+
+class _LogJson:
+    """adapt's json module with a boundary at the log line of one step."""
+
+    def __init__(self, step: int, wrap):
+        self._step, self._wrapped = step, wrap(json.dumps)
+
+    def dumps(self, obj, *a, **k):
+        if isinstance(obj, dict) and obj.get("step") == self._step:
+            return self._wrapped(obj, *a, **k)
+        return json.dumps(obj, *a, **k)
+
+    def __getattr__(self, name):
+        return getattr(json, name)
+
+
+def _patch(monkeypatch, boundary: str, wrap):
+    import clover_lab.train.adapt_code as adapt_module
+
+    if boundary == "optimizer step 3":
+        monkeypatch.setattr(torch.optim.AdamW, "step", wrap(torch.optim.AdamW.step))
+    elif boundary == "log line 3":
+        monkeypatch.setattr(adapt_module, "json", _LogJson(3, wrap))
+    elif boundary == "checkpoint 2 (DCP)":
+        monkeypatch.setattr(adapt_module, "save_checkpoint", wrap(adapt_module.save_checkpoint))
+    elif boundary == "checkpoint 4 (state)":
+        real = torch.save
+        wrapped = wrap(real)
+        monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (wrapped if "state" in str(f) else real)(obj, f,
+                                                                                                             *a, **k))
+    else:
+        raise AssertionError(boundary)
+
+
+# (boundary, action, n-th call) -> the step the run stopped at with a checkpoint (or None: kept its last)
+STOPS = [("optimizer step 3", "SIGINT", 3, 3), ("optimizer step 3", "SIGTERM", 3, 3),
+         ("optimizer step 3", "raise", 3, 2),
+         ("log line 3", "SIGINT", 1, 3), ("log line 3", "raise", 1, 2),
+         ("checkpoint 2 (DCP)", "SIGTERM", 1, 2), ("checkpoint 2 (DCP)", "raise", 1, None),
+         ("checkpoint 2 (DCP)", "disk-full", 2, 2), ("checkpoint 4 (state)", "raise", 2, 2),
+         ("checkpoint 4 (state)", "disk-full", 2, 2)]
+
+
+def load_file_dict(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_adapt_refuses_to_write_over_its_init(tmp_path, clover_init, capsys):
+    init = tmp_path / "init"
+    shutil.copytree(clover_init, init)
+    before = {p.name: p.read_bytes() for p in init.iterdir()}
+    assert adapt_code("--init", init, "--data", "stdlib", "--out", init, *STEPS) == 2
+    assert "--out (equal to --init): the output" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in init.iterdir()} == before
+
+
+def test_adapt_finds_an_unwritable_out_before_the_run(tmp_path, clover_init, data, capsys):
+    (tmp_path / "a-file").write_text("x")
+    for out in (tmp_path / "a-file" / "out", tmp_path / "a-file"):
+        assert adapt_code("--init", clover_init, "--data", data, "--out", out, *STEPS) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: {tmp_path / 'a-file'} is a file, not a directory" in err, err
+        assert "mask token" not in err  # nothing was loaded or trained
+
+
+def test_a_refused_adapt_run_leaves_nothing_to_resume(tmp_path, clover_init, data, capsys):
+    """A first run refused after its data was encoded (too few tokens for --seq-len) removes
+    what it made, so the corrected command (other --data) starts instead of being refused as
+    the resume of a run that never was."""
+    out = tmp_path / "out"
+    assert adapt_code("--init", clover_init, "--data", data, "--out", out, *STEPS[:2], "--seq-len", "1000000") == 2
+    assert "fewer than one --seq-len" in capsys.readouterr().err
+    assert not out.exists()
+    files = sorted(map(str, data.iterdir()))
+    assert adapt_code("--init", clover_init, "--data", *files, "--out", out, *STEPS) == 0
+    assert json.loads((out / "training" / "loss_log.jsonl").read_text().splitlines()[-1])["step"] == 4
+
+
+@pytest.mark.parametrize("error", [FULL, KeyboardInterrupt()], ids=["disk-full", "interrupt"])
+def test_a_failed_adapt_export_leaves_the_previous_export(tmp_path, monkeypatch, clover_init, data, uninterrupted,
+                                                          error):
+    """At every write of the export (rerunning a finished run exports it again): the previous
+    export stays whole and loadable."""
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted, out)
+    argv = ("--init", clover_init, "--data", data, "--out", out, *STEPS)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with monkeypatch.context() as m:
+        counted = Writes(m)
+        assert adapt_code(*argv) == 0
+    assert counted.calls >= 4  # config, weights, generation_config.json, the marker
+    for k in range(1, counted.calls + 1):
+        with monkeypatch.context() as m:
+            Writes(m, fail_at=k, error=error)
+            assert adapt_code(*argv) == (2 if isinstance(error, OSError) else 130), k
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before and not leftovers(out), k
+    assert CloverModel.from_pretrained(out) is not None
+
+
+@pytest.mark.parametrize("boundary, action, n, saved", STOPS, ids=[f"{b}-{a}" for b, a, _, _ in STOPS])
+def test_an_adapt_run_stopped_at_any_boundary_resumes_as_if_never_stopped(
+        tmp_path, monkeypatch, capsys, clover_init, data, uninterrupted, boundary, action, n, saved):
+    """Ctrl-C and SIGTERM are acted on only after the step in progress, its log line and its
+    checkpoint: the run stops with a checkpoint of that whole, logged step. A KeyboardInterrupt
+    raised inside a step (or a full disk in a checkpoint) saves nothing of it: the previous
+    checkpoint stays whole. Either way the rerun resumes to the uninterrupted run's log and
+    weights, exactly."""
+    out = tmp_path / "out"
+    argv = ("--init", clover_init, "--data", data, "--out", out, *STEPS)
+    with monkeypatch.context() as m:
+        _patch(m, boundary, _at(n, action))
+        code = adapt_code(*argv)
+    err = capsys.readouterr().err
+    assert code == {"SIGINT": 0, "SIGTERM": 0, "raise": 130, "disk-full": 2}[action], err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are restored
+    state = out / "training" / "state.pt"
+    assert (trained_state(out) if state.exists() else None) == saved
+    logged = [r["step"] for r in log_of(out)]
+    if action in ("SIGINT", "SIGTERM"):  # stopped after a whole step: checkpointed, logged and exported
+        assert "interrupted: saving a checkpoint to resume from" in err and logged == list(range(1, saved + 1))
+        assert (out / "model.safetensors").is_file()
+    if action == "raise":
+        assert "nothing of it was saved; the run resumes from" in err
+    assert not leftovers(out) and not list((out / "training").glob(".checkpoint-*"))
+    assert adapt_code(*argv) == 0
+    assert log_of(out) == log_of(uninterrupted)
+    want, got = (load_file_dict(d / "model.safetensors") for d in (uninterrupted, out))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

@@ -1,10 +1,12 @@
 """Training of small Clover models: the objective uses the inference operators, runs resume."""
+import errno
 import json
+import signal
 
 import pytest
 import torch
 
-from clover_lab import CloverConfig, CloverModel
+from clover_lab import CloverModel
 from clover_lab import train as training
 
 
@@ -151,3 +153,66 @@ def test_generation_defaults_of_an_export_are_checked_up_front(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "run"), "--generation", "repetition_penalty=1.3"])
     assert "give --export" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def same_weights(a: CloverModel, b: CloverModel) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _at(n: int, action: str):
+    """What happens at the n-th call of a boundary: a signal delivered there (noted, acted on
+    after the step), a KeyboardInterrupt raised after the real call (a step applied but not
+    counted: the worst place), or a full disk before it."""
+    calls = []
+
+    def wrap(real):
+        def wrapper(*a, **k):
+            calls.append(1)
+            if len(calls) == n and action in ("SIGINT", "SIGTERM"):
+                signal.raise_signal(getattr(signal, action))
+            if len(calls) == n and action == "disk-full":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            out = real(*a, **k)
+            if len(calls) == n and action == "raise":
+                raise KeyboardInterrupt
+            return out
+        return wrapper
+
+    return wrap
+
+
+# --------------------------------------------------------------------------- clover-lab train's loop
+SMALL_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                    shared_expert_intermediate_size=64, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+def _train(run, monkeypatch):
+    from clover_lab import train as training
+
+    small = [f for f in training.stdlib_files() if f.name in ("bisect.py", "heapq.py", "colorsys.py", "keyword.py")]
+    monkeypatch.setattr(training.loop, "split_corpus", lambda root=None: (small[:-1], small[-1:]))
+    settings = training.TrainSettings(seq_len=32, batch_size=2, lr=3e-3, warmup_steps=2, max_steps=4)
+    training.train(run, minutes=10, vocab_size=300, block_size=16, settings=settings, overrides=SMALL_CONFIG,
+                   log_every=1, checkpoint_every=2)
+
+
+@pytest.mark.parametrize("action, saved", [("SIGINT", 3), ("raise", 2)])
+def test_a_training_run_stopped_inside_a_step_resumes_as_if_never_stopped(tmp_path, monkeypatch, action, saved):
+    """The same for ``clover-lab train`` (train/loop.py), whose checkpoint is the weights and
+    the state put in place together."""
+    _train(tmp_path / "whole", monkeypatch)
+    run = tmp_path / "stopped"
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim.AdamW, "step", _at(3, action)(torch.optim.AdamW.step))
+        if action == "raise":
+            with pytest.raises(KeyboardInterrupt):
+                _train(run, m)
+        else:
+            _train(run, m)
+    assert torch.load(run / "train_state.pt", weights_only=False)["step"] == saved
+    _train(run, monkeypatch)
+    logs = [[{k: v for k, v in json.loads(line).items() if k != "time"}
+             for line in (d / "loss_log.jsonl").read_text().splitlines()] for d in (tmp_path / "whole", run)]
+    assert logs[0] == logs[1] and [r["step"] for r in logs[0]] == [1, 2, 3, 4]
+    assert same_weights(*(CloverModel.from_pretrained(d / "checkpoint") for d in (tmp_path / "whole", run)))

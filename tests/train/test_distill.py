@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from clover_lab import CloverModel, Engine
+from clover_lab import Engine
 from clover_lab import train as training
 from clover_lab.train.distill import distinct_ngrams, greedy_continuations, make_corpus
 

@@ -199,3 +199,25 @@ def test_a_placement_round_trips_as_a_device_map(full_bf16):
     placed = plan_placement(full_bf16, {"": 0, "model.layers.5.mlp.experts": "offload"}, None, torch.bfloat16)
     again = Placement.from_map(full_bf16, placed.device_map())
     assert again.storage == placed.storage and again.offloaded() == ["model.layers.5.mlp.experts"]
+
+
+PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without CUDA")
+def test_a_gpu_placement_without_cuda_is_one_line(gen_model_dir, capsys):
+    for kwargs in (dict(device_map={"": 0}), dict(device_map="auto", max_memory={0: "1GiB", "cpu": "4GiB"}),
+                   dict(device_map={"": "cuda:0"})):
+        with pytest.raises(clover_lab.CheckpointError, match="no CUDA device is available"):
+            clover_lab.load(gen_model_dir, **kwargs)
+    from clover_lab.cli.main import main
+
+    assert main(["generate", "--model", str(gen_model_dir), "--prompt-ids", "1,2", "--device-map", "auto",
+                 "--max-memory", "0=1GiB", "--no-live"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no CUDA device is available" in err and len(err.splitlines()) == 1
+
+
+def test_max_memory_none_with_auto_plans_on_what_is_free(gen_model_dir):
+    engine = clover_lab.load(gen_model_dir, device_map="auto", max_memory=None)
+    assert len(engine.generate(PROMPT, max_new_tokens=4).token_ids) == 4

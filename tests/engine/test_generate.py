@@ -6,7 +6,11 @@ import pytest
 import torch
 
 import clover_lab
-from clover_lab import Engine, GenerationError
+from clover_lab import (
+    Engine,
+    GenerationError,
+    HookError,
+)
 from clover_lab.model.cache import cache_bytes
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
@@ -324,3 +328,34 @@ def test_ar_equals_transformers_greedy(reference, clover_ref):
     r = engine.generate(prompt[0].tolist(), mode="ar", max_new_tokens=len(expected))
     assert r.token_ids == expected
     assert r.stats.forwards == len(expected) and r.stats.tokens_per_forward == 1.0
+
+
+KW = dict(max_new_tokens=20, threshold=0.3)
+
+
+# --------------------------------------------------------------------------- 4. the no-progress guard
+def test_no_progress_guard_is_bounded_by_the_real_block(tiny_engine):
+    steps = []
+
+    def veto_all(ev):
+        steps.append(ev.step)
+        ev.unmask = []
+
+    tiny_engine.block_size = 100_000  # the block is only max_new_tokens = 16 long
+    try:
+        with tiny_engine.hooks({"denoise.step": veto_all}):
+            with pytest.raises(HookError, match="16 steps past the step limit"):
+                tiny_engine.generate(PROMPT, max_new_tokens=16, threshold=0.3)
+    finally:
+        tiny_engine.block_size = 16
+    assert len(steps) <= 2 * 16 + 1
+
+
+def test_prefill_chunk_size_commits_the_whole_prompt(tiny_engine):
+    base = tiny_engine.generate(PROMPT, **KW)
+    tiny_engine.prefill_chunk_size = 3
+    try:
+        r = tiny_engine.generate(PROMPT, **KW)
+    finally:
+        tiny_engine.prefill_chunk_size = 1024
+    assert r.token_ids == base.token_ids and r.stats.prefill_forwards == math.ceil(len(PROMPT) / 3)

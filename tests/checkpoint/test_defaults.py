@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 import clover_lab
+from clover_lab import GenerationError
 from clover_lab.cli import main as cli
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
@@ -97,3 +98,15 @@ def test_the_cli_takes_the_generation_config_and_the_progress_flag(capsys, gen_m
     assert "loading m" in out.err  # the bar, forced on for a small checkpoint
     assert cli.main(["generate", "--model", str(d), "--prompt-ids", "5,6,7", "--json", "--no-progress"]) == 0
     assert "loading m" not in capsys.readouterr().err
+
+
+def test_a_bad_default_coreset_is_blamed_on_what_set_it(gen_model_dir, tmp_path):
+    import shutil
+
+    with pytest.raises(GenerationError, match=r"load\(coreset_size=1\)") as info:
+        clover_lab.load(gen_model_dir, coreset_size=1)
+    assert "generation_config.json" not in str(info.value)
+    shutil.copytree(gen_model_dir, tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"coreset_size": 1}))
+    with pytest.raises(clover_lab.CheckpointError, match="generation_config.json: coreset_size=1"):
+        clover_lab.load(tmp_path / "m")

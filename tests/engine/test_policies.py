@@ -2,7 +2,6 @@
 threshold rule; settings validated, tokens never the mask, batches equal one-by-one, hooks see
 every step, selectable from generate and the command line."""
 import pytest
-import torch
 
 from clover_lab.engine import EntropyBoundedPolicy, ThresholdPolicy, TopKPolicy, make_policy
 from clover_lab.engine.sampling import SettingsError

@@ -1,8 +1,19 @@
 """Hooks over generations (spec section 5): engine events, interventions, errors, capture, cost."""
+import threading
+
 import pytest
 import torch
 
-from clover_lab import CommitEvent, Engine, HookError, StepEvent, StopGeneration
+import clover_lab
+from clover_lab import (
+    CloverError,
+    CommitEvent,
+    Engine,
+    HookError,
+    StepEvent,
+    StopGeneration,
+)
+from clover_lab.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
@@ -335,3 +346,201 @@ def test_model_events_carry_their_block_and_step(tiny_engine):
     commits = {s[4] for s in seen if s[0] == "CommitEvent"}
     committed = {s[4] for s in seen if s[3] == "decode" and (s[0] == "GDNStateEvent" or s[1] == "commit")}
     assert committed == commits and all(s[5] is None for s in seen if s[0] == "GDNStateEvent")
+
+
+KW_20 = dict(max_new_tokens=20, threshold=0.3)
+
+
+# --------------------------------------------------------------------------- 9. hook outputs assigned directly
+def _set(name, value):
+    return lambda ev: setattr(ev, name, value(ev) if callable(value) else value)
+
+
+def test_hooks_writing_nan_are_hook_errors(tiny_engine):
+    cases = {
+        "layers.0.gdn.state": lambda ev: ev.state.fill_(float("nan")),  # in place
+        "layers.1.gdn.state": lambda ev: setattr(ev, "state", ev.state * float("inf")),  # assigned
+        "layers.2.moe.route": lambda ev: ev.weights.fill_(float("nan")),
+        "layers.3.moe.route": lambda ev: setattr(ev, "weights", ev.weights / 0.0),
+    }
+    for point, hook in cases.items():
+        with tiny_engine.hooks({point: hook}):
+            with pytest.raises(HookError, match=point.replace(".", r"\.") + ".*NaN or inf") as info:
+                tiny_engine.generate(PROMPT, **KW_20)
+        assert info.value.point == point
+
+
+# --------------------------------------------------------------------------- 3. StopGeneration in the prefill
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_stop_generation_during_the_prefill_ends_the_run_cleanly(tiny_engine, mode):
+    base = tiny_engine.generate(PROMPT, mode=mode, **KW_20)
+
+    def stop_in_prefill(ev):
+        if ev.phase == "prefill":
+            raise StopGeneration
+
+    with tiny_engine.hooks({"layers.0.moe.route": stop_in_prefill}):
+        r = tiny_engine.generate(PROMPT, mode=mode, **KW_20)
+        updates = list(tiny_engine.stream(PROMPT, mode=mode, **KW_20))
+    assert r.token_ids == [] and r.stop_reason == "hook" and not r.stats.cache_complete
+    assert [u.kind for u in updates] == ["done"] and updates[0].result.token_ids == []
+    assert tiny_engine.generate(PROMPT, mode=mode, **KW_20).token_ids == base.token_ids
+
+
+# --------------------------------------------------------------------------- 5. hooks and captures per thread
+def test_scoped_hooks_and_captures_stay_in_their_thread(tiny_engine):
+    base = tiny_engine.generate(PROMPT, **KW_20)
+    with tiny_engine.hooks({"layers.*.moe.route": lambda ev: ev.ban([0, 1])}):
+        banned = tiny_engine.generate(PROMPT, **KW_20)
+    assert banned.token_ids != base.token_ids
+    both_running = threading.Barrier(2, timeout=60)
+    results, errors = {}, []
+
+    def meet_once(flag: list):
+        def hook(ev):
+            if not flag:
+                flag.append(True)
+                both_running.wait()  # the other thread is inside its generation too
+        return hook
+
+    def rerouting():
+        torch.set_num_threads(1)  # as the main thread: the same sums in the same order
+        try:
+            with tiny_engine.capture(["denoise.step", "layers.0.moe.route"]) as cap:
+                with tiny_engine.hooks({"layers.*.moe.route": [lambda ev: ev.ban([0, 1]), meet_once([])]}):
+                    results["a"] = tiny_engine.generate(PROMPT, **KW_20)
+            results["a_runs"] = {rec.run for rec in cap.records}
+            results["a_steps"] = len(cap["denoise.step"])
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    def plain():
+        torch.set_num_threads(1)
+        try:
+            with tiny_engine.hooks({"denoise.step": meet_once([])}):
+                results["b"] = tiny_engine.generate(PROMPT, **KW_20)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=rerouting), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert results["a"].token_ids == banned.token_ids  # its scoped hooks applied to its generation
+    assert results["b"].token_ids == base.token_ids  # and never to the other thread's
+    assert len(results["a_runs"]) == 1 and results["a_steps"] == results["a"].stats.preview_forwards
+
+    seen = []  # a permanent hook reaches every thread
+    handle = tiny_engine.add_hook("block.commit", lambda ev: seen.append(threading.get_ident()))
+    try:
+        t = threading.Thread(target=lambda: tiny_engine.generate(PROMPT, **KW_20))
+        t.start()
+        t.join(60)
+        tiny_engine.generate(PROMPT, **KW_20)
+    finally:
+        handle.remove()
+    assert len(set(seen)) == 2
+
+
+def test_a_generation_keeps_the_hooks_of_where_it_started(tiny_engine):
+    """A stream started inside a scope keeps its hooks until the scope closes; one started
+    outside is not reached by a scope opened later."""
+    calls = []
+    outside = tiny_engine.stream(PROMPT, **KW_20)
+    with tiny_engine.hooks({"denoise.step": lambda ev: calls.append(ev.where.run)}):
+        inside = tiny_engine.stream(PROMPT, **KW_20)
+        list(outside)
+        result = list(inside)[-1].result
+    assert calls and set(calls) == {calls[0]} and len(calls) == result.stats.preview_forwards
+
+
+@pytest.mark.parametrize("point,hook,match", [
+    ("layers.0.moe.route", _set("expert_ids", -1), "expert_ids must be an integer tensor"),
+    ("layers.0.moe.route", _set("expert_ids", 99), "expert_ids must be an integer tensor"),
+    ("layers.0.moe.route", _set("expert_ids", lambda ev: ev.expert_ids + 99), r"expert_ids must be in \[0, 8\)"),
+    ("layers.0.moe.route", lambda ev: ev.expert_ids.fill_(-1), r"expert_ids must be in \[0, 8\)"),
+    ("layers.0.moe.route", _set("expert_ids", lambda ev: ev.expert_ids[:, :1]), "weights must have expert_ids' shape"),
+    ("layers.0.moe.route", _set("weights", lambda ev: ev.weights[:1]), "weights must have expert_ids' shape"),
+    ("layers.0.moe.route", _set("weights", lambda ev: ev.weights.long()), "weights must be a floating tensor"),
+    ("layers.0.moe.route", lambda ev: ev.force([1, 2], weights=[0.5, 0.25, 0.25]), "force: weights must have shape"),
+    ("layers.0.moe.route", lambda ev: ev.force([1, 99]), r"force: expected expert ids .* in \[0, 8\)"),
+    ("layers.0.moe.route", lambda ev: ev.force([1.5, 2]), "force: expected integer expert ids"),
+    ("layers.0.moe.route", lambda ev: ev.ban("x"), "ban: expected expert ids"),
+    ("layers.0.moe.route", lambda ev: ev.force([1, 2], weights=[1e38, 1e38]), r"beyond \+-1e\+06"),
+    ("layers.0.gdn.state", _set("state", None), "state must be a floating tensor"),
+    ("layers.0.gdn.state", _set("state", lambda ev: ev.state[:, :1]), "a hook set a state of shape"),
+    ("layers.0.gdn.state", _set("ring", lambda ev: ev.ring.long()), "ring must be a floating tensor"),
+])
+def test_hook_outputs_are_checked_where_the_layer_reads_them(tiny_engine, point, hook, match):
+    with tiny_engine.hooks({point: hook}):
+        with pytest.raises(HookError, match=match) as info:
+            tiny_engine.generate(PROMPT, **KW_20)
+    assert info.value.point == point
+
+
+def test_valid_assigned_hook_outputs_still_work(tiny_engine):
+    base = tiny_engine.generate(PROMPT, **KW_20)
+    with tiny_engine.hooks({"layers.*.moe.route": [_set("expert_ids", lambda ev: ev.expert_ids.clone()),
+                                                  _set("weights", lambda ev: ev.weights.clone())],
+                            "layers.*.gdn.state": _set("state", lambda ev: ev.state.clone())}):
+        same = tiny_engine.generate(PROMPT, **KW_20)
+    assert same.token_ids == base.token_ids
+    with tiny_engine.hooks({"layers.*.moe.route": lambda ev: ev.force([1, 2, 3], weights=[0.5, 0.25, 0.25])}):
+        assert len(tiny_engine.generate(PROMPT, **KW_20).token_ids) == KW_20["max_new_tokens"]
+
+
+# --------------------------------------------------------------------------- 10. the mask token in results
+def test_a_step_hook_cannot_place_the_mask_token(tiny_engine):
+    mask = tiny_engine.mask_token_id
+    with tiny_engine.hooks({"denoise.step": lambda ev: ev.set_token(ev.masked[0], mask)}):
+        with pytest.raises(HookError, match=f"mask token {mask}"):
+            tiny_engine.generate(PROMPT, **KW_20)
+
+
+def test_editing_event_candidates_cannot_split_canvas_and_result(tiny_engine):
+    """The event's candidates are a copy: editing them changes neither the device canvas nor the
+    returned tokens, so the two cannot disagree (set_token is the way to change a token)."""
+    base = tiny_engine.generate(PROMPT, max_new_tokens=32, threshold=0.9)
+    assert max(base.stats.steps_per_block) > 1  # later steps preview a canvas the edit would have changed
+    with tiny_engine.hooks({"denoise.step": lambda ev: ev.candidates.fill_(7)}):
+        r = tiny_engine.generate(PROMPT, max_new_tokens=32, threshold=0.9)
+    assert r.token_ids == base.token_ids and r.stats.steps_per_block == base.stats.steps_per_block
+
+
+def test_unbounded_reentrant_generate_is_refused_briefly(tiny_engine):
+    depth = []
+
+    def again(ev):
+        depth.append(1)
+        tiny_engine.generate(PROMPT, max_new_tokens=4)
+
+    with tiny_engine.hooks({"denoise.step": again}):
+        with pytest.raises(HookError, match="nested generations") as info:
+            tiny_engine.generate(PROMPT, max_new_tokens=4)
+    assert len(str(info.value)) < 2000 and len(depth) == 4
+    assert len(tiny_engine.generate(PROMPT, max_new_tokens=4).token_ids) == 4
+
+
+def test_reentrant_generation_past_the_limit_is_one_hook_error(tiny_engine):
+    def again(ev):
+        tiny_engine.generate(PROMPT, max_new_tokens=4)
+
+    with tiny_engine.hooks({"denoise.step": again}):
+        with pytest.raises(clover_lab.HookError) as info:
+            tiny_engine.generate(PROMPT, max_new_tokens=4)
+    message = str(info.value)
+    assert message.count("HookError") == 0 and message.count("hook on") == 1 and "4 levels deep" in message
+
+
+def test_malformed_point_names_are_named(tiny_engine):
+    from clover_lab.hooks import points as P
+
+    for name in ("layers.x.output", "layers.3", "layers..output"):
+        with pytest.raises(InputError, match="expected layers"):
+            P.parse(name)
+        with pytest.raises(KeyError, match=f"unknown hook point '{name}'"):  # a KeyError still
+            tiny_engine.capture(name)
+    with pytest.raises(CloverError, match="named by a string"):
+        tiny_engine.capture([3])

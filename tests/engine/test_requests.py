@@ -1,0 +1,114 @@
+"""Tests moved from test_reliability.py."""
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import clover_lab
+from clover_lab import (
+    CheckpointError,
+    CloverModel,
+    Coreset,
+    Engine,
+    GenerationError,
+    HookError,
+    SettingsError,
+)
+
+PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
+
+
+KW = dict(max_new_tokens=20, threshold=0.3)
+
+
+# --------------------------------------------------------------------------- 2. coreset size
+def test_coreset_size_must_leave_top_k_and_restrict_something(tiny_engine):
+    k, E = tiny_engine.model.config.num_experts_per_tok, tiny_engine.model.config.num_experts
+    with pytest.raises(GenerationError, match=f"coreset_size=1: .*num_experts_per_tok={k}"):
+        tiny_engine.generate(PROMPT, coreset_size=1)
+    with pytest.raises(GenerationError, match=f"coreset_size={E}: the model has {E} experts"):
+        tiny_engine.generate(PROMPT, coreset_size=E)
+    cap_points = ["layers.*.moe.route"]
+    with tiny_engine.capture(cap_points) as cap:  # the smallest valid coreset routes correctly
+        r = tiny_engine.generate(PROMPT, max_new_tokens=16, threshold=0.9, coreset_size=k)
+    assert r.stats.coreset_size == k
+    for rec in cap["layers.*.moe.route"]:
+        assert (rec["weights"] >= 0).all() and torch.allclose(rec["weights"].sum(-1), torch.ones(1))
+    cache = tiny_engine.model.new_cache(64)
+    tiny_engine.model.commit(cache, PROMPT)
+    with pytest.raises(ValueError, match="coreset size 1 is below num_experts_per_tok"):  # the model itself too
+        tiny_engine.model.preview(cache, [511] * 4, coreset=Coreset(1))
+
+
+def test_confusing_arguments_get_clear_errors(tiny_engine):
+    with pytest.raises(GenerationError, match="stop: expected a string or a list of strings, got int 123"):
+        tiny_engine.generate(PROMPT, stop=123)
+    with pytest.raises(SettingsError, match="seed"):
+        tiny_engine.generate(PROMPT, seed=2**70)
+    with pytest.raises(SettingsError, match="settings: expected a SamplerSettings, got str 'fast'"):
+        tiny_engine.generate(PROMPT, settings="fast")
+    with pytest.raises(CheckpointError, match="meta"):
+        clover_lab.load("/nonexistent", device="meta")
+    with torch.device("meta"):
+        on_meta = CloverModel(clover_lab.CloverConfig.preset("clover-tiny"))
+    with pytest.raises(ValueError, match="meta device"):
+        Engine(on_meta)
+
+
+def test_lower_level_arguments_are_checked(tiny_engine, gen_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="capture: to='bogus' is not a device"):
+        tiny_engine.capture("denoise.step", to="bogus")
+    with pytest.raises(ValueError, match="cache max_len must be a positive integer"):
+        tiny_engine.model.new_cache(-1)
+    with pytest.raises(ValueError, match="Coreset size must be a positive integer"):
+        Coreset("a")
+    with tiny_engine.hooks({"denoise.step": lambda ev: ev.candidate(99)}):
+        with pytest.raises(HookError, match="block position 99 is not masked"):
+            tiny_engine.generate(PROMPT, **KW)
+    import numpy as np  # numpy scalars are numbers like any other
+
+    r = tiny_engine.generate(PROMPT, max_new_tokens=np.int64(8), threshold=np.float32(0.3), top_k=np.int64(5))
+    assert len(r.token_ids) == 8
+    shutil.copytree(gen_model_dir, tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"coreset_size": 1}))
+    with pytest.raises(CheckpointError, match="generation_config.json: coreset_size=1"):
+        clover_lab.load(tmp_path / "m")
+
+
+OTHER = [7, 8, 9, 200, 300]
+
+
+# --------------------------------------------------------------------------- 5. the first harness's remainder
+def test_diffusion_settings_in_an_ar_request_are_said_and_stats_true(tiny_engine):
+    from clover_lab.engine.requests import IgnoredSettingWarning
+
+    with pytest.warns(IgnoredSettingWarning, match="coreset_size, threshold|threshold, .*coreset_size"):
+        r = tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4, threshold=0.5, coreset_size=4)
+    assert r.stats.coreset_size is None and r.stats.mode == "ar"
+    with pytest.warns(IgnoredSettingWarning, match="threshold"):
+        tiny_engine.generate([PROMPT, OTHER], mode="ar", max_new_tokens=4, threshold=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # settings AR reads, or diffusion with its own: not a word
+        tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4, temperature=0)
+        assert tiny_engine.generate(PROMPT, max_new_tokens=4, coreset_size=4).stats.coreset_size == 4
+
+
+# --------------------------------------------------------------------------- 6. obscure errors named
+def test_a_batch_rows_no_progress_limit_names_the_row(tiny_engine):
+    def veto(ev):
+        ev.unmask = []
+
+    with tiny_engine.hooks({"denoise.step": veto}):
+        with pytest.raises(clover_lab.HookError, match=r"row 0, block 0: hooks kept positions masked"):
+            tiny_engine.generate([PROMPT, OTHER], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("prompt,match", [
+    (["w1 w2", None], "prompt 1 of the batch is NoneType"), ([[1, 2], 5], "prompt 1 of the batch is int"),
+    ([1, 2, None], "item 2 is NoneType"), ([1, "a"], "prompt 0 of the batch is int"),
+])
+def test_a_list_that_is_neither_a_prompt_nor_a_batch_names_its_item(tiny_text_engine, prompt, match):
+    with pytest.raises(GenerationError, match=match):
+        tiny_text_engine.generate(prompt, max_new_tokens=4)
