@@ -148,7 +148,7 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
     filled tensor by tensor from the memory-mapped checkpoint, each tensor read straight onto
     ``device`` in ``dtype``. Any failure names the file and tensor, and returns nothing.
 
-    FP8 checkpoints (``fp8/checkpoint.py``): ``keep_fp8`` keeps linears and experts stored in FP8
+    FP8 checkpoints (``checkpoint/fp8.py``): ``keep_fp8`` keeps linears and experts stored in FP8
     as FP8 modules (default: on CUDA), else they are dequantized as they are read. ``placement``:
     a callable (meta model, dtype) -> placement (``clover_lab.placement``) that says where each
     parameter goes and is applied once the weights are in. ``check_finite``: refuse weights

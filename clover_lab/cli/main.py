@@ -15,8 +15,8 @@ preview, and under which reading of its weights (``clover_lab/lens/preview_check
 the request, a failed generation) is one line on stderr and exit code 2.
 
 This module holds the entry point and ``generate``; each other subcommand is its own module
-(``cli_serve``, ``cli_routes``, ``cli_check``; ``train`` and ``adapt`` in ``train/``), the
-options they share are in ``cli_options`` and the live terminal view in ``cli_view``.
+(``serve.py``, ``routes.py``, ``check.py``; ``train`` and ``adapt`` in ``train/``), the
+options they share are in ``options.py`` and the live terminal view in ``view.py``.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ a finished block whose fused commit was abandoned is still returned, and
 ``stats.cache_complete`` is then False. Raised during the prefill, it ends the rows with no
 tokens (``stop_reason`` "hook").
 
-Looking ahead (a policy's ``look_ahead``, ``policy.py``): the next block, made early
+Looking ahead (a policy's ``look_ahead``, ``policies.py``): the next block, made early
 (``BlockLoop.ahead``), is previewed in the current block's forward on one canvas and takes a
 look-ahead step after the block's (``denoise_step(..., ahead_of=block)``); it begins with those
 tokens, and one resolved entirely still takes the fused forward that commits the block before it.
@@ -284,7 +284,7 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     logits[:, mask_id] = float("-inf")  # the mask token is never a candidate
     if ahead_of is None:
         finish = run.policy.finishes_block(run, block)
-        proposal = run.policy.propose(run, block, logits, finish)  # the decoding rule (policy.py)
+        proposal = run.policy.propose(run, block, logits, finish)  # the decoding rule (policies.py)
     else:
         finish, proposal = False, run.policy.propose_ahead(run, ahead_of, block, logits)
         block.limit += run.s.max_steps_per_block is None  # the block's own steps keep the limit of its length

@@ -93,10 +93,12 @@ class Engine:
         # on a CPU, run the fast path's steps through torch.compile (~10 s of compilation per step
         # shape on first use, then steps 2-3x faster: bench/compare_transformers.py)
         self.compile_steps = False
-        self._fast_path = FastPath()
-        self.policy = ThresholdPolicy()  # which block positions a denoising step unmasks (policy.py)
+        # the static steps (StepGraphs) generations run on, one generation at a time: ``fast_path.graphs``
+        # is what the last one built (None before any), ``fast_path.held`` whether one holds them now
+        self.fast_path = FastPath()
+        self.policy = ThresholdPolicy()  # which block positions a denoising step unmasks (policies.py)
 
-    def _fast_path_off(self) -> str | None:
+    def fast_path_off(self) -> str | None:
         """Why generations take the eager forward (what their stats' ``path`` says), or None
         when the fast path applies."""
         placement = self.model.placement
@@ -107,9 +109,6 @@ class Engine:
         if self.step_graphs is None and self.model.device.type != "cuda" and not self.compile_steps:
             return "on a CPU the fast path takes engine.compile_steps = True (or step_graphs = True)"
         return None
-
-    def _uses_fast_path(self) -> bool:
-        return self._fast_path_off() is None
 
     def __repr__(self):
         c = self.model.config
@@ -234,7 +233,7 @@ class Engine:
         try:
             yield from LOOPS[run.mode](run)
         finally:  # ended, failed or abandoned: the fast path's cache is free for the next generation
-            self._fast_path.release(run)
+            self.fast_path.release(run)
 
     def generate(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
                  thinking: bool | None = None, settings: SamplerSettings | None = None, policy=None,

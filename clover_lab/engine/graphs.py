@@ -144,6 +144,14 @@ class StepGraphs:
         self.compile_failed: str | None = None
         self.last: str | None = None  # how the last step ran: "cuda graph", "compiled" or "static" (eager)
 
+    @property
+    def shapes(self) -> dict[str, frozenset]:
+        """What has been built so far, by kind: ``captured`` CUDA graphs and ``compiled`` whole steps
+        (keyed by batch, committed rows, preview rows, commit logits, coreset phase), ``segments``
+        (the compiled parts of split steps) and ``caches`` (the batch sizes given a preallocated cache)."""
+        return {"captured": frozenset(self._graphs), "compiled": frozenset(self._compiled_keys),
+                "segments": frozenset(self._segment_keys), "caches": frozenset(self._caches)}
+
     def fits(self, length: int) -> bool:
         return length <= self.max_len
 
@@ -381,7 +389,7 @@ class FastPath:
         path (``use`` False, or another unfinished generation holds them)."""
         if not use:
             return None
-        if self._holder is not None and self._holder() is not None:
+        if self.held:
             return None
         self._holder = weakref.ref(run)
         g = self.graphs
@@ -392,6 +400,11 @@ class FastPath:
             self.graphs = None  # free the old cache and graphs first
             self.graphs = StepGraphs(model, size, compile=compile)
         return self.graphs
+
+    @property
+    def held(self) -> bool:
+        """Whether an unfinished generation holds the graphs (a stream left open does)."""
+        return self._holder is not None and self._holder() is not None
 
     def release(self, run) -> None:
         """``run`` ended, failed or was abandoned: the graphs' cache is free for the next one."""

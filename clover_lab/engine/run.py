@@ -41,7 +41,7 @@ class Run:
         self.device = model.device
         self.max_new = max_new_tokens
         self.hooks = model.hooks.view()
-        self.policy = engine.policy if policy is None else policy  # the decoding rule (policy.py), every row's
+        self.policy = engine.policy if policy is None else policy  # the decoding rule (policies.py), every row's
         self.t0 = time.perf_counter()
         self.t_decode = self.t0
         self.stop, self.join = stop, join  # join: rows joining at block boundaries (Engine.stream)

@@ -33,10 +33,10 @@ class Runner:
         model = engine.model
         self.model, self.hooks = model, run.hooks
         self.coreset: Coreset | None = None
-        self.off = engine._fast_path_off()  # why this generation has no fast path, or None
+        self.off = engine.fast_path_off()  # why this generation has no fast path, or None
         self.paths: dict[str, int] = {}  # which path the forwards after the prefill took -> how many
         try:
-            self.graphs = engine._fast_path.acquire(run, model, length, self.off is None,
+            self.graphs = engine.fast_path.acquire(run, model, length, self.off is None,
                                                     engine.compile_steps and model.device.type != "cuda")
             if self.graphs is None and self.off is None:
                 self.off = "another generation holds the fast path (a stream left open?)"

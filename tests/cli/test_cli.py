@@ -143,7 +143,7 @@ def test_compile_flag_takes_the_compiled_fast_path(capsys, gen_model, monkeypatc
     code, out, err = run_cli(capsys, "generate", "--prompt-ids", "5,17,33", "--mode", "ar", "--max-new-tokens", 6,
                              "--compile", "--json")
     assert code == 0, err
-    assert engine.compile_steps and engine._fast_path.graphs is not None and engine._fast_path.graphs.compile
+    assert engine.compile_steps and engine.fast_path.graphs is not None and engine.fast_path.graphs.compile
     plain = clover_lab.Engine(gen_model)
     plain.step_graphs = False
     assert json.loads(out)["token_ids"] == plain.generate([5, 17, 33], mode="ar", max_new_tokens=6).token_ids

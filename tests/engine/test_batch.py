@@ -398,7 +398,7 @@ def test_batches_take_the_fast_path_and_give_the_eager_batchs_tokens(tiny_engine
         for a, b in zip(fast, eager):
             assert a.stats.forwards == b.stats.forwards and a.stats.cache_complete
     # 3 rows step in a bucket of 4, then, once the EOS row has left, in a bucket of 2
-    assert set(tiny_engine._fast_path.graphs._caches) == {1, 2, 4}
+    assert tiny_engine.fast_path.graphs.shapes['caches'] == {1, 2, 4}
 
 
 def test_a_model_hook_attached_mid_batch_moves_the_rows_to_the_eager_forward(tiny_engine):

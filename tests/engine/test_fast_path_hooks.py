@@ -58,7 +58,7 @@ def test_an_observer_that_raises_leaves_the_cache_and_the_engine_usable(gen_mode
 
     with fast.hooks({"layers.1.moe.route": broken}), pytest.raises(HookError, match="layers.1.moe.route"):
         fast.generate(PROMPTS[1], **KW)
-    graphs = fast._fast_path.graphs
+    graphs = fast.fast_path.graphs
     assert graphs.cache.length == len(PROMPTS[1])  # the failed preview step neither advanced nor published
     assert fast.generate(PROMPTS[1], **KW).token_ids == want
 
@@ -87,9 +87,9 @@ def test_an_intervening_hook_splits_the_compiled_step_at_its_layer(gen_model):
     assert b.token_ids == a.token_ids and b.stats.forwards == a.stats.forwards
     assert seen_fast == seen_plain and len(seen_plain) >= 10
     assert b.stats.path == "compiled, layer 2 eager: a hook on layers.2.moe.output, layers.2.moe.route"
-    graphs = fast._fast_path.graphs
+    graphs = fast.fast_path.graphs
     assert graphs.compile_failed is None
-    assert {(k[3], k[4]) for k in graphs._segment_keys} == {(0, 2), (3, gen_model.config.num_hidden_layers)}
+    assert {(k[3], k[4]) for k in graphs.shapes['segments']} == {(0, 2), (3, gen_model.config.num_hidden_layers)}
 
 
 def test_expert_view_keeps_the_static_path(view_engine):
@@ -175,7 +175,7 @@ def test_a_gdn_state_observer_that_raises_leaves_the_cache_unchanged(gen_model):
 
     with fast.hooks({"layers.*.gdn.state": broken}), pytest.raises(HookError, match=r"layers\.\d\.gdn\.state"):
         fast.generate(PROMPTS[1], **KW)
-    cache = fast._fast_path.graphs.cache
+    cache = fast.fast_path.graphs.cache
     assert cache.length == len(PROMPTS[1]) and set(prefill) == set(gen_model.config.gdn_layers())
     for layer, (state, ring) in prefill.items():
         assert torch.equal(cache.layers[layer].state, state) and torch.equal(cache.layers[layer].ring, ring)

@@ -113,8 +113,8 @@ def test_engine_fast_path_generates_the_same(gen_model, mode):
         b = fast.generate(PROMPT, mode=mode, max_new_tokens=max_new, threshold=0.3)
         assert b.token_ids == a.token_ids
         assert b.stats.forwards == a.stats.forwards
-    assert fast._fast_path.graphs is not None and fast._fast_path.graphs.cache.length == len(PROMPT) + 16
-    assert plain._fast_path.graphs is None
+    assert fast.fast_path.graphs is not None and fast.fast_path.graphs.cache.length == len(PROMPT) + 16
+    assert plain.fast_path.graphs is None
 
 
 def test_engine_fast_path_steps_aside_for_hooks_and_interleaved_streams(gen_model):
@@ -144,9 +144,9 @@ def test_engine_fast_path_steps_aside_for_hooks_and_interleaved_streams(gen_mode
     next(s3)
     del s3
     gc.collect()
-    assert fast._fast_path._holder is None or fast._fast_path._holder() is None
+    assert not fast.fast_path.held
     s4 = fast.stream(PROMPT, max_new_tokens=40, threshold=0.3)
-    assert fast._fast_path._holder() is not None  # the new generation holds them
+    assert fast.fast_path.held  # the new generation holds them
     assert list(s4)[-1].result.token_ids == want
 
 
@@ -171,7 +171,7 @@ def test_interrupted_and_failed_runs_leave_the_fast_path_usable(gen_model):
     with fast.hooks({"layers.2.moe.route": broken}), pytest.raises(HookError, match="layers.2.moe.route"):
         fast.generate(PROMPT, max_new_tokens=40, threshold=0.3)
     assert fast.generate(PROMPT, max_new_tokens=40, threshold=0.3).token_ids == want
-    assert fast._fast_path._holder is None or fast._fast_path._holder() is None
+    assert not fast.fast_path.held
 
 
 def test_coreset_runs_on_the_fast_path(gen_model):
@@ -183,10 +183,10 @@ def test_coreset_runs_on_the_fast_path(gen_model):
         a = plain.generate(PROMPT, max_new_tokens=40, threshold=0.3, coreset_size=size)
         b = fast.generate(PROMPT, max_new_tokens=40, threshold=0.3, coreset_size=size)
         assert a.token_ids == b.token_ids and a.stats.forwards == b.stats.forwards
-    core = fast._fast_path.graphs.coreset(3)
-    assert core.experts == {} and len(core._buffers) == gen_model.config.num_hidden_layers
+    core = fast.fast_path.graphs.coreset(3)
+    assert core.experts == {} and len(core.buffers(1)) == gen_model.config.num_hidden_layers
     with pytest.raises(ValueError, match="coreset"):
-        fast._fast_path.graphs.step(torch.full((1, 4), 511), 0, 4, coreset=Coreset(3))
+        fast.fast_path.graphs.step(torch.full((1, 4), 511), 0, 4, coreset=Coreset(3))
 
 
 def test_compiled_steps_equal_the_forward_and_generate_the_same(gen_model):
@@ -204,15 +204,15 @@ def test_compiled_steps_equal_the_forward_and_generate_the_same(gen_model):
         # the model's parameters need gradients, but a compiled step records no autograd history
         assert any(p.requires_grad for p in gen_model.parameters()) and got.grad_fn is None
         torch.testing.assert_close(graphs.step(block, 0, 16)[1], gen_model.preview(eager, block), rtol=1e-5, atol=1e-5)
-    assert graphs.compile_failed is None and len(graphs._compiled_keys) == 2
+    assert graphs.compile_failed is None and len(graphs.shapes['compiled']) == 2
     plain, fast = Engine(gen_model), Engine(gen_model)
     plain.step_graphs, fast.compile_steps = False, True
     for mode, coreset in (("ar", None), ("diffusion", None), ("diffusion", 3)):
         a = plain.generate(PROMPT, mode=mode, max_new_tokens=32, threshold=0.3, coreset_size=coreset)
         b = fast.generate(PROMPT, mode=mode, max_new_tokens=32, threshold=0.3, coreset_size=coreset)
         assert a.token_ids == b.token_ids
-    assert fast._fast_path.graphs.compile and fast._fast_path.graphs.compile_failed is None
-    assert len(fast._fast_path.graphs._coresets[3]._buffers) == gen_model.config.num_hidden_layers
+    assert fast.fast_path.graphs.compile and fast.fast_path.graphs.compile_failed is None
+    assert len(fast.fast_path.graphs.coreset(3).buffers(1)) == gen_model.config.num_hidden_layers
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -239,7 +239,7 @@ def test_cuda_graph_replays_equal_eager(gen_model):
                 assert ca.experts.keys() == cb.experts.keys()
                 for layer in ca.experts:
                     assert torch.equal(ca.experts[layer], cb.experts[layer])
-        assert captured.disabled is None and len(captured._graphs) == 4
+        assert captured.disabled is None and len(captured.shapes['captured']) == 4
     finally:
         gen_model.to("cpu")
 

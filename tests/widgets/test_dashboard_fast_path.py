@@ -30,7 +30,7 @@ def test_the_default_dashboard_keeps_the_compiled_steps(view_engine):
         assert res.token_ids == plain.token_ids
         assert res.stats.path == ("compiled (observers read after each step: layers.0.gdn.preview, "
                                   f"layers.0.gdn.state, layers.0.moe.route and {len(recorded) - 3} more points)")
-        assert view_engine._fast_path.graphs.compile_failed is None
+        assert view_engine.fast_path.graphs.compile_failed is None
         speed = dash["speed"]
         assert speed.summary()[-1]["path"] == res.stats.path
         assert html.escape(res.stats.path) in speed.table.value
