@@ -44,6 +44,7 @@ README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
 LIVE = {"02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed"}
 
 pytestmark = [
+    pytest.mark.slow,  # a JupyterLab server and a browser
     pytest.mark.skipif(not Path(CHROMIUM).exists(),
                        reason=f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium); "
                               ".ci/run does so when it can"),

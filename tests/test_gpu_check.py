@@ -91,6 +91,7 @@ def test_limits_fit_the_budget():
     assert lim["BUDGET"] <= 480  # 8 minutes on the device, its start and the transfers outside it
 
 
+@pytest.mark.slow  # bash
 def test_rehearsal_passes_and_brings_everything_back_in_two_files(tmp_path):
     proc, out, work = rehearse(tmp_path, fake_run(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -111,6 +112,7 @@ def test_rehearsal_passes_and_brings_everything_back_in_two_files(tmp_path):
     assert order.index("tests_graphs_capture") < min(i for i, n in enumerate(order) if n.startswith("tests_test_"))
 
 
+@pytest.mark.slow  # bash
 def test_a_failed_capture_fails_the_check_and_is_recorded(tmp_path):
     proc, out, work = rehearse(tmp_path, fake_run(tmp_path, captured=False))
     assert proc.returncode == 1
@@ -122,6 +124,7 @@ def test_a_failed_capture_fails_the_check_and_is_recorded(tmp_path):
                                                "operation not permitted when stream is capturing"]
 
 
+@pytest.mark.slow  # bash
 def test_steps_near_or_past_their_limit_are_flagged(tmp_path):
     lim = limits()
     fake = fake_run(tmp_path, slow={"tests_graphs": lim["LIMIT_TESTS"] - 5}, killed="bench_kernels")
@@ -132,6 +135,7 @@ def test_steps_near_or_past_their_limit_are_flagged(tmp_path):
     assert "bench_kernels: rc=124" in summary and summary.rstrip().split("\n")[-1].startswith("FAIL")
 
 
+@pytest.mark.slow  # bash
 def test_a_check_cut_short_still_leaves_its_bundle(tmp_path):
     """The summary and the tarball are rewritten after every step: killed mid-run (here: the
     summary alone, over a work folder whose later steps never ran), the verdict says what is missing."""
@@ -159,6 +163,7 @@ def test_the_cpu_side_steps_run_well_inside_their_limits(tmp_path):
         assert int(steps[name]["seconds"]) < int(steps[name]["limit"]) / 2, steps[name]
 
 
+@pytest.mark.slow  # bash
 def test_without_cuda_it_stops_at_once_with_one_line(tmp_path):
     import torch
 

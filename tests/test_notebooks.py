@@ -34,6 +34,7 @@ def test_notebooks_exist_with_a_kernelspec():
 
 
 @needs_model
+@pytest.mark.slow  # a notebook kernel
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)

@@ -14,7 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "assets" / "clover-stdlib"
-pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="no embedded model in assets/")
+pytestmark = [pytest.mark.slow,  # builds a wheel and installs it in a fresh venv
+              pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="no embedded model in assets/")]
 
 
 def run(*cmd, **kw):

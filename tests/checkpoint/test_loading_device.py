@@ -83,6 +83,7 @@ def test_device_argument_is_honoured(checkpoint):
     assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cpu", torch.float16)}
 
 
+@pytest.mark.slow  # a child process
 def test_loading_onto_another_device_keeps_nothing_on_the_host(checkpoint):
     path, size, _ = checkpoint
     got = _load_in_child(path, "meta", "bfloat16")
@@ -90,6 +91,7 @@ def test_loading_onto_another_device_keeps_nothing_on_the_host(checkpoint):
     assert got["growth_bytes"] < 32 * MB, got
 
 
+@pytest.mark.slow  # a child process
 def test_copying_load_holds_one_window_of_the_checkpoint_not_all_of_it(checkpoint):
     """bf16 -> fp16 on the CPU reads every tensor through the map and copies it, as a load onto a
     GPU does. Peak growth: the fp16 model itself, plus at most one read window (RELEASE_BYTES) and

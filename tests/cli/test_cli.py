@@ -128,6 +128,7 @@ def test_ctrl_c_prints_what_was_generated_and_exits_130(capsys, interrupted_engi
         assert "interrupted" in out and " ".join(map(str, first_block)) in " ".join(out.split())
 
 
+@pytest.mark.slow  # a python -m process
 def test_module_entry_point(gen_model_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "clover_lab.cli.main", "generate", "--model", str(gen_model_dir),
@@ -137,6 +138,7 @@ def test_module_entry_point(gen_model_dir):
     assert len(json.loads(proc.stdout)["token_ids"]) == 8
 
 
+@pytest.mark.slow  # torch.compile
 def test_compile_flag_takes_the_compiled_fast_path(capsys, gen_model, monkeypatch):
     engine = clover_lab.Engine(gen_model)
     monkeypatch.setattr(cli, "load_engine", lambda args: engine)

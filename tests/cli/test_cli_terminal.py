@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from clover_lab.cli import main as cli
@@ -66,6 +67,7 @@ def frames(out: str, title: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow  # a terminal process
 def test_live_view_shows_the_prompt_then_the_text_without_a_stray_space(gen_text_model_dir):
     code, out = run_in_terminal("generate", "--model", gen_text_model_dir, "--prompt", "w5 w6 w7",
                                 "--max-new-tokens", 40, "--threshold", 0.95)
@@ -84,6 +86,7 @@ def test_live_view_shows_the_prompt_then_the_text_without_a_stray_space(gen_text
     assert "the prefill not counted" in out
 
 
+@pytest.mark.slow  # a terminal process
 def test_ar_footer_counts_tokens(gen_text_model_dir):
     code, out = run_in_terminal("generate", "--model", gen_text_model_dir, "--prompt", "w5 w6 w7", "--mode", "ar",
                                 "--max-new-tokens", 30)
@@ -93,6 +96,7 @@ def test_ar_footer_counts_tokens(gen_text_model_dir):
     assert not any("block" in f for f in footers)  # an AR token is not a block
 
 
+@pytest.mark.slow  # a terminal process
 def test_batch_has_a_live_view_of_one_line_per_row(gen_text_model_dir):
     code, out = run_in_terminal("generate", "--model", gen_text_model_dir, "--prompt", "w5 w6 w7", "--prompt",
                                 "w8 w9", "--prompt", "w10", "--max-new-tokens", 40, "--threshold", 0.95, columns=90)

@@ -306,6 +306,7 @@ def test_prompts_as_long_prefill_in_one_forward(tiny_engine, mode, prompts, grou
     assert [rec.rows for rec in prefill] == groups
 
 
+@pytest.mark.slow  # the benchmark's process
 def test_the_batch_benchmark_runs_and_its_batches_give_batch_1s_tokens(tmp_path):
     import json
     import os
@@ -325,6 +326,7 @@ def test_the_batch_benchmark_runs_and_its_batches_give_batch_1s_tokens(tmp_path)
     assert all(r["same_tokens"] and r["new_tokens"] == 64 for r in rows)
 
 
+@pytest.mark.slow  # the benchmark's process
 def test_the_bound_benchmark_sums_the_gemms_inside_the_steps(tmp_path):
     """bench_batch_bound.py profiles an eager pass and finds GEMMs inside the step regions of
     both modes (a part of every GEMM, of the steps' time), and a bound of at least 1."""

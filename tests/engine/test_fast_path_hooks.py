@@ -63,6 +63,7 @@ def test_an_observer_that_raises_leaves_the_cache_and_the_engine_usable(gen_mode
     assert fast.generate(PROMPTS[1], **KW).token_ids == want
 
 
+@pytest.mark.slow  # torch.compile
 def test_an_intervening_hook_splits_the_compiled_step_at_its_layer(gen_model):
     """A route hook that bans experts and a residual hook that replaces its value, both in layer 2:
     the eager tokens with those hooks, the same events, and layers 0-1 and 3 stay compiled.

@@ -189,6 +189,7 @@ def test_coreset_runs_on_the_fast_path(gen_model):
         fast.fast_path.graphs.step(torch.full((1, 4), 511), 0, 4, coreset=Coreset(3))
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_steps_equal_the_forward_and_generate_the_same(gen_model):
     """torch.compile of the static steps on a CPU (the engine's compile_steps): the experts hit are
     contracted in one traced expression instead of a loop with a host sync; same numbers."""

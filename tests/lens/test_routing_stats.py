@@ -131,6 +131,7 @@ def _write_corpus(folder):
         (folder / f"doc{i}.txt").write_text(" ".join(f"w{t}" for t in words))
 
 
+@pytest.mark.slow  # torchrun, two ranks
 def test_cli_routes_over_two_gloo_ranks_equals_one_process(gen_text_model_dir, tmp_path):
     """``torchrun --nproc-per-node 2 -m clover_lab.cli.main routes``: each rank takes every other
     window, the sums are all-reduced and rank 0 writes a file equal to one process's."""

@@ -316,6 +316,7 @@ def test_a_full_queue_refuses_with_429(engine):
     assert e.value.status == 503
 
 
+@pytest.mark.slow  # a server process
 def test_sigterm_lets_the_stream_in_flight_finish(refs):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

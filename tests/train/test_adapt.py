@@ -128,6 +128,7 @@ def test_resume_equals_an_uninterrupted_run(one_process, tmp_path, clover_init, 
     assert "--train: 'all' in the run, 'lora' given" in err and "heapq.py" in err
 
 
+@pytest.mark.slow  # a child process
 def test_terminated_run_checkpoints_and_exports(tmp_path, clover_init, data):
     """SIGTERM (kill, a scheduler's stop) ends a single-process run like Ctrl-C: checkpointed at
     the step it reached, exported, exit code 0; rerunning resumes there."""
@@ -153,6 +154,7 @@ def test_terminated_run_checkpoints_and_exports(tmp_path, clover_init, data):
     assert "interrupted: saving a checkpoint" in output
 
 
+@pytest.mark.slow  # torchrun, two ranks
 def test_two_processes_equal_one(one_process, tmp_path, clover_init):
     """torchrun, 2 gloo processes, FSDP2: the same losses and weights as one process after two
     steps (`all` and `lora`), and a one-process checkpoint resumed on two processes (with

@@ -27,6 +27,7 @@ def rounds(tmp_path, **env) -> list[str]:
     return calls.read_text().splitlines()
 
 
+@pytest.mark.slow  # bash runs the script
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_a_rounds_settings_reach_its_commands(tmp_path):
     train, export, measure = [c for c in rounds(tmp_path, LR="1e-3", CONFIDENCE="1.0", SHARE="0.5") if c[:2] != "-c"]
@@ -36,6 +37,7 @@ def test_a_rounds_settings_reach_its_commands(tmp_path):
     assert measure.endswith("--out " + str(tmp_path / "run" / "round-1" / "measure.json"))
 
 
+@pytest.mark.slow  # bash runs the script
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_no_generation_defaults_and_a_sweep(tmp_path):
     calls = [c for c in rounds(tmp_path, GENERATION="", SWEEP="repetition_penalty=1.0,1.2 frequency_penalty=0,0.5")
@@ -46,6 +48,7 @@ def test_no_generation_defaults_and_a_sweep(tmp_path):
     assert sweep.endswith("round-1/sweep.json") and measure.endswith("round-1/measure.json")
 
 
+@pytest.mark.slow  # bash runs the script
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_steps_per_round_and_the_export_of_the_last_round(tmp_path):
     calls = [c for c in rounds(tmp_path, ROUNDS="3", STEPS="250 500", GENERATION="repetition_penalty=1.3",
@@ -60,6 +63,7 @@ def test_steps_per_round_and_the_export_of_the_last_round(tmp_path):
                     f"--baseline {tmp_path / 'run' / 'init_card.json'} --threads 2")
 
 
+@pytest.mark.slow  # bash runs the script
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_without_export_the_rounds_are_all(tmp_path):
     assert not [c for c in rounds(tmp_path) if "train.card" in c or "clover-stdlib" in c]
