@@ -32,6 +32,7 @@ import torch
 from clover_lab.engine.faults import check_logits, collapsed, logits_health
 from clover_lab.engine.requests import GenerationError
 from clover_lab.engine.results import StreamUpdate
+from clover_lab.engine.sampling import apply_penalties
 from clover_lab.hooks import points
 from clover_lab.hooks.events import StepEvent
 from clover_lab.hooks.registry import HookError, StopGeneration
@@ -306,9 +307,10 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     overrides: dict[int, int] = {}
     stop_now = False
     if run.hooks.active(points.DENOISE_STEP):
-        decided = unmask
-        unmask, overrides, stop_now = fire_step(run, block, cand, conf, unmask, logits)
-        if overrides or unmask != decided:
+        chosen_unmask = unmask
+        decided = apply_penalties(logits, run.counts, run.s) if run.counts is not None else logits
+        unmask, overrides, stop_now = fire_step(run, block, cand, conf, unmask, decided)
+        if overrides or unmask != chosen_unmask:
             _place_on_device(run, block, {p: overrides.get(p, chosen[p]) for p in unmask})
         else:
             _apply_decision(run, block, flags, cand, idx)
@@ -352,8 +354,9 @@ def _place_on_device(run, block: Block, tokens: dict[int, int]) -> None:
 
 
 def fire_step(run, block: Block, cand, conf, unmask: list[int], logits) -> tuple[list[int], dict[int, int], bool]:
-    """``denoise.step`` hooks on this step's decision; returns it (validated) as (positions to
-    unmask, tokens overriding candidates, stop)."""
+    """``denoise.step`` hooks on this step's decision (``logits`` [N, V]: what it decided from,
+    after the row's penalties); returns it (validated) as (positions to unmask, tokens overriding
+    candidates, stop)."""
     # copies: the decision is taken, so edits of the event's tensors could only make the device
     # canvas and the returned tokens disagree; changes go through unmask / set_token
     event = StepEvent(block.index, block.step, block.canvas.clone(), list(block.masked), cand.clone(), conf.clone(),

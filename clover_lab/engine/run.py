@@ -236,6 +236,7 @@ class Row:
         if not self.hooks.active(points.BLOCK_COMMIT):
             return False
         event = CommitEvent(block, list(tokens), steps, start, self.now(), **(acceptance or {}),
+                            forwards=self.stats.preview_forwards + self.stats.commit_forwards,
                             where=self.where("decode", commit_block=block))
         try:
             self.hooks.fire(points.BLOCK_COMMIT, event)

@@ -269,6 +269,9 @@ class _Stoppable:
         self.stopped = True
 
 
+TOP_CANDIDATES = 5  # the most probable tokens a step event keeps per masked position (what a trace saves)
+
+
 @dataclass
 class StepEvent(Event, _Stoppable):
     """After one preview's unmask decision (``denoise.step``), before it is applied.
@@ -277,7 +280,9 @@ class StepEvent(Event, _Stoppable):
     ``masked`` the block positions still masked before this step, ``candidates`` [N] and
     ``confidences`` [N] aligned with ``masked`` (device tensors; copies, so editing them changes
     nothing), ``unmask`` the positions the rule chose to unmask now, ``time`` seconds since the
-    generation started.
+    generation started. ``logits`` [N, V] are what the step decided from (the preview's, after the
+    row's penalties, before temperature and filtering), and ``top_ids`` / ``top_probs`` [N, k]
+    their TOP_CANDIDATES most probable tokens, which a trace keeps (it keeps no logits).
 
     Change the decision by editing ``unmask`` (or :meth:`veto` / :meth:`add`), and the token
     placed at a position with :meth:`set_token`; stop with :meth:`stop`. The decision is checked
@@ -294,15 +299,25 @@ class StepEvent(Event, _Stoppable):
     time: float
     tokens: dict[int, int] = field(default_factory=dict)  # position -> token overriding the candidate
     stopped: bool = False
-    logits: torch.Tensor | None = field(default=None, repr=False)  # [N, V] this preview's, aligned with masked
+    logits: torch.Tensor | None = field(default=None, repr=False)  # [N, V] decided from, aligned with masked
+    top_ids: torch.Tensor | None = field(default=None, repr=False)  # [N, k] the most probable tokens of logits
+    top_probs: torch.Tensor | None = field(default=None, repr=False)  # [N, k] their probabilities
 
-    def top_candidates(self, k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k most probable tokens of this step's distribution at each masked position:
-        (ids [N, k], probabilities [N, k]), computed only when asked."""
-        if self.logits is None:
-            raise ValueError("this step event carries no logits")
-        probs, ids = self.logits.float().softmax(-1).topk(min(k, self.logits.shape[-1]), dim=-1)
-        return ids, probs
+    def __post_init__(self):
+        if self.top_ids is None and self.logits is not None:
+            self.top_probs, self.top_ids = self.logits.float().softmax(-1).topk(
+                min(TOP_CANDIDATES, self.logits.shape[-1]), dim=-1)
+
+    def top_candidates(self, k: int = TOP_CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most probable tokens of the distribution this step decided from, at each masked
+        position: (ids [N, k], probabilities [N, k]); from the logits when the event has them,
+        else (a rebuilt event) from the TOP_CANDIDATES it kept."""
+        if self.logits is not None and k > TOP_CANDIDATES:
+            probs, ids = self.logits.float().softmax(-1).topk(min(k, self.logits.shape[-1]), dim=-1)
+            return ids, probs
+        if self.top_ids is None:
+            raise ValueError("this step event carries no logits and no top candidates")
+        return self.top_ids[:, :k], self.top_probs[:, :k]
 
     def veto(self, *positions: int | Iterable[int]) -> None:
         """Keep these block positions masked this step."""
@@ -344,7 +359,9 @@ class CommitEvent(Event, _Stoppable):
     previews it took, ``start`` its first position in the sequence, ``time`` seconds since the
     generation started. In AR mode every token is a block of one (``steps`` = 1). In speculative
     mode ``drafted`` tokens followed the causal one, the causal check ``accepted`` that many of
-    them (the leading ones) and ``rejected`` the rest; None in the other modes."""
+    them (the leading ones) and ``rejected`` the rest; None in the other modes. ``forwards``: the
+    forwards this row has run since its prefill, this block's commit included, as its stats count
+    them (``GenerationStats.forwards``: previews, fused commit+previews, commits, draft checks)."""
 
     block: int
     tokens: list[int]
@@ -355,6 +372,7 @@ class CommitEvent(Event, _Stoppable):
     drafted: int | None = None
     accepted: int | None = None
     rejected: int | None = None
+    forwards: int | None = None
 
     @property
     def step(self) -> None:

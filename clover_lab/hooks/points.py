@@ -30,17 +30,19 @@ class Saved:
     """How one event field is saved: ``clone`` when a capture must copy it (the engine or a later
     hook may change it in place); what a trace read back must hold there: a ``tensor`` of that
     kind (INT / FLOAT) with one of ``dims`` dims, or one of the Python ``types`` (and, with
-    ``choices``, one of those values). Neither: kept as it is, not checked."""
+    ``choices``, one of those values). Neither: kept as it is, not checked. ``optional``: a field
+    added later, which traces saved before it lack (or hold as null)."""
 
     clone: bool = False
     tensor: str | None = None
     dims: tuple[int, ...] = ()
     types: tuple[type, ...] = ()
     choices: tuple = ()
+    optional: bool = False
 
 
-def tensor(kind: str, dims: int | tuple[int, ...], clone: bool = False) -> Saved:
-    return Saved(clone, kind, dims if isinstance(dims, tuple) else (dims,))
+def tensor(kind: str, dims: int | tuple[int, ...], clone: bool = False, optional: bool = False) -> Saved:
+    return Saved(clone, kind, dims if isinstance(dims, tuple) else (dims,), optional=optional)
 
 
 def value(*types: type, choices: tuple = ()) -> Saved:
@@ -134,9 +136,11 @@ _RESIDUAL = dict(event=ResidualEvent, residual=True, agree=_rows_agree,
 
 DENOISE_STEP = declare("denoise.step", StepEvent, engine=True, fields=dict(
     canvas=tensor(INT, 1, clone=True), masked=value(list), candidates=tensor(INT, 1), confidences=tensor(FLOAT, 1),
-    unmask=value(list), time=KEPT, tokens=KEPT))
+    unmask=value(list), time=KEPT, tokens=KEPT, top_ids=tensor(INT, 2, optional=True),
+    top_probs=tensor(FLOAT, 2, optional=True)))
 BLOCK_COMMIT = declare("block.commit", CommitEvent, engine=True, fields=dict(
-    tokens=value(list), steps=value(int), start=value(int), time=KEPT, drafted=KEPT, accepted=KEPT, rejected=KEPT))
+    tokens=value(list), steps=value(int), start=value(int), time=KEPT, drafted=KEPT, accepted=KEPT, rejected=KEPT,
+    forwards=KEPT))
 ENGINE_POINTS = (DENOISE_STEP, BLOCK_COMMIT)
 
 # per-layer points, in the order they fire within a layer. The residual stream: entering a layer,

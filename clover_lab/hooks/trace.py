@@ -94,6 +94,8 @@ def check_record(point: str, data: dict, at: str, config=None) -> None:
     for name, want in declared.fields.items():
         if want.tensor is None and not want.types:
             continue  # kept, not checked
+        if want.optional and data.get(name) is None:
+            continue  # a field added later: a trace saved before it has none
         if name not in data:
             raise TraceError(f"{at}: field {name!r} is missing")
         _check_field(name, data[name], want, at)

@@ -117,10 +117,14 @@ class DenoiseView(View):
         self._push(part, None, f"block {ev.block} · step {ev.step} · {len(part['unmask'])} unmasked · {ev.time:.2f}s")
 
     def _top(self, ev) -> list[list[tuple[int, float]]] | None:
-        """This step's top candidates per masked position (a true top-k of one distribution)."""
-        if getattr(ev, "logits", None) is None:
+        """This step's top candidates per masked position: a true top-k of the distribution the step
+        decided from (after penalties), live or as a trace kept it (TOP_CANDIDATES of them)."""
+        if getattr(ev, "logits", None) is not None:
+            ids, probs = ev.top_candidates(self.n_candidates)
+        elif getattr(ev, "top_ids", None) is not None:  # a replayed record
+            ids, probs = ev.top_ids[:, :self.n_candidates], ev.top_probs[:, :self.n_candidates]
+        else:  # a trace saved before steps kept their candidates
             return None
-        ids, probs = ev.top_candidates(self.n_candidates)
         return [list(zip(i, p)) for i, p in zip(ids.tolist(), probs.tolist())]
 
     def _on_commit(self, ev) -> None:

@@ -1,10 +1,13 @@
 """SpeedView: how fast a generation goes, and why.
 
-Fed by ``denoise.step`` (one preview forward each; the first step of every block after the first
-is fused with the commit of the block before) and ``block.commit`` (in AR mode one token, one
-forward). Shows tokens/s and tokens per forward over time, steps per block, the time per preview
-and per fused commit+preview step, and, across runs, block diffusion against AR on the same
-prompt. Unlike the other views it keeps every run it saw (``clear()`` forgets them); a run's
+Fed by ``block.commit``, which carries the row's forwards as the engine counts them (a forward
+is one model pass after the prefill: a preview, a fused commit+preview, a commit alone; in AR
+mode one token's commit; in speculative mode a draft preview or the causal check of a draft),
+so its tokens per forward are the engine's; and by ``denoise.step`` for the time of each
+preview step (the first step of every block after the first is fused with the commit of the
+block before). Shows tokens/s and tokens per forward over time, steps per block, the time per
+preview and per fused commit+preview step, and, across runs, block diffusion against AR on the
+same prompt. Unlike the other views it keeps every run it saw (``clear()`` forgets them); a run's
 ``GenerationStats`` can be added with :meth:`add_result` (``compare`` does it), which brings the
 engine's own preview/commit times.
 """
@@ -17,6 +20,12 @@ from clover_lab.hooks import points
 from clover_lab.widgets.base import View
 from clover_lab.widgets.pieces import LEGEND_BELOW, figure_html, series_colour
 from clover_lab.widgets.throttle import weak_callback
+
+
+FORWARD_NOTE = ("forwards: model passes after the prefill, as the engine counts them: block diffusion a "
+                "preview each, a block's first one fused with the commit of the block before, a last block's "
+                "commit alone; AR one per token; speculative a draft preview each and one causal check per "
+                "draft. tokens/forward = new tokens / forwards; tokens/s = new tokens / seconds after the prefill.")
 
 
 class SpeedView(View):
@@ -74,12 +83,13 @@ class SpeedView(View):
 
     # ---------------------------------------------------------------- events
     def _on_step(self, ev) -> None:
-        self._push(dict(kind="step", run=self.run, block=ev.block, step=ev.step, unmasked=len(ev.unmask), time=ev.time),
+        self._push(dict(kind="step", run=self.run, block=ev.block, step=ev.step, time=ev.time),
                    None, f"run {self.run} · block {ev.block} · step {ev.step} · {ev.time:.2f}s")
 
     def _on_commit(self, ev) -> None:
         self._push(dict(kind="commit", run=self.run, block=ev.block, tokens=len(ev.tokens), steps=ev.steps,
-                        time=ev.time), None, f"run {self.run} · block {ev.block} committed · {ev.time:.2f}s")
+                        time=ev.time, forwards=getattr(ev, "forwards", None), drafted=getattr(ev, "drafted", None)),
+                   None, f"run {self.run} · block {ev.block} committed · {ev.time:.2f}s")
 
     def add_result(self, result, label: str | None = None) -> None:
         """Attach a GenerationResult's stats to the run it came from (the newest one without
@@ -124,7 +134,8 @@ class SpeedView(View):
     @staticmethod
     def _new(rid):
         return {"id": rid, "mode": None, "label": None, "t": [], "rate": [], "tpf": [], "committed": 0, "forwards": 0,
-                "unmasked": 0, "steps_per_block": {}, "last": 0.0, "last_step": 0.0, "fused": [], "preview": [], "commit": [], "stats": None}
+                "steps": 0, "steps_per_block": {}, "last": 0.0, "last_step": 0.0, "fused": [], "preview": [],
+                "commit": [], "stats": None}
 
     def _apply_part(self, s, part):
         runs = s["runs"]
@@ -142,28 +153,35 @@ class SpeedView(View):
             return
         t = part["time"]
         if kind == "step":
-            r["mode"] = "diffusion"
-            r["forwards"] += 1
-            r["unmasked"] += part["unmasked"]
+            if r["mode"] is None:
+                r["mode"] = "diffusion"  # until a commit says its block was a speculative draft
+            r["steps"] += 1
             dt = t - r["last_step"]  # from the step before: a fused step's interval holds its commit
-            if r["forwards"] > 1:  # the first step's interval includes the prefill
+            if r["steps"] > 1:  # the first step's interval includes the prefill
                 (r["fused"] if part["step"] == 0 and part["block"] > 0 else r["preview"]).append(dt)
             r["last_step"] = t
         else:
-            if r["mode"] is None:  # a diffusion run fires its steps before any commit
-                r["mode"] = "ar"
-            if r["mode"] == "ar":
-                r["forwards"] += 1
-                r["unmasked"] += part["tokens"]
-                if r["forwards"] > 1:  # the first token's interval includes the prefill
-                    r["commit"].append(t - r["last"])
-            r["committed"] += part["tokens"]
-            r["steps_per_block"][part["block"]] = part["steps"]
+            self._commit(r, part, t)
         r["last"] = t
-        if t > 0:
+        if t > 0:  # a point per event; tokens and forwards move at commits, where the engine counts them
             r["t"].append(t)
             r["rate"].append(r["committed"] / t)
-            r["tpf"].append(r["unmasked"] / r["forwards"] if r["forwards"] else 0.0)
+            r["tpf"].append(r["committed"] / r["forwards"] if r["forwards"] else None)
+
+    @staticmethod
+    def _commit(r, part, t):
+        if part.get("drafted") is not None:
+            r["mode"] = "speculative"
+        elif r["mode"] is None:  # a block-diffusion run fires its steps before any commit
+            r["mode"] = "ar"
+        if r["mode"] == "ar" and r["committed"]:  # the first token's interval includes the prefill
+            r["commit"].append(t - r["last"])
+        r["committed"] += part["tokens"]
+        # the engine's count; a trace saved before commits carried it: one forward per AR token,
+        # one per preview step otherwise (speculative drafts' checks then go uncounted)
+        r["forwards"] = part["forwards"] if part.get("forwards") is not None else (
+            r["forwards"] + 1 if r["mode"] == "ar" else r["steps"])
+        r["steps_per_block"][part["block"]] = part["steps"]
 
     # ---------------------------------------------------------------- reading
     def summary(self, state=None) -> list[dict]:
@@ -183,15 +201,16 @@ class SpeedView(View):
                 "tokens": st.get("new_tokens", r["committed"]),
                 "forwards": st.get("forwards", r["forwards"]),
                 "tokens/s": st.get("tokens_per_second", r["rate"][-1] if r["rate"] else None),
-                "tokens/forward": st.get("tokens_per_forward", r["tpf"][-1] if r["tpf"] else None),
+                "tokens/forward": st.get("tokens_per_forward",
+                                         r["committed"] / r["forwards"] if r["forwards"] else None),
                 "steps/block": st.get("mean_steps_per_block") or mean(spb),
                 "s/preview step": mean(r["preview"]),
                 "s/fused step": mean(r["fused"]),
                 # without the engine's stats (add_result), the intervals between the events: previews
                 # (fused ones with their commit) for block diffusion, commits for AR
                 "prefill s": st.get("prefill_seconds"),
-                "preview s": st.get("preview_seconds", sum(r["preview"]) + sum(r["fused"]) if r["mode"] == "diffusion"
-                                    else (0.0 if r["mode"] == "ar" else None)),
+                "preview s": st.get("preview_seconds", sum(r["preview"]) + sum(r["fused"])
+                                    if r["mode"] in ("diffusion", "speculative") else (0.0 if r["mode"] == "ar" else None)),
                 "commit s": st.get("commit_seconds", sum(r["commit"]) if r["mode"] == "ar" else None),
                 "path": st.get("path"),  # which forward ran (engine/runner.py): "compiled", "eager: a hook on ..."
             })
@@ -250,7 +269,8 @@ class SpeedView(View):
         head = "".join(f"<th style='padding:2px 6px'>{html.escape(c)}</th>" for c in cols)
         body = "".join("<tr>" + "".join(f"<td style='padding:2px 6px;text-align:right'>{fmt(r[c])}</td>" for c in cols)
                        + "</tr>" for r in rows)
-        return f"<table style='border-collapse:collapse;font-size:11px'><tr>{head}</tr>{body}</table>"
+        return (f"<table style='border-collapse:collapse;font-size:11px'><tr>{head}</tr>{body}</table>"
+                f"<div style='font-size:11px;color:#666;max-width:900px'>{FORWARD_NOTE}</div>")
 
     def _html_parts(self, s, frame):
         self._render(s, frame)

@@ -1,0 +1,60 @@
+"""DenoiseView's hover candidates are the ones each step decided with: a top-k of the
+distribution after the row's penalties (with repetition_penalty the raw logits' best token is
+often not the one chosen), live and replayed from a saved trace, which keeps them."""
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("plotly")
+
+import clover_lab  # noqa: E402
+from clover_lab.widgets import DenoiseView  # noqa: E402
+
+PROMPT = [5, 17, 99, 3, 42, 8, 8, 123]
+PENALISED = dict(max_new_tokens=32, threshold=0.5, repetition_penalty=1.8, temperature=0.0)
+
+
+def tops_by_step(view):
+    """(block, step, position) -> the hover's ranked candidates, read from the view's frames."""
+    out = {}
+    for i in range(len(view.frames)):
+        for b, blk in view.state_at(i)["blocks"].items():
+            for p, cell in enumerate(blk["cells"]):
+                if cell["top"] is not None:
+                    step, top = cell["top"]
+                    out[(b, step, p)] = top
+    return out
+
+
+def test_hover_candidates_are_the_steps_decided_candidates(view_engine):
+    steps = []
+    view = DenoiseView(view_engine, fps=1000)
+    try:
+        with view_engine.hooks({"denoise.step": lambda ev: steps.append(
+                (ev.block, ev.step, list(ev.masked), ev.candidates.tolist()))}):
+            view_engine.generate(PROMPT, **PENALISED)
+        view.flush()
+    finally:
+        view.detach()
+    tops = tops_by_step(view)
+    checked = 0
+    for block, step, masked, cands in steps:
+        for p, cand in zip(masked, cands):
+            top = tops[(block, step, p)]
+            assert top[0][0] == cand, (block, step, p)  # greedy: the best token of what it decided from
+            assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+            checked += 1
+    assert checked > 32
+
+
+def test_a_replayed_trace_shows_the_hover_candidates_the_live_view_showed(view_engine, tmp_path):
+    live = DenoiseView(view_engine, fps=1000)
+    try:
+        with view_engine.capture(list(live.hook_methods())) as cap:
+            view_engine.generate(PROMPT, **PENALISED)
+        live.flush()
+        cap.save(tmp_path / "run")
+    finally:
+        live.detach()
+    replayed = DenoiseView(fps=1000).replay(clover_lab.load_trace(tmp_path / "run"))
+    want = tops_by_step(live)
+    assert want and tops_by_step(replayed) == want
