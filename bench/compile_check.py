@@ -7,7 +7,7 @@ driver. This module
 1. **discovers** the ``@triton.jit`` functions of the package by scanning its modules (so a
    new kernel is found wherever it lives) and splits them by call graph into kernels
    (launched from Python, or called by no other jit function) and device helpers;
-2. **captures** the launches the op table's kernels (``triton_ops.OPS``) make at the
+2. **captures** the launches the op table's kernels (``triton_ops.KERNELS``) make at the
    Clover-35B-A3B shapes: each op is called on meta tensors (no memory, no data) with a fake
    sm_90 driver, and Triton's own ``JITFunction.run`` computes the specialisation, constexprs
    and options it would compile on the GPU; autotuner config lists are enumerated whole;
@@ -512,9 +512,9 @@ def capture_35b(discovery: Discovery, dtypes=tuple(DTYPES), target_tuple=SM90, r
     with capturing(discovery, target_tuple) as (launches, label):
         for op, dtype, rows, (name, args) in clover_35b_calls(dtypes, rows=rows):
             label.update(op=op, dtype=dtype, rows=rows)
-            triton_ops.OPS[name](*args)
+            triton_ops.KERNELS[name](*args)
             covered.add(name)
-    return launches, sorted(covered), sorted(set(triton_ops.OPS) - covered)
+    return launches, sorted(covered), sorted(set(triton_ops.KERNELS) - covered)
 
 
 def distinct_cases(launches):

@@ -11,14 +11,13 @@ import torch
 
 pytest.importorskip("triton")
 
-import clover_kernels  # noqa: E402
 from clover_kernels import dispatch, ops  # noqa: E402
 from clover_kernels.norm import naive as norm_naive
 
 
 def test_every_op_is_public_and_its_kernel_takes_the_reference_arguments():
     for op in ops.TABLE:
-        assert getattr(clover_kernels, op.name) is op and op.name in clover_kernels.__all__
+        assert getattr(ops, op.name) is op, f"ops.{op.name} is not the op named {op.name!r}"
         kernel = dispatch.kernel_table()[op.name]
         ref = [p for p in inspect.signature(op.reference).parameters if p not in op.torch_only]
         got = list(inspect.signature(kernel).parameters)
@@ -31,7 +30,7 @@ def rms_kernel_broken(monkeypatch):
     """clover_kernels.norm.rms cannot be imported (as when triton is broken); the table reloaded."""
     triton_ops = importlib.import_module("clover_kernels.triton_ops")
     monkeypatch.setitem(sys.modules, "clover_kernels.norm.rms", None)  # importing it raises ImportError
-    monkeypatch.setattr(triton_ops, "OPS", {})
+    monkeypatch.setattr(triton_ops, "KERNELS", {})
     monkeypatch.setattr(triton_ops, "MISSING", {})
     triton_ops._load()
     monkeypatch.setattr(dispatch, "_triton_ops", None)
@@ -46,15 +45,15 @@ def test_a_kernel_that_fails_to_import_warns_once_when_needed_on_cuda(rms_kernel
     ref = norm_naive.rms_norm(x, w)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch.testing.assert_close(clover_kernels.rms_norm(x, w), ref)  # CPU: the kernel is not needed
+        torch.testing.assert_close(ops.rms_norm(x, w), ref)  # CPU: the kernel is not needed
     monkeypatch.setattr(dispatch, "_on_gpu", lambda t: True)  # as if x were a CUDA tensor
     with pytest.warns(RuntimeWarning, match=r"'rms_norm'.*clover_kernels\.norm\.rms.*torch path"):
-        torch.testing.assert_close(clover_kernels.rms_norm(x, w), ref)
+        torch.testing.assert_close(ops.rms_norm(x, w), ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch.testing.assert_close(clover_kernels.rms_norm(x, w), ref)  # once per op
+        torch.testing.assert_close(ops.rms_norm(x, w), ref)  # once per op
     with pytest.warns(RuntimeWarning, match="'gated_rms_norm'"):
-        clover_kernels.gated_rms_norm(x, x, w)
+        ops.gated_rms_norm(x, x, w)
 
 
 def test_a_missing_kernel_warns_when_the_triton_backend_is_forced(rms_kernel_broken, monkeypatch):
@@ -73,8 +72,8 @@ def test_torch_only_arguments_never_reach_the_kernel(monkeypatch):
     x = torch.randn(2, 8)
     ids, wts = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
     gu, dn = torch.randn(1, 8, 8), torch.randn(1, 8, 4)
-    clover_kernels.moe_experts(x, ids, wts, gu, dn, "packed")
-    clover_kernels.moe_experts(x, ids, wts, gu, dn, packed="packed")
+    ops.moe_experts(x, ids, wts, gu, dn, "packed")
+    ops.moe_experts(x, ids, wts, gu, dn, packed="packed")
     assert seen == [(5, {}), (5, {})]
 
 
