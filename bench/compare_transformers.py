@@ -238,8 +238,8 @@ def main(argv=None):
               f"{r['diffusion']['tok_s_incl_prefill'] if 'diffusion' in r else float('nan'):9.1f}")
     print("tokens/s. packed: model.pack_weights() (GEMM weights kept in oneDNN's layout). compiled: clover_lab's\n"
           "static steps through torch.compile. max x: transformers' time over the bare matrix products alone\n"
-          "(prefill: every weight on its rows through clover_kernels.dense.linear, plain or packed; decode: one token's\n"
-          "matvecs), the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.\n"
+          "(prefill: every weight on its rows through clover_kernels.dense.linear, plain or packed; decode: one\n"
+          "token's matvecs), the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.\n"
           f"glibc malloc tuned for both (clover_lab.cpu): {tuned}")
     day = stamp(DATE)
     write_result(args.out, f"compare_transformers-cpu-{day}-{args.dtype}-prompt{args.prompt}",

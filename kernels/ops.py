@@ -57,8 +57,8 @@ class Op:
         params = list(inspect.signature(self.reference).parameters)
         unknown = [n for n in self.torch_only if n not in params]
         if unknown:
-            raise ValueError(f"op {self.name!r}: torch_only names {unknown}, not parameters of "
-                             f"{self.reference.__module__}.{self.reference.__name__}{inspect.signature(self.reference)}")
+            where = f"{self.reference.__module__}.{self.reference.__name__}{inspect.signature(self.reference)}"
+            raise ValueError(f"op {self.name!r}: torch_only names {unknown}, not parameters of {where}")
         self._dropped = tuple(params.index(n) for n in self.torch_only)
         functools.update_wrapper(self, self.reference, assigned=("__doc__", "__module__"), updated=())
         self.__signature__ = inspect.signature(self.reference)
