@@ -68,10 +68,10 @@ def gemm_floor(model, rows: int, experts: int, expert_rows: int, repeat: int, pa
     """Seconds for the bare matrix products of one forward, back to back in this process: every
     2-D weight of every layer on ``rows`` rows, the first ``experts`` routed experts' gate_up and
     down on ``expert_rows`` rows each, and the LM head on one row, through
-    ``clover_kernels.linear`` (oneDNN in fp32 from 4 rows, ``F.linear`` otherwise; ``packed``: on
+    ``clover_kernels.dense.linear`` (oneDNN in fp32 from 4 rows, ``F.linear`` otherwise; ``packed``: on
     weights kept in oneDNN's layout). No attention, no delta rule, no routing, no norms, no Python
     around them: a lower bound for any implementation using these kernels."""
-    from clover_kernels import PackedWeight, linear
+    from clover_kernels.dense import PackedWeight, linear
 
     products = []
     for layer in model.model.layers:
@@ -238,8 +238,8 @@ def main(argv=None):
               f"{r['diffusion']['tok_s_incl_prefill'] if 'diffusion' in r else float('nan'):9.1f}")
     print("tokens/s. packed: model.pack_weights() (GEMM weights kept in oneDNN's layout). compiled: clover_lab's\n"
           "static steps through torch.compile. max x: transformers' time over the bare matrix products alone\n"
-          "(prefill: every weight on its rows through clover_kernels.linear, plain or packed; decode: one token's\n"
-          "matvecs), the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.\n"
+          "(prefill: every weight on its rows through clover_kernels.dense.linear, plain or packed; decode: one\n"
+          "token's matvecs), the most those GEMM kernels allow. diffusion: threshold 0.9, incl. prefill.\n"
           f"glibc malloc tuned for both (clover_lab.cpu): {tuned}")
     day = stamp(DATE)
     write_result(args.out, f"compare_transformers-cpu-{day}-{args.dtype}-prompt{args.prompt}",

@@ -7,17 +7,21 @@ driver. This module
 1. **discovers** the ``@triton.jit`` functions of the package by scanning its modules (so a
    new kernel is found wherever it lives) and splits them by call graph into kernels
    (launched from Python, or called by no other jit function) and device helpers;
-2. **captures** the launches the op table's kernels (``triton_ops.OPS``) make at the
-   Clover-35B-A3B shapes: each op is called on meta tensors (no memory, no data) with a fake
-   sm_90 driver, and Triton's own ``JITFunction.run`` computes the specialisation, constexprs
-   and options it would compile on the GPU; autotuner config lists are enumerated whole;
+2. **captures** the launches of every call the op table (``clover_kernels.ops``) describes,
+   at the Clover-35B-A3B sizes (``clover_kernels.shapes.CLOVER_35B``), in each dtype the op's
+   kernel is built for: each op's Triton implementation is called on meta tensors (no memory,
+   no data) with a fake sm_90 driver, and Triton's own ``JITFunction.run`` computes the
+   specialisation, constexprs and options it would compile on the GPU; autotuner config lists
+   are enumerated whole;
 3. **compiles** each distinct (kernel, dtype, config, specialisation) once for the target
    and reads registers, spills and stack from ptxas's ``-v`` log and shared memory from
    Triton's metadata.
 
-``python bench/compile_check.py [--json FILE]`` prints one line per compiled case
-and exits 1 on a compile error, a spill, shared memory over the per-block limit, a kernel or
-op the call table does not reach; 77 when Triton's CUDA backend is missing (nothing to test).
+The shapes are the table's; what is here is about compiling.
+``python bench/compile_check.py [--json FILE] [--ops rms_norm,route]`` prints one line per
+compiled case and exits 1 on a compile error, a spill, shared memory over the per-block limit,
+a kernel no op of the table launches or an op that launches nothing; 77 when Triton's CUDA
+backend is missing (nothing to test).
 ``tests/kernels/test_compile_sm90.py`` and ``bench/kernel_report.py`` run it. A development tool:
 it is not part of the installed ``clover_kernels`` package (whose kernels it scans).
 """
@@ -38,12 +42,15 @@ import sys
 import textwrap
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import triton
 from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.jit import JITFunction
+
+from clover_kernels.ops import TABLE
+from clover_kernels.shapes import CLOVER_35B, Tensors
 
 try:  # under TRITON_INTERPRET=1, triton.jit returns these instead of JITFunction
     from triton.runtime.interpreter import InterpretedFunction
@@ -51,21 +58,6 @@ except ImportError:  # pragma: no cover
     InterpretedFunction = JITFunction
 
 PACKAGE = "clover_kernels"
-
-# Clover-35B-A3B (clover-architecture.md section 2; checked against clover_lab's preset by the test)
-DIMS_35B = dict(hidden=2048, gdn_key_heads=16, gdn_value_heads=32, gdn_head_k=128, gdn_head_v=128, conv=4,
-                attn_heads=16, attn_kv_heads=2, attn_head_dim=256, experts=256, top_k=8, expert_width=512,
-                shared_width=512, block=32, coreset=64, max_prefill_chunk=8192, rotary_dim=64)
-
-# Row counts swept per op: every value up to 2 x 64 (past every launcher's tile-size switch point:
-# a block is 32 rows, fused commit+preview 64) and the prefill chunk sizes up to 8k with their
-# neighbours (Triton specialises integer arguments on == 1 and on divisibility by 16).
-_BIG_ROWS = (255, 256, 1000, 1023, 1024, 2048, 4095, 4096, 8191, 8192)
-COMMIT_ROWS = tuple(range(1, 129)) + _BIG_ROWS
-MOE_ROWS = tuple(range(1, 129)) + _BIG_ROWS
-NORM_ROWS = (1, 32, 64, 1024, 8192)
-ATTENTION_ROWS = tuple(range(1, 65))  # a static step: AR (1), a preview (up to 32), commit + preview (64)
-ATTENTION_BUFFERS = (1024, 4096, 32768, 131072)  # the static cache buffer: its split counts
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -328,193 +320,40 @@ def capturing(discovery: Discovery, target_tuple=SM90):
         driver._active = prev_active
 
 
-# --------------------------------------------------------------------------------- call table
-def _meta(*shape, dtype):
-    return torch.empty(*shape, dtype=dtype, device="meta")
+# --------------------------------------------------------------------------------- the op table's calls
+# kernels whose binary does not depend on the activation dtype: one compile (labelled bf16) serves all
+ONE_BINARY_FOR_EVERY_DTYPE = {
+    "_align_kernel": "reads only expert ids",
+    "_coreset_kernel": "reads only the fp32 router probabilities",
+}
 
 
-def clover_35b_calls(dtypes=tuple(DTYPES), dims=None, rows=None):
-    """(op, dtype label, rows, (op name, args)) for every dispatched op at the 35B shapes, with
-    the tensors' dtypes as the model passes them (GDN state and log-decay fp32, the rest the
-    model's dtype). Batch 1: the engine's generation batch. ``rows``: {op: row counts} in place
-    of the default sweeps (cost tables of chosen shapes)."""
-    d = dict(DIMS_35B, **(dims or {}))
-    rows = rows or {}
-    norm_rows = rows.get("rms_norm", NORM_ROWS)
-    gated_rows = rows.get("gated_rms_norm", NORM_ROWS)
-    commit_rows = rows.get("gdn_commit", COMMIT_ROWS)
-    preview_rows = rows.get("gdn_preview", range(1, d["block"] + 1))
-    moe_rows = rows.get("moe_experts", MOE_ROWS)
-    H, Hk, Hv, dk, dv, K = (d[k] for k in ("hidden", "gdn_key_heads", "gdn_value_heads", "gdn_head_k",
-                                           "gdn_head_v", "conv"))
-    E, k, I, D = d["experts"], d["top_k"], d["expert_width"], d["attn_head_dim"]
-    C = 2 * Hk * dk + Hv * dv
-    f32 = torch.float32
-    for label in dtypes:
-        dt = DTYPES[label]
-        for T in norm_rows:  # decoder norms over hidden; attention q/k norms over head_dim
-            yield "rms_norm", label, T, ("rms_norm", (_meta(T, H, dtype=dt), _meta(H, dtype=dt)))
-            yield "rms_norm", label, T, ("rms_norm", (_meta(T, d["attn_heads"], D, dtype=dt), _meta(D, dtype=dt)))
-        for T in norm_rows:  # the residual add with the norm after it; the gating ops between the GEMMs
-            yield "add_rms_norm", label, T, ("add_rms_norm", (_meta(T, H, dtype=dt), _meta(T, H, dtype=dt),
-                                                              _meta(H, dtype=dt)))
-            yield from _gating_calls(label, dt, d, T)
-        for T in gated_rows:  # the GDN output norm over dv, per value head
-            yield "gated_rms_norm", label, T, ("gated_rms_norm", (_meta(T * Hv, dv, dtype=dt),
-                                                                  _meta(T * Hv, dv, dtype=dt), _meta(dv, dtype=dt)))
-        for T in commit_rows:  # AR step (1), a block (32), prefill chunks (up to 8k)
-            yield "gdn_commit", label, T, ("gdn_commit", (
-                _meta(1, T, C, dtype=dt), _meta(1, C, K - 1, dtype=dt), _meta(C, K, dtype=dt), _meta(1, T, Hv, dtype=f32),
-                _meta(1, T, Hv, dtype=dt), _meta(1, Hv, dk, dv, dtype=f32), Hk, dk, dv))
-        for m in preview_rows:  # a preview block: 1..32 rows
-            for history in (False, True):
-                yield "gdn_preview", label, m, ("gdn_preview", (
-                    _meta(1, m, C, dtype=dt), _meta(1, C, K - 1, dtype=dt), _meta(C, K, dtype=dt),
-                    _meta(C, K - 1, dtype=dt), _meta(1, Hv, dk, dv, dtype=f32), _meta(Hv, dtype=dt), _meta(Hv, dtype=dt),
-                    _meta(Hv, dtype=dt), Hk, dk, dv, history))
-        S, i64 = d["coreset"], torch.int64
-        for T in moe_rows:  # the router's rule over T tokens' logits: every expert, or a coreset (mask or ids)
-            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k))
-            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k, _meta(E, dtype=torch.bool)))
-            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k, None, _meta(S, dtype=i64)))
-        for G in (1, 2, 8):  # a batch's blocks, each row its own coreset: recorded, then routed within
-            T = G * d["block"]
-            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k, None, None, _meta(G, S, dtype=i64)))
-            yield "route", label, T, ("route", (_meta(T, E, dtype=dt), k, None, _meta(G, S, dtype=i64)))
-        yield "route", label, d["block"], ("route", (_meta(d["block"], E, dtype=dt), k, None, None,
-                                                     _meta(S, dtype=i64)))
-        for T in moe_rows:  # routed experts of T tokens (coreset routing changes ids, not shapes)
-            yield "moe_experts", label, T, ("moe_experts", (
-                _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
-                _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
-        yield from _moe_tile_calls(label, dt, d, fp8=False)
-        Hq, Hkv = d["attn_heads"], d["attn_kv_heads"]
-        attention_rows = rows.get("cache_attention", ATTENTION_ROWS) if label in HALF_DTYPES else ()
-        for T in attention_rows:  # the static steps' attention, at every buffer size
-            for L in ATTENTION_BUFFERS:
-                for block_rows in {0, min(T, d["block"])} if T in (d["block"], 2 * d["block"]) else (0,):
-                    yield "cache_attention", label, T, ("cache_attention", (  # a preview's or fused step's block
-                        _meta(1, Hq, T, D, dtype=dt), _meta(1, Hkv, L, D, dtype=dt), _meta(1, Hkv, L, D, dtype=dt),
-                        _meta(1, T, dtype=torch.int64), _meta(1, T, Hq * D, dtype=dt), block_rows))
-        if label in FP8_DTYPES:  # FP8 checkpoints: FP8 weights, bf16 / fp16 activations
-            yield from _fp8_calls(label, dt, d, rows)
-            yield from _moe_tile_calls(label, dt, d, fp8=True)
-
-
-def moe_tile_rows(d=DIMS_35B) -> dict:
-    """{row-block height: a token count whose pairs per expert choose it} (moe.fused.block_m)."""
-    from clover_kernels.moe.fused import BLOCK_MS
-
-    return {bm: bm * d["experts"] // d["top_k"] for bm in BLOCK_MS}
-
-
-def _moe_tile_calls(label, dt, d, fp8: bool):
-    """The routed experts at one token count per tile choice (decode/block heights to prefill's)."""
-    H, E, k, I = d["hidden"], d["experts"], d["top_k"], d["expert_width"]
-    for T in moe_tile_rows(d).values():
-        if not fp8:
-            yield "moe_experts", label, T, ("moe_experts", (
-                _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
-                _meta(E, 2 * I, H, dtype=dt), _meta(E, H, I, dtype=dt)))
-            continue
-        f8, f32, q = torch.float8_e4m3fn, torch.float32, FP8_BLOCK
-        yield "moe_experts_fp8", label, T, ("moe_experts_fp8", (
-            _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
-            _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
-            _meta(E, 2 * -(-I // q), -(-H // q), dtype=f32), _meta(E, -(-H // q), -(-I // q), dtype=f32), (q, q)))
-
-
-def _gating_calls(label, dt, d, T):
-    """The small fused ops of one forward of T rows, their inputs the views the layers pass."""
-    H, Hv, Hq, Hkv, D = d["hidden"], d["gdn_value_heads"], d["attn_heads"], d["attn_kv_heads"], d["attn_head_dim"]
-    S, R = d["shared_width"], d["rotary_dim"]
-    query_gate = _meta(1, T, Hq, 2 * D, dtype=dt)  # q_proj's product: query and gate per head
-    yield "qk_norm_rope", label, T, ("qk_norm_rope", (
-        query_gate[..., :D], _meta(1, T, Hkv, D, dtype=dt), _meta(D, dtype=dt), _meta(D, dtype=dt),
-        _meta(T, dtype=torch.int64), _meta(R // 2, dtype=torch.float32)))
-    kv_cache = _meta(1, Hkv, ATTENTION_BUFFERS[1], D, dtype=dt)  # a static step: K,V written into the cache
-    yield "qk_norm_rope", label, T, ("qk_norm_rope", (
-        query_gate[..., :D], _meta(1, T, Hkv, D, dtype=dt), _meta(D, dtype=dt), _meta(D, dtype=dt),
-        _meta(1, T, dtype=torch.int64), _meta(R // 2, dtype=torch.float32), 1e-6,
-        (kv_cache, kv_cache, _meta(1, T, Hkv, D, dtype=dt))))
-    yield "sigmoid_gate", label, T, ("sigmoid_gate", (_meta(1, Hq, T, D, dtype=dt).transpose(1, 2), query_gate[..., D:]))
-    gates = _meta(1, T, 2 * Hv, dtype=dt)  # in_proj_b and in_proj_a's columns
-    yield "gdn_gates", label, T, ("gdn_gates", (gates[..., :Hv], gates[..., Hv:], _meta(Hv, dtype=dt),
-                                                _meta(Hv, dtype=dt)))
-    yield "silu_mul", label, T, ("silu_mul", (_meta(1, T, S, dtype=dt), _meta(1, T, S, dtype=dt)))
-    rows = [_meta(1, T, H, dtype=dt) for _ in range(4)]
-    yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1], rows[2], _meta(1, H, dtype=dt), rows[3]))
-    yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1], rows[2], _meta(1, H, dtype=dt), rows[3],
-                                                    _meta(H, dtype=dt)))  # with the next layer's input norm
-    yield "moe_combine", label, T, ("moe_combine", (rows[0], rows[1]))
-    slots = _meta(1, T, d["top_k"], H, dtype=torch.float32)  # the routed experts' per-slot outputs, summed here
-    yield "moe_combine", label, T, ("moe_combine", (rows[0], slots, rows[2], _meta(1, H, dtype=dt), rows[3],
-                                                    _meta(H, dtype=dt)))
-    yield "moe_combine", label, T, ("moe_combine", (rows[0], slots))
-
-
-# the 35B's quantized linears as (out, in) features: q (query + gate), k / v, o, GDN in_proj_qkv,
-# in_proj_z, in_proj_a / b, out_proj, the shared expert's gate / up and down
-FP8_LINEAR_SHAPES = ((8192, 2048), (512, 2048), (2048, 4096), (4096, 2048), (32, 2048), (2048, 512))
-FP8_BLOCK = 128  # Qwen's and DeepSeek's weight_block_size [128, 128]
-# the FP8 kernels take bf16 / fp16 activations: fp32 ones run the torch path (their tiles spill)
-FP8_DTYPES = ("bf16", "fp16")
-# so do the split-KV attention's (its fp32 tiles of head_dim 256 spill)
-HALF_DTYPES = FP8_DTYPES
-KERNEL_DTYPES = {name: set(HALF_DTYPES) for name in ("_fp8_linear_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel",
-                                                     "_split_kv_kernel", "_combine_kernel")}
-KERNEL_DTYPES["_align_kernel"] = {"bf16"}  # reads only expert ids: one binary for every activation dtype
-KERNEL_DTYPES["_coreset_kernel"] = {"bf16"}  # reads only the fp32 router probabilities: likewise
-
-
-def _fp8_calls(label, dt, d, rows):
-    f8, f32, q = torch.float8_e4m3fn, torch.float32, FP8_BLOCK
-    H, E, k, I = d["hidden"], d["experts"], d["top_k"], d["expert_width"]
-    for T in rows.get("linear_fp8", NORM_ROWS):
-        for N, K in FP8_LINEAR_SHAPES:
-            yield "linear_fp8", label, T, ("linear_fp8", (
-                _meta(T, K, dtype=dt), _meta(N, K, dtype=f8), _meta(-(-N // q), -(-K // q), dtype=f32), (q, q)))
-    for T in rows.get("moe_experts_fp8", MOE_ROWS):
-        yield "moe_experts_fp8", label, T, ("moe_experts_fp8", (
-            _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
-            _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
-            _meta(E, 2 * -(-I // q), -(-H // q), dtype=f32), _meta(E, -(-H // q), -(-I // q), dtype=f32), (q, q)))
-    yield from _fp8_odd_block_calls(label, dt, d)
-
-
-# quantization blocks whose width is not a power of two: K steps of its largest power-of-two divisor
-FP8_ODD_BLOCKS = ((128, 96), (128, 192))
-FP8_ODD_ROWS = (1, 32, 4096)
-
-
-def _fp8_odd_block_calls(label, dt, d):
-    f8, f32 = torch.float8_e4m3fn, torch.float32
-    H, E, k, I = d["hidden"], d["experts"], d["top_k"], d["expert_width"]
-    for bn, bk in FP8_ODD_BLOCKS:
-        for T in FP8_ODD_ROWS:
-            yield "linear_fp8", label, T, ("linear_fp8", (
-                _meta(T, H, dtype=dt), _meta(4096, H, dtype=f8), _meta(-(-4096 // bn), -(-H // bk), dtype=f32),
-                (bn, bk)))
-            yield "moe_experts_fp8", label, T, ("moe_experts_fp8", (
-                _meta(T, H, dtype=dt), _meta(T, k, dtype=torch.int64), _meta(T, k, dtype=dt),
-                _meta(E, 2 * I, H, dtype=f8), _meta(E, H, I, dtype=f8),
-                _meta(E, 2 * -(-I // bn), -(-H // bk), dtype=f32), _meta(E, -(-H // bn), -(-I // bk), dtype=f32),
-                (bn, bk)))
+def op_dtypes(op, dtypes=tuple(DTYPES)) -> tuple:
+    """The labels of ``dtypes`` the op's kernel is built for on a GPU (its activation dtypes)."""
+    return tuple(label for label in dtypes if DTYPES[label] in op.gpu_dtypes)
 
 
 def capture_35b(discovery: Discovery, dtypes=tuple(DTYPES), target_tuple=SM90, rows=None):
-    """(launches, ops covered by the table, ops of the dispatch the table misses)."""
-    from clover_kernels import triton_ops
+    """Every call of every op of the table (``clover_kernels.ops``) at the Clover-35B-A3B sizes, on
+    meta tensors, in each of ``dtypes`` the op's kernel is built for, through the op's Triton
+    implementation. Batch 1: the engine's generation batch. ``rows``: {op name: row counts} in place
+    of that op's sweep (cost tables of chosen shapes).
+
+    Returns (launches, ops that launched, ops of the table that launched nothing)."""
+    from clover_kernels import triton_ops  # the kernels: imported here, after any TRITON_INTERPRET check
 
     if triton_ops.MISSING:
         raise RuntimeError(f"Triton ops failed to import: {triton_ops.MISSING}")
+    rows = rows or {}
     covered = set()
     with capturing(discovery, target_tuple) as (launches, label):
-        for op, dtype, rows, (name, args) in clover_35b_calls(dtypes, rows=rows):
-            label.update(op=op, dtype=dtype, rows=rows)
-            triton_ops.OPS[name](*args)
-            covered.add(name)
-    return launches, sorted(covered), sorted(set(triton_ops.OPS) - covered)
+        for op in TABLE:
+            for dtype in op_dtypes(op, dtypes):
+                for count, args in op.calls(CLOVER_35B, Tensors(DTYPES[dtype]), rows.get(op.name)):
+                    label.update(op=op.name, dtype=dtype, rows=count)
+                    op.run_kernel(*args)  # meta tensors: the dispatch would choose the reference
+                    covered.add(op.name)
+    return launches, sorted(covered), sorted({op.name for op in TABLE} - covered)
 
 
 def distinct_cases(launches):
@@ -657,9 +496,17 @@ def failures_of(result: dict, smem_limit: int = SMEM_PER_BLOCK_SM90) -> list[str
 
 
 def run_check(dtypes=tuple(DTYPES), jobs: int = 2, compile_kernels: bool = True, extra_modules=(),
-              target_tuple=SM90, package: str = PACKAGE, only=()) -> dict:
+              target_tuple=SM90, package: str = PACKAGE, only=(), ops=()) -> dict:
     """Discover, capture at the 35B shapes, compile. Returns the whole report (JSON-able).
-    ``only``: kernel names to compile (the coverage checks still see every kernel)."""
+    ``only``: kernel names to compile; ``ops``: compile only the cases these ops (names) launch.
+    Either way every op is captured: the coverage checks still see every kernel."""
+    unknown = set(dtypes) - set(DTYPES)
+    if unknown:
+        raise ValueError(f"--dtypes: {', '.join(sorted(unknown))} is not one of {', '.join(DTYPES)}")
+    unknown = set(ops) - {op.name for op in TABLE}
+    if unknown:
+        raise ValueError(f"--ops: {', '.join(sorted(unknown))} is not an op of clover_kernels.ops.TABLE "
+                         f"({', '.join(op.name for op in TABLE)})")
     problem = cuda_backend_problem()
     if problem:
         raise CudaBackendMissing(problem)
@@ -673,10 +520,12 @@ def run_check(dtypes=tuple(DTYPES), jobs: int = 2, compile_kernels: bool = True,
         if unknown:
             raise ValueError(f"--kernels: no Triton function named {', '.join(sorted(unknown))}")
         cases = [c for c in cases if c["launch"].kernel in only]
+    if ops:
+        cases = [c for c in cases if c["ops"] & set(ops)]
     report = dict(
         triton=triton.__version__, ptxas=ptxas_version(target_tuple[1]), torch=torch.__version__,
         target=list(target_tuple),
-        smem_limit_bytes=SMEM_PER_BLOCK_SM90, dims=DIMS_35B, dtypes=list(dtypes),
+        smem_limit_bytes=SMEM_PER_BLOCK_SM90, dims=asdict(CLOVER_35B), dtypes=list(dtypes), ops_compiled=list(ops),
         discovered={n: discovery.modules[n] for n in sorted(discovery.functions)},
         kernels=discovery.kernels, helpers=discovery.helpers,
         calls={n: sorted(c) for n, c in discovery.calls.items() if c},
@@ -730,9 +579,9 @@ def print_report(report: dict, file=sys.stdout) -> None:
             print(f"  {flag} {case_label(row)}: {res['regs']} regs, spills {res['spill_store_bytes']}/"
                   f"{res['spill_load_bytes']} B, smem {res['shared_bytes']} B, occupancy {res['occupancy']:.2f}"
                   + (f"  <- {'; '.join(row['failures'])}" if row["failures"] else ""), file=file)
-    for key, what in (("uncovered_kernels", "kernels no op of the 35B call table launches"),
+    for key, what in (("uncovered_kernels", "kernels no call of the op table launches"),
                       ("uncovered_helpers", "helpers no covered kernel calls"),
-                      ("ops_missing", "dispatch ops missing from the 35B call table")):
+                      ("ops_missing", "ops of the table whose calls launch nothing")):
         if report[key]:
             print(f"FAIL {what}: {', '.join(report[key])}", file=file)
 
@@ -745,6 +594,8 @@ def main(argv=None) -> int:
     p.add_argument("--extra-module", action="append", default=[], help="also scan this .py file (tests)")
     p.add_argument("--no-compile", action="store_true", help="discover and capture only")
     p.add_argument("--kernels", default="", help="comma-separated kernel names to compile (default: all)")
+    p.add_argument("--ops", default="", help="comma-separated op names (clover_kernels.ops): compile only "
+                                             "the cases their calls launch (default: all)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -752,7 +603,10 @@ def main(argv=None) -> int:
         return 2
     try:
         report = run_check(tuple(args.dtypes.split(",")), args.jobs, not args.no_compile, args.extra_module,
-                           only=tuple(k for k in args.kernels.split(",") if k))
+                           only=tuple(k for k in args.kernels.split(",") if k),
+                           ops=tuple(o for o in args.ops.split(",") if o))
+    except ValueError as exc:
+        p.error(str(exc))
     except CudaBackendMissing as exc:
         print(f"compile_check: skipped: {exc}")
         if args.json:

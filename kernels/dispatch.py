@@ -37,7 +37,7 @@ def kernel_table() -> dict:
     global _triton_ops
     if _triton_ops is None:
         loader = _loader()
-        _triton_ops = loader.OPS if loader is not None else {}
+        _triton_ops = loader.KERNELS if loader is not None else {}
     return _triton_ops
 
 

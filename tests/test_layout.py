@@ -125,6 +125,35 @@ def test_no_module_re_exports_names_to_keep_an_old_import_path():
     assert not shims, "re-exports:\n" + "\n".join(shims)
 
 
+def _alias(node: ast.stmt) -> str | None:
+    """The name a module-level ``name = X["name"]`` / ``name = x.name`` binds to another's object."""
+    if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+        return None
+    name, value = node.targets[0].id, node.value
+    if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and value.slice.value == name:
+        return name
+    if isinstance(value, ast.Attribute) and value.attr == name:
+        return name
+    return None
+
+
+def test_the_kernel_package_keeps_no_second_name_for_anything():
+    """An op is used from where it is defined (``clover_kernels.ops.rms_norm``): no ``__init__`` of
+    clover_kernels binds a name (no re-export), no module of it aliases another's object under
+    the same name (``rms_norm = OPS["rms_norm"]``, ``linear = dense.linear``)."""
+    found = []
+    for p in sorted(KERNELS.rglob("*.py")):
+        body = ast.parse(p.read_text()).body
+        for node in body:
+            if p.name == "__init__.py":
+                docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                if not docstring:
+                    found.append(f"{p.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:80]}")
+            elif _alias(node):
+                found.append(f"{p.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not found, "second names in clover_kernels (import from the defining module):\n" + "\n".join(found)
+
+
 def test_a_long_module_says_why_it_is_one_concept():
     """Files are split by concept, never by length; one past ~600 lines says in its docstring why
     it is one concept (the words "one concept")."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-import clover_kernels as ops
+from clover_kernels import dense
 from clover_lab.checkpoint import loading, saving
 from clover_lab.config import CloverConfig
 from clover_lab.errors import count, flag
@@ -406,27 +406,27 @@ class CloverModel(nn.Module):
         writes through ``.data`` are not seen (call ``pack_weights()`` again). Returns the bytes
         packed; ``pack_weights(False)`` drops the copies."""
         enabled = flag("pack_weights enabled", enabled, none=False)
-        if enabled and not ops.can_pack(self.model.embed_tokens.weight):
+        if enabled and not dense.can_pack(self.model.embed_tokens.weight):
             raise ValueError(f"pack_weights: packed weights are for fp32 models (bf16 where the CPU has oneDNN's bf16 "
                              f"GEMM) on an x86 CPU with oneDNN; "
                              f"this model is {str(self.dtype).removeprefix('torch.')} on {self.device}")
 
-        def pack(weight) -> ops.PackedWeight:
-            packed = ops.PackedWeight()
+        def pack(weight) -> dense.PackedWeight:
+            packed = dense.PackedWeight()
             packed.get(weight)
             return packed
 
         fused = set()  # parts of a fused GEMM: its one weight is packed instead
         for module, group in self.projection_groups():
             if group.weight is not None:
-                group.packed = pack(group.weight) if enabled and ops.can_pack(group.weight) else None
+                group.packed = pack(group.weight) if enabled and dense.can_pack(group.weight) else None
                 fused.update(id(m) for m in group.modules(module))
         for module in self.modules():  # FP8 weights and offloaded experts are not packed
             if id(module) in fused:
                 module.packed = None
-            elif isinstance(module, (Linear, Router)) and ops.can_pack(module.weight):
+            elif isinstance(module, (Linear, Router)) and dense.can_pack(module.weight):
                 module.packed = pack(module.weight) if enabled else None
-            elif isinstance(module, Experts) and module.store is None and ops.can_pack(module.gate_up_proj):
+            elif isinstance(module, Experts) and module.store is None and dense.can_pack(module.gate_up_proj):
                 module.packed = ([pack(w) for w in module.gate_up_proj],
                                  [pack(w) for w in module.down_proj]) if enabled else None
         return sum(p.nbytes for p in self._packs())

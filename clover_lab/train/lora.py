@@ -2,7 +2,7 @@
 
 peft's LoRA wraps any ``nn.Linear`` subclass, so it takes clover_lab's ``layers.linear.Linear``
 as it is: ``inject_adapter_in_model`` replaces each chosen projection in place by a
-``lora.Linear`` that calls the original module (and so ``clover_kernels.linear``) and adds
+``lora.Linear`` that calls the original module (and so ``clover_kernels.dense.linear``) and adds
 ``scaling * B(A(x))``; no wrapper model, so ``training_forward`` and FSDP see the same modules.
 The routed experts are fused [E, ...] parameters, not Linear modules, so they take no adapter.
 The export merges each adapter into its weight (``merged_state_dict``), so the written

@@ -1,11 +1,13 @@
 """Every Triton kernel compiled for the H200 (sm_90) at the Clover-35B-A3B shapes, on a CPU.
 
 Triton's interpreter (what the other kernel tests run on a CPU) hides compile errors, register
-spills, shared-memory overflows and the bf16 code paths. ``bench/compile_check.py``
-compiles every kernel with Triton's own compiler and ptxas for sm_90, in every dtype and launch
-config the dispatch's ops choose at the 35B shapes. It runs in a subprocess: this process has
-TRITON_INTERPRET=1 (tests/kernels/conftest.py), under which triton.jit makes no compilable
-kernels. Skips only where Triton has no CUDA backend.
+spills, shared-memory overflows and the bf16 code paths. ``bench/compile_check.py`` compiles
+every call the op table (clover_kernels/ops.py) describes at the 35B sizes with Triton's own
+compiler and ptxas for sm_90, in every dtype the op's kernel is built for. Per op here (``-k route``
+compiles only route's cases); the coverage (every kernel and helper launched by some call, every
+op launching) from one capture without compiling. Everything runs in a subprocess: this process
+has TRITON_INTERPRET=1 (tests/kernels/conftest.py), under which triton.jit makes no compilable
+kernels; so every test here is slow. Skips only where Triton has no CUDA backend.
 """
 import importlib.util
 import json
@@ -19,15 +21,16 @@ import pytest
 
 pytest.importorskip("triton")
 
+from clover_kernels import ops  # noqa: E402
+
+pytestmark = pytest.mark.slow  # every test starts a process that compiles or captures
+
 # a development tool beside the benchmarks, not part of the installed package
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "compile_check.py"
 _spec = importlib.util.spec_from_file_location("compile_check", SCRIPT)
 compile_check = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("compile_check", compile_check)  # its dataclasses look their module up there
 _spec.loader.exec_module(compile_check)
-
-DTYPES = {"bf16", "fp16", "fp32"}
-DISCOVERY = compile_check.discover()  # in this process: what the package holds, helpers and kernels
 
 
 @pytest.fixture(autouse=True)
@@ -50,83 +53,84 @@ def _run(args, timeout):
     return proc
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sm90") / "compile.json"
-    jobs = str(max(1, min(8, os.cpu_count() or 1)))
-    proc = _run([str(SCRIPT), "--json", str(path), "--quiet", "--jobs", jobs], timeout=1500)
+def _report(path, *args, timeout):
+    proc = _run([str(SCRIPT), "--json", str(path), "--quiet", *args], timeout=timeout)
     assert proc.returncode in (0, 1) and path.exists(), f"compile_check crashed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def discovery():
+    """In this process: what the package holds, helpers and kernels."""
+    return compile_check.discover()
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    """Every call of the table captured at the 35B sizes, nothing compiled: the launch configs."""
+    return _report(tmp_path_factory.mktemp("sm90") / "captured.json", "--no-compile", timeout=600)
 
 
 def _label(row):
     return compile_check.case_label(row)
 
 
-@pytest.mark.parametrize("name", DISCOVERY.kernels)
-def test_kernel_compiles_for_sm90_without_spills(name, report):
-    cases = [row for row in report["cases"] if row["kernel"] == name]
-    assert cases, (f"{name}: no op of the dispatch launches it at the 35B shapes; add its op to "
-                   f"bench/compile_check.py's clover_35b_calls")
-    want = compile_check.KERNEL_DTYPES.get(name, DTYPES)
-    assert {row["dtype"] for row in cases} == want, f"{name}: compiled only in {sorted({r['dtype'] for r in cases})}"
+def _want_dtypes(kernel: str, op) -> set:
+    if kernel in compile_check.ONE_BINARY_FOR_EVERY_DTYPE:
+        return {"bf16"}
+    return set(compile_check.op_dtypes(op))
+
+
+@pytest.mark.parametrize("op", ops.TABLE, ids=lambda op: op.name)
+def test_op_compiles_for_sm90_without_spills(op, tmp_path):
+    """Each kernel the op's calls launch compiles in every dtype the op's kernel is built for, with
+    no compile error, no spill and shared memory within the per-block limit."""
+    jobs = str(max(1, min(8, os.cpu_count() or 1)))
+    report = _report(tmp_path / "compile.json", "--ops", op.name, "--jobs", jobs, timeout=1500)
+    cases = report["cases"]
+    assert cases, f"{op.name}: its calls launch no kernel at the 35B shapes"
+    for kernel in sorted({row["kernel"] for row in cases}):
+        got = {row["dtype"] for row in cases if row["kernel"] == kernel}
+        assert got == _want_dtypes(kernel, op), f"{op.name}: {kernel} compiled only in {sorted(got)}"
     bad = [f"{_label(row)}: {'; '.join(row['failures'])}" for row in cases if row["failures"]]
-    assert not bad, f"{name} on sm_90 ({report['triton']}):\n" + "\n".join(bad)
+    assert not bad, f"{op.name} on sm_90 ({report['triton']}):\n" + "\n".join(bad)
+    assert report["ok"]
 
 
-@pytest.mark.parametrize("name", DISCOVERY.helpers)
-def test_helper_is_compiled_inside_a_kernel(name, report):
-    callers = [k for k in DISCOVERY.kernels if name in DISCOVERY.reachable([k])]
-    compiled = [row for row in report["cases"] if row["kernel"] in callers]
-    assert compiled, f"{name}: no compiled kernel calls it (callers: {callers})"
-    assert not any(row["failures"] for row in compiled)
+def test_every_kernel_and_helper_is_launched_by_a_call_of_the_table(captured, discovery):
+    assert sorted(captured["discovered"]) == sorted(discovery.functions), "the subprocess saw other kernels"
+    assert captured["kernels"] == discovery.kernels and captured["helpers"] == discovery.helpers
+    assert captured["ops_missing"] == [], "ops of the table whose calls launch nothing"
+    assert captured["uncovered_kernels"] == [], "kernels no call of the op table launches: describe the call in ops.py"
+    assert captured["uncovered_helpers"] == [], "helpers no launched kernel calls"
 
 
 @pytest.mark.parametrize("name", ["_gate_up_kernel", "_down_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel",
                                   "_align_kernel"])
-def test_every_moe_tile_choice_is_compiled(name, report):
+def test_every_moe_tile_choice_is_launched(name, captured):
     """Tiles by workload: each row-block height moe.fused.block_m can choose (16 for decode and
-    blocks up to 128 for prefill) is compiled, in every dtype of the kernel, for its token count."""
+    blocks up to 128 for prefill) is among the compiled cases, in every dtype of the kernel, for
+    its token count."""
     from clover_kernels.moe.fused import BLOCK_MS
+    from clover_kernels.shapes import CLOVER_35B
 
-    cases = [row for row in report["cases"] if row["kernel"] == name]
-    for dtype in compile_check.KERNEL_DTYPES.get(name, DTYPES):
+    cases = [row for row in captured["cases"] if row["kernel"] == name]
+    for dtype in set().union(*(_want_dtypes(name, getattr(ops, op)) for row in cases for op in row["ops"])):
         heights = {row["config"]["BM"] for row in cases if row["dtype"] == dtype}
         assert heights == set(BLOCK_MS), f"{name} {dtype}: compiled at BM {sorted(heights)}"
-    for bm, T in compile_check.moe_tile_rows().items():
+    for bm, T in ops.moe_tile_rows(CLOVER_35B).items():
         assert any(row["config"]["BM"] == bm and T in row["rows"] for row in cases), (name, bm, T)
 
 
-def test_fp8_block_widths_that_are_not_powers_of_two_are_compiled(report):
+def test_fp8_block_widths_that_are_not_powers_of_two_are_launched(captured):
     """K steps of the largest power of two dividing the block width: 96 -> 32, 192 -> 64."""
+    from clover_kernels.shapes import CLOVER_35B
+
     for name in ("_fp8_linear_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel"):
-        for _, bk in compile_check.FP8_ODD_BLOCKS:
-            cases = [row for row in report["cases"] if row["kernel"] == name and row["config"]["QK"] == bk]
+        for _, bk in CLOVER_35B.fp8_odd_blocks:
+            cases = [row for row in captured["cases"] if row["kernel"] == name and row["config"]["QK"] == bk]
             assert cases and all(bk % row["config"]["BK"] == 0 for row in cases), (name, bk)
             assert all(row["config"]["BK"] & (row["config"]["BK"] - 1) == 0 for row in cases)
-
-
-def test_the_subprocess_saw_the_same_kernels(report):
-    assert sorted(report["discovered"]) == sorted(DISCOVERY.functions)
-    assert report["kernels"] == DISCOVERY.kernels and report["helpers"] == DISCOVERY.helpers
-
-
-def test_every_op_kernel_and_helper_is_covered(report):
-    assert report["ops_missing"] == [], "dispatch ops with no row in the 35B call table"
-    assert report["uncovered_kernels"] == [] and report["uncovered_helpers"] == []
-    assert report["ok"]
-
-
-def test_dims_are_the_35b_preset():
-    from clover_lab.config import CloverConfig
-
-    c = CloverConfig.preset("clover-35b-a3b")
-    want = dict(hidden=c.hidden_size, gdn_key_heads=c.linear_num_key_heads, gdn_value_heads=c.linear_num_value_heads,
-                gdn_head_k=c.linear_key_head_dim, gdn_head_v=c.linear_value_head_dim, conv=c.linear_conv_kernel_dim,
-                attn_heads=c.num_attention_heads, attn_kv_heads=c.num_key_value_heads, attn_head_dim=c.head_dim,
-                experts=c.num_experts, top_k=c.num_experts_per_tok, expert_width=c.moe_intermediate_size,
-                shared_width=c.shared_expert_intermediate_size, block=c.block_size, rotary_dim=c.rotary_dim)
-    assert {k: compile_check.DIMS_35B[k] for k in want} == want
 
 
 # ----------------------------------------------------------------- the check itself can fail

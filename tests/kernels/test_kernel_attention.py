@@ -7,8 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-import clover_kernels  # noqa: E402
-from clover_kernels import dispatch  # noqa: E402
+from clover_kernels import dispatch, ops  # noqa: E402
 from clover_kernels.attention import split_kv  # noqa: E402
 from clover_kernels.attention import torch as reference  # noqa: E402
 
@@ -106,8 +105,8 @@ def test_bad_shapes_are_named():
 def test_the_op_dispatches_to_the_kernel(monkeypatch, device, close):
     args = _case([[5, 8]], device=device)
     monkeypatch.setenv("CLOVER_KERNELS", "triton")
-    assert clover_kernels.backend_for("cache_attention", args[0]) == "triton"
-    close(clover_kernels.cache_attention(*args), _expected(*args), torch.float32, what="op")
+    assert dispatch.backend_for("cache_attention", args[0]) == "triton"
+    close(ops.cache_attention(*args), _expected(*args), torch.float32, what="op")
 
 
 def test_static_steps_through_the_kernel_equal_the_forward(tiny_model, monkeypatch):
@@ -115,8 +114,8 @@ def test_static_steps_through_the_kernel_equal_the_forward(tiny_model, monkeypat
     kernel (every other op on its torch path) give the plain forward's logits."""
     from clover_lab.engine.graphs import StepGraphs
 
-    chosen = clover_kernels.backend_for
-    monkeypatch.setattr(clover_kernels, "backend_for",
+    chosen = dispatch.backend_for
+    monkeypatch.setattr(dispatch, "backend_for",
                         lambda name, *t: "triton" if name == "cache_attention" else chosen(name, *t))
     calls = []
     kernel = dispatch.kernel_table()["cache_attention"]

@@ -164,6 +164,7 @@ def test_chunked_delta_rule_equals_the_recurrence(B, T, H, dk, dv, chunk):
         torch.testing.assert_close(before[:, i], at_start, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # inductor compiles C++ for the step
 def test_compiled_experts_take_the_grouped_op_past_a_few_pairs_per_expert():
     """Under torch.compile: few (token, slot) pairs per expert trace the contraction, many (a batch
     of blocks) call the grouped GEMMs as an opaque op; both equal the loop."""

@@ -1,5 +1,6 @@
-"""The dispatch: CPU tensors take the references unless CLOVER_KERNELS=triton forces the kernels;
-CUDA tensors take the kernels unless CLOVER_KERNELS=torch."""
+"""The dispatch, for every op of the table: CPU tensors take the reference unless CLOVER_KERNELS=triton
+forces the kernel; CUDA tensors take the kernel (where it is built for their dtype) unless
+CLOVER_KERNELS=torch; a gradient always takes the reference."""
 import importlib
 
 import pytest
@@ -7,119 +8,118 @@ import torch
 
 pytest.importorskip("triton")
 
-import clover_kernels  # noqa: E402
-from clover_kernels import dispatch  # noqa: E402
-from clover_kernels.gdn import naive as gdn_naive  # noqa: E402
-from clover_kernels.norm import naive as norm_naive
-from clover_kernels.moe import torch as moe_torch
+from small_calls import small_calls  # noqa: E402  (rootdir-relative: tests/ has no __init__)
 
-NAMES = ["rms_norm", "gated_rms_norm", "gdn_commit", "gdn_preview", "moe_experts", "linear_fp8", "moe_experts_fp8",
-         "route", "cache_attention", "add_rms_norm", "qk_norm_rope", "gdn_gates", "sigmoid_gate", "silu_mul",
-         "moe_combine"]
+from clover_kernels import dispatch, ops  # noqa: E402
+from clover_kernels.moe import torch as moe_torch  # noqa: E402
+from clover_kernels.norm import naive as norm_naive  # noqa: E402
+
+OPS = pytest.mark.parametrize("op", ops.TABLE, ids=lambda op: op.name)
+
+
+@pytest.fixture
+def kernel_runs(monkeypatch):
+    """spy(op) -> a list that grows by one each time the op's Triton implementation runs."""
+    def spy(op):
+        runs = []
+        kernel = dispatch.kernel_table()[op.name]
+        monkeypatch.setitem(dispatch.kernel_table(), op.name, lambda *a, **k: runs.append(1) or kernel(*a, **k))
+        return runs
+    return spy
+
+
+def _first_call(op, dtype, device):
+    return next(iter(small_calls(op, dtype, device)))[1]
 
 
 def test_every_op_has_a_kernel():
     triton_ops = importlib.import_module("clover_kernels.triton_ops")
     assert not triton_ops.MISSING, triton_ops.MISSING
-    assert sorted(dispatch.kernel_table()) == sorted(NAMES)
+    assert sorted(dispatch.kernel_table()) == sorted(op.name for op in ops.TABLE)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_cpu_defaults_to_reference(name, monkeypatch):
-    x = torch.zeros(2, 4)
-    assert dispatch.backend_for(name, x) == "torch"
+@OPS
+def test_cpu_calls_take_the_reference_unless_the_kernel_is_forced(op, kernel_runs, monkeypatch):
+    runs = kernel_runs(op)
+    args = _first_call(op, torch.float32, "cpu")
+    op(*args)
+    assert runs == [], "CPU tensors ran the kernel by default"
     monkeypatch.setenv("CLOVER_KERNELS", "triton")
-    assert dispatch.backend_for(name, x) == "triton"
+    op(*_first_call(op, torch.float32, "cpu"))
+    assert runs == [1], "CLOVER_KERNELS=triton did not run the kernel"
     monkeypatch.setenv("CLOVER_KERNELS", "torch")
-    assert dispatch.backend_for(name, x) == "torch"
+    op(*_first_call(op, torch.float32, "cpu"))
+    assert runs == [1], "CLOVER_KERNELS=torch ran the kernel"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", NAMES)
-def test_cuda_defaults_to_kernel(name, monkeypatch):
-    x = torch.zeros(2, 4, device="cuda")
-    assert dispatch.backend_for(name, x) == "triton"
+@OPS
+def test_cuda_calls_take_the_kernel_built_for_their_dtype(op, dtype, kernel_runs, monkeypatch):
+    runs = kernel_runs(op)
+    op(*_first_call(op, dtype, "cuda"))
+    assert runs == ([1] if dtype in op.gpu_dtypes else [])
     monkeypatch.setenv("CLOVER_KERNELS", "torch")
-    assert dispatch.backend_for(name, x) == "torch"
+    op(*_first_call(op, dtype, "cuda"))
+    assert len(runs) == (1 if dtype in op.gpu_dtypes else 0), "CLOVER_KERNELS=torch ran the kernel"
 
 
-def _gdn_args(device):
-    g = torch.Generator().manual_seed(0)
-    B, T, Hk, Hv, dk, dv, K = 1, 5, 1, 2, 16, 16, 4
-    C = 2 * Hk * dk + Hv * dv
-    args = (torch.randn(B, T, C, generator=g), torch.randn(B, C, K - 1, generator=g),
-            torch.randn(C, K, generator=g) * 0.5, -torch.rand(B, T, Hv, generator=g),
-            torch.rand(B, T, Hv, generator=g), torch.randn(B, Hv, dk, dv, generator=g))
-    return tuple(a.to(device) for a in args), (Hk, dk, dv)
+def _needing_grad(args, which):
+    """The arguments with one float tensor (the first: the input, or the last: a weight) made a leaf
+    that requires a gradient."""
+    floats = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dtype in ops.EVERY_DTYPE]
+    i = floats[which]
+    return tuple(a.detach().clone().requires_grad_() if j == i else a for j, a in enumerate(args))
 
 
-def test_public_op_calls_the_kernel_when_selected(device, monkeypatch):
-    """The public op calls the Triton implementation (spied on) exactly when it is selected."""
-    calls = []
-    kernel = dispatch.kernel_table()["gdn_commit"]
+def _outputs(out):
+    return [t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
 
-    def spy(*args):
-        calls.append(1)
-        return kernel(*args)
 
-    monkeypatch.setitem(dispatch.kernel_table(), "gdn_commit", spy)
-    args, heads = _gdn_args(device)
-    ref = gdn_naive.gdn_commit(*args, *heads)
-    monkeypatch.setenv("CLOVER_KERNELS", "torch")
-    clover_kernels.gdn_commit(*args, *heads)
-    assert calls == []
-    monkeypatch.delenv("CLOVER_KERNELS")
-    clover_kernels.gdn_commit(*args, *heads)
-    assert calls == ([1] if device == "cuda" else [])  # the default: kernels for CUDA tensors only
+@OPS
+def test_a_gradient_takes_the_torch_path(op, kernel_runs, monkeypatch):
+    """The kernels are forward-only: an op autograd must differentiate runs the torch path,
+    whether the gradient flows through the input or only through another tensor (a weight)."""
+    runs = kernel_runs(op)
     monkeypatch.setenv("CLOVER_KERNELS", "triton")
-    out = clover_kernels.gdn_commit(*args, *heads)
-    assert len(calls) == (2 if device == "cuda" else 1)
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    for which in (0, -1):
+        args = _needing_grad(_first_call(op, torch.float32, "cpu"), which)
+        assert any(t.requires_grad for t in _outputs(op(*args))), "no graph recorded: not the torch path"
+    assert runs == []
+    with torch.no_grad():
+        op(*_needing_grad(_first_call(op, torch.float32, "cpu"), -1))
+    assert runs == [1]
 
 
 def test_forced_triton_norms_and_moe_match(device, monkeypatch):
     monkeypatch.setenv("CLOVER_KERNELS", "triton")
     x, gate, w = (torch.randn(3, 32, device=device), torch.randn(3, 32, device=device),
                   torch.randn(32, device=device))
-    torch.testing.assert_close(clover_kernels.rms_norm(x, w), norm_naive.rms_norm(x, w))
-    torch.testing.assert_close(clover_kernels.gated_rms_norm(x, gate, w),
-                               norm_naive.gated_rms_norm(x, gate, w))
+    torch.testing.assert_close(ops.rms_norm(x, w), norm_naive.rms_norm(x, w))
+    torch.testing.assert_close(ops.gated_rms_norm(x, gate, w), norm_naive.gated_rms_norm(x, gate, w))
     ids = torch.tensor([[0, 2], [2, 3]], device=device)
     wts = torch.rand(2, 2, device=device)
     gu, dn = torch.randn(4, 32, 32, device=device) * 0.2, torch.randn(4, 32, 16, device=device) * 0.2
     xm = torch.randn(2, 32, device=device)
-    torch.testing.assert_close(clover_kernels.moe_experts(xm, ids, wts, gu, dn),
+    torch.testing.assert_close(ops.moe_experts(xm, ids, wts, gu, dn),
                                moe_torch.moe_experts(xm, ids, wts, gu, dn), atol=2e-4, rtol=1e-4)
 
 
-def test_submodule_does_not_shadow_the_dispatch(device, monkeypatch):
-    """Every op keeps dispatching after the `clover_kernels.triton_ops` submodule is imported, on every call."""
-    importlib.import_module("clover_kernels.triton_ops")
+def test_the_kernel_table_is_loaded_once(device, monkeypatch):
+    """Every op keeps dispatching after the `clover_kernels.triton_ops` submodule is imported, on every
+    call, through the one table that submodule loaded."""
+    triton_ops = importlib.import_module("clover_kernels.triton_ops")
     monkeypatch.setattr(dispatch, "_triton_ops", None)
     monkeypatch.setenv("CLOVER_KERNELS", "triton")
     x, w = torch.randn(2, 16, device=device), torch.randn(16, device=device)
     for _ in range(2):
-        torch.testing.assert_close(clover_kernels.rms_norm(x, w), norm_naive.rms_norm(x, w))
-    assert clover_kernels.triton_ops.OPS is dispatch.kernel_table()
+        torch.testing.assert_close(ops.rms_norm(x, w), norm_naive.rms_norm(x, w))
+    assert triton_ops.KERNELS is dispatch.kernel_table()
 
 
 def test_bad_backend_name(monkeypatch):
     monkeypatch.setenv("CLOVER_KERNELS", "cuda")
     with pytest.raises(ValueError, match="CLOVER_KERNELS"):
         dispatch.backend_for("rms_norm", torch.zeros(1))
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_a_gradient_takes_the_torch_path(name, monkeypatch):
-    """The kernels are forward-only: an op autograd must differentiate runs the torch path,
-    whether the gradient flows through the input or only through another tensor (a weight)."""
-    monkeypatch.setenv("CLOVER_KERNELS", "triton")
-    x, w = torch.zeros(2, 4), torch.zeros(4, requires_grad=True)
-    assert dispatch.backend_for(name, x, w) == "torch"
-    assert dispatch.backend_for(name, x.requires_grad_()) == "torch"
-    with torch.no_grad():
-        assert dispatch.backend_for(name, x, w) == "triton"
 
 
 def test_training_through_forced_kernels_keeps_every_gradient(tiny_model, monkeypatch):

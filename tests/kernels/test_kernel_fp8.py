@@ -144,7 +144,7 @@ def test_an_fp8_model_through_the_kernels_matches_the_dequantized_model(tmp_path
     preview rows. On a CPU the other ops stay on their torch path (a short interpreter run); with
     CUDA both models run on the GPU in bf16 with the dispatch's own choices (Triton everywhere:
     fp32 activations would send the FP8 ops to torch there) and nothing is forced onto CPU tensors."""
-    import clover_kernels
+    from clover_kernels import dispatch
     from clover_lab import CloverConfig, CloverModel
     from clover_lab.checkpoint.quantize import quantize_checkpoint
 
@@ -156,7 +156,7 @@ def test_an_fp8_model_through_the_kernels_matches_the_dequantized_model(tmp_path
     deq = CloverModel.from_pretrained(tmp_path / "fp8", device=device, dtype=dtype)
     kept = CloverModel.from_pretrained(tmp_path / "fp8", keep_fp8=True, device=device, dtype=dtype)
     calls = []
-    chosen = clover_kernels.backend_for
+    chosen = dispatch.backend_for
 
     def fp8_ops_on_triton(name, *tensors):
         calls.append((name, chosen(name, *tensors)))
@@ -164,7 +164,7 @@ def test_an_fp8_model_through_the_kernels_matches_the_dequantized_model(tmp_path
             return calls[-1][1]
         return "triton" if name in ("linear_fp8", "moe_experts_fp8") else "torch"
 
-    monkeypatch.setattr(clover_kernels, "backend_for", fp8_ops_on_triton)
+    monkeypatch.setattr(dispatch, "backend_for", fp8_ops_on_triton)
     ids = torch.randint(0, 500, (1, 24), generator=torch.Generator().manual_seed(0)).to(device)
     outs = []
     for model in (deq, kept):  # one fused forward: 16 rows committed, 8 previewed

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-import clover_kernels as ops
+from clover_kernels import ops
 from clover_kernels.gdn.naive import right_taps
 from clover_lab import Coreset
 

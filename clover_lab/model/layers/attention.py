@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import clover_kernels as ops
+from clover_kernels import ops
 from clover_lab.config import CloverConfig
 from clover_lab.model.cache import AttentionCache
 from clover_lab.model.context import ForwardContext
@@ -84,7 +84,7 @@ class GatedAttention(nn.Module):
     def _attend_static(q, gate, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:
         """Static shapes for CUDA graphs: every row's K,V already written at its position
         (positions [B, c + m], each batch row from its own length: ``qk_norm_rope``), the gated
-        attention of each row up to the last key it sees (``clover_kernels.cache_attention``: on a
+        attention of each row up to the last key it sees (``clover_kernels.ops.cache_attention``: on a
         GPU it reads only those keys, the bound read on the device; the torch path masks the keys
         it is given: the first ``ctx.keys`` rows of the buffer off a CUDA graph, else all of them).
         Commit rows see the prefix causally; block rows see the prefix and the block.

@@ -1,13 +1,13 @@
 """Linear layers and routed experts whose weights stay in block-scaled FP8 (float8_e4m3fn values,
 one fp32 scale per block, ``weight_scale_inv``): what an FP8 checkpoint becomes on a GPU. The
-products run through ``clover_kernels.linear_fp8`` / ``moe_experts_fp8`` (the Triton kernels on
+products run through ``clover_kernels.ops.linear_fp8`` / ``moe_experts_fp8`` (the Triton kernels on
 CUDA, a dequantizing torch path elsewhere). Built by the loader (``clover_lab/fp8``), never trained."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-import clover_kernels as ops
+from clover_kernels import ops
 from clover_kernels.fp8.naive import FP8, scale_shape
 from clover_lab.config import CloverConfig
 from clover_lab.model.layers.linear import Linear

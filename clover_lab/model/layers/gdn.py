@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-import clover_kernels as ops
+from clover_kernels import ops
 from clover_kernels.gdn.torch import gdn_commit_blocks
 from clover_lab.config import CloverConfig
 from clover_lab.hooks import points

@@ -1,21 +1,21 @@
-"""Linear layers: ``nn.Linear`` through ``clover_kernels.linear``, and the SwiGLU MLP."""
+"""Linear layers: ``nn.Linear`` through ``clover_kernels.dense.linear``, and the SwiGLU MLP."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-import clover_kernels as ops
+from clover_kernels import dense, ops
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose CPU inference GEMM is ``clover_kernels.linear`` (oneDNN's fp32 GEMM where
+    """``nn.Linear`` whose CPU inference GEMM is ``clover_kernels.dense.linear`` (oneDNN's fp32 GEMM where
     it beats the default BLAS); same parameters, same state-dict names, same results to fp32 rounding.
     ``packed``: the weight kept in oneDNN's layout (``CloverModel.pack_weights``), or None."""
 
-    packed: ops.PackedWeight | None = None
+    packed: dense.PackedWeight | None = None
 
     def forward(self, x):
-        return ops.linear(x, self.weight, self.bias, packed=self.packed)
+        return dense.linear(x, self.weight, self.bias, packed=self.packed)
 
 
 class SwiGLU(nn.Module):
@@ -47,7 +47,7 @@ class FusedProjections:
     def __init__(self, *names: str):
         self.names = names
         self.weight: torch.Tensor | None = None
-        self.packed: ops.PackedWeight | None = None  # CPU: the fused weight in oneDNN's layout
+        self.packed: dense.PackedWeight | None = None  # CPU: the fused weight in oneDNN's layout
         self._parts: list = []  # (module, its weight's data_ptr) as fused
 
     def modules(self, owner: nn.Module) -> list[nn.Module]:
@@ -96,8 +96,8 @@ class FusedProjections:
     def __call__(self, owner: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
         """Each part's ``x @ W^T``, in the order of ``names`` (views of one product when fused)."""
         if self.active(owner, x):
-            y = ops.linear(x, self.weight, packed=self.packed)
+            y = dense.linear(x, self.weight, packed=self.packed)
             return list(y.split([m.weight.shape[0] for m, _ in self._parts], dim=-1))
         # a module that holds no weight of its own (a peft LoRA wrapper) runs its own forward: the adapter too
         return [m(x) if isinstance(m, nn.Linear) or "weight" not in m._parameters
-                else ops.linear(x, m.weight, packed=getattr(m, "packed", None)) for m in self.modules(owner)]
+                else dense.linear(x, m.weight, packed=getattr(m, "packed", None)) for m in self.modules(owner)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-import clover_kernels as ops
+from clover_kernels import dense, ops
 from clover_kernels.moe.naive import allowed_experts, select
 from clover_kernels.moe.torch import calibrate
 from clover_lab.config import CloverConfig
@@ -31,7 +31,7 @@ class Router(nn.Module):
     """Router probabilities (softmax over every expert, fp32) and the routing rule: the top-k
     among the allowed experts, their probabilities renormalised to sum to 1."""
 
-    packed: ops.PackedWeight | None = None  # the weight in oneDNN's layout (CloverModel.pack_weights)
+    packed: dense.PackedWeight | None = None  # the weight in oneDNN's layout (CloverModel.pack_weights)
 
     def __init__(self, config: CloverConfig):
         super().__init__()
@@ -43,11 +43,11 @@ class Router(nn.Module):
         return torch.softmax(self.logits(x), dim=-1, dtype=torch.float32)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, packed=self.packed)
+        return dense.linear(x, self.weight, packed=self.packed)
 
     def route(self, logits: torch.Tensor, within: torch.Tensor | None = None, record: torch.Tensor | None = None):
         """logits [T, E] -> (probs [T, E] fp32, expert ids [T, k], weights [T, k] fp32): softmax and
-        ``select`` in one kernel on a GPU (``clover_kernels.route``); ``within``: a coreset's expert
+        ``select`` in one kernel on a GPU (``clover_kernels.ops.route``); ``within``: a coreset's expert
         ids to route among, ``record``: a coreset buffer to record these rows' coreset into."""
         return ops.route(logits, self.top_k, within=within, record=record)
 
@@ -65,7 +65,7 @@ class Experts(nn.Module):
     on them. FP8 weights: ``layers/fp8.py``."""
 
     # (gate_up, down): one PackedWeight per expert each (CloverModel.pack_weights), or None
-    packed: tuple[list[ops.PackedWeight], list[ops.PackedWeight]] | None = None
+    packed: tuple[list[dense.PackedWeight], list[dense.PackedWeight]] | None = None
     store = None
 
     def __init__(self, config: CloverConfig):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-import clover_kernels as ops
+from clover_kernels import ops
 
 
 class RMSNorm(nn.Module):
