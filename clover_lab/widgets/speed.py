@@ -265,10 +265,17 @@ class SpeedView(View):
         if not rows:
             return "<i style='color:#888'>no runs yet</i>"
         cols = [c for c in rows[0] if c != "mode"]
-        fmt = lambda v: "–" if v is None else (f"{v:.3g}" if isinstance(v, float) else html.escape(str(v)))  # noqa: E731
+
+        def fmt(column, v):
+            if v is None:
+                return "–"
+            if column == "path":  # the path's name in the cell, why it was taken on hover
+                return f"<span title='{html.escape(str(v), quote=True)}'>{html.escape(str(v).split(':')[0])}</span>"
+            return f"{v:.3g}" if isinstance(v, float) else html.escape(str(v))
+
         head = "".join(f"<th style='padding:2px 6px'>{html.escape(c)}</th>" for c in cols)
-        body = "".join("<tr>" + "".join(f"<td style='padding:2px 6px;text-align:right'>{fmt(r[c])}</td>" for c in cols)
-                       + "</tr>" for r in rows)
+        body = "".join("<tr>" + "".join(f"<td style='padding:2px 6px;text-align:right;white-space:nowrap'>"
+                                         f"{fmt(c, r[c])}</td>" for c in cols) + "</tr>" for r in rows)
         return (f"<table style='border-collapse:collapse;font-size:11px'><tr>{head}</tr>{body}</table>"
                 f"<div style='font-size:11px;color:#666;max-width:900px'>{FORWARD_NOTE}</div>")
 

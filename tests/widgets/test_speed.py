@@ -43,3 +43,10 @@ def test_the_table_says_what_a_forward_is(view_engine):
         view.detach()
     page = view.table_html(view.summary())
     assert "forwards: model passes after the prefill" in page and "causal check" in page
+
+
+def test_the_path_column_names_the_path_and_says_why_on_hover():
+    rows = [{"run": "run 1 · diffusion", "mode": "diffusion", "path": "eager: on a CPU the fast path takes "
+             "engine.compile_steps = True (or step_graphs = True)"}]
+    page = SpeedView.table_html(rows)
+    assert ">eager</span>" in page and "title='eager: on a CPU the fast path takes engine.compile_steps" in page
