@@ -45,9 +45,6 @@ from clover_lab.cli.options import (
 from clover_lab.cli.view import LiveView, print_batch, print_interrupted, print_result
 from clover_lab.engine.requests import MODES
 
-# below this many parameters a CPU model runs on one thread (clover_lab/cpu.py, shared with load())
-SMALL_MODEL_PARAMETERS = cpu.SMALL_MODEL_PARAMETERS
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="clover-lab", description="Run, watch and take apart the Clover "
@@ -87,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse weights holding NaN or inf (default: for checkpoints up to 4 GiB)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads on the CPU (default: 1 for a model under "
-                        f"{SMALL_MODEL_PARAMETERS // 10**6}M parameters such as the embedded one, whose GEMMs are "
+                        f"{cpu.SMALL_MODEL_PARAMETERS // 10**6}M parameters such as the embedded one, whose GEMMs are "
                         "too small to split; torch's default for a larger one)")
     g.add_argument("--compile", action="store_true",
                    help="CPU: run the steps through torch.compile (about 10 s of compilation per step shape on "
@@ -158,7 +155,7 @@ def cmd_generate(args) -> int:
 
 def set_threads(model, count: int | None) -> int:
     """The threads policy of clover_lab/cpu.py for the CLI's process: ``--threads``, else by model."""
-    return cpu.set_threads(model, count, respect_user=False, small=SMALL_MODEL_PARAMETERS)
+    return cpu.set_threads(model, count, respect_user=False)
 
 
 def _prompt(engine, args):

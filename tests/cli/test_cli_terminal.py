@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from clover_lab import cpu
 from clover_lab.cli import main as cli
 from clover_lab.cli.view import LiveView
 
@@ -118,7 +119,7 @@ def test_threads_suit_the_model(gen_model, monkeypatch):
         torch.set_num_threads(2)
         assert cli.set_threads(gen_model, None) == 1  # a small model on the CPU: one thread
         torch.set_num_threads(2)
-        monkeypatch.setattr(cli, "SMALL_MODEL_PARAMETERS", 10)
+        monkeypatch.setattr(cpu, "SMALL_MODEL_PARAMETERS", 10)
         assert cli.set_threads(gen_model, None) == 2  # a large one: torch's default, left as it was
         assert cli.set_threads(gen_model, 3) == 3  # --threads wins
     finally:
