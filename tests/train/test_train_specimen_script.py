@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "assets" / "make_specimen_v2.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "assets" / "make_specimen_v2.sh"
 
 # records each call's arguments; `-c` (the script's "is this round's stage begun?" check) answers no
 FAKE_PY = """#!/usr/bin/env bash
