@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from failing_writes import FULL, Writes, leftovers
+from injected_faults import FULL, Writes, leftovers
 
 import clover_lab
 from clover_lab.lens.routing_stats import RouteStats

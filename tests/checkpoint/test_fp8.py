@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from failing_writes import FULL, Writes
+from injected_faults import FULL, Writes
 from safetensors.torch import load_file, save_file
 
 import clover_lab

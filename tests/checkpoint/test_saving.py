@@ -2,7 +2,7 @@
 import os
 
 import pytest
-from failing_writes import FULL, Writes, leftovers, same_weights
+from injected_faults import FULL, Writes, leftovers, same_weights
 
 import clover_lab
 from clover_lab import CheckpointError, CloverModel

@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from failing_writes import FULL, Writes, leftovers
+from injected_faults import FULL, Writes, leftovers
 
 import clover_lab
 from clover_lab import CloverError, TraceError

@@ -1,6 +1,5 @@
 """``clover-lab adapt``: an AR checkpoint gets a mask token and a trained preview; runs resume;
 two gloo processes under torchrun (FSDP2) give the loss and weights of one process."""
-import errno
 import json
 import os
 import shutil
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from failing_writes import FULL, Writes, leftovers
+from injected_faults import FULL, Writes, at_call, leftovers
 from safetensors.torch import load_file
 
 import clover_lab
@@ -391,27 +390,6 @@ def uninterrupted(tmp_path_factory, clover_init, data):
     return out
 
 
-def _at(n: int, action: str):
-    """What happens at the n-th call of a boundary: a signal delivered there (noted, acted on
-    after the step), a KeyboardInterrupt raised after the real call (a step applied but not
-    counted: the worst place), or a full disk before it."""
-    calls = []
-
-    def wrap(real):
-        def wrapper(*a, **k):
-            calls.append(1)
-            if len(calls) == n and action in ("SIGINT", "SIGTERM"):
-                signal.raise_signal(getattr(signal, action))
-            if len(calls) == n and action == "disk-full":
-                raise OSError(errno.ENOSPC, "No space left on device")
-            out = real(*a, **k)
-            if len(calls) == n and action == "raise":
-                raise KeyboardInterrupt
-            return out
-        return wrapper
-
-    return wrap
-
 
 class _LogJson:
     """adapt's json module with a boundary at the log line of one step."""
@@ -524,7 +502,7 @@ def test_an_adapt_run_stopped_at_any_boundary_resumes_as_if_never_stopped(
     out = tmp_path / "out"
     argv = ("--init", clover_init, "--data", data, "--out", out, *STEPS)
     with monkeypatch.context() as m:
-        _patch(m, boundary, _at(n, action))
+        _patch(m, boundary, at_call(n, action))
         code = adapt_code(*argv)
     err = capsys.readouterr().err
     assert code == {"SIGINT": 0, "SIGTERM": 0, "raise": 130, "disk-full": 2}[action], err

@@ -1,10 +1,9 @@
 """Training of small Clover models: the objective uses the inference operators, runs resume."""
-import errno
 import json
-import signal
 
 import pytest
 import torch
+from injected_faults import at_call, same_weights
 
 from clover_lab import CloverModel
 from clover_lab import train as training
@@ -155,32 +154,6 @@ def test_generation_defaults_of_an_export_are_checked_up_front(tmp_path, capsys)
     assert "give --export" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
-def same_weights(a: CloverModel, b: CloverModel) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def _at(n: int, action: str):
-    """What happens at the n-th call of a boundary: a signal delivered there (noted, acted on
-    after the step), a KeyboardInterrupt raised after the real call (a step applied but not
-    counted: the worst place), or a full disk before it."""
-    calls = []
-
-    def wrap(real):
-        def wrapper(*a, **k):
-            calls.append(1)
-            if len(calls) == n and action in ("SIGINT", "SIGTERM"):
-                signal.raise_signal(getattr(signal, action))
-            if len(calls) == n and action == "disk-full":
-                raise OSError(errno.ENOSPC, "No space left on device")
-            out = real(*a, **k)
-            if len(calls) == n and action == "raise":
-                raise KeyboardInterrupt
-            return out
-        return wrapper
-
-    return wrap
-
 
 # --------------------------------------------------------------------------- clover-lab train's loop
 SMALL_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -204,7 +177,7 @@ def test_a_training_run_stopped_inside_a_step_resumes_as_if_never_stopped(tmp_pa
     _train(tmp_path / "whole", monkeypatch)
     run = tmp_path / "stopped"
     with monkeypatch.context() as m:
-        m.setattr(torch.optim.AdamW, "step", _at(3, action)(torch.optim.AdamW.step))
+        m.setattr(torch.optim.AdamW, "step", at_call(3, action)(torch.optim.AdamW.step))
         if action == "raise":
             with pytest.raises(KeyboardInterrupt):
                 _train(run, m)

@@ -1,9 +1,13 @@
-"""Faults injected into writes, for the tests that a failed or interrupted write leaves what a
-user had (checkpoints, FP8 copies, traces, single files, adapt's exports): a full disk (OSError
-ENOSPC after half a file is written) or an interrupt (KeyboardInterrupt) at the n-th write."""
+"""Faults injected where they can land, for the tests that a failed or interrupted write leaves
+what a user had (checkpoints, FP8 copies, traces, single files, adapt's exports) and that a
+training run stopped at any boundary resumes as if never stopped: a full disk (OSError ENOSPC
+after half a file is written) or an interrupt (KeyboardInterrupt) at the n-th write
+(``Writes``), and a signal, an interrupt or a full disk at the n-th call of a boundary
+(``at_call``)."""
 import errno
 import os
 import pathlib
+import signal
 
 import torch
 
@@ -53,3 +57,24 @@ def same_weights(a: CloverModel, b: CloverModel) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
+
+def at_call(n: int, action: str):
+    """What happens at the n-th call of a boundary: a signal delivered there (noted, acted on
+    after the step), a KeyboardInterrupt raised after the real call (a step applied but not
+    counted: the worst place), or a full disk before it."""
+    calls = []
+
+    def wrap(real):
+        def wrapper(*a, **k):
+            calls.append(1)
+            if len(calls) == n and action in ("SIGINT", "SIGTERM"):
+                signal.raise_signal(getattr(signal, action))
+            if len(calls) == n and action == "disk-full":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            out = real(*a, **k)
+            if len(calls) == n and action == "raise":
+                raise KeyboardInterrupt
+            return out
+        return wrapper
+
+    return wrap
