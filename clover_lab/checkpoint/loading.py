@@ -338,7 +338,8 @@ def load_tokenizer(path):
 # Where clover_lab.load() looks for the embedded default model: a model directory (one with a
 # config.json) in one of these folders, "clover-stdlib" first: the installed package's data (a
 # wheel carries assets/clover-stdlib as clover_lab/assets), then the source tree's assets/.
-DEFAULT_MODEL_ROOTS = (Path(__file__).resolve().parent / "assets", Path(__file__).resolve().parent.parent / "assets")
+_PACKAGE = Path(__file__).resolve().parent.parent  # clover_lab/ (this module is in clover_lab/checkpoint/)
+DEFAULT_MODEL_ROOTS = (_PACKAGE / "assets", _PACKAGE.parent / "assets")
 DEFAULT_MODEL_NAME = "clover-stdlib"
 
 
