@@ -117,5 +117,6 @@ def compare(base, steered, *, from_step: int | None = None, block_size: int | No
         for t in {c.before for c in changed} | {c.after for c in changed}:
             if t is not None:
                 pieces[t] = tokenizer.decode([t])
-    return Effect(name, n, changed, first, from_step, kept, getattr(base, "text", ""), getattr(steered, "text", ""),
+    return Effect(name, n, changed, first, from_step, kept, getattr(base, "text", None) or "",
+                  getattr(steered, "text", None) or "",
                   pieces)

@@ -78,9 +78,10 @@ class Span:
                 raise InputError(f"{name}={value!r}: expected 'a:b', 'a:' (from a on) or ':b', or 'all'")
             a, b = (s.strip() for s in value.split(":"))
             try:
-                return cls._bounds(name, int(a) if a else None, int(b) if b else None)
+                start, stop = int(a) if a else None, int(b) if b else None
             except ValueError:
                 raise InputError(f"{name}={value!r}: the bounds of 'a:b' are ints") from None
+            return cls._bounds(name, start, stop)
         if isinstance(value, (list, tuple, range, torch.Tensor)):
             items = value.tolist() if isinstance(value, torch.Tensor) else list(value)
             if not items:
