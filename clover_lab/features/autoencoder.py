@@ -152,7 +152,7 @@ class TopKAutoencoder(nn.Module):
         with torch.no_grad():
             for name, t in tensors.items():
                 getattr(sae, name).copy_(t)
-        return sae
+        return sae.requires_grad_(False)
 
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, d_sae={self.d_sae}, k={self.k}, hook_name={self.hook_name!r}"
