@@ -17,6 +17,7 @@ import html
 
 import numpy as np
 
+from clover_lab.errors import InputError
 from clover_lab.features.timeline import FeatureTimeline
 from clover_lab.widgets.base import View
 from clover_lab.widgets.pieces import LEGEND_BELOW, figure_html, finite_rows, series_colour, token_piece, visible
@@ -75,7 +76,7 @@ class FeatureView(View):
         """Show ``timeline``, one frame per preview; the dropdown offers ``features`` (default the
         generation's ``top`` most active)."""
         if not isinstance(timeline, FeatureTimeline):
-            raise TypeError(f"FeatureView shows a FeatureTimeline (features.timeline), got {type(timeline).__name__}")
+            raise InputError(f"FeatureView shows a FeatureTimeline (features.timeline), got {type(timeline).__name__}")
         choices = [int(f) for f in features] if features else [f for f, _ in timeline.top(n=self.top_n)]
         for f in choices:
             timeline.feature_index(f)
