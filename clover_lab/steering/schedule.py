@@ -216,7 +216,7 @@ class Steer:
     def row(self) -> dict:
         """One line of a listing: what, how strongly, where."""
         positions = self.positions if isinstance(self.positions, str) else ", ".join(map(str, self.positions))
-        return dict(direction=self.name, norm=round(float(self.direction.norm()), 4), coefficient=self.coefficient,
+        return dict(direction=self.name, norm=round(float(self.direction.norm()), 4), coefficient=round(self.coefficient, 4),
                     layers=", ".join(map(str, self.layers)), point=self.kind, parts=" + ".join(self.parts),
                     blocks=str(self.blocks), steps=str(self.steps) if "preview" in self.parts else "-",
                     positions=positions)
