@@ -57,7 +57,8 @@ class FeatureView(View):
                                                           line=dict(width=2)))])
         self.fig_feature.update_layout(height=380, width=940, margin=dict(l=60, r=10, t=40, b=120),
                                        xaxis_title="block position: final token", yaxis_title="denoising step",
-                                       yaxis=dict(autorange="reversed", dtick=1), legend=LEGEND_BELOW)
+                                       yaxis=dict(autorange="reversed", dtick=1), legend=LEGEND_BELOW,
+                                       showlegend=True)  # the circles' entry, though the heatmap has none
         self.fig_top = Figure(go.Heatmap(z=[[0.0]], colorscale="Magma", zmin=0,
                                          colorbar=dict(thickness=10, title=dict(text="activation", side="right"))))
         self.fig_top.update_layout(height=360, width=560, margin=dict(l=90, r=10, t=40, b=60),
