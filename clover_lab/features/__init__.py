@@ -14,10 +14,10 @@ from clover_lab.features.activations import Activations, collect
 from clover_lab.features.autoencoder import TopKAutoencoder
 from clover_lab.features.reconstruction import Reconstruction, concat, evaluate
 from clover_lab.features.saelens import AutoencoderFileError
-from clover_lab.features.timeline import FeatureTimeline, Frame, timeline
+from clover_lab.features.timeline import FeatureTimeline, Frame, timeline, timeline_of
 from clover_lab.features.training import TrainingLog, train
 from clover_lab.features.unmasking import OrderFeature, UnmaskingOrder, unmasking_order
 
 __all__ = ["Activations", "collect", "TopKAutoencoder", "Reconstruction", "concat", "evaluate",
-           "AutoencoderFileError", "FeatureTimeline", "Frame", "timeline", "TrainingLog", "train", "OrderFeature",
+           "AutoencoderFileError", "FeatureTimeline", "Frame", "timeline", "timeline_of", "TrainingLog", "train", "OrderFeature",
            "UnmaskingOrder", "unmasking_order"]

@@ -3,6 +3,7 @@ on which block positions at each denoising step, and when against the step that 
 position.
 
     tl = features.timeline(engine, sae, "def parse(line):\\n", max_new_tokens=64)
+    tl = features.timeline_of(clover_lab.load_trace("runs/a"), sae)   # a capture or a saved trace
     tl.activation(117, block=1)     # [steps, positions] of feature 117 over block 1's denoising
     tl.top(block=1, step=0)         # the features most active at that step, summed over positions
     tl.relative(117)                # its mean activation by step minus the step that unmasked the position
@@ -19,6 +20,7 @@ from clover_lab.engine.requests import is_batch
 from clover_lab.errors import InputError
 from clover_lab.features.autoencoder import TopKAutoencoder
 from clover_lab.hooks import points as P
+from clover_lab.hooks.records import RecordSet
 
 
 @dataclass
@@ -36,11 +38,14 @@ class Frame:
 
 
 class FeatureTimeline:
-    """Frames of one generation in firing order, with its result and the autoencoder's size."""
+    """Frames of one generation in firing order, with each block's final tokens and the step that
+    unmasked each of its positions (None past the response's end), the autoencoder's size and the
+    point it reads; ``result`` the GenerationResult when the timeline ran the generation itself."""
 
-    def __init__(self, frames: list[Frame], result, d_sae: int, point: str, block_size: int, tokenizer=None):
-        self.frames, self.result, self.d_sae, self.point = frames, result, d_sae, point
-        self.block_size, self.tokenizer = block_size, tokenizer
+    def __init__(self, frames: list[Frame], block_tokens: dict[int, list], block_steps: dict[int, list], d_sae: int,
+                 point: str, tokenizer=None, result=None):
+        self.frames, self.d_sae, self.point, self.tokenizer, self.result = frames, d_sae, point, tokenizer, result
+        self._tokens, self._steps = block_tokens, block_steps
 
     @property
     def blocks(self) -> list[int]:
@@ -57,15 +62,13 @@ class FeatureTimeline:
 
     def tokens(self, block: int) -> list[int | None]:
         """The block's final tokens (None past the response's end)."""
-        ids = self.result.token_ids
-        start = block * self.block_size
-        return [ids[start + p] if start + p < len(ids) else None for p in range(self.positions(block))]
+        have = self._tokens.get(block, [])
+        return [have[p] if p < len(have) else None for p in range(self.positions(block))]
 
     def unmask_steps(self, block: int) -> list[int | None]:
         """Per block position, the step that unmasked it (None past the response's end)."""
-        steps = self.result.unmask_steps
-        start = block * self.block_size
-        return [steps[start + p] if start + p < len(steps) else None for p in range(self.positions(block))]
+        have = self._steps.get(block, [])
+        return [have[p] if p < len(have) else None for p in range(self.positions(block))]
 
     def feature_index(self, feature: int) -> int:
         if isinstance(feature, bool) or not isinstance(feature, numbers.Integral) or not 0 <= feature < self.d_sae:
@@ -126,17 +129,70 @@ def timeline(engine, sae: TopKAutoencoder, prompt, **generate) -> FeatureTimelin
     point = sae.point(engine)
     with engine.capture([point, P.DENOISE_STEP]) as cap:
         result = engine.generate(prompt, **generate)
-    steps = {(r.block, r.step): r for r in cap[P.DENOISE_STEP]}
+    bs = engine.block_size
+    tokens = {b: result.token_ids[b * bs:(b + 1) * bs] for b in range(len(result.stats.steps_per_block))}
+    steps = {b: result.unmask_steps[b * bs:(b + 1) * bs] for b in tokens}
+    return _encoded(cap, sae, point, tokens, steps, engine.tokenizer, result, cap.runs[-1] if cap.runs else None, bs)
+
+
+def timeline_of(records, sae: TopKAutoencoder, run: int | None = None) -> FeatureTimeline:
+    """The timeline of a generation recorded earlier: a Capture or a saved Trace holding the
+    autoencoder's point (``sae.hook_name``) and ``denoise.step``, of one generation (``run``: which,
+    when it holds several). Tokens and unmasking steps come from the step records (and, recorded
+    too, ``block.commit``'s final tokens, which end at an EOS)."""
+    if not isinstance(records, RecordSet):
+        raise InputError(f"timeline_of: expected a Capture or a Trace, got {type(records).__name__}")
+    point = sae.hook_name
+    missing = [p for p in (point, P.DENOISE_STEP) if p not in records.points]
+    if missing:
+        raise InputError(f"timeline_of: the records hold no {' and no '.join(map(str, missing))} (they hold "
+                         f"{', '.join(records.points) or 'nothing'}); record the autoencoder's point and the steps")
+    runs = records.runs
+    if run is None:
+        if len(runs) != 1:
+            raise InputError(f"timeline_of: the records hold {len(runs)} generations (runs {runs}); pick one with run=")
+        run = runs[0]
+    elif run not in runs:
+        raise InputError(f"timeline_of: no run {run!r} among the records' runs {runs}")
+    tokens: dict[int, list] = {}
+    steps: dict[int, list] = {}
+    for rec in records[P.DENOISE_STEP]:
+        if rec.run != run:
+            continue
+        if rec.rows is not None:
+            raise InputError("timeline_of: the records are of a batched generation; record one prompt at a time")
+        cand, chosen = rec["candidates"].tolist(), rec["tokens"] or {}  # a hook's tokens over the candidates
+        for p in rec["unmask"]:
+            t = chosen.get(p, chosen.get(str(p), cand[rec["masked"].index(p)]))  # (a trace's JSON keys are strings)
+            for table, value in ((tokens, t), (steps, rec.step)):
+                row = table.setdefault(rec.block, [])
+                row.extend([None] * (p + 1 - len(row)))
+                row[p] = value
+    if P.BLOCK_COMMIT in records.points:  # a block's final tokens: none past an EOS or a stop string
+        for rec in records[P.BLOCK_COMMIT]:
+            if rec.run == run and rec.block in tokens:
+                tokens[rec.block] = list(rec["tokens"])
+                steps[rec.block] = steps[rec.block][:len(rec["tokens"])]
+    config = getattr(records, "config", None)
+    return _encoded(records, sae, point, tokens, steps, getattr(records, "tokenizer", None), None, run,
+                    getattr(config, "block_size", None))
+
+
+def _encoded(records, sae, point: str, tokens: dict, steps: dict, tokenizer, result, run,
+             block_size: int | None) -> FeatureTimeline:
+    """Frames of the preview records of ``point`` in ``run``: each row's top-k features (rows past
+    ``block_size``: a look-ahead's next block, left out)."""
+    by_step = {(r.block, r.step): r for r in records[P.DENOISE_STEP] if r.run == run}
     frames = []
     with torch.no_grad():
-        for rec in cap[point]:
-            if rec["mode"] != "preview":
+        for rec in records[point]:
+            if rec.run != run or rec["mode"] != "preview":
                 continue
-            m = min(rec["value"].shape[1], engine.block_size)  # past the block: a look-ahead's next block
+            ev = by_step.get((rec.block, rec.step))
+            m = rec["value"].shape[1] if block_size is None else min(rec["value"].shape[1], block_size)
             values, indices = sae.encode_topk(rec["value"][0, :m])
-            ev = steps.get((rec.block, rec.step))
             frames.append(Frame(rec.block, rec.step, list(ev["masked"]) if ev else [], list(ev["unmask"]) if ev else [],
                                 indices.cpu(), values.cpu()))
     if not frames:
         raise InputError(f"timeline: the generation had no preview at {point} (max_new_tokens=0?)")
-    return FeatureTimeline(frames, result, sae.d_sae, point, engine.block_size, engine.tokenizer)
+    return FeatureTimeline(frames, tokens, steps, sae.d_sae, point, tokenizer, result)

@@ -179,3 +179,34 @@ def test_the_search_finds_features_tied_to_the_unmasking_order():
         features.unmasking_order(acts, sae, at_step=3)
     with pytest.raises(InputError, match="Activations"):
         features.unmasking_order(values, sae)
+
+
+def test_a_timeline_from_a_capture_or_a_saved_trace(tiny_engine, tmp_path):
+    import clover_lab
+
+    sae = _exact()
+    live = features.timeline(tiny_engine, sae, PROMPTS[0], **KW)
+    with tiny_engine.capture(["layers.2.output", P.DENOISE_STEP, P.BLOCK_COMMIT]) as cap:
+        result = tiny_engine.generate(PROMPTS[0], **KW)
+    cap.save(tmp_path / "trace")
+    for records in (cap, clover_lab.load_trace(tmp_path / "trace")):
+        tl = features.timeline_of(records, sae)
+        assert [(f.block, f.step, f.masked, f.unmasked) for f in tl.frames] == \
+            [(f.block, f.step, f.masked, f.unmasked) for f in live.frames]
+        assert all(torch.equal(a.indices, b.indices) for a, b in zip(tl.frames, live.frames))
+        for b in live.blocks:
+            assert tl.tokens(b) == live.tokens(b) and tl.unmask_steps(b) == live.unmask_steps(b)
+        assert [t for b in tl.blocks for t in tl.tokens(b) if t is not None] == result.token_ids
+    with tiny_engine.capture(["layers.2.output", P.DENOISE_STEP]) as two:
+        tiny_engine.generate(PROMPTS[0], **KW)
+        tiny_engine.generate(PROMPTS[1], **KW)
+    assert features.timeline_of(two, sae, run=two.runs[1]).frames
+    for call, match in [(lambda: features.timeline_of(two, sae), "2 generations"),
+                        (lambda: features.timeline_of(two, sae, run=999), "no run 999"),
+                        (lambda: features.timeline_of(cap.records, sae), "Capture or a Trace")]:
+        with pytest.raises(InputError, match=match):
+            call()
+    with tiny_engine.capture([P.DENOISE_STEP]) as steps_only:
+        tiny_engine.generate(PROMPTS[0], **KW)
+    with pytest.raises(InputError, match="no layers.2.output"):
+        features.timeline_of(steps_only, sae)
