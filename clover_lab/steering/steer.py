@@ -26,6 +26,8 @@ from clover_lab.hooks import points as P
 from clover_lab.hooks.events import ResidualEvent
 from clover_lab.steering.schedule import Schedule, Steer
 
+KEPT_RUNS = 16  # generations whose masked positions a Steering remembers (hooks that stay attached)
+
 
 @dataclass(frozen=True)
 class Applied:
@@ -72,6 +74,7 @@ class Steering:
         self._vectors: dict[tuple, torch.Tensor] = {}
         self._masked: dict[tuple, set[int]] = {}  # (run, row, block) -> positions still masked
         self._steps: dict[tuple, int] = {}  # (run, row, block) -> denoising steps it has taken
+        self._runs: list[int] = []  # the generations those hold, oldest first
 
     def hooks(self) -> dict:
         """point -> hook, for ``engine.hooks(...)``."""
@@ -82,7 +85,15 @@ class Steering:
 
     # ---------------------------------------------------------------- masked positions
     def _track(self, ev) -> None:
-        key = (ev.where.run, ev.where.row or 0, ev.block)
+        run = ev.where.run
+        if run not in self._runs:  # what earlier generations left, beyond the last few (threads may overlap)
+            self._runs.append(run)
+            if len(self._runs) > KEPT_RUNS:
+                old = self._runs.pop(0)
+                for table in (self._masked, self._steps):
+                    for key in [k for k in table if k[0] == old]:
+                        del table[key]
+        key = (run, ev.where.row or 0, ev.block)
         done = set(ev.unmask)
         self._masked[key] = {p for p in ev.masked if p not in done}
         self._steps[key] = ev.step + 1

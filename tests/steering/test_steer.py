@@ -180,3 +180,13 @@ def test_steering_on_the_compiled_path_splits_at_its_layer(gen_model):
     b = steering.steer(fast, PROMPT, plan, mode="ar", max_new_tokens=8).result
     assert b.token_ids == a.token_ids
     assert b.stats.path == "compiled, layer 2 eager: a hook on layers.2.output"
+
+
+def test_a_steering_that_stays_attached_forgets_old_generations(tiny_engine):
+    from clover_lab.steering.steer import KEPT_RUNS
+
+    s = steering.Steering(tiny_engine, Steer(torch.zeros(H), 1.0, layers=2, positions="masked"))
+    with tiny_engine.hooks(s.hooks()):
+        for _ in range(KEPT_RUNS + 3):
+            tiny_engine.generate(PROMPT, max_new_tokens=4, threshold=0.3)
+    assert len({k[0] for k in s._masked}) <= KEPT_RUNS and len(s._runs) == KEPT_RUNS
