@@ -37,7 +37,8 @@ class Writes:
         def write_text(path, data, *a, **k):
             return self._write(lambda: real_text(path, data, *a, **k), path)
 
-        for module in ("clover_lab.checkpoint.saving", "clover_lab.hooks.trace"):
+        for module in ("clover_lab.checkpoint.saving", "clover_lab.hooks.trace", "clover_lab.steering.schedule",
+                       "clover_lab.features.saelens"):
             monkeypatch.setattr(f"{module}.save_file", save_file)
         monkeypatch.setattr(pathlib.Path, "write_text", write_text)
 

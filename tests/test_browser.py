@@ -13,7 +13,7 @@ open), Run All, and what a reader needs checked:
 
 The screenshots go to the test's tmp_path (CLOVER_LAB_SHOTS_DIR=DIR keeps them in DIR, one folder
 per notebook), so that a test run leaves the work tree clean; with CLOVER_LAB_SCREENSHOTS=1 the
-README's pictures (dashboard.png, patching.png, logit_lens.png) go to assets/ instead:
+README's pictures (dashboard.png, patching.png, logit_lens.png, features.png) go to assets/ instead:
 
     CLOVER_LAB_SCREENSHOTS=1 python -m pytest -q tests/test_browser.py
 """
@@ -38,7 +38,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 WINDOW = {"width": 1400, "height": 7000}  # 1400 px wide (~1000 px of notebook with the file browser open)
 # the README's pictures: notebook -> (selector, file name)
 README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
-                "06_patching_and_lens": [(".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")]}
+                "06_patching_and_lens": [(".clover-patchingview", "patching.png"), (".clover-lensview", "logit_lens.png")],
+                "08_steering_and_features": [(".clover-featureview", "features.png")]}
 # notebooks whose views watch a generation live (their content must change while it runs: their
 # figures' drawn marks, grids and tables, polled every 150 ms); 01: its dashboard test
 LIVE = {"02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed"}
@@ -270,7 +271,9 @@ def photograph_everything(page, folder: Path, name: str) -> list[Path]:
     for i in range(dashboards.count()):
         paths.append(folder / f"{name}-dashboard{i}.png")
         photograph(page, dashboards.nth(i), paths[-1], 20_000)
-    figures = page.locator(".jp-OutputArea-output .js-plotly-plot:not(.clover-view .js-plotly-plot)")
+    # a figure shown with fig.show() is itself the output element (jupyterlab-plotly's renderer)
+    figures = page.locator(".jp-OutputArea-output.js-plotly-plot, "
+                           ".jp-OutputArea-output .js-plotly-plot:not(.clover-view .js-plotly-plot)")
     for i in range(figures.count()):
         paths.append(folder / f"{name}-figure{i:02d}.png")
         photograph(page, figures.nth(i), paths[-1])

@@ -21,7 +21,7 @@ needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="no model: the embedded 
 def test_notebooks_exist_with_a_kernelspec():
     names = [p.name for p in NOTEBOOKS]
     for want in ("01_quickstart", "02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed",
-                 "06_patching_and_lens", "07_routing_lens_and_coreset"):
+                 "06_patching_and_lens", "07_routing_lens_and_coreset", "08_steering_and_features"):
         assert f"{want}.ipynb" in names
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)

@@ -81,7 +81,8 @@ def encode_files(tokenizer, files: list[Path]) -> torch.Tensor:
     for f in files:
         text = read_text(f)
         if text:
-            ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+            # a module encoded whole is longer than the model's context on purpose: no warning about model inputs
+            ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
             ids.append(eos)
     return torch.tensor(ids, dtype=torch.int32)
 

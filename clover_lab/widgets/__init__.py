@@ -2,6 +2,7 @@
 
     from clover_lab.widgets import Dashboard, DenoiseView, ExpertView, MemoryView, SpeedView
     from clover_lab.widgets import LensView, PatchingView        # the logit lens, a patching sweep
+    from clover_lab.widgets import FeatureView                   # an autoencoder's features per step
 
     view = DenoiseView(engine)            # attached until view.close()
     view                                  # display it, then generate in this or a later cell
@@ -21,6 +22,7 @@ from clover_lab.widgets.base import View
 from clover_lab.widgets.dashboard import Dashboard
 from clover_lab.widgets.denoise import DenoiseView
 from clover_lab.widgets.experts import ExpertView
+from clover_lab.widgets.features import FeatureView
 from clover_lab.widgets.lens import LensView
 from clover_lab.widgets.memory import MemoryView
 from clover_lab.widgets.patching import PatchingView
@@ -28,5 +30,5 @@ from clover_lab.widgets.pieces import export_html
 from clover_lab.widgets.speed import SpeedView
 from clover_lab.widgets.throttle import Attachment, Throttle
 
-__all__ = ["Attachment", "Dashboard", "DenoiseView", "ExpertView", "LensView", "MemoryView", "PatchingView",
+__all__ = ["Attachment", "Dashboard", "DenoiseView", "ExpertView", "FeatureView", "LensView", "MemoryView", "PatchingView",
            "SpeedView", "Throttle", "View", "export_html"]
