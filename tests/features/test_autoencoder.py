@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from clover_lab.errors import CheckpointError, InputError, OutputError
 from clover_lab.features import AutoencoderFileError, TopKAutoencoder
-from failing_writes import FULL, Writes, leftovers
+from injected_faults import FULL, Writes, leftovers
 
 
 def _sae(d_in=8, d_sae=24, k=3, seed=0, **kw) -> TopKAutoencoder:

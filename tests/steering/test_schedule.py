@@ -7,7 +7,7 @@ import torch
 
 from clover_lab.errors import InputError, OutputError
 from clover_lab.steering import Schedule, ScheduleError, Span, Steer
-from failing_writes import FULL, Writes, leftovers
+from injected_faults import FULL, Writes, leftovers
 
 H = 16
 
