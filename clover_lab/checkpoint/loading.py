@@ -338,7 +338,8 @@ def load_tokenizer(path):
 # Where clover_lab.load() looks for the embedded default model: a model directory (one with a
 # config.json) in one of these folders, "clover-stdlib" first: the installed package's data (a
 # wheel carries assets/clover-stdlib as clover_lab/assets), then the source tree's assets/.
-DEFAULT_MODEL_ROOTS = (Path(__file__).resolve().parent / "assets", Path(__file__).resolve().parent.parent / "assets")
+# (this file is clover_lab/checkpoint/loading.py: the package is parents[1], the source tree parents[2])
+DEFAULT_MODEL_ROOTS = (Path(__file__).resolve().parents[1] / "assets", Path(__file__).resolve().parents[2] / "assets")
 DEFAULT_MODEL_NAME = "clover-stdlib"
 
 
