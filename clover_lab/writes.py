@@ -43,6 +43,32 @@ def temp_beside(final: Path) -> Path:
     return final.with_name(f".{final.stem}{TMP_TAG}{secrets.token_hex(4)}{final.suffix}")
 
 
+def umask() -> int:
+    """The process's umask, read without changing it (Linux: /proc/self/status), else by setting
+    and restoring it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _as_created(path: Path) -> None:
+    """A written temporary file given the mode a file created here gets (0666 less the umask):
+    writers that go through temporary files of their own (safetensors' ``save_file``, tempfile)
+    leave them 0600, so that a checkpoint's weights were unreadable to anyone else."""
+    try:
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask())
+    except OSError:  # a filesystem without modes: the file is as its writer left it
+        pass
+
+
 def _fsync(path: Path) -> None:
     """The file's (or directory's) data on disk before a rename makes it the real one."""
     try:
@@ -66,6 +92,7 @@ def atomic_path(final):
     tmp = temp_beside(final)
     try:
         yield tmp
+        _as_created(tmp)
         _fsync(tmp)
         with NotedSignals(redeliver=True):
             os.replace(tmp, final)
@@ -139,6 +166,7 @@ class FileSet:
         marker = self.directory / MARKER
         try:
             for written, _ in self._moves:
+                _as_created(written)
                 _fsync(written)
             with NotedSignals(redeliver=True):  # the renames are not cut in two by Ctrl-C or SIGTERM
                 write_text(marker, json.dumps({"writing": [_rel(f, self.directory) for _, f in self._moves],
