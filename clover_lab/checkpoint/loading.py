@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import warnings
 from pathlib import Path
@@ -187,6 +188,7 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
         model.reset_preview_parameters()
         warnings.warn(f"{path}: the checkpoint has no Clover preview weights ({len(untrained)} tensors); "
                       f"they get the spec's defaults, so the preview mode is untrained", stacklevel=3)
+    model.checkpoint_dir = path
     return model.eval()
 
 
@@ -341,6 +343,13 @@ def load_tokenizer(path):
 # (this file is clover_lab/checkpoint/loading.py: the package is parents[1], the source tree parents[2])
 DEFAULT_MODEL_ROOTS = (Path(__file__).resolve().parents[1] / "assets", Path(__file__).resolve().parents[2] / "assets")
 DEFAULT_MODEL_NAME = "clover-stdlib"
+
+
+def model_path(path=None) -> Path | None:
+    """The model directory ``load(path)`` reads: ``path``, else ``$CLOVER_LAB_MODEL``, else the
+    embedded default model (None when there is none)."""
+    path = path or os.environ.get("CLOVER_LAB_MODEL") or default_model_dir()
+    return None if path is None else Path(path)
 
 
 def default_model_dir() -> Path | None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from clover_lab.checkpoint.loading import model_path
 from clover_lab.cli.arguments import writable_file
-from clover_lab.cli.options import EXIT_OK, fail, load_engine
+from clover_lab.cli.options import EXIT_OK, data_inputs, fail, load_engine
+from clover_lab.writes import refuse_inputs
 
 
 def add_parser(sub) -> None:
@@ -37,6 +39,8 @@ def cmd_check(args) -> int:
     try:  # the corpus and the output checked before the model loads
         data = None if args.data is None else corpus_documents([Path(d) for d in args.data], "--data")
         out = None if args.json is None else writable_file(args.json, "--json")
+        if out is not None:  # never over the checkpoint or the text it reads
+            refuse_inputs(out, [("the model directory", model_path(args.model))] + data_inputs(args), "--json")
         engine = load_engine(args)
         report = check_preview(engine, data=data, windows_count=args.windows)
         if out is not None:

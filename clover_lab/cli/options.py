@@ -50,6 +50,11 @@ def sampler_kwargs(args) -> dict:
     return {name: getattr(args, name) for name in SamplerSettings.names() if getattr(args, name) is not None}
 
 
+def data_inputs(args) -> list[tuple[str, Path]]:
+    """``--data``'s files and folders, as inputs no output may overwrite (``writes.refuse_inputs``)."""
+    return [("--data", Path(d)) for d in (getattr(args, "data", None) or [])]
+
+
 def load_engine(args):
     """The engine for ``args``. A seam for tests: ``generate`` calls ``clover_lab.cli.main.load_engine``,
     which a test may replace."""

@@ -303,7 +303,7 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
     else:
         check_usable(device_map, max_memory)
     if path is None:
-        path = os.environ.get("CLOVER_LAB_MODEL") or loading.default_model_dir()
+        path = loading.model_path()
         if path is None:
             raise FileNotFoundError(
                 "no default model found (looked for a model directory in "

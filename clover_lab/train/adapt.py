@@ -62,7 +62,7 @@ from clover_lab.train.shard import (
     shard_model,
 )
 from clover_lab.train.stdlib_corpus import text_files
-from clover_lab.writes import atomic_path, check_writable, refuse_same
+from clover_lab.writes import atomic_path, check_writable, refuse_inputs, refuse_same
 
 __all__ = ["AdaptSettings", "Adaptation", "EMBEDDING", "adapt", "build_model", "is_preview", "main"]
 
@@ -212,6 +212,8 @@ def adapt(out, data, s: AdaptSettings, settings: TrainSettings, *, pattern: str 
     for source, option in ((s.init, "--init"), (tokenizer_dir, "--tokenizer")):
         if source is not None:  # the export would overwrite it
             refuse_same(run.out, source, f"--out (equal to {option})")
+    refuse_inputs(run.out, [("--data", Path(d)) for d in data] + [("--distill", settings.distill_data)], "--out",
+                  folder=True)
     check_stops(minutes, stop_at)
     config = load_config(s.init)  # the inputs checked before anything is written
     check_tokenizer_fits(init_tokenizer(s, tokenizer_dir), config, tokenizer_dir or s.init)

@@ -22,7 +22,7 @@ from clover_lab.model.decoder import CloverModel
 from clover_lab.signals import NotedSignals
 from clover_lab.train.objective import TrainSettings, block_diffusion_loss
 from clover_lab.train.stdlib_corpus import encode_files, split_corpus, train_tokenizer
-from clover_lab.writes import FileSet, atomic_path, check_writable, refuse_same, write_text
+from clover_lab.writes import FileSet, atomic_path, check_writable, refuse_inputs, refuse_same, write_text
 
 
 def training_batch(tokens: torch.Tensor, distilled: torch.Tensor | None, s: TrainSettings,
@@ -114,6 +114,8 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     from tqdm.auto import tqdm
 
     out = Path(out)
+    refuse_inputs(out, [("--init", init), ("--distill", settings.distill_data if settings else None)], "--out",
+                  folder=True)
     check_writable(out, what="--out")
     out.mkdir(parents=True, exist_ok=True)
     if threads:

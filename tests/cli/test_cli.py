@@ -266,3 +266,55 @@ def test_the_other_commands_find_an_unwritable_output_before_the_run(tmp_path, c
         distill.main(["--model", str(tmp_path), "--tokens", str(tmp_path / "a-file"), "--out", str(bad / "d.pt")])
     err = capsys.readouterr().err
     assert err.count(f"--out {bad}: {tmp_path / 'a-file'} is a file") == 2 and f"--export {bad}: " in err, err
+
+
+# --------------------------------------------------------------------------- outputs never over inputs
+def _copy_model(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst, {p.name: p.read_bytes() for p in dst.iterdir()}
+
+
+@pytest.mark.parametrize("target", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_check_json_never_overwrites_the_checkpoint(capsys, gen_text_model_dir, tmp_path, target):
+    """``check --model M --json M/config.json`` wrote the report over the checkpoint's config.json and
+    exited 0: M no longer loaded. Refused before the model loads, with M untouched."""
+    model, before = _copy_model(gen_text_model_dir, tmp_path / "m")
+    code, out, err = run_cli(capsys, "check", "--model", model, "--json", model / target, "--windows", 1)
+    assert code == 2 and "--json" in err and "is a file in the model directory" in err and len(err.splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+    (tmp_path / "link.json").symlink_to(model / "config.json")  # another name for it
+    code, _, err = run_cli(capsys, "check", "--model", model, "--json", tmp_path / "link.json")
+    assert code == 2 and "is the model directory" not in err and "overwrite the input" in err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def test_check_json_never_overwrites_the_embedded_model_or_its_data(capsys, tmp_path, monkeypatch):
+    from clover_lab.checkpoint.loading import default_model_dir
+
+    monkeypatch.delenv("CLOVER_LAB_MODEL", raising=False)
+    config = default_model_dir() / "config.json"
+    before = config.read_bytes()
+    code, _, err = run_cli(capsys, "check", "--json", config)  # no --model: the embedded model is the input
+    assert code == 2 and "overwrite the input" in err and config.read_bytes() == before
+    data = tmp_path / "text.py"
+    data.write_text("def f():\n    return 1\n" * 50)
+    code, _, err = run_cli(capsys, "check", "--data", data, "--json", data)
+    assert code == 2 and "--data" in err and data.read_text().startswith("def f()")
+
+
+def test_routes_out_never_overwrites_the_model_or_the_corpus(capsys, gen_text_model_dir, tmp_path):
+    model, before = _copy_model(gen_text_model_dir, tmp_path / "m")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("w1 w2 w3\n" * 20)
+    (model / "routes.npz").write_bytes(b"kept")  # any file in the model directory is the model's
+    (corpus / "old.npz").write_bytes(b"kept")
+    before["routes.npz"] = b"kept"
+    for out, label in [(model / "routes.npz", "model directory"), (model / "routes", "model directory"),
+                       (corpus / "old.npz", "--data")]:
+        code, _, err = run_cli(capsys, "routes", "--model", model, "--data", corpus, "--out", out)
+        assert code == 2 and label in err and "overwrite the input" in err, err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+    assert (corpus / "a.py").read_text() == "w1 w2 w3\n" * 20 and (corpus / "old.npz").read_bytes() == b"kept"
