@@ -318,22 +318,67 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def load_tokenizer(path):
-    """transformers' AutoTokenizer from the model directory, or None when it has no tokenizer files."""
+    """transformers' AutoTokenizer from the model directory, or None when it has no tokenizer files.
+
+    Never runs the directory's Python code, and never asks whether to: a custom-code release
+    (an ``auto_map`` in config.json or tokenizer_config.json) made transformers ask "Do you wish
+    to run the custom code? [y/N]" on every load (15 s in a terminal, a wait on input in Jupyter).
+    clover_lab reads config.json itself and needs only the tokenizer's files: the tokenizer is
+    loaded with ``trust_remote_code=False`` (a class of transformers' own, named by
+    tokenizer_config.json), else straight from tokenizer.json; the code is mentioned once."""
     path = Path(path)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
+    code = remote_code(path)
     # AutoTokenizer reads config.json and warns that model_type clover_moe is unknown to it: noise
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - a tokenizer class only its own code defines
+            if not code or not (path / "tokenizer.json").exists():
+                raise
+            log.info("%s: AutoTokenizer without the release's code failed (%s); reading tokenizer.json", path, e)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - re-raised with the directory named
-        raise CheckpointError(f"{path}: tokenizer files present but unreadable ({e})") from e
+        what = f" (it names custom code, {', '.join(code)}, which clover_lab does not run)" if code else ""
+        raise CheckpointError(f"{path}: tokenizer files present but unreadable{what} ({e})") from e
     finally:
         hf_logging.set_verbosity(verbosity)
+    if code and path.resolve() not in _CODE_SAID:
+        _CODE_SAID.add(path.resolve())
+        warnings.warn(f"{path} carries custom code ({', '.join(code)}); clover_lab never runs it: it reads "
+                      f"config.json and the weights itself and the tokenizer from its files", RemoteCodeNotRun,
+                      stacklevel=3)
+    return tokenizer
+
+
+class RemoteCodeNotRun(UserWarning):
+    """A checkpoint names Python code of its own (``auto_map``), which clover_lab does not run."""
+
+
+_CODE_SAID: set = set()  # directories whose code was mentioned in this process (once each)
+
+
+def remote_code(path: Path) -> list[str]:
+    """The Python classes a Hugging Face directory's ``auto_map`` entries name (config.json,
+    tokenizer_config.json: ``"modeling_clover.CloverMoeModelLM"``); [] when none."""
+    named = []
+    for file in ("config.json", "tokenizer_config.json"):
+        try:
+            auto_map = json.loads((path / file).read_text()).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        refs = auto_map.values() if isinstance(auto_map, dict) else auto_map if isinstance(auto_map, list) else []
+        for ref in refs:
+            for one in ref if isinstance(ref, (list, tuple)) else [ref]:
+                if isinstance(one, str) and one not in named:
+                    named.append(one)
+    return named
 
 
 # --------------------------------------------------------------------------- around the weights

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from clover_lab.checkpoint.loading import load_tokenizer
 from clover_lab.checkpoint.saving import stage_model
 from clover_lab.cli.arguments import ArgumentParser
 from clover_lab.config import PRESETS, CloverConfig, ConfigError
@@ -64,9 +65,7 @@ def prepare(out: Path, preset: str, vocab_size: int, block_size: int, overrides:
         with atomic_path(data) as tmp:
             torch.save({"train": encode_files(tok, train_files), "heldout": encode_files(tok, held_files),
                         "heldout_modules": [str(f.name) for f in held_files]}, tmp)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    tok = load_tokenizer(out / "tokenizer")  # never the init's own code (its tokenizer_config's auto_map)
     config = CloverConfig.preset(
         preset, vocab_size=len(tok), block_size=block_size, mask_token_id=tok.mask_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **overrides)
@@ -77,15 +76,13 @@ def copy_tokenizer(init: Path, out: Path):
     """``init``'s tokenizer (and card, as ``init_card.json``) copied into the run directory ``out``."""
     import shutil
 
-    from transformers import AutoTokenizer
-
     with FileSet(out / "tokenizer") as files:
         for name in INIT_FILES:
             if (init / name).is_file():
                 shutil.copy(init / name, files.path(out / "tokenizer" / name))
     if (init / "card.json").is_file():
         shutil.copy(init / "card.json", out / "init_card.json")
-    return AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    return load_tokenizer(out / "tokenizer")
 
 
 def check_init(init: str | Path) -> Path:

@@ -159,3 +159,82 @@ def test_no_shared_expert(tmp_path):
 def test_num_shared_experts_other_than_zero_or_one(value):
     with pytest.raises(ConfigError, match="num_shared_experts.*must be 1 .* or 0"):
         CloverConfig.preset("clover-tiny", num_shared_experts=value)
+
+
+# --------------------------------------------------------------------------- custom code, never run
+CODE = ("import pathlib\n"
+        "pathlib.Path(__file__).with_name('EXECUTED').write_text(__name__)\n"
+        "raise RuntimeError('the release\\'s own code was run')\n")
+
+
+def custom_code_copy(src, dst, tokenizer_code: bool):
+    """``src`` in the release's layout with the auto_map a custom-code Hugging Face release carries:
+    config.json names configuration / modeling modules (and, ``tokenizer_code``, tokenizer_config.json
+    a tokenizer class only its own module defines). Each module records that it ran and raises."""
+    release_copy(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_clover.CloverMoeConfig",
+                          "AutoModel": "modeling_clover.CloverMoeModel",
+                          "AutoModelForCausalLM": "modeling_clover.CloverMoeModelLM"}
+    (dst / "config.json").write_text(json.dumps(config))
+    for module in ("configuration_clover", "modeling_clover", "tokenization_clover"):
+        (dst / f"{module}.py").write_text(CODE)
+    if tokenizer_code:
+        tok = json.loads((dst / "tokenizer_config.json").read_text())
+        tok.update(tokenizer_class="CloverTokenizerFast",
+                   auto_map={"AutoTokenizer": [None, "tokenization_clover.CloverTokenizerFast"]})
+        (dst / "tokenizer_config.json").write_text(json.dumps(tok))
+    return dst
+
+
+@pytest.fixture(params=[False, True], ids=["config-code", "tokenizer-code"])
+def custom_code_dir(request, tmp_path_factory, gen_text_model_dir):
+    return custom_code_copy(gen_text_model_dir, tmp_path_factory.mktemp("custom") / "release", request.param)
+
+
+@pytest.fixture
+def no_prompt(monkeypatch):
+    """Every question transformers would ask (input()) recorded and answered "no"."""
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda *a: asked.append(a) or "n")
+    return asked
+
+
+def test_a_custom_code_release_loads_and_generates_without_a_prompt_or_its_code(custom_code_dir, no_prompt,
+                                                                               gen_one_thread):
+    """transformers asked "Do you wish to run the custom code? [y/N]" on every load of a release with
+    an auto_map (15 s in a terminal, a wait on input in Jupyter); clover_lab needs none of its code."""
+    from clover_lab.checkpoint.loading import RemoteCodeNotRun
+
+    with pytest.warns(RemoteCodeNotRun, match="modeling_clover.CloverMoeModelLM.*never runs it"):
+        engine = clover_lab.load(custom_code_dir)
+    assert engine.tokenizer is not None and engine.tokenizer("w5 w6")["input_ids"] == [5, 6]
+    assert engine.generate("w5 w6 w7", max_new_tokens=8).text is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per directory
+        clover_lab.load(custom_code_dir)
+    assert no_prompt == [] and not (custom_code_dir / "EXECUTED").exists()
+
+
+def test_a_custom_code_release_checks_and_serves_from_the_command_line(custom_code_dir, no_prompt, capsys,
+                                                                        monkeypatch, tmp_path, gen_one_thread):
+    from fastapi.testclient import TestClient
+
+    from clover_lab.cli.main import main
+    from clover_lab.serve.app import create_app
+
+    assert main(["generate", "--model", str(custom_code_dir), "--prompt", "w5 w6", "--max-new-tokens", "4",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == [5, 6]
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % 500}" for i in range(400)))
+    assert main(["check", "--model", str(custom_code_dir), "--data", str(text), "--windows", "1",
+                 "--json", str(tmp_path / "report.json")]) == 0
+    assert json.loads((tmp_path / "report.json").read_text())["verdict"]
+    served = []
+    monkeypatch.setattr("clover_lab.serve.server.serve", lambda engine, *a, **k: served.append(engine))
+    assert main(["serve", "--model", str(custom_code_dir), "--port", "8123"]) == 0
+    with TestClient(create_app(served[0], model_name="release")) as client:
+        r = client.post("/v1/completions", json={"model": "release", "prompt": "w5 w6", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+    assert no_prompt == [] and not (custom_code_dir / "EXECUTED").exists()
