@@ -28,7 +28,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 from clover_lab.checkpoint.fp8 import FP8Checkpoint
-from clover_lab.checkpoint.names import PREVIEW_PARAMS, canonical_name, preview_shapes
+from clover_lab.checkpoint.names import PREVIEW_PARAMS, RELEASE_NAMES, canonical_name, preview_shapes
 from clover_lab.config import CloverConfig, ConfigError
 from clover_lab.errors import CheckpointError, flag
 from clover_lab.writes import refuse_unfinished
@@ -231,9 +231,28 @@ def _refuse_unexpected(path: Path, names, expected: dict, num_experts: int) -> N
     unexpected += [fused[n] for n in fused if n not in expected]
     unexpected += [s for prefix, d in per_expert.items() for (e, _), s in d.items()
                    if f"{prefix}.gate_up_proj" not in expected or not 0 <= e < num_experts]
+    preview = sorted(s for s in unexpected if _looks_preview(s))
+    if preview:  # a preview tensor this model has no place for: an unknown name, or the wrong layer
+        gdn = sorted({int(n.split("layers.")[1].split(".")[0]) for n in expected if _preview_kind(n)})
+        raise CheckpointError(f"{path}: {len(preview)} preview tensor(s) this model has no place for, e.g. "
+                              f"{preview[:3]}: a GDN layer's preview tensors are linear_attn."
+                              f"{{{', '.join(n.removeprefix('linear_attn.') for n in RELEASE_NAMES)}}} (the spec's "
+                              f"earlier names too), and the GDN layers are {gdn} (config.json's layer_types)")
     if unexpected:
         raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensors, e.g. {sorted(unexpected)[:5]} "
                               f"(is the config.json the right one for this checkpoint?)")
+
+
+PREVIEW_LIKE = ("linear_attn.bd_", "linear_attn.conv_right", "linear_attn.conv1d_right", "linear_attn.block_scale",
+                "linear_attn.history_")
+
+
+def _looks_preview(stored: str) -> bool:
+    """A stored name that reads as a preview tensor (the release's prefixes, the spec's names)."""
+    name = canonical_name(stored) or ""
+    suffix = name.split("layers.")[-1].split(".", 1)[-1] if "layers." in name else ""
+    stored_suffix = stored.split("layers.")[-1].split(".", 1)[-1] if "layers." in stored else ""
+    return suffix in PREVIEW_PARAMS or stored_suffix.startswith(PREVIEW_LIKE)
 
 
 def _plan(path: Path, files, reader: "_Reader", names, expected: dict, config: CloverConfig):
@@ -276,7 +295,39 @@ def _plan(path: Path, files, reader: "_Reader", names, expected: dict, config: C
             missing.append(name)
     if missing:
         raise CheckpointError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[:5]}")
+    if untrained and len(untrained) < sum(1 for n in expected if _preview_kind(n) is not None):
+        raise CheckpointError(partial_preview(path, untrained, expected))
     return plan, untrained
+
+
+def _preview_kind(name: str) -> str | None:
+    """The release's name of the preview parameter ``name`` (``bd_softmax_history_c``), or None."""
+    suffix = name.split("layers.")[-1].split(".", 1)[-1]
+    return next((release.removeprefix("linear_attn.") for release, param in RELEASE_NAMES.items()
+                 if param == suffix), None) if suffix in PREVIEW_PARAMS else None
+
+
+def partial_preview(path: Path, untrained: list[str], expected: dict) -> str:
+    """The error for a checkpoint holding some of its preview tensors but not all: each missing
+    one named (a converter that drops one would otherwise give a quietly worse preview, with the
+    other layers' trained values beside the spec's defaults)."""
+    layers = {}
+    for name in expected:
+        if (kind := _preview_kind(name)) is not None:
+            layers.setdefault(kind, []).append(int(name.split("layers.")[1].split(".")[0]))
+    parts = []
+    for kind, all_layers in layers.items():
+        lacking = [int(n.split("layers.")[1].split(".")[0]) for n in untrained if _preview_kind(n) == kind]
+        if len(lacking) == len(all_layers):
+            parts.append(f"{kind} in every GDN layer ({len(lacking)})")
+        elif lacking:
+            parts.append(f"{kind} in layer{'s' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))}")
+    first = untrained[0].rsplit(".", 2)[0] + ".linear_attn." + _preview_kind(untrained[0])
+    return (f"{path}: the checkpoint holds only some of its preview tensors: missing "
+            f"{'; '.join(parts)} (e.g. {first!r}). A checkpoint has all four per GDN layer "
+            f"({', '.join(n.removeprefix('linear_attn.') for n in RELEASE_NAMES)}) or none (an untrained "
+            f"preview, given the spec's defaults); mixing trained values with defaults would make the preview "
+            f"quietly worse: convert the checkpoint again with every preview tensor")
 
 
 def _fill(model, path: Path, files, reader: "_Reader", plan: dict, expected: dict, dtype, device, progress,

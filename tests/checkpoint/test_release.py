@@ -238,3 +238,64 @@ def test_a_custom_code_release_checks_and_serves_from_the_command_line(custom_co
         r = client.post("/v1/completions", json={"model": "release", "prompt": "w5 w6", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
     assert no_prompt == [] and not (custom_code_dir / "EXECUTED").exists()
+
+
+# --------------------------------------------------------------------------- preview tensors: all, none, or named
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+KINDS = [n.removeprefix("linear_attn.") for n in RELEASE_NAMES]
+GDN = [0, 1, 2]  # clover-tiny: three GDN layers, then attention (layer 3)
+
+
+@pytest.fixture(scope="module")
+def tiny_saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "a"
+    CloverModel.random("clover-tiny", seed=3).save_pretrained(path)
+    return path, load_file(str(path / "model.safetensors"))
+
+
+def _rewritten(src, dst, tensors):
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dropped=st.sets(st.tuples(st.sampled_from(GDN), st.sampled_from(KINDS))))
+def test_a_checkpoint_missing_some_preview_tensors_names_each(tiny_saved, tmp_path_factory, dropped):
+    """A release missing one layer's conv_right_weight, or bd_softmax_history_c everywhere, loaded with the
+    warning meant for a checkpoint without any ("the preview mode is untrained"), naming no tensor. Now:
+    none missing loads quietly, all missing is that warning, some missing an error naming each."""
+    src, tensors = tiny_saved
+    kept = {n: t for n, t in tensors.items()
+            if not any(n == f"model.layers.{i}.linear_attn.{k}" for i, k in dropped)}
+    path = _rewritten(src, tmp_path_factory.mktemp("dropped"), kept)
+    if not dropped:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            CloverModel.from_pretrained(path)
+    elif len(dropped) == len(GDN) * len(KINDS):
+        with pytest.warns(UserWarning, match="no Clover preview weights.*untrained"):
+            CloverModel.from_pretrained(path)
+    else:
+        with pytest.raises(CheckpointError, match="only some of its preview tensors") as e:
+            CloverModel.from_pretrained(path)
+        for kind in {k for _, k in dropped}:
+            layers = sorted(i for i, k in dropped if k == kind)
+            said = f"{kind} in every GDN layer (3)" if len(layers) == 3 else \
+                f"{kind} in layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}"
+            assert said in str(e.value), (said, str(e.value))
+        for kind in set(KINDS) - {k for _, k in dropped}:
+            assert f"missing {kind}" not in str(e.value) and f"; {kind}" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.linear_attn.bd_softmax_history_d",  # an unknown preview name
+                                  "model.layers.3.linear_attn.conv_right_weight",  # an attention layer's
+                                  "model.layers.9.linear_attn.bd_softmax_history_c"])  # past the last layer
+def test_a_preview_tensor_the_model_has_no_place_for_is_named(tiny_saved, tmp_path, name):
+    src, tensors = tiny_saved
+    path = _rewritten(src, tmp_path / "a", {**tensors, name: torch.zeros(4)})
+    with pytest.raises(CheckpointError, match=rf"preview tensor\(s\) this model has no place for, e.g. \['{name}'\].*"
+                                              r"GDN layers are \[0, 1, 2\]"):
+        CloverModel.from_pretrained(path)
