@@ -299,3 +299,22 @@ def test_a_preview_tensor_the_model_has_no_place_for_is_named(tiny_saved, tmp_pa
     with pytest.raises(CheckpointError, match=rf"preview tensor\(s\) this model has no place for, e.g. \['{name}'\].*"
                                               r"GDN layers are \[0, 1, 2\]"):
         CloverModel.from_pretrained(path)
+
+
+@pytest.mark.parametrize("model_type,architectures,ok", [
+    ("clover_moe", ["LlamaForCausalLM"], False), ("clover_moe", ["CloverMoeModelLM", "LlamaForCausalLM"], False),
+    ("clover_moe", "CloverMoeModelLM", False), ("qwen3_5_moe_text", ["CloverMoeModelLM"], False),
+    ("clover_moe", ["CloverMoeModelLM"], True), ("clover_moe", None, True),
+    ("qwen3_5_moe_text", ["Qwen3_5MoeForCausalLM"], True)])
+def test_config_architectures_must_be_of_the_model_type(tiny_saved, tmp_path, model_type, architectures, ok):
+    """A LlamaForCausalLM beside model_type clover_moe loaded: config.json's architectures were never read."""
+    src, _ = tiny_saved
+    shutil.copytree(src, tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    config.update(model_type=model_type, architectures=architectures)
+    (tmp_path / "a" / "config.json").write_text(json.dumps(config))
+    if ok:
+        CloverModel.from_pretrained(tmp_path / "a")
+    else:
+        with pytest.raises(CheckpointError, match=r"config.json: config field 'architectures'"):
+            CloverModel.from_pretrained(tmp_path / "a")
