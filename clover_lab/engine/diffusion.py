@@ -29,7 +29,8 @@ from typing import Iterator
 
 import torch
 
-from clover_lab.engine.faults import check_logits, collapsed, logits_health
+from clover_lab.engine.faults import NONFINITE, check_logits, collapsed, logits_health
+from clover_lab.engine.policies import blame_confidences, check_proposal_values, checked_proposal
 from clover_lab.engine.requests import GenerationError
 from clover_lab.engine.results import StreamUpdate
 from clover_lab.hooks import points
@@ -288,15 +289,19 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     else:
         finish, proposal = False, run.policy.propose_ahead(run, ahead_of, block, logits)
         block.limit += run.s.max_steps_per_block is None  # the block's own steps keep the limit of its length
-    cand, conf, flags = proposal.tokens, proposal.confidences, proposal.unmask
+    N, where, ahead = len(block.masked), f"block {block.index}, step {block.step}", ahead_of is not None
+    rule = where if run.row is None else f"row {run.row}, {where}"  # where a rule's word is faulted
+    cand, conf, flags = checked_proposal(run.policy, proposal, N, logits.device, rule, ahead)
     logp = run.info.distribution(logits, run.counts, run.s)  # None unless log-probabilities are asked for
     # the one host transfer per step: decision, candidates, and whether the logits could be used
     # (NaN or inf logits make their row's confidence NaN, equal ones carry no answer: argmax would
     # pick token 0 either way)
-    N = len(block.masked)
     host = torch.cat([flags.long(), cand, logits_health(flat, conf).reshape(1)]).tolist()
     flags_host, cand_host = host[:N], host[N:2 * N]
-    check_logits(run, host[2 * N], f"block {block.index}, step {block.step}", block.canvas)
+    if host[2 * N] == NONFINITE:  # the rule's confidences, or the model's logits?
+        blame_confidences(run.policy, logits, mask_id, rule, ahead)
+    check_logits(run, host[2 * N], where, block.canvas)
+    check_proposal_values(run.policy, cand_host, run.model.config.vocab_size, mask_id, rule, ahead)
     if finish and not all(flags_host) or not any(flags_host) and ahead_of is None:
         raise GenerationError(f"{type(run.policy).__name__}.propose: block {block.index}, step {block.step}: "
                               f"{'the last step must unmask every' if finish else 'a step must unmask at least one'} "
