@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 
 from clover_lab import cpu
 from clover_lab.cli import check as cli_check
@@ -38,12 +39,13 @@ from clover_lab.cli.options import (
     add_sampler_options,
     fail,
     load_engine,
+    one_line_warnings,
     sampler_kwargs,
     set_block_size,
     token_ids,
 )
 from clover_lab.cli.view import LiveView, print_batch, print_interrupted, print_result
-from clover_lab.engine.requests import MODES
+from clover_lab.engine.requests import MODES, IgnoredSettingWarning, ignored_settings
 
 # below this many parameters a CPU model runs on one thread (clover_lab/cpu.py, shared with load())
 SMALL_MODEL_PARAMETERS = cpu.SMALL_MODEL_PARAMETERS
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        with one_line_warnings():
+            return args.func(args)
     except KeyboardInterrupt:  # before the generation started (loading): nothing to show
         print("clover-lab: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -149,6 +152,8 @@ def cmd_generate(args) -> int:
         prompt = _prompt(engine, args)
         if args.block_size is not None:
             set_block_size(engine, args.block_size)
+        for _, why in ignored_settings(args.mode, {}, block_size=args.block_size):  # the rest: engine.stream's
+            warnings.warn(why, IgnoredSettingWarning)
         stream = engine.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                policy=args.policy, thinking=args.thinking, **sampler_kwargs(args))
     except (UsageError, CloverError, ValueError, TypeError) as e:

@@ -4,9 +4,11 @@ memory sizes)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
@@ -20,6 +22,18 @@ def fail(message: str) -> int:
     message = " ".join(message.split())  # one line, however the message was wrapped
     print(f"clover-lab: error: {message}", file=sys.stderr)
     return EXIT_ERROR
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """Warnings (a setting the mode ignores, an untrained preview, a release's code not run) as one
+    line on stderr, ``clover-lab: warning: ...``, like the errors: not Python's file:line and source."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"clover-lab: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def token_ids(text: str) -> list[int]:

@@ -265,6 +265,8 @@ def make_policy(spec) -> DecodingPolicy:
         key, eq, value = item.partition("=")
         if not eq:
             raise SettingsError(f"policy {spec!r}: settings are name=value, got {item!r}")
+        if key.strip() in kwargs:  # which one was meant cannot be guessed: the last would win silently
+            raise SettingsError(f"policy {spec!r}: {key.strip()} is given twice; give each setting once")
         kwargs[key.strip()] = _value(value.strip())
     try:
         return POLICIES[name](**kwargs)

@@ -99,7 +99,8 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
         limit, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
                         is not None else (body.max_tokens, "max_tokens"))
         jobs = make_jobs(engine, body, [schemas.chat_messages(body)], "messages", "chatcmpl",
-                         thinking=schemas.thinking(body), max_tokens_param=param, max_tokens=limit,
+                         thinking=schemas.thinking(body), thinking_param=schemas.thinking_param(body),
+                         max_tokens_param=param, max_tokens=limit,
                          logprobs=((body.top_logprobs or 0) if body.logprobs else None, "logprobs"))
         return await _answer(request, scheduler, metrics, jobs, body,
                              R.Shape(True, jobs[0].id, model_name, engine.tokenizer))

@@ -318,3 +318,31 @@ def test_routes_out_never_overwrites_the_model_or_the_corpus(capsys, gen_text_mo
         assert code == 2 and label in err and "overwrite the input" in err, err
     assert {p.name: p.read_bytes() for p in model.iterdir()} == before
     assert (corpus / "a.py").read_text() == "w1 w2 w3\n" * 20 and (corpus / "old.npz").read_bytes() == b"kept"
+
+
+# --------------------------------------------------------------------------- settings the mode ignores
+def test_settings_the_mode_ignores_are_one_line_warnings(capsys, gen_model_dir):
+    code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6,7", "--mode", "ar",
+                             "--threshold", 0.5, "--block-size", 8, "--policy", "topk:k=2", "--max-new-tokens", 3,
+                             "--json")
+    assert code == 0 and len(json.loads(out)["token_ids"]) == 3
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("clover-lab: warning: mode='ar'") for line in lines), err
+    assert "threshold, policy" in err and "block_size" in err
+    code, _, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6,7",
+                           "--draft-passes", 2, "--max-new-tokens", 3, "--json")
+    assert code == 0 and err.strip() == ("clover-lab: warning: draft_passes drafts blocks in mode='speculative'; "
+                                         "mode='diffusion' ignores it: it has no effect on this run")
+
+
+def test_thinking_on_a_tokenizer_without_a_thinking_mode_is_an_error(capsys, gen_text_model_dir, tmp_path):
+    import shutil
+
+    shutil.copytree(gen_text_model_dir, tmp_path / "m")
+    for f in ("chat_template.jinja", "tokenizer_config.json"):
+        p = tmp_path / "m" / f
+        if p.exists() and "enable_thinking" in p.read_text():
+            p.write_text(p.read_text().replace("enable_thinking is defined and enable_thinking", "false"))
+    code, _, err = run_cli(capsys, "generate", "--model", tmp_path / "m", "--prompt", "w8 w9", "--chat",
+                           "--thinking", "--max-new-tokens", 4, "--json")
+    assert code == 2 and "thinking=True: this tokenizer has no thinking mode" in err and len(err.splitlines()) == 1

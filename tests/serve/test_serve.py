@@ -348,3 +348,49 @@ def test_sigterm_lets_the_stream_in_flight_finish(refs):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+# --------------------------------------------------------------------------- in process: settings, bodies
+@pytest.fixture(scope="module")
+def tiny_app():
+    """An app over the tiny text engine, called in process (fastapi's TestClient): fast tier."""
+    from fastapi.testclient import TestClient
+    from conftest import make_gen_model, make_gen_tokenizer
+
+    engine = clover_lab.Engine(make_gen_model(), make_gen_tokenizer())
+    with TestClient(create_app(engine, model_name="tiny")) as client:
+        yield client, engine
+
+
+IGNORED = [({"mode": "ar", "threshold": 0.5}, "clover.threshold"),
+           ({"mode": "ar", "coreset_size": 4}, "clover.coreset_size"),
+           ({"mode": "ar", "max_steps_per_block": 3}, "clover.max_steps_per_block"),
+           ({"mode": "ar", "block_size": 8}, "clover.block_size")]
+
+
+@pytest.mark.parametrize("clover,param", IGNORED, ids=[p for _, p in IGNORED])
+def test_a_setting_the_mode_ignores_is_refused_naming_it(tiny_app, clover, param):
+    """clover.mode "ar" with clover.threshold was answered as if the threshold were not there; the API
+    and the command line warn (IgnoredSettingWarning), the server has no way to warn a client: 400."""
+    client, _ = tiny_app
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 4, "clover": clover})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "mode='ar'" in r.json()["error"]["message"] and r.json()["error"]["code"] == "ignored_setting"
+    ok = client.post("/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 4,
+                                              "clover": {"mode": "ar", "repetition_penalty": 1.2}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_enable_thinking_on_a_tokenizer_without_thinking_is_refused(tiny_app, monkeypatch):
+    client, engine = tiny_app
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w8"}], "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": True}}
+                       ).status_code == 200  # the fixture's template reads enable_thinking
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{% for m in messages %}w1 {{ m['content'] }} "
+                        "{% endfor %}{% if add_generation_prompt %}w3 {% endif %}")
+    for extra, param in [({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs.enable_thinking"),
+                         ({"clover": {"thinking": False}}, "clover.thinking")]:
+        r = client.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "no thinking mode" in r.json()["error"]["message"]
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
