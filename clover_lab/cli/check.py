@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clover_lab.checkpoint.loading import model_path
 from clover_lab.cli.arguments import writable_file
 from clover_lab.cli.options import EXIT_OK, data_inputs, fail, load_engine
-from clover_lab.writes import refuse_inputs
 
 
 def add_parser(sub) -> None:
@@ -30,9 +28,11 @@ def add_parser(sub) -> None:
 
 def cmd_check(args) -> int:
     """``clover-lab check``: the table and the verdict (exit 0 whatever the verdict)."""
+    from clover_lab.checkpoint.loading import model_path
     from clover_lab.corpus import corpus_documents
     from clover_lab.errors import CloverError
     from clover_lab.lens.preview_check import check_preview
+    from clover_lab.writes import refuse_inputs
 
     if args.windows < 1:
         return fail(f"--windows must be >= 1, got {args.windows}")

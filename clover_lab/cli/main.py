@@ -26,7 +26,6 @@ import sys
 import time
 import warnings
 
-from clover_lab import cpu
 from clover_lab.cli import check as cli_check
 from clover_lab.cli import routes as cli_routes
 from clover_lab.cli import serve as cli_serve
@@ -45,13 +44,17 @@ from clover_lab.cli.options import (
     token_ids,
 )
 from clover_lab.cli.view import LiveView, print_batch, print_interrupted, print_result
-from clover_lab.engine.requests import MODES, IgnoredSettingWarning, ignored_settings
+from clover_lab.signals import Interrupts, check_interrupted, interrupted
 
-# below this many parameters a CPU model runs on one thread (clover_lab/cpu.py, shared with load())
-SMALL_MODEL_PARAMETERS = cpu.SMALL_MODEL_PARAMETERS
+# Nothing above imports torch: main() runs, and takes Ctrl-C, before the heavy imports it makes.
+# below this many parameters a CPU model runs on one thread: clover_lab/cpu.py's figure (which imports
+# torch; tests/test_cpu.py checks the two agree), shared with load()
+SMALL_MODEL_PARAMETERS = 100_000_000
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from clover_lab.engine.requests import MODES
+
     parser = ArgumentParser(prog="clover-lab", description="Run, watch and take apart the Clover "
                                      "block-diffusion language model.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -110,6 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    with Interrupts():
+        try:
+            return _main(argv)
+        except KeyboardInterrupt:  # before the generation started (imports, loading): nothing to show
+            pass
+        except Exception:
+            if not interrupted():  # a module a Ctrl-C cut short (numpy's import inside torch's) fails later
+                raise
+    print("clover-lab: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["train"]:
         from clover_lab.errors import CloverError
         from clover_lab.train.loop import main as train_main
@@ -125,19 +141,16 @@ def main(argv: list[str] | None = None) -> int:
         from clover_lab.train.adapt import main as adapt_main
 
         return adapt_main(argv[1:])
-    parser = build_parser()
+    parser = build_parser()  # imports torch: a Ctrl-C its import swallowed is acted on now, not after a load
+    check_interrupted()
     args = parser.parse_args(argv)
-    try:
-        with one_line_warnings():
-            return args.func(args)
-    except KeyboardInterrupt:  # before the generation started (loading): nothing to show
-        print("clover-lab: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    with one_line_warnings():
+        return args.func(args)
 
 
 # --------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
-    from clover_lab.engine.requests import is_batch
+    from clover_lab.engine.requests import IgnoredSettingWarning, ignored_settings, is_batch
     from clover_lab.errors import CloverError
 
     if args.threads is not None and args.threads < 1:
@@ -163,6 +176,8 @@ def cmd_generate(args) -> int:
 
 def set_threads(model, count: int | None) -> int:
     """The threads policy of clover_lab/cpu.py for the CLI's process: ``--threads``, else by model."""
+    from clover_lab import cpu
+
     return cpu.set_threads(model, count, respect_user=False, small=SMALL_MODEL_PARAMETERS)
 
 

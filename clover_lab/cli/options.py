@@ -74,10 +74,15 @@ def load_engine(args):
     which a test may replace."""
     from clover_lab.engine import load
 
+    from clover_lab.signals import check_interrupted
+
+    check_interrupted()  # one swallowed by the imports: before a load that may take minutes
     placed = {name: getattr(args, name, None) for name in ("device_map", "max_memory", "keep_fp8", "coreset_size",
                                                             "progress", "check_finite")}  # absent options: defaults
-    return load(args.model, device=args.device, dtype=args.dtype, pin_memory=getattr(args, "pin_memory", False),
-                **placed)
+    engine = load(args.model, device=args.device, dtype=args.dtype, pin_memory=getattr(args, "pin_memory", False),
+                  **placed)
+    check_interrupted()  # a Ctrl-C that a library swallowed while loading: the command stops here
+    return engine
 
 
 def add_placement_options(parser: argparse.ArgumentParser) -> None:

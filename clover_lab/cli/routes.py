@@ -5,11 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from clover_lab.checkpoint.loading import model_path
 from clover_lab.cli.arguments import writable_file
 from clover_lab.cli.options import EXIT_OK, data_inputs, fail, load_engine
-from clover_lab.lens.routing_stats import stats_path
-from clover_lab.writes import refuse_inputs
 
 
 def add_parser(sub) -> None:
@@ -40,10 +37,11 @@ def cmd_routes(args) -> int:
 
     import torch.distributed as dist
 
-    from clover_lab.checkpoint.loading import resolve_device
+    from clover_lab.checkpoint.loading import model_path, resolve_device
     from clover_lab.corpus import corpus_documents
     from clover_lab.errors import CloverError
-    from clover_lab.lens.routing_stats import route_stats
+    from clover_lab.lens.routing_stats import route_stats, stats_path
+    from clover_lab.writes import refuse_inputs
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:

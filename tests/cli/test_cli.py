@@ -346,3 +346,72 @@ def test_thinking_on_a_tokenizer_without_a_thinking_mode_is_an_error(capsys, gen
     code, _, err = run_cli(capsys, "generate", "--model", tmp_path / "m", "--prompt", "w8 w9", "--chat",
                            "--thinking", "--max-new-tokens", 4, "--json")
     assert code == 2 and "thinking=True: this tokenizer has no thinking mode" in err and len(err.splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- Ctrl-C before the generation
+def _swallowed_ctrl_c():
+    """A Ctrl-C that a library swallows (torch's import catches every error of its numpy import)."""
+    import signal
+    import time
+
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the handler runs here
+    except KeyboardInterrupt:
+        pass
+
+
+@pytest.mark.parametrize("then", ["returns", "fails"])
+def test_a_ctrl_c_a_library_swallowed_still_stops_the_command(capsys, gen_model_dir, monkeypatch, then):
+    """Once in ~10 tries a Ctrl-C in the first second of `clover-lab generate` was lost (swallowed
+    during torch's import) and the generation went on; or the half-imported module failed later with a
+    traceback. The command notes the Ctrl-C and stops with exit 130 at the next point that looks."""
+    import clover_lab.engine
+
+    real = clover_lab.engine.load
+    generated = []
+
+    def load(*a, **k):
+        _swallowed_ctrl_c()
+        if then == "fails":
+            raise RecursionError("maximum recursion depth exceeded (numpy's half-imported linalg)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(clover_lab.engine, "load", load)
+    monkeypatch.setattr(clover_lab.engine.Engine, "stream", lambda *a, **k: generated.append(1))
+    code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6", "--json")
+    assert code == 130 and err.strip() == "clover-lab: interrupted" and out == "" and not generated
+
+
+def test_a_ctrl_c_during_the_imports_is_one_line(capsys, monkeypatch):
+    def build_parser():
+        raise KeyboardInterrupt  # what torch's import raises when Ctrl-C lands in it
+
+    monkeypatch.setattr(cli, "build_parser", build_parser)
+    code, out, err = run_cli(capsys, "generate", "--prompt-ids", "5,6")
+    assert code == 130 and err.strip() == "clover-lab: interrupted"
+
+
+def test_the_entry_point_imports_nothing_heavy():
+    """main() must run before torch is imported, to take a Ctrl-C from the first instant."""
+    code = ("import sys; import clover_lab.cli.main; import clover_lab; "
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_any_moment_of_the_start_exits_130():
+    """Ctrl-C sent to a real `clover-lab generate` at moments over its first seconds (imports, load,
+    generation): never a traceback, never lost."""
+    import signal
+    import time
+
+    exe = os.path.join(os.path.dirname(sys.executable), "clover-lab")
+    for delay in (0.3, 0.6, 0.9, 1.5, 3.0, 6.0):
+        p = subprocess.Popen([exe, "generate", "--prompt", "def f():", "--max-new-tokens", "400", "--no-live"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 130 and "Traceback" not in err, (delay, p.returncode, err[-2000:])
