@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from clover_lab.cli.arguments import writable_file
-from clover_lab.cli.options import EXIT_OK, data_inputs, fail, load_engine
+from clover_lab.cli.options import EXIT_OK, check_options, data_inputs, fail, load_engine
 
 
 def add_parser(sub) -> None:
@@ -36,7 +36,8 @@ def cmd_check(args) -> int:
 
     if args.windows < 1:
         return fail(f"--windows must be >= 1, got {args.windows}")
-    try:  # the corpus and the output checked before the model loads
+    try:  # the options, the corpus and the output checked before the model loads
+        check_options(args)
         data = None if args.data is None else corpus_documents([Path(d) for d in args.data], "--data")
         out = None if args.json is None else writable_file(args.json, "--json")
         if out is not None:  # never over the checkpoint or the text it reads

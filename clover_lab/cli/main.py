@@ -35,6 +35,7 @@ from clover_lab.cli.options import (
     EXIT_OK,
     UsageError,
     add_placement_options,
+    check_options,
     add_sampler_options,
     fail,
     load_engine,
@@ -153,8 +154,10 @@ def cmd_generate(args) -> int:
     from clover_lab.engine.requests import IgnoredSettingWarning, ignored_settings, is_batch
     from clover_lab.errors import CloverError
 
-    if args.threads is not None and args.threads < 1:
-        return fail(f"--threads must be >= 1, got {args.threads}")
+    try:  # what can be checked without the model, before it loads
+        check_options(args)
+    except (UsageError, CloverError, ValueError, TypeError) as e:
+        return fail(str(e))
     try:
         engine = load_engine(args)
     except (CloverError, FileNotFoundError, ValueError, OSError) as e:

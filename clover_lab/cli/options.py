@@ -61,7 +61,39 @@ def add_sampler_options(parser: argparse.ArgumentParser) -> None:
 def sampler_kwargs(args) -> dict:
     from clover_lab.engine.sampling import SamplerSettings
 
-    return {name: getattr(args, name) for name in SamplerSettings.names() if getattr(args, name) is not None}
+    return {name: getattr(args, name) for name in SamplerSettings.names() if getattr(args, name, None) is not None}
+
+
+def check_options(args) -> None:
+    """Every option that can be checked without the model, checked before it loads (a usage error
+    after a 70 GB load is minutes lost): the sampler settings, the decoding policy, the lengths,
+    and what config.json says of the coreset size and the prompt's token ids (read alone, cheaply)."""
+    from clover_lab.checkpoint.loading import load_config, model_path
+    from clover_lab.engine.policies import make_policy
+    from clover_lab.engine.requests import GenerationError, check_coreset
+    from clover_lab.engine.sampling import SamplerSettings
+
+    sampler = sampler_kwargs(args)
+    SamplerSettings.from_kwargs(None, **sampler)  # a SettingsError naming the setting
+    for name in ("max_new_tokens", "block_size", "threads"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if getattr(args, "policy", None) is not None:
+        make_policy(args.policy)
+    path = model_path(args.model)
+    if path is None or not (path / "config.json").is_file():
+        return  # the load says what is missing
+    config = load_config(path)
+    try:
+        check_coreset(config, sampler.get("coreset_size"))
+    except GenerationError as e:
+        raise UsageError(f"--coreset-size: {e}") from None
+    for ids in getattr(args, "prompt_ids", None) or []:
+        bad = [t for t in ids if not 0 <= t < config.vocab_size]
+        if bad:
+            raise UsageError(f"--prompt-ids: token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size}) "
+                             f"of {path}")
 
 
 def data_inputs(args) -> list[tuple[str, Path]]:

@@ -415,3 +415,80 @@ def test_ctrl_c_at_any_moment_of_the_start_exits_130():
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 130 and "Traceback" not in err, (delay, p.returncode, err[-2000:])
+
+
+# --------------------------------------------------------------------------- options checked before the load
+def _no_load(monkeypatch):
+    def load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr("clover_lab.engine.load", load)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["serve", "--port", "70000"], r"--port must be a TCP port in \[1, 65535\], got 70000"),
+    (["serve", "--port", "0"], r"--port must be a TCP port"),
+    (["serve", "--host", "no-such-host.invalid"], "--host 'no-such-host.invalid': not an address to listen on"),
+    (["serve", "--graceful", "-1"], "--graceful must be a number of seconds >= 0"),
+    (["serve", "--threshold", "2"], r"threshold=2.0: must be in \(0, 1\]"),
+    (["serve", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["generate", "--prompt-ids", "1,2", "--policy", "topk:k=0"], "TopKPolicy k=0"),
+    (["generate", "--prompt-ids", "1,2", "--policy", "topk:k=2,k=3"], "given twice"),
+    (["generate", "--prompt-ids", "1,2", "--temperature", "-1"], "temperature"),
+    (["generate", "--prompt-ids", "1,2", "--coreset-size", "1"], "--coreset-size: coreset_size=1"),
+    (["generate", "--prompt-ids", "1,99999"], r"--prompt-ids: token ids \[99999\] are outside the vocabulary"),
+    (["generate", "--prompt-ids", "1,2", "--block-size", "0"], "--block-size must be >= 1"),
+    (["check", "--windows", "1", "--json", "/nonexistent-dir/r.json"], "does not exist"),
+])
+def test_what_the_options_say_is_checked_before_the_model_loads(capsys, gen_model_dir, monkeypatch, argv, match):
+    """`clover-lab serve --port 70000` failed after the model loaded (a 70 GB load: minutes)."""
+    _no_load(monkeypatch)
+    code, _, err = run_cli(capsys, *argv[:1], "--model", gen_model_dir, *argv[1:])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    import re
+    assert re.search(match, err), err
+
+
+def test_a_port_in_use_is_found_before_the_model_loads(capsys, gen_model_dir, monkeypatch):
+    """A port in use was reported after the load (~60 s for the release) as uvicorn's log lines."""
+    import socket
+
+    _no_load(monkeypatch)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, _, err = run_cli(capsys, "serve", "--model", gen_model_dir, "--port", port)
+    assert code == 2 and f"--port {port}: cannot listen there: another process is listening there" in err
+
+
+def test_serve_listens_on_the_socket_it_bound_before_loading(capsys, gen_text_model_dir, monkeypatch):
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    servers = []
+
+    def run(self, sockets=None):
+        servers.append(sockets[0].getsockname()[1])
+        thread = threading.Thread(target=uvicorn.Server.run, args=(self, sockets), daemon=True)
+        thread.start()
+        deadline = time.time() + 30
+        while not self.started:
+            assert time.time() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        port = sockets[0].getsockname()[1]
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == "tiny"
+        self.should_exit = True
+        thread.join(30)
+
+    monkeypatch.setattr("clover_lab.serve.server.Server.run", run)
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, _, err = run_cli(capsys, "serve", "--model", gen_text_model_dir, "--port", port,
+                           "--served-model-name", "tiny")
+    assert code == 0, err
+    assert servers == [port]
