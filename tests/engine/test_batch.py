@@ -313,7 +313,7 @@ def test_the_batch_benchmark_runs_and_its_batches_give_batch_1s_tokens(tmp_path)
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "bench_batch.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_batch.py"
     proc = subprocess.run([sys.executable, str(script), "--model", "random", "--prompts", "4",
                            "--batch-sizes", "1", "4", "--max-new-tokens", "16", "--threshold", "0.3", "--rounds", "1", "--threads", "1",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
@@ -334,7 +334,7 @@ def test_the_bound_benchmark_sums_the_gemms_inside_the_steps(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "bench_batch_bound.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_batch_bound.py"
     proc = subprocess.run([sys.executable, str(script), "--model", "random", "--prompts", "2", "--batch-sizes", "2",
                            "--max-new-tokens", "16", "--threshold", "0.3", "--rounds", "1", "--threads", "1",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,

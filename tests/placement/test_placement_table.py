@@ -5,7 +5,7 @@ import json
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_readme_table_is_what_the_script_computes(capsys, tmp_path):

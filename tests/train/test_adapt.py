@@ -427,7 +427,7 @@ class _LogJson:
 
 
 def _patch(monkeypatch, boundary: str, wrap):
-    import clover_lab.train.adapt_code as adapt_module
+    import clover_lab.train.adapt as adapt_module
 
     if boundary == "optimizer step 3":
         monkeypatch.setattr(torch.optim.AdamW, "step", wrap(torch.optim.AdamW.step))
