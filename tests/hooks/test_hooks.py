@@ -282,8 +282,8 @@ def test_no_events_are_built_without_hooks(tiny_engine, monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("an event was built with no hook attached")
 
-    for where in ("engine.diffusion.StepEvent", "engine.run.CommitEvent", "layers.moe.RouteEvent",
-                  "layers.gdn.GDNPreviewEvent", "layers.gdn.GDNStateEvent"):
+    for where in ("engine.diffusion.StepEvent", "engine.run.CommitEvent", "model.layers.moe.RouteEvent",
+                  "model.layers.gdn.GDNPreviewEvent", "model.layers.gdn.GDNStateEvent"):
         monkeypatch.setattr(f"clover_lab.{where}", forbidden)
     tiny_engine.generate(PROMPT, **KW)
     tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4)
