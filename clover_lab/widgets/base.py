@@ -37,6 +37,7 @@ class View:
 
     title = "view"
     needs_model = False  # replaying a trace needs the model's weights (engine=...)
+    replay_needs: tuple = ()  # the points (patterns) a trace must record for this view to replay it
 
     def __init__(self, engine=None, *, fps: float = 15.0):
         require_notebook()
