@@ -28,6 +28,7 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
         if tokenizer is None:
             raise GenerationError("a text prompt needs a tokenizer, and this engine has none; "
                                   "pass token ids instead (a list of ints)")
+        check_text(prompt, "prompt")
         ids = list(tokenizer(prompt)["input_ids"])
     elif isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2 and prompt.shape[0] == 1:
@@ -42,6 +43,9 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
         for i, msg in enumerate(prompt):
             if "role" not in msg or "content" not in msg:
                 raise GenerationError(f"chat message {i}: expected keys 'role' and 'content', got {sorted(msg)}")
+            for key, value in msg.items():
+                if isinstance(value, str):
+                    check_text(value, f"chat message {i}'s {key}")
         ids = chat_ids(tokenizer, prompt, thinking)
         if thinking is not None and not has_think_tokens(tokenizer) and chat_ids(tokenizer, prompt,
                                                                                   not thinking) == ids:
@@ -72,6 +76,17 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
     if bad:
         raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {V})")
     return [int(t) for t in ids]
+
+
+def check_text(text: str, what: str) -> None:
+    """A GenerationError when ``text`` is no Unicode text: a lone surrogate (half of a UTF-16 pair,
+    as JSON's "\\ud800" decodes to) reached the tokenizer as a TypeError (a server's 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(f"{what}: the text holds a lone surrogate {text[e.start]!r} at character {e.start}, "
+                              f"half of a UTF-16 pair, which is no character; send the text as UTF-8 (or the "
+                              f"surrogate with its pair)") from None
 
 
 def chat_ids(tokenizer, messages, thinking: bool | None) -> list[int]:
@@ -227,6 +242,8 @@ def stop_list(stop, tokenizer) -> list[str]:
     if stop:
         if not all(isinstance(x, str) and x for x in stop):
             raise GenerationError(f"stop: expected non-empty strings, got {stop!r}")
+        for i, x in enumerate(stop):
+            check_text(x, f"stop[{i}]")
         if tokenizer is None:
             raise GenerationError("stop strings need a tokenizer, and this engine has none; "
                                   "use eos token ids (engine.eos_token_ids) instead")

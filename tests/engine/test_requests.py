@@ -162,3 +162,13 @@ def test_a_policy_naming_a_setting_twice_is_refused():
     for spec in ("topk:k=2,k=4", "eb:gamma=0.1,gamma=0.5", "lookahead:start=0.5,threshold=0.9,start=0.1"):
         with pytest.raises(SettingsError, match="given twice"):
             make_policy(spec)
+
+
+def test_text_holding_a_lone_surrogate_is_named(tiny_text_engine):
+    """A lone surrogate reached the tokenizer as a TypeError."""
+    for prompt, where in [("w5 \ud800 w6", "prompt"), ([{"role": "user", "content": "w5\udfff"}], "chat message 0's content")]:
+        with pytest.raises(GenerationError, match=f"{where}: the text holds a lone surrogate"):
+            tiny_text_engine.generate(prompt, max_new_tokens=2)
+    with pytest.raises(GenerationError, match=r"stop\[1\]: the text holds a lone surrogate"):
+        tiny_text_engine.generate("w5", stop=["w6", "\ud800"], max_new_tokens=2)
+    assert tiny_text_engine.generate("w5 \U0001F600 w6", max_new_tokens=2).token_ids  # a real pair is text
