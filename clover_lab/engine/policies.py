@@ -212,6 +212,15 @@ def checked_proposal(policy, proposal, n: int, device, where: str, ahead: bool =
     return tuple(out)
 
 
+def policy_flag(policy, method: str, value, where: str) -> bool:
+    """A rule's yes-or-no answer (``finishes_block``, ``look_ahead``): a bool (numpy's too), never a
+    tensor whose truth is ambiguous or a value taken for one."""
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise GenerationError(f"{type(policy).__name__}.{method}: {where}: returned {type(value).__name__} "
+                              f"{value!r:.60}, expected True or False")
+    return bool(value)
+
+
 def check_proposal_values(policy, tokens: list[int], vocab: int, mask_id: int, where: str, ahead: bool = False):
     """The proposal's candidate tokens (from the step's host transfer) are real tokens: in
     [0, vocab) and not the mask token (a mask returned as an answer, a negative or past-the-end id

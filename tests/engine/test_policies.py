@@ -162,3 +162,13 @@ def test_nan_confidences_from_finite_logits_are_the_rules(tiny_engine):
     with pytest.raises(GenerationError, match="NaNs.propose: block 0, step 0: Proposal.confidences holds NaN or inf "
                                               "while the step's logits are finite"):
         tiny_engine.generate(PROMPTS[0], max_new_tokens=8, policy=NaNs())
+
+
+@pytest.mark.parametrize("method", ["finishes_block", "look_ahead"])
+@pytest.mark.parametrize("answer", [torch.tensor([True, False]), "yes", None, 1])
+def test_a_rules_yes_or_no_is_a_bool(tiny_engine, method, answer):
+    """finishes_block / look_ahead returning a tensor was 'Boolean value of Tensor ... is ambiguous'."""
+    rule = type("Odd", (LookAheadPolicy,), {method: lambda self, row, block: answer})(start=0.0)
+    with pytest.raises(GenerationError, match=rf"Odd.{method}: block 0, step 0: returned .*expected True or False"):
+        tiny_engine.generate(PROMPTS[1], max_new_tokens=40, policy=rule)
+    assert tiny_engine.generate(PROMPTS[1], max_new_tokens=8).token_ids
