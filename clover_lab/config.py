@@ -178,6 +178,7 @@ class CloverConfig:
     def from_dict(cls, d: dict, source: str = "config") -> "CloverConfig":
         d = dict(d)
         model_type = d.get("model_type")
+        check_architectures(d.get("architectures"), model_type, source)
         if model_type == "qwen3_5_moe":
             if not isinstance(d.get("text_config"), dict):
                 raise ConfigError(f"{source}: model_type 'qwen3_5_moe' needs a 'text_config' object")
@@ -261,6 +262,29 @@ class CloverConfig:
 
     def replace(self, **changes) -> "CloverConfig":
         return dataclasses.replace(self, **changes)
+
+
+# the model classes each accepted model_type's checkpoints name in ``architectures`` (by prefix:
+# CloverMoeModelLM, the release's; Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration)
+ARCHITECTURE_FAMILIES = {MODEL_TYPE: "Clover", "qwen3_5_moe_text": "Qwen3_5Moe", "qwen3_5_moe": "Qwen3_5Moe"}
+
+
+def check_architectures(architectures, model_type, source: str) -> None:
+    """config.json's ``architectures`` (absent or null: nothing to check) must be a list of class
+    names of ``model_type``'s family: a ``LlamaForCausalLM`` beside ``model_type: clover_moe`` is
+    a config.json from another model (or a hand edit), whatever its fields say."""
+    if architectures is None or model_type not in ARCHITECTURE_FAMILIES:  # an unknown model_type: named later
+        return
+    family = ARCHITECTURE_FAMILIES[model_type]
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ConfigError(f"{source}: config field 'architectures': must be a list of model class names "
+                          f"(got {architectures!r})")
+    foreign = [a for a in architectures if not a.startswith(family)]
+    if foreign:
+        raise ConfigError(f"{source}: config field 'architectures' names {', '.join(map(repr, foreign))}, not a "
+                          f"{family}* model as model_type {model_type!r} says (expected e.g. "
+                          f"{ARCHITECTURE if model_type == MODEL_TYPE else 'Qwen3_5MoeForCausalLM'!r}); is this "
+                          f"config.json another model's?")
 
 
 def _finite(v) -> bool:

@@ -28,14 +28,30 @@ def folder_files(folder: Path, keep) -> list[Path]:
 
 
 class Documents(list):
-    """A corpus already read: its texts and token-id lists, taken as they are."""
+    """A corpus already read: its texts and token-id lists, taken as they are; ``sources``: the
+    (name, path) pairs it was read from, inputs no output may overwrite."""
+
+    sources: list = []
 
 
 def corpus_documents(data, name: str = "data") -> Documents:
     """``data`` as documents (texts and token-id lists); see the module's docstring."""
     if isinstance(data, Documents):
         return data
-    return Documents(_documents(data, name))
+    docs = Documents(_documents(data, name))
+    docs.sources = corpus_inputs(data, name)
+    return docs
+
+
+def corpus_inputs(data, name: str = "data") -> list[tuple[str, Path]]:
+    """The files and folders ``data`` reads, as (name, path) pairs (``writes.refuse_inputs``)."""
+    if isinstance(data, Documents):
+        return list(data.sources)
+    if isinstance(data, Path):
+        return [(name, data)]
+    if isinstance(data, (list, tuple)):
+        return [(name, item) for item in data if isinstance(item, Path)]
+    return []
 
 
 def _documents(data, name: str) -> list:

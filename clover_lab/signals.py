@@ -1,6 +1,7 @@
 """Ctrl-C (SIGINT) and SIGTERM noted instead of raised while something must not be cut in two: a
 training step with its log line (``train/``), or the renames that put a saved file set in place
-(``writes.FileSet``). Whoever holds them acts on them at its next whole boundary."""
+(``writes.FileSet``). Whoever holds them acts on them at its next whole boundary. ``Interrupts``: the
+command line's Ctrl-C, raised at once and remembered in case a library swallows it."""
 from __future__ import annotations
 
 import signal
@@ -46,3 +47,44 @@ class NotedSignals:
     @property
     def names(self) -> str:
         return ", ".join(signal.Signals(s).name for s in dict.fromkeys(self.received))
+
+
+class Interrupts:
+    """While entered (main thread), Ctrl-C raises KeyboardInterrupt as Python's own handler does,
+    and is also noted: a library that swallows the KeyboardInterrupt (torch's import catches every
+    error of its optional numpy import, so a Ctrl-C in the first second of a command was lost and the
+    generation went on) cannot make it forgotten; :func:`check_interrupted` raises it again at the
+    next point that looks (after a model is loaded)."""
+
+    def __enter__(self) -> "Interrupts":
+        self._previous = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self._previous = signal.signal(signal.SIGINT, self._note)
+        _noted.clear()
+        return self
+
+    @staticmethod
+    def _note(signum, frame) -> None:
+        _noted.append(signum)
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        _noted.clear()
+
+
+_noted: list[int] = []
+
+
+def interrupted() -> bool:
+    """Whether a Ctrl-C was noted (by :class:`Interrupts`): an error raised after one (a module whose
+    import it cut short, left half made) is its consequence, not a fault of its own."""
+    return bool(_noted)
+
+
+def check_interrupted() -> None:
+    """A KeyboardInterrupt if a Ctrl-C was noted (by :class:`Interrupts`) and swallowed since."""
+    if _noted:
+        raise KeyboardInterrupt

@@ -43,6 +43,32 @@ def temp_beside(final: Path) -> Path:
     return final.with_name(f".{final.stem}{TMP_TAG}{secrets.token_hex(4)}{final.suffix}")
 
 
+def umask() -> int:
+    """The process's umask, read without changing it (Linux: /proc/self/status), else by setting
+    and restoring it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _as_created(path: Path) -> None:
+    """A written temporary file given the mode a file created here gets (0666 less the umask):
+    writers that go through temporary files of their own (safetensors' ``save_file``, tempfile)
+    leave them 0600, so that a checkpoint's weights were unreadable to anyone else."""
+    try:
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask())
+    except OSError:  # a filesystem without modes: the file is as its writer left it
+        pass
+
+
 def _fsync(path: Path) -> None:
     """The file's (or directory's) data on disk before a rename makes it the real one."""
     try:
@@ -66,6 +92,7 @@ def atomic_path(final):
     tmp = temp_beside(final)
     try:
         yield tmp
+        _as_created(tmp)
         _fsync(tmp)
         with NotedSignals(redeliver=True):
             os.replace(tmp, final)
@@ -139,6 +166,7 @@ class FileSet:
         marker = self.directory / MARKER
         try:
             for written, _ in self._moves:
+                _as_created(written)
                 _fsync(written)
             with NotedSignals(redeliver=True):  # the renames are not cut in two by Ctrl-C or SIGTERM
                 write_text(marker, json.dumps({"writing": [_rel(f, self.directory) for _, f in self._moves],
@@ -213,9 +241,50 @@ def refuse_foreign(directory: Path, ours: set[str], what: str) -> None:
 
 def refuse_same(out, source, what: str) -> None:
     """An OutputError when the output ``out`` is the input ``source`` (it would overwrite it)."""
-    if Path(out).resolve() == Path(source).resolve():
-        raise OutputError(f"{what}: the output {out} is the input {source}; writing it would overwrite "
-                          f"the input: give another directory")
+    refuse_inputs(out, [("the input", source)], what, folder=True)
+
+
+def _same(a: Path, b: Path) -> bool:
+    """One file or folder under two names (symlinks and hard links included)."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def _under(path: Path, folder: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(folder.resolve())
+    except OSError:
+        return False
+
+
+def refuse_inputs(output, inputs, what: str, folder: bool = False) -> None:
+    """The one rule every writer applies before it writes (or loads anything): an OutputError when
+    writing ``output`` would overwrite what the work reads. ``inputs``: (label, path) pairs, each
+    a file read or a folder read (a model directory, a corpus folder: every file in it is an
+    input). A file output is refused when it is an input file or folder, or an existing file in
+    an input folder (``check --json M/config.json`` would replace the checkpoint's config); a
+    folder output (``folder``: a checkpoint, a run) when it is an input file or folder. Writing a
+    new file into an input folder (a report beside the model) is not refused."""
+    out = Path(output)
+    for label, source in inputs:
+        if source is None:
+            continue
+        source = Path(source)
+        clash = _same(out, source) or (not folder and source.is_dir() and out.is_file() and _under(out, source))
+        if clash:
+            where = "is" if _same(out, source) else "is a file in"
+            raise OutputError(f"{what}: the output {out} {where} {label} {source}, which is read: writing it would "
+                              f"overwrite the input; nothing was written: give another "
+                              f"{'directory' if folder else 'file'}")
+
+
+def model_inputs(model) -> list[tuple[str, Path]]:
+    """The checkpoint directory ``model`` was loaded from (``CloverModel.checkpoint_dir``), as the
+    input of whatever is computed with it."""
+    source = getattr(model, "checkpoint_dir", None)
+    return [] if source is None else [("the model directory", Path(source))]
 
 
 def check_writable(*directories, what: str = "output") -> None:

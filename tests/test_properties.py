@@ -219,6 +219,28 @@ def test_hook_actions_end_in_a_result_or_a_clover_error(engine_and_base, plan, m
     check_outcome(engine, base, run)
 
 
+# --------------------------------------------------------------------------- issue 41: hooks in the newer modes
+NEWER_MODES = [dict(mode="speculative"), dict(mode="speculative", draft_passes=2),
+               dict(policy="lookahead:start=0.0,threshold=0.5"), dict(policy="eb:gamma=0.5"),
+               dict(policy="topk:k=1/2"), dict(logprobs=2), dict(min_p=0.5, temperature=0.7, seed=3)]
+
+
+@bounded(30)
+@given(plan=hook_plans, how=st.sampled_from(NEWER_MODES), batch=st.booleans(), stop=st.booleans())
+def test_hook_actions_in_the_newer_modes_end_in_a_result_or_a_clover_error(engine_and_base, plan, how, batch, stop):
+    """The hook actions above in speculative mode, under look-ahead and other policies, with
+    log-probabilities and min-p sampling, one prompt or a batch."""
+    engine, base = engine_and_base
+    extra = {"stop": ["w1"]} if stop else {}
+
+    def run():
+        with engine.hooks(build_hooks(plan)):
+            return engine.generate([PROMPT, PROMPT[:4]] if batch else PROMPT, max_new_tokens=10, threshold=0.3,
+                                   **how, **extra)
+
+    check_outcome(engine, base, run)
+
+
 # --------------------------------------------------------------------------- issue 29: corpora and sites
 corpus_items = st.one_of(
     st.lists(st.integers(-2, V + 2), max_size=6), st.sampled_from(["w1 w2 w3", "", "a.py", "docs/", ".", "w4"]),

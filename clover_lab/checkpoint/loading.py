@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import warnings
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 from clover_lab.checkpoint.fp8 import FP8Checkpoint
-from clover_lab.checkpoint.names import PREVIEW_PARAMS, canonical_name, preview_shapes
+from clover_lab.checkpoint.names import PREVIEW_PARAMS, RELEASE_NAMES, canonical_name, preview_shapes
 from clover_lab.config import CloverConfig, ConfigError
 from clover_lab.errors import CheckpointError, flag
 from clover_lab.writes import refuse_unfinished
@@ -187,6 +188,7 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
         model.reset_preview_parameters()
         warnings.warn(f"{path}: the checkpoint has no Clover preview weights ({len(untrained)} tensors); "
                       f"they get the spec's defaults, so the preview mode is untrained", stacklevel=3)
+    model.checkpoint_dir = path
     return model.eval()
 
 
@@ -229,9 +231,28 @@ def _refuse_unexpected(path: Path, names, expected: dict, num_experts: int) -> N
     unexpected += [fused[n] for n in fused if n not in expected]
     unexpected += [s for prefix, d in per_expert.items() for (e, _), s in d.items()
                    if f"{prefix}.gate_up_proj" not in expected or not 0 <= e < num_experts]
+    preview = sorted(s for s in unexpected if _looks_preview(s))
+    if preview:  # a preview tensor this model has no place for: an unknown name, or the wrong layer
+        gdn = sorted({int(n.split("layers.")[1].split(".")[0]) for n in expected if _preview_kind(n)})
+        raise CheckpointError(f"{path}: {len(preview)} preview tensor(s) this model has no place for, e.g. "
+                              f"{preview[:3]}: a GDN layer's preview tensors are linear_attn."
+                              f"{{{', '.join(n.removeprefix('linear_attn.') for n in RELEASE_NAMES)}}} (the spec's "
+                              f"earlier names too), and the GDN layers are {gdn} (config.json's layer_types)")
     if unexpected:
         raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensors, e.g. {sorted(unexpected)[:5]} "
                               f"(is the config.json the right one for this checkpoint?)")
+
+
+PREVIEW_LIKE = ("linear_attn.bd_", "linear_attn.conv_right", "linear_attn.conv1d_right", "linear_attn.block_scale",
+                "linear_attn.history_")
+
+
+def _looks_preview(stored: str) -> bool:
+    """A stored name that reads as a preview tensor (the release's prefixes, the spec's names)."""
+    name = canonical_name(stored) or ""
+    suffix = name.split("layers.")[-1].split(".", 1)[-1] if "layers." in name else ""
+    stored_suffix = stored.split("layers.")[-1].split(".", 1)[-1] if "layers." in stored else ""
+    return suffix in PREVIEW_PARAMS or stored_suffix.startswith(PREVIEW_LIKE)
 
 
 def _plan(path: Path, files, reader: "_Reader", names, expected: dict, config: CloverConfig):
@@ -274,7 +295,39 @@ def _plan(path: Path, files, reader: "_Reader", names, expected: dict, config: C
             missing.append(name)
     if missing:
         raise CheckpointError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[:5]}")
+    if untrained and len(untrained) < sum(1 for n in expected if _preview_kind(n) is not None):
+        raise CheckpointError(partial_preview(path, untrained, expected))
     return plan, untrained
+
+
+def _preview_kind(name: str) -> str | None:
+    """The release's name of the preview parameter ``name`` (``bd_softmax_history_c``), or None."""
+    suffix = name.split("layers.")[-1].split(".", 1)[-1]
+    return next((release.removeprefix("linear_attn.") for release, param in RELEASE_NAMES.items()
+                 if param == suffix), None) if suffix in PREVIEW_PARAMS else None
+
+
+def partial_preview(path: Path, untrained: list[str], expected: dict) -> str:
+    """The error for a checkpoint holding some of its preview tensors but not all: each missing
+    one named (a converter that drops one would otherwise give a quietly worse preview, with the
+    other layers' trained values beside the spec's defaults)."""
+    layers = {}
+    for name in expected:
+        if (kind := _preview_kind(name)) is not None:
+            layers.setdefault(kind, []).append(int(name.split("layers.")[1].split(".")[0]))
+    parts = []
+    for kind, all_layers in layers.items():
+        lacking = [int(n.split("layers.")[1].split(".")[0]) for n in untrained if _preview_kind(n) == kind]
+        if len(lacking) == len(all_layers):
+            parts.append(f"{kind} in every GDN layer ({len(lacking)})")
+        elif lacking:
+            parts.append(f"{kind} in layer{'s' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))}")
+    first = untrained[0].rsplit(".", 2)[0] + ".linear_attn." + _preview_kind(untrained[0])
+    return (f"{path}: the checkpoint holds only some of its preview tensors: missing "
+            f"{'; '.join(parts)} (e.g. {first!r}). A checkpoint has all four per GDN layer "
+            f"({', '.join(n.removeprefix('linear_attn.') for n in RELEASE_NAMES)}) or none (an untrained "
+            f"preview, given the spec's defaults); mixing trained values with defaults would make the preview "
+            f"quietly worse: convert the checkpoint again with every preview tensor")
 
 
 def _fill(model, path: Path, files, reader: "_Reader", plan: dict, expected: dict, dtype, device, progress,
@@ -316,22 +369,67 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def load_tokenizer(path):
-    """transformers' AutoTokenizer from the model directory, or None when it has no tokenizer files."""
+    """transformers' AutoTokenizer from the model directory, or None when it has no tokenizer files.
+
+    Never runs the directory's Python code, and never asks whether to: a custom-code release
+    (an ``auto_map`` in config.json or tokenizer_config.json) made transformers ask "Do you wish
+    to run the custom code? [y/N]" on every load (15 s in a terminal, a wait on input in Jupyter).
+    clover_lab reads config.json itself and needs only the tokenizer's files: the tokenizer is
+    loaded with ``trust_remote_code=False`` (a class of transformers' own, named by
+    tokenizer_config.json), else straight from tokenizer.json; the code is mentioned once."""
     path = Path(path)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
+    code = remote_code(path)
     # AutoTokenizer reads config.json and warns that model_type clover_moe is unknown to it: noise
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - a tokenizer class only its own code defines
+            if not code or not (path / "tokenizer.json").exists():
+                raise
+            log.info("%s: AutoTokenizer without the release's code failed (%s); reading tokenizer.json", path, e)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - re-raised with the directory named
-        raise CheckpointError(f"{path}: tokenizer files present but unreadable ({e})") from e
+        what = f" (it names custom code, {', '.join(code)}, which clover_lab does not run)" if code else ""
+        raise CheckpointError(f"{path}: tokenizer files present but unreadable{what} ({e})") from e
     finally:
         hf_logging.set_verbosity(verbosity)
+    if code and path.resolve() not in _CODE_SAID:
+        _CODE_SAID.add(path.resolve())
+        warnings.warn(f"{path} carries custom code ({', '.join(code)}); clover_lab never runs it: it reads "
+                      f"config.json and the weights itself and the tokenizer from its files", RemoteCodeNotRun,
+                      stacklevel=3)
+    return tokenizer
+
+
+class RemoteCodeNotRun(UserWarning):
+    """A checkpoint names Python code of its own (``auto_map``), which clover_lab does not run."""
+
+
+_CODE_SAID: set = set()  # directories whose code was mentioned in this process (once each)
+
+
+def remote_code(path: Path) -> list[str]:
+    """The Python classes a Hugging Face directory's ``auto_map`` entries name (config.json,
+    tokenizer_config.json: ``"modeling_clover.CloverMoeModelLM"``); [] when none."""
+    named = []
+    for file in ("config.json", "tokenizer_config.json"):
+        try:
+            auto_map = json.loads((path / file).read_text()).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        refs = auto_map.values() if isinstance(auto_map, dict) else auto_map if isinstance(auto_map, list) else []
+        for ref in refs:
+            for one in ref if isinstance(ref, (list, tuple)) else [ref]:
+                if isinstance(one, str) and one not in named:
+                    named.append(one)
+    return named
 
 
 # --------------------------------------------------------------------------- around the weights
@@ -341,6 +439,13 @@ def load_tokenizer(path):
 _PACKAGE = Path(__file__).resolve().parents[1]  # clover_lab/
 DEFAULT_MODEL_ROOTS = (_PACKAGE / "assets", _PACKAGE.parent / "assets")
 DEFAULT_MODEL_NAME = "clover-stdlib"
+
+
+def model_path(path=None) -> Path | None:
+    """The model directory ``load(path)`` reads: ``path``, else ``$CLOVER_LAB_MODEL``, else the
+    embedded default model (None when there is none)."""
+    path = path or os.environ.get("CLOVER_LAB_MODEL") or default_model_dir()
+    return None if path is None else Path(path)
 
 
 def default_model_dir() -> Path | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from clover_lab.cli.arguments import writable_file
-from clover_lab.cli.options import EXIT_OK, fail, load_engine
+from clover_lab.cli.options import EXIT_OK, check_options, data_inputs, fail, load_engine
 
 
 def add_parser(sub) -> None:
@@ -28,15 +28,20 @@ def add_parser(sub) -> None:
 
 def cmd_check(args) -> int:
     """``clover-lab check``: the table and the verdict (exit 0 whatever the verdict)."""
+    from clover_lab.checkpoint.loading import model_path
     from clover_lab.corpus import corpus_documents
     from clover_lab.errors import CloverError
     from clover_lab.lens.preview_check import check_preview
+    from clover_lab.writes import refuse_inputs
 
     if args.windows < 1:
         return fail(f"--windows must be >= 1, got {args.windows}")
-    try:  # the corpus and the output checked before the model loads
+    try:  # the options, the corpus and the output checked before the model loads
+        check_options(args)
         data = None if args.data is None else corpus_documents([Path(d) for d in args.data], "--data")
         out = None if args.json is None else writable_file(args.json, "--json")
+        if out is not None:  # never over the checkpoint or the text it reads
+            refuse_inputs(out, [("the model directory", model_path(args.model))] + data_inputs(args), "--json")
         engine = load_engine(args)
         report = check_preview(engine, data=data, windows_count=args.windows)
         if out is not None:

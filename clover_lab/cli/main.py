@@ -24,8 +24,8 @@ import argparse
 import json
 import sys
 import time
+import warnings
 
-from clover_lab import cpu
 from clover_lab.cli import check as cli_check
 from clover_lab.cli import routes as cli_routes
 from clover_lab.cli import serve as cli_serve
@@ -35,18 +35,25 @@ from clover_lab.cli.options import (
     EXIT_OK,
     UsageError,
     add_placement_options,
+    check_options,
     add_sampler_options,
     fail,
     load_engine,
+    one_line_warnings,
     sampler_kwargs,
     set_block_size,
     token_ids,
 )
 from clover_lab.cli.view import LiveView, print_batch, print_interrupted, print_result
-from clover_lab.engine.requests import MODES
+from clover_lab.signals import Interrupts, check_interrupted, interrupted
+
+# Nothing above imports torch: main() runs, and takes Ctrl-C, before the heavy imports it makes.
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from clover_lab import cpu
+    from clover_lab.engine.requests import MODES
+
     parser = ArgumentParser(prog="clover-lab", description="Run, watch and take apart the Clover "
                                      "block-diffusion language model.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -105,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    with Interrupts():
+        try:
+            return _main(argv)
+        except KeyboardInterrupt:  # before the generation started (imports, loading): nothing to show
+            pass
+        except Exception:
+            if not interrupted():  # a module a Ctrl-C cut short (numpy's import inside torch's) fails later
+                raise
+    print("clover-lab: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["train"]:
         from clover_lab.errors import CloverError
         from clover_lab.train.loop import main as train_main
@@ -120,22 +140,22 @@ def main(argv: list[str] | None = None) -> int:
         from clover_lab.train.adapt import main as adapt_main
 
         return adapt_main(argv[1:])
-    parser = build_parser()
+    parser = build_parser()  # imports torch: a Ctrl-C its import swallowed is acted on now, not after a load
+    check_interrupted()
     args = parser.parse_args(argv)
-    try:
+    with one_line_warnings():
         return args.func(args)
-    except KeyboardInterrupt:  # before the generation started (loading): nothing to show
-        print("clover-lab: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 # --------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
-    from clover_lab.engine.requests import is_batch
+    from clover_lab.engine.requests import IgnoredSettingWarning, ignored_settings, is_batch
     from clover_lab.errors import CloverError
 
-    if args.threads is not None and args.threads < 1:
-        return fail(f"--threads must be >= 1, got {args.threads}")
+    try:  # what can be checked without the model, before it loads
+        check_options(args)
+    except (UsageError, CloverError, ValueError, TypeError) as e:
+        return fail(str(e))
     try:
         engine = load_engine(args)
     except (CloverError, FileNotFoundError, ValueError, OSError) as e:
@@ -146,6 +166,8 @@ def cmd_generate(args) -> int:
         prompt = _prompt(engine, args)
         if args.block_size is not None:
             set_block_size(engine, args.block_size)
+        for _, why in ignored_settings(args.mode, {}, block_size=args.block_size):  # the rest: engine.stream's
+            warnings.warn(why, IgnoredSettingWarning)
         stream = engine.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                policy=args.policy, thinking=args.thinking, **sampler_kwargs(args))
     except (UsageError, CloverError, ValueError, TypeError) as e:
@@ -155,6 +177,8 @@ def cmd_generate(args) -> int:
 
 def set_threads(model, count: int | None) -> int:
     """The threads policy of clover_lab/cpu.py for the CLI's process: ``--threads``, else by model."""
+    from clover_lab import cpu
+
     return cpu.set_threads(model, count, respect_user=False)
 
 

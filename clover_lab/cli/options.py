@@ -4,9 +4,11 @@ memory sizes)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
@@ -20,6 +22,18 @@ def fail(message: str) -> int:
     message = " ".join(message.split())  # one line, however the message was wrapped
     print(f"clover-lab: error: {message}", file=sys.stderr)
     return EXIT_ERROR
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """Warnings (a setting the mode ignores, an untrained preview, a release's code not run) as one
+    line on stderr, ``clover-lab: warning: ...``, like the errors: not Python's file:line and source."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"clover-lab: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def token_ids(text: str) -> list[int]:
@@ -47,7 +61,44 @@ def add_sampler_options(parser: argparse.ArgumentParser) -> None:
 def sampler_kwargs(args) -> dict:
     from clover_lab.engine.sampling import SamplerSettings
 
-    return {name: getattr(args, name) for name in SamplerSettings.names() if getattr(args, name) is not None}
+    return {name: getattr(args, name) for name in SamplerSettings.names() if getattr(args, name, None) is not None}
+
+
+def check_options(args) -> None:
+    """Every option that can be checked without the model, checked before it loads (a usage error
+    after a 70 GB load is minutes lost): the sampler settings, the decoding policy, the lengths,
+    and what config.json says of the coreset size and the prompt's token ids (read alone, cheaply)."""
+    from clover_lab.checkpoint.loading import load_config, model_path
+    from clover_lab.engine.policies import make_policy
+    from clover_lab.engine.requests import GenerationError, check_coreset
+    from clover_lab.engine.sampling import SamplerSettings
+
+    sampler = sampler_kwargs(args)
+    SamplerSettings.from_kwargs(None, **sampler)  # a SettingsError naming the setting
+    for name in ("max_new_tokens", "block_size", "threads"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if getattr(args, "policy", None) is not None:
+        make_policy(args.policy)
+    path = model_path(args.model)
+    if path is None or not (path / "config.json").is_file():
+        return  # the load says what is missing
+    config = load_config(path)
+    try:
+        check_coreset(config, sampler.get("coreset_size"))
+    except GenerationError as e:
+        raise UsageError(f"--coreset-size: {e}") from None
+    for ids in getattr(args, "prompt_ids", None) or []:
+        bad = [t for t in ids if not 0 <= t < config.vocab_size]
+        if bad:
+            raise UsageError(f"--prompt-ids: token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size}) "
+                             f"of {path}")
+
+
+def data_inputs(args) -> list[tuple[str, Path]]:
+    """``--data``'s files and folders, as inputs no output may overwrite (``writes.refuse_inputs``)."""
+    return [("--data", Path(d)) for d in (getattr(args, "data", None) or [])]
 
 
 def load_engine(args):
@@ -55,10 +106,15 @@ def load_engine(args):
     which a test may replace."""
     from clover_lab.engine import load
 
+    from clover_lab.signals import check_interrupted
+
+    check_interrupted()  # one swallowed by the imports: before a load that may take minutes
     placed = {name: getattr(args, name, None) for name in ("device_map", "max_memory", "keep_fp8", "coreset_size",
                                                             "progress", "check_finite")}  # absent options: defaults
-    return load(args.model, device=args.device, dtype=args.dtype, pin_memory=getattr(args, "pin_memory", False),
-                **placed)
+    engine = load(args.model, device=args.device, dtype=args.dtype, pin_memory=getattr(args, "pin_memory", False),
+                  **placed)
+    check_interrupted()  # a Ctrl-C that a library swallowed while loading: the command stops here
+    return engine
 
 
 def add_placement_options(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from clover_lab.cli.arguments import writable_file
-from clover_lab.cli.options import EXIT_OK, fail, load_engine
+from clover_lab.cli.options import EXIT_OK, data_inputs, fail, load_engine
 
 
 def add_parser(sub) -> None:
@@ -37,10 +37,11 @@ def cmd_routes(args) -> int:
 
     import torch.distributed as dist
 
-    from clover_lab.checkpoint.loading import resolve_device
+    from clover_lab.checkpoint.loading import model_path, resolve_device
     from clover_lab.corpus import corpus_documents
     from clover_lab.errors import CloverError
-    from clover_lab.lens.routing_stats import route_stats
+    from clover_lab.lens.routing_stats import route_stats, stats_path
+    from clover_lab.writes import refuse_inputs
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -53,6 +54,8 @@ def cmd_routes(args) -> int:
             resolve_device(args.device)
         data = corpus_documents([Path(d) for d in args.data], "--data")
         writable_file(args.out, "--out")
+        refuse_inputs(stats_path(args.out), [("the model directory", model_path(args.model))] + data_inputs(args),
+                      "--out")
         engine = load_engine(args)
         stats = route_stats(engine, data, mode=args.mode, batch_size=args.batch_size, seq_len=args.seq_len)
         if world > 1:  # every rank done with gloo before any tears it down (a peer gone aborts the other)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 
 from clover_lab.cli.options import (
     EXIT_OK,
@@ -9,6 +10,7 @@ from clover_lab.cli.options import (
     add_placement_options,
     add_sampler_options,
     fail,
+    check_options,
     load_engine,
     sampler_kwargs,
     set_block_size,
@@ -48,9 +50,22 @@ def cmd_serve(args) -> int:
     from clover_lab.engine.sampling import SamplerSettings
     from clover_lab.errors import CloverError
 
-    for name in ("threads", "max_batch", "max_queue", "port"):
+    for name in ("threads", "max_batch", "max_queue"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.graceful >= 0:
+        return fail(f"--graceful must be a number of seconds >= 0, got {args.graceful}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        return fail("--served-model-name must not be empty")
+    try:  # everything that can fail without the model fails before it loads (a 70 GB load takes minutes)
+        from clover_lab.serve.server import serve  # the [serve] extra: fastapi, uvicorn
+
+        check_options(args)
+        sock = listening_socket(args.host, args.port)
+    except ImportError as e:
+        return fail(f"clover-lab serve needs the [serve] extra (pip install 'clover-lab[serve]'): {e}")
+    except (UsageError, CloverError, ValueError, TypeError) as e:
+        return fail(str(e))
     if args.threads is not None:
         import torch
 
@@ -63,10 +78,36 @@ def cmd_serve(args) -> int:
             engine.max_new_tokens = args.max_new_tokens
         if args.block_size is not None:
             set_block_size(engine, args.block_size)
-        from clover_lab.serve.server import serve
-
         name = args.served_model_name or (Path(args.model).name if args.model else "clover-stdlib")
-        serve(engine, args.host, args.port, name, args.max_batch, args.max_queue, args.graceful)
+        serve(engine, args.host, args.port, name, args.max_batch, args.max_queue, args.graceful, sock=sock)
     except (UsageError, CloverError, FileNotFoundError, ValueError, OSError) as e:
         return fail(str(e))
+    finally:
+        sock.close()
     return EXIT_OK
+
+
+def listening_socket(host: str, port: int):
+    """The server's socket, bound now, before the model loads: a port out of range, an address
+    this machine does not have, or a port another server holds is a usage error in a second
+    rather than uvicorn's log lines after the load. uvicorn serves on it as it is."""
+    import socket
+
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise UsageError(f"--port must be a TCP port in [1, 65535], got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise UsageError(f"--host {host!r}: not an address to listen on ({getattr(e, 'strerror', None) or e})") \
+            from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port at once
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = "another process is listening there; stop it or choose another --port" if e.errno == errno.EADDRINUSE \
+            else e.strerror or str(e)
+        raise UsageError(f"--host {host} --port {port}: cannot listen there: {why}") from None
+    return sock

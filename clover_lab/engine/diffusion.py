@@ -29,7 +29,8 @@ from typing import Iterator
 
 import torch
 
-from clover_lab.engine.faults import check_logits, collapsed, logits_health
+from clover_lab.engine.faults import NONFINITE, check_logits, collapsed, logits_health
+from clover_lab.engine.policies import blame_confidences, check_proposal_values, checked_proposal, policy_flag
 from clover_lab.engine.requests import GenerationError
 from clover_lab.engine.results import StreamUpdate
 from clover_lab.engine.sampling import apply_penalties
@@ -173,7 +174,8 @@ class BlockLoop:
         policy asks, and the row has one: this block does not end it), else 0."""
         row = self.run.rows[r]
         room = self.run.max_new - self.produced[r] - len(block)
-        if not block.masked or block.end_reason is not None or room <= 0 or not row.policy.look_ahead(row, block):
+        if not block.masked or block.end_reason is not None or room <= 0 or not policy_flag(
+                row.policy, "look_ahead", row.policy.look_ahead(row, block), f"block {block.index}, step {block.step}"):
             return 0
         if r not in self.ahead:
             self.ahead[r] = self.new_block(r, block.index + 1, room)
@@ -283,21 +285,25 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     logits = logits[0].float()  # [N, V]
     flat = collapsed(logits)  # before the mask column is -inf
     logits[:, mask_id] = float("-inf")  # the mask token is never a candidate
+    N, where, ahead = len(block.masked), f"block {block.index}, step {block.step}", ahead_of is not None
+    rule = where if run.row is None else f"row {run.row}, {where}"  # where a rule's word is faulted
     if ahead_of is None:
-        finish = run.policy.finishes_block(run, block)
+        finish = policy_flag(run.policy, "finishes_block", run.policy.finishes_block(run, block), rule)
         proposal = run.policy.propose(run, block, logits, finish)  # the decoding rule (policies.py)
     else:
         finish, proposal = False, run.policy.propose_ahead(run, ahead_of, block, logits)
         block.limit += run.s.max_steps_per_block is None  # the block's own steps keep the limit of its length
-    cand, conf, flags = proposal.tokens, proposal.confidences, proposal.unmask
+    cand, conf, flags = checked_proposal(run.policy, proposal, N, logits.device, rule, ahead)
     logp = run.info.distribution(logits, run.counts, run.s)  # None unless log-probabilities are asked for
     # the one host transfer per step: decision, candidates, and whether the logits could be used
     # (NaN or inf logits make their row's confidence NaN, equal ones carry no answer: argmax would
     # pick token 0 either way)
-    N = len(block.masked)
     host = torch.cat([flags.long(), cand, logits_health(flat, conf).reshape(1)]).tolist()
     flags_host, cand_host = host[:N], host[N:2 * N]
-    check_logits(run, host[2 * N], f"block {block.index}, step {block.step}", block.canvas)
+    if host[2 * N] == NONFINITE:  # the rule's confidences, or the model's logits?
+        blame_confidences(run.policy, logits, mask_id, rule, ahead)
+    check_logits(run, host[2 * N], where, block.canvas)
+    check_proposal_values(run.policy, cand_host, run.model.config.vocab_size, mask_id, rule, ahead)
     if finish and not all(flags_host) or not any(flags_host) and ahead_of is None:
         raise GenerationError(f"{type(run.policy).__name__}.propose: block {block.index}, step {block.step}: "
                               f"{'the last step must unmask every' if finish else 'a step must unmask at least one'} "

@@ -160,7 +160,7 @@ class Engine:
         """Refuse up front what cannot run: unknown mode, no mask token, context or memory overflow."""
         check_request(self.model, self.mask_token_id, prompt_len, max_new_tokens, mode)
 
-    def _request(self, mode, max_new_tokens, stop, settings, sampler) -> tuple:
+    def _request(self, mode, max_new_tokens, stop, settings, sampler, policy=None) -> tuple:
         """What every request checks before its prompts: nesting, sampler settings, stop strings,
         the response length. Returns (settings, stop strings, max_new_tokens)."""
         if hook_depth() >= MAX_NESTED_GENERATIONS:
@@ -176,14 +176,14 @@ class Engine:
             raise GenerationError("logprobs: not reported in speculative mode yet; its greedy tokens are AR's, and "
                                   "mode='ar' reports them with their log-probabilities")
         check_coreset(self.model.config, s.coreset_size)
-        check_mode_settings(mode, sampler)
+        check_mode_settings(mode, sampler, policy)
         stop = stop_list(stop, self.tokenizer)
         return s, stop, self.max_new_tokens if max_new_tokens is None else A.plain_int(max_new_tokens)
 
     def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit, policy=None,
                join=None, capacity=None) -> Run:
         """A generation of one prompt or (a list) a batch: checked, its cache allocated."""
-        s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler)
+        s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler, policy)
         if join is not None:
             check_join(self.model.config, is_batch(prompt), mode, s.coreset_size, capacity)
         batched = is_batch(prompt)
@@ -302,7 +302,7 @@ def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dic
     else:
         check_usable(device_map, max_memory)
     if path is None:
-        path = os.environ.get("CLOVER_LAB_MODEL") or loading.default_model_dir()
+        path = loading.model_path()
         if path is None:
             raise FileNotFoundError(
                 "no default model found (looked for a model directory in "

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from clover_lab.engine import sampling
+from clover_lab.engine.requests import GenerationError
 from clover_lab.engine.sampling import SettingsError
 
 
@@ -177,6 +178,76 @@ class LookAheadPolicy(ThresholdPolicy):
         return f"LookAheadPolicy(start={self.start}, threshold={self.threshold})"
 
 
+# --------------------------------------------------------------------------- a rule's word, checked
+# where a proposal enters the block loop (diffusion.denoise_step): shapes and dtypes before the
+# step's one host transfer (no sync: metadata only), the values from what that transfer brings
+PROPOSAL_FIELDS = (("tokens", "integer token ids", lambda t: not t.is_floating_point() and not t.is_complex()
+                    and t.dtype != torch.bool),
+                   ("confidences", "floats", torch.is_floating_point),
+                   ("unmask", "booleans", lambda t: t.dtype == torch.bool))
+
+
+def checked_proposal(policy, proposal, n: int, device, where: str, ahead: bool = False):
+    """(tokens, confidences, unmask) of a rule's ``proposal`` for the ``n`` still-masked positions,
+    each a tensor of shape [n] and of its kind on the logits' ``device``; else a GenerationError
+    naming the rule's method, the field and what was expected (a wrong length or a float token id
+    was a raw IndexError or RuntimeError from deep inside)."""
+    method = f"{type(policy).__name__}.{'propose_ahead' if ahead else 'propose'}"
+    if not isinstance(proposal, Proposal):
+        raise GenerationError(f"{method}: {where}: returned {type(proposal).__name__}, expected a "
+                              f"Proposal(tokens, confidences, unmask) (clover_lab.engine.policies)")
+    out = []
+    for name, what, ok in PROPOSAL_FIELDS:
+        t = getattr(proposal, name)
+        if not isinstance(t, torch.Tensor):
+            raise GenerationError(f"{method}: {where}: Proposal.{name} is {type(t).__name__}, expected a tensor of "
+                                  f"{n} {what}")
+        if tuple(t.shape) != (n,) or not ok(t):
+            raise GenerationError(f"{method}: {where}: Proposal.{name} is {t.dtype} of shape {list(t.shape)}, "
+                                  f"expected {what} of shape [{n}] (one per still-masked position)")
+        if t.device != device:
+            raise GenerationError(f"{method}: {where}: Proposal.{name} is on {t.device}, expected the logits' "
+                                  f"device {device}")
+        out.append(t.long() if name == "tokens" else t)
+    return tuple(out)
+
+
+def policy_flag(policy, method: str, value, where: str) -> bool:
+    """A rule's yes-or-no answer (``finishes_block``, ``look_ahead``): a bool (numpy's too), never a
+    tensor whose truth is ambiguous or a value taken for one."""
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise GenerationError(f"{type(policy).__name__}.{method}: {where}: returned {type(value).__name__} "
+                              f"{value!r:.60}, expected True or False")
+    return bool(value)
+
+
+def check_proposal_values(policy, tokens: list[int], vocab: int, mask_id: int, where: str, ahead: bool = False):
+    """The proposal's candidate tokens (from the step's host transfer) are real tokens: in
+    [0, vocab) and not the mask token (a mask returned as an answer, a negative or past-the-end id
+    an IndexError on the device)."""
+    method = f"{type(policy).__name__}.{'propose_ahead' if ahead else 'propose'}"
+    bad = sorted({t for t in tokens if not 0 <= t < vocab})
+    if bad:
+        raise GenerationError(f"{method}: {where}: Proposal.tokens holds {bad[:5]}, outside the vocabulary "
+                              f"[0, {vocab})")
+    if mask_id in tokens:
+        raise GenerationError(f"{method}: {where}: Proposal.tokens proposes the mask token {mask_id} at position(s) "
+                              f"{[i for i, t in enumerate(tokens) if t == mask_id][:5]} of the masked ones: a "
+                              f"candidate must be a real token")
+
+
+def blame_confidences(policy, logits: torch.Tensor, mask_id: int, where: str, ahead: bool = False) -> None:
+    """Non-finite confidences from finite logits are the rule's, not the model's: a
+    GenerationError naming the rule (on the error path: reading the logits costs nothing that
+    matters). ``logits``: the step's [N, V], the mask column set to -inf."""
+    keep = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    keep[mask_id] = False
+    if bool(torch.isfinite(logits[:, keep]).all()):
+        method = f"{type(policy).__name__}.{'propose_ahead' if ahead else 'propose'}"
+        raise GenerationError(f"{method}: {where}: Proposal.confidences holds NaN or inf while the step's logits are "
+                              f"finite: the rule's confidences must be finite numbers")
+
+
 def rank_below(conf: torch.Tensor, k: int) -> torch.Tensor:
     """bool [N]: the ``k`` largest of ``conf`` (ties by position)."""
     order = conf.argsort(descending=True, stable=True)
@@ -203,6 +274,8 @@ def make_policy(spec) -> DecodingPolicy:
         key, eq, value = item.partition("=")
         if not eq:
             raise SettingsError(f"policy {spec!r}: settings are name=value, got {item!r}")
+        if key.strip() in kwargs:  # which one was meant cannot be guessed: the last would win silently
+            raise SettingsError(f"policy {spec!r}: {key.strip()} is given twice; give each setting once")
         kwargs[key.strip()] = _value(value.strip())
     try:
         return POLICIES[name](**kwargs)

@@ -28,6 +28,7 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
         if tokenizer is None:
             raise GenerationError("a text prompt needs a tokenizer, and this engine has none; "
                                   "pass token ids instead (a list of ints)")
+        check_text(prompt, "prompt")
         ids = list(tokenizer(prompt)["input_ids"])
     elif isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2 and prompt.shape[0] == 1:
@@ -42,19 +43,15 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
         for i, msg in enumerate(prompt):
             if "role" not in msg or "content" not in msg:
                 raise GenerationError(f"chat message {i}: expected keys 'role' and 'content', got {sorted(msg)}")
-        kwargs = {} if thinking is None else {"enable_thinking": thinking}
-        try:
-            out = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
-                                                     **kwargs)
-        except Exception as e:  # noqa: BLE001 - re-raised with what was asked
-            raise GenerationError(f"the tokenizer cannot apply a chat template to these messages ({e})") from e
-        if hasattr(out, "keys") and "input_ids" in out:
-            out = out["input_ids"]
-        if isinstance(out, torch.Tensor):
-            out = out.reshape(-1).tolist()
-        if out and isinstance(out[0], (list, tuple)):
-            out = out[0]
-        ids = list(out)
+            for key, value in msg.items():
+                if isinstance(value, str):
+                    check_text(value, f"chat message {i}'s {key}")
+        ids = chat_ids(tokenizer, prompt, thinking)
+        if thinking is not None and not has_think_tokens(tokenizer) and chat_ids(tokenizer, prompt,
+                                                                                  not thinking) == ids:
+            raise IgnoredSettingError("thinking", f"thinking={thinking}: this tokenizer has no thinking mode: it has "
+                                      f"no <think> / </think> tokens and its chat template does not read "
+                                      f"enable_thinking (the prompt is the same either way); leave thinking out")
     elif isinstance(prompt, (list, tuple)):
         odd = [(i, t) for i, t in enumerate(prompt) if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if odd and any(isinstance(t, (str, list, tuple, torch.Tensor)) for t in prompt):
@@ -79,6 +76,40 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
     if bad:
         raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {V})")
     return [int(t) for t in ids]
+
+
+def check_text(text: str, what: str) -> None:
+    """A GenerationError when ``text`` is no Unicode text: a lone surrogate (half of a UTF-16 pair,
+    as JSON's "\\ud800" decodes to) reached the tokenizer as a TypeError (a server's 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(f"{what}: the text holds a lone surrogate {text[e.start]!r} at character {e.start}, "
+                              f"half of a UTF-16 pair, which is no character; send the text as UTF-8 (or the "
+                              f"surrogate with its pair)") from None
+
+
+def chat_ids(tokenizer, messages, thinking: bool | None) -> list[int]:
+    """The chat template applied to ``messages`` (``thinking``: its enable_thinking flag), as ids."""
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    try:
+        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised with what was asked
+        raise GenerationError(f"the tokenizer cannot apply a chat template to these messages ({e})") from e
+    if hasattr(out, "keys") and "input_ids" in out:
+        out = out["input_ids"]
+    if isinstance(out, torch.Tensor):
+        out = out.reshape(-1).tolist()
+    if out and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    return list(out)
+
+
+def has_think_tokens(tokenizer) -> bool:
+    """Whether ``tokenizer`` has ``<think>`` and ``</think>`` as tokens of their own (``thinking.py``)."""
+    from clover_lab.engine.thinking import Thinking
+
+    return Thinking.of(tokenizer, []) is not None
 
 
 def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tokens: int, mode: str,
@@ -107,17 +138,42 @@ class IgnoredSettingWarning(UserWarning):
     """A setting given to a request that its mode does not read (block-diffusion settings in AR)."""
 
 
-def check_mode_settings(mode: str, sampler: dict) -> None:
-    """Block-diffusion settings given to an AR request are not read: said, once per request (a
-    warning, not an error: one set of settings may serve both modes, as comparisons do)."""
+class IgnoredSettingError(GenerationError):
+    """A setting given to a request that could have no effect at all (``thinking`` on a tokenizer
+    without a thinking mode); ``setting`` names it."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
+
+
+def ignored_settings(mode: str, sampler: dict, policy=None, block_size=None) -> list[tuple[list[str], str]]:
+    """The settings given to a ``mode`` request that it does not read, as (names, why) groups:
+    block-diffusion settings, a decoding policy and a block size in AR, a coreset in speculative
+    mode, ``draft_passes`` outside it. One list for the API and the command line (a warning each)
+    and the server (a 400 naming the field)."""
+    out = []
     given = [name for name in DIFFUSION_SETTINGS if sampler.get(name) is not None]
+    given += ["policy"] if policy is not None else []
+    given += ["block_size"] if block_size is not None else []
     if mode == "ar" and given:
-        warnings.warn(f"mode='ar' decodes one token per forward and ignores the block-diffusion setting(s) "
-                      f"{', '.join(given)}: they have no effect on this run", IgnoredSettingWarning,
-                      stacklevel=5)  # the caller of generate / stream
+        names = given
+        out.append((names, f"mode='ar' decodes one token per forward and ignores the block-diffusion setting(s) "
+                           f"{', '.join(names)}: they have no effect on this run"))
     if mode == "speculative" and sampler.get("coreset_size"):
-        warnings.warn("mode='speculative' drafts without an expert coreset: coreset_size has no effect on this run",
-                      IgnoredSettingWarning, stacklevel=5)
+        out.append((["coreset_size"], "mode='speculative' drafts without an expert coreset: coreset_size has no "
+                                      "effect on this run"))
+    if mode != "speculative" and sampler.get("draft_passes") is not None:
+        out.append((["draft_passes"], f"draft_passes drafts blocks in mode='speculative'; mode={mode!r} ignores it: "
+                                      f"it has no effect on this run"))
+    return out
+
+
+def check_mode_settings(mode: str, sampler: dict, policy=None) -> None:
+    """Settings a request's mode does not read (:func:`ignored_settings`) are said, once per
+    request (a warning, not an error: one set of settings may serve both modes, as comparisons do)."""
+    for _, why in ignored_settings(mode, sampler, policy):
+        warnings.warn(why, IgnoredSettingWarning, stacklevel=5)  # the caller of generate / stream
 
 
 def settings_for_mode(mode: str, sampler: dict) -> dict:
@@ -186,6 +242,8 @@ def stop_list(stop, tokenizer) -> list[str]:
     if stop:
         if not all(isinstance(x, str) and x for x in stop):
             raise GenerationError(f"stop: expected non-empty strings, got {stop!r}")
+        for i, x in enumerate(stop):
+            check_text(x, f"stop[{i}]")
         if tokenizer is None:
             raise GenerationError("stop strings need a tokenizer, and this engine has none; "
                                   "use eos token ids (engine.eos_token_ids) instead")

@@ -21,6 +21,7 @@ from typing import Iterable
 
 import torch
 
+from clover_lab.errors import InputError
 from clover_lab.hooks import points as P
 from clover_lab.hooks.records import Record, RecordSet
 from clover_lab.hooks.registry import HookRegistry
@@ -40,7 +41,12 @@ class Capture(RecordSet):
         try:
             self.to = None if to is None else torch.device(to)
         except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"capture: to={to!r} is not a device (cpu, cuda, ...)") from None
+            raise InputError(f"capture: to={to!r} is not a device (cpu, cuda, ...)") from None
+        if self.to is not None and self.to.type != "meta":  # meta: shapes only (a trace refuses to save them)
+            try:
+                torch.empty(0, device=self.to)
+            except (RuntimeError, AssertionError, ValueError) as e:
+                raise InputError(f"capture: to={to!r} cannot be used here ({str(e).splitlines()[0]})") from None
         self.records: list[Record] = []
         self.config = config  # the model's CloverConfig: saved with a trace, so views replay without the model
         self.tokenizer = tokenizer  # the text of the recorded token ids is saved with a trace (token_text)
@@ -101,8 +107,9 @@ class Capture(RecordSet):
         """Write the records to the directory ``path`` (tensors in safetensors, the rest in JSON):
         ``clover_lab.load_trace(path)`` reads them back, with no model. ``path`` is a new or empty
         directory or a trace (replaced); one holding other files is refused (``OutputError``)."""
-        from clover_lab.hooks.trace import token_table
+        from clover_lab.hooks.trace import check_meta, token_table
 
+        check_meta(meta)
         config = {} if self.config is None else {"config": self.config.to_dict()}
         vocab = None if self.config is None else self.config.vocab_size
         text = {} if self.tokenizer is None else {"token_text": token_table(self.records, self.tokenizer, vocab)}

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from clover_lab.errors import CloverError
+from clover_lab.errors import CloverError, InputError
 from clover_lab.hooks import points as P
 from clover_lab.hooks.events import Where
 from clover_lab.hooks.records import Record, RecordSet
@@ -128,6 +128,10 @@ META_FILE, TENSOR_FILE = "trace.json", "tensors.safetensors"
 def _encode(value, name: str, tensors: dict):
     """A record field as JSON, its tensors moved to ``tensors`` under ``name``."""
     if isinstance(value, torch.Tensor):
+        if value.is_meta:  # capture(to="meta") keeps shapes, not values
+            raise InputError(f"save: record field {name} is a tensor on the meta device (a capture made with "
+                             f"to='meta' keeps shapes, not values), which a trace cannot hold; capture with "
+                             f"to='cpu' (or the model's device) to save")
         tensors[name] = value.detach().to("cpu").contiguous().clone()
         return {"tensor": name}
     if value is None or isinstance(value, (bool, int, str)):
@@ -159,12 +163,40 @@ def _decode(value, tensors: dict, where: str):
     return value
 
 
+def check_meta(meta) -> None:
+    """``save(meta=...)``: a dict whose values JSON holds (str, int, float, bool, None, lists and
+    dicts of them, string keys); else an InputError naming the key, before anything is written
+    (a set or an object was json's TypeError from deep inside)."""
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise InputError(f"save: meta must be a dict, got {type(meta).__name__}")
+
+    def check(value, where: str) -> None:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                check(v, f"{where}[{i}]")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise InputError(f"save: meta{where} has the key {k!r}, not a string: JSON keys are strings")
+                check(v, f"{where}[{k!r}]")
+        else:
+            raise InputError(f"save: meta{where} is {type(value).__name__} {value!r:.60}, which JSON cannot hold; "
+                             f"give str, int, float, bool, None, or lists and dicts of them")
+
+    check(meta, "")
+
+
 def save_trace(path, records: list[Record], points: list[str], meta: dict | None = None) -> None:
     """Write ``records`` to the directory ``path``: a new or empty one, or a trace (replaced).
     Refused when it holds other files (nothing of a user's is ever removed); the two files are
     put in place together (``writes.FileSet``), so an error leaves nothing half-written and a
     trace replaced stays whole until the new one is."""
     path = Path(path)
+    check_meta(meta)
     tensors: dict[str, torch.Tensor] = {}
     rows = []
     for i, r in enumerate(records):
@@ -172,7 +204,10 @@ def save_trace(path, records: list[Record], points: list[str], meta: dict | None
         where = None if r.where is None else list(astuple(r.where))
         rows.append(dict(point=r.point, run=r.run, phase=r.phase, block=r.block, step=r.step, where=where, data=data))
     doc = dict(format=FORMAT, version=VERSION, points=list(points), meta=meta or {}, records=rows)
-    text = json.dumps(doc)  # fails here, before anything is written, on what JSON cannot hold
+    try:
+        text = json.dumps(doc)  # fails here, before anything is written, on what JSON cannot hold
+    except (TypeError, ValueError) as e:
+        raise InputError(f"save: a record holds a value JSON cannot hold ({e})") from None
     refuse_foreign(path, {META_FILE, TENSOR_FILE}, "a trace")
     with FileSet(path) as files:
         save_file(tensors, str(files.path(path / TENSOR_FILE)))
@@ -227,6 +262,7 @@ class Trace(RecordSet):
         return None if d is None else CloverConfig.from_dict(d, source=f"{self.path}/{META_FILE}")
 
     def save(self, path, meta: dict | None = None) -> None:
+        check_meta(meta)
         save_trace(path, self.records, self.points, {**self.meta, **(meta or {})})
 
     def diff(self, other: "Trace", atol: float = 1e-5, rtol: float = 1e-4,
@@ -234,6 +270,9 @@ class Trace(RecordSet):
         """The first (block, step, point, layer) where ``other`` differs from this trace beyond the
         tolerance (records matched by point, phase, block, step, mode and order), or None.
         ``ignore``: fields never compared (wall-clock times by default)."""
+        if not isinstance(other, RecordSet):
+            raise InputError(f"Trace.diff: other must be a Trace or a Capture (records of a run), got "
+                             f"{type(other).__name__}")
         theirs = _keyed(other.records)
         seen: dict[tuple, int] = {}
         for r in self.records:
@@ -308,7 +347,8 @@ def token_table(records, tokenizer, vocab_size: int | None) -> dict[str, str]:
 
     def collect(value):
         if isinstance(value, torch.Tensor):
-            if not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
+            if not value.is_meta and not value.is_floating_point() and not value.is_complex() \
+                    and value.dtype != torch.bool:  # meta: no values (save names it)
                 ids.update(value.detach().flatten().cpu().tolist())
         elif isinstance(value, bool):
             return

@@ -10,7 +10,7 @@ import numbers
 import time
 
 from clover_lab.engine.requests import is_batch
-from clover_lab.errors import InputError
+from clover_lab.errors import InputError, count
 
 
 def _same_tokens(a: list[int], b: list[int]) -> int:
@@ -24,6 +24,7 @@ def coreset_sweep(engine, prompts, sizes, repeat: int = 1, **generate) -> list[d
     if generate.get("mode", "diffusion") != "diffusion":
         raise InputError(f"coreset_sweep mode={generate['mode']!r}: a coreset restricts the experts of a block's "
                          f"denoising steps, so only block diffusion has one (mode='diffusion')")
+    repeat = count("coreset_sweep repeat", repeat)  # -3 or 0 was read as 1: a setting silently ignored
     E, k = engine.model.config.num_experts, engine.model.config.num_experts_per_tok
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple, range)):
         raise InputError(f"coreset_sweep sizes={sizes!r}: expected a list of coreset sizes (ints)")
@@ -47,7 +48,7 @@ def coreset_sweep(engine, prompts, sizes, repeat: int = 1, **generate) -> list[d
         wall = time.perf_counter()
         for i, prompt in enumerate(prompts):
             best = None
-            for _ in range(max(1, repeat)):
+            for _ in range(repeat):
                 r = engine.generate(prompt, coreset_size=size or None, **generate)
                 if best is None or r.stats.preview_seconds < best.stats.preview_seconds:
                     best = r

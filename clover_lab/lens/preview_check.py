@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,11 +25,12 @@ import torch
 
 from clover_lab.checkpoint.names import PREVIEW_PARAMS
 from clover_lab.config import PREVIEW_READINGS
-from clover_lab.corpus import corpus_documents
+from clover_lab.corpus import corpus_documents, corpus_inputs
 from clover_lab.errors import CloverError
 from clover_lab.lens.routing_stats import windows
 from clover_lab.train.objective import masked_accuracy
 from clover_lab.train.stdlib_corpus import read_text, split_corpus
+from clover_lab.writes import model_inputs, refuse_inputs, write_text
 
 RATIOS = (0.25, 0.5, 0.75)
 THRESHOLD = 0.9
@@ -71,6 +71,7 @@ class CheckReport:
     causal_accuracy: float
     tokens: int  # tokens of text measured
     configured: dict  # the config's preview_reading when the check ran
+    inputs: list = field(default_factory=list, repr=False)  # (label, path) read: save() never writes over them
 
     @property
     def untrained(self) -> Row:
@@ -140,11 +141,8 @@ class CheckReport:
 
     def save(self, path) -> Path:
         """The report as JSON at ``path``, written whole or not at all."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        refuse_inputs(path, self.inputs, "the check's report")
+        return write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 def readings() -> list[dict]:
@@ -229,7 +227,7 @@ def check_preview(engine, data=None, windows_count: int = 8, seq_len: int | None
     finally:
         model.set_preview_reading(configured)
         _restore(model, stored)
-    return CheckReport(rows, causal, clean.numel(), configured)
+    return CheckReport(rows, causal, clean.numel(), configured, inputs=model_inputs(model) + corpus_inputs(data))
 
 
 def _restore(model, stored: dict) -> None:

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clover_lab.corpus import corpus_documents
+from clover_lab.corpus import corpus_documents, corpus_inputs
 from clover_lab.errors import CorpusError, flag
 from clover_lab.hooks import points
 from clover_lab.model.context import ForwardContext
-from clover_lab.writes import atomic_path
+from clover_lab.writes import atomic_path, model_inputs, refuse_inputs
 
 MODES = ("commit", "preview")
 
@@ -47,6 +47,7 @@ class RouteStats:
     tokens: int = 0
     token_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     token_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    inputs: list = field(default_factory=list, repr=False, compare=False)  # (label, path) read: never written over
 
     @classmethod
     def empty(cls, mode: str, layers: int, experts: int, top_k: int, vocab_size: int) -> "RouteStats":
@@ -103,8 +104,8 @@ class RouteStats:
 
     def save(self, path) -> Path:
         """``path`` (.npz added when missing), whole or not at all."""
-        path = Path(path)
-        path = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+        path = stats_path(path)
+        refuse_inputs(path, self.inputs, "route stats")
         with atomic_path(path) as tmp:
             np.savez_compressed(tmp, mode=np.array(self.mode), vocab_size=self.vocab_size, top_k=self.top_k,
                                 counts=self.counts, coactivation=self.coactivation, mass=self.mass,
@@ -224,7 +225,15 @@ def route_stats(engine, data, mode: str = "commit", batch_size: int = 8, seq_len
             collect.flush()
             bar.update(len(ids))
     bar.close()
-    return _all_reduce(stats) if world > 1 else stats
+    stats = _all_reduce(stats) if world > 1 else stats
+    stats.inputs = model_inputs(model) + corpus_inputs(data, "route_stats data")
+    return stats
+
+
+def stats_path(path) -> Path:
+    """Where ``RouteStats.save(path)`` writes: ``path``, .npz added when missing."""
+    path = Path(path)
+    return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
 
 
 def _window_length(seq_len, mode, block, context, mask_id) -> int:

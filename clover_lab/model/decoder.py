@@ -113,6 +113,7 @@ class CloverModel(nn.Module):
     (where logits come out), ``input_device`` the embedding's."""
 
     placement = None
+    checkpoint_dir = None  # the directory it was loaded from: an input no output may overwrite (writes.py)
 
     def __init__(self, config: CloverConfig):
         super().__init__()

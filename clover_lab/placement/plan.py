@@ -249,6 +249,7 @@ def check_usable(device_map, max_memory) -> None:
         devices = [as_device(v, k or '""' if isinstance(k, str) else repr(k)) for k, v in device_map.items()]
     elif device_map == "auto" and max_memory is not None:
         devices = [torch.device("cuda", k) for k in _keys(max_memory) if k != "cpu"]
+        _check_sizes(max_memory)
     elif device_map == "auto":
         devices = []
     else:
@@ -273,6 +274,21 @@ def _keys(max_memory) -> list:
                                   f"'cuda:N' or 'cpu')")
         out.append(key)
     return out
+
+
+def _check_sizes(max_memory: dict) -> None:
+    """Every budget a size: bytes (a positive int) or a string accelerate reads ("22GiB", "500MB");
+    ``{"cpu": None}`` was a TypeError from deep inside accelerate's planner."""
+    from accelerate.utils import convert_file_size_to_int
+
+    for key, size in max_memory.items():
+        try:
+            ok = not isinstance(size, bool) and isinstance(size, (int, str)) and convert_file_size_to_int(size) > 0
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"max_memory[{key!r}]={size!r}: expected a size, bytes as a positive int or a "
+                                  f"string like '22GiB' or '500MB'")
 
 
 def _budgets(max_memory: dict | None, get_max_memory) -> dict:

@@ -48,6 +48,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
             await run_in_threadpool(scheduler.close)
 
     app = FastAPI(title="clover-lab", lifespan=lifespan)
+    app.add_middleware(JSONBodies)
     app.state.engine, app.state.scheduler, app.state.metrics = engine, scheduler, metrics
     _errors(app, metrics)
 
@@ -99,7 +100,8 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
         limit, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
                         is not None else (body.max_tokens, "max_tokens"))
         jobs = make_jobs(engine, body, [schemas.chat_messages(body)], "messages", "chatcmpl",
-                         thinking=schemas.thinking(body), max_tokens_param=param, max_tokens=limit,
+                         thinking=schemas.thinking(body), thinking_param=schemas.thinking_param(body),
+                         max_tokens_param=param, max_tokens=limit,
                          logprobs=((body.top_logprobs or 0) if body.logprobs else None, "logprobs"))
         return await _answer(request, scheduler, metrics, jobs, body,
                              R.Shape(True, jobs[0].id, model_name, engine.tokenizer))
@@ -228,13 +230,35 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse({"error": {"message": str(e.detail), "type": kind, "param": None, "code": None}},
+        message, code = str(e.detail), None
+        if isinstance(e.__cause__, RecursionError):  # the body's JSON nests past what the parser follows
+            message, code = ("the body is JSON nested too deeply to parse (past about 1,000 levels); a request "
+                             "nests a few (messages, their content parts)"), "invalid_json"
+        elif e.__cause__ is not None:
+            message, code = f"the body cannot be parsed as JSON: {type(e.__cause__).__name__}: {e.__cause__}", \
+                "invalid_json"
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
                             status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def failed(request, e: Exception):  # the server's fault, never the request's: 500
         return JSONResponse({"error": {"message": f"generation failed: {type(e).__name__}: {e}",
                                        "type": "server_error", "param": None, "code": None}}, status_code=500)
+
+
+class JSONBodies:
+    """Every POST body is read as JSON, whatever its content-type says: ``curl -d`` sends
+    application/x-www-form-urlencoded and some clients text/plain, and a valid JSON body was then told
+    "the body must be a JSON object". A body that is not JSON is still "not valid JSON"."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
 
 
 def validation_error(errors: list[dict]) -> RequestError:

@@ -12,7 +12,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from clover_lab.engine.requests import GenerationError, check_coreset, check_request, stop_list
+from clover_lab.engine.requests import (
+    GenerationError,
+    IgnoredSettingError,
+    check_coreset,
+    check_request,
+    ignored_settings,
+    stop_list,
+)
 from clover_lab.engine.sampling import SamplerSettings, SettingsError
 from clover_lab.errors import CloverError
 from clover_lab.serve import schemas
@@ -118,13 +125,19 @@ def trace_points(engine, option) -> list[str] | None:
 
 def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str, prefix: str,
               thinking: bool | None = None, max_tokens_param: str = "max_tokens",
-              max_tokens: int | None = None, logprobs: tuple[int | None, str] = (None, "logprobs")) -> list[Job]:
+              max_tokens: int | None = None, logprobs: tuple[int | None, str] = (None, "logprobs"),
+              thinking_param: str = "clover.thinking") -> list[Job]:
     """The jobs of one request: one per prompt, every check done. ``logprobs``: how many
     alternatives per token (None: no log-probabilities), and the field that asks."""
     opts = request.clover
     mode = opts.mode or "diffusion"
     max_new = max_tokens if max_tokens is not None else engine.max_new_tokens
     settings = sampler_settings(engine, request)
+    given = {name: getattr(opts, name) for name in CLOVER_SAMPLER if getattr(opts, name) is not None}
+    for names, why in ignored_settings(mode, given, block_size=opts.block_size):
+        # the API and the command line warn; a response has no place for a warning a client would see
+        raise RequestError(f"{why}; leave {'them' if len(names) > 1 else 'it'} out, or use mode diffusion",
+                           f"clover.{names[0]}", code="ignored_setting")
     if logprobs[0] is not None:
         settings = SamplerSettings.from_kwargs(settings, logprobs=logprobs[0])
     try:
@@ -146,6 +159,8 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
         where = prompt_param if len(prompts) == 1 else f"{prompt_param}.{i}"
         try:
             ids = engine.encode(prompt, thinking)
+        except IgnoredSettingError as e:
+            raise RequestError(str(e), thinking_param, code="ignored_setting") from None
         except GenerationError as e:
             raise RequestError(str(e), where) from None
         try:

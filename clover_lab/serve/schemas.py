@@ -108,3 +108,9 @@ def thinking(request: ChatRequest) -> bool | None:
     ``clover.thinking``."""
     kw = request.chat_template_kwargs
     return request.clover.thinking if kw is None or kw.enable_thinking is None else kw.enable_thinking
+
+
+def thinking_param(request: ChatRequest) -> str:
+    """The field :func:`thinking` read the switch from."""
+    kw = request.chat_template_kwargs
+    return "clover.thinking" if kw is None or kw.enable_thinking is None else "chat_template_kwargs.enable_thinking"

@@ -31,7 +31,7 @@ import torch
 
 from clover_lab.checkpoint.loading import load_config, resolve_dtype
 from clover_lab.cli.arguments import ArgumentParser
-from clover_lab.errors import CloverError
+from clover_lab.errors import CheckpointError, CloverError
 from clover_lab.signals import NotedSignals
 from clover_lab.train import lora as lora_
 from clover_lab.train.adapt_setup import (
@@ -51,7 +51,16 @@ from clover_lab.train.adapt_setup import (
     prepare_data,
     write_clover_dir,
 )
-from clover_lab.train.loop import distill_corpus, interrupted_inside, lr_at, training_batch, trim_log
+from clover_lab.train.loop import (
+    distill_corpus,
+    error_summary,
+    interrupted_inside,
+    lr_at,
+    read_run_file,
+    run_write,
+    training_batch,
+    trim_log,
+)
 from clover_lab.train.objective import TrainSettings, block_diffusion_loss
 from clover_lab.train.shard import (
     Shard,
@@ -62,7 +71,7 @@ from clover_lab.train.shard import (
     shard_model,
 )
 from clover_lab.train.stdlib_corpus import text_files
-from clover_lab.writes import atomic_path, check_writable, refuse_same
+from clover_lab.writes import atomic_path, check_writable, refuse_inputs, refuse_same
 
 __all__ = ["AdaptSettings", "Adaptation", "EMBEDDING", "adapt", "build_model", "is_preview", "main"]
 
@@ -93,7 +102,17 @@ class Adaptation:
         self.step, self.saved, self.seconds = 0, None, 0.0  # seconds: spent in training steps, all sessions
 
     def resume(self, state: dict) -> None:
-        load_checkpoint(self.run.checkpoint(state["step"]), self.model, self.opt, set(self.names))
+        path, fix = self.run.checkpoint(state["step"]), self.run.restart_fix()
+        if not (path / ".metadata").is_file():  # DCP's index of the shards
+            raise CheckpointError(f"{path}: the checkpoint of step {state['step']}, which {self.run.state} says the run "
+                                  f"resumes from, is {'incomplete' if path.is_dir() else 'missing'}; {fix}")
+        try:
+            load_checkpoint(path, self.model, self.opt, set(self.names))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise CheckpointError(f"{path}: the checkpoint of step {state['step']} cannot be read: a shard is damaged "
+                                  f"or cut short ({error_summary(e)}); {fix}") from None
         self.gen.set_state(state["generator"])
         self.step = self.saved = state["step"]
         self.seconds = state.get("train_seconds", 0.0)
@@ -124,11 +143,14 @@ class Adaptation:
             return
         path = self.run.checkpoint(self.step)
         partial = path.with_name(f".{path.name}.partial")
+        safe = (f"the run's last checkpoint (step {self.saved}) is as it was" if self.saved else
+                "no checkpoint was made yet") + "; free some space and rerun the command to resume"
         if self.shard.is_main:
             shutil.rmtree(partial, ignore_errors=True)  # left by a run that was killed while saving
         self.shard.barrier()
         try:
-            save_checkpoint(partial, self.model, self.opt, set(self.names))
+            with run_write(path, f"the checkpoint of step {self.step}", safe):
+                save_checkpoint(partial, self.model, self.opt, set(self.names))
         except BaseException:
             if self.shard.is_main:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -137,7 +159,8 @@ class Adaptation:
         if self.shard.is_main:
             shutil.rmtree(path, ignore_errors=True)  # a checkpoint of this step that no state names
             os.replace(partial, path)
-            with atomic_path(self.run.state) as tmp:
+            with run_write(self.run.state, f"the run's state at step {self.step}", safe), \
+                    atomic_path(self.run.state) as tmp:
                 torch.save({"step": self.step, "adapt": asdict(self.s), "settings": asdict(self.settings),
                             "generator": self.gen.get_state(), "train_seconds": self.seconds}, tmp)
             for old in self.run.dir.glob("checkpoint-*"):
@@ -198,7 +221,9 @@ class Adaptation:
         if self.shard.is_main:
             if self.s.train == "lora":
                 state = lora_.merged_state_dict(state, lora_.lora_scaling(self.s.lora_rank, self.s.lora_alpha))
-            write_clover_dir(self.run.out, self.model.config, state, self.tokenizer, self.s.init)
+            with run_write(self.run.out, "the adapted model", f"the previous files there are as they were and the run "
+                           f"is checkpointed at step {self.step}: free some space and rerun the command to export"):
+                write_clover_dir(self.run.out, self.model.config, state, self.tokenizer, self.s.init)
         self.shard.barrier()
 
 
@@ -212,6 +237,8 @@ def adapt(out, data, s: AdaptSettings, settings: TrainSettings, *, pattern: str 
     for source, option in ((s.init, "--init"), (tokenizer_dir, "--tokenizer")):
         if source is not None:  # the export would overwrite it
             refuse_same(run.out, source, f"--out (equal to {option})")
+    refuse_inputs(run.out, [("--data", Path(d)) for d in data] + [("--distill", settings.distill_data)], "--out",
+                  folder=True)
     check_stops(minutes, stop_at)
     config = load_config(s.init)  # the inputs checked before anything is written
     check_tokenizer_fits(init_tokenizer(s, tokenizer_dir), config, tokenizer_dir or s.init)
@@ -224,7 +251,9 @@ def adapt(out, data, s: AdaptSettings, settings: TrainSettings, *, pattern: str 
         if shard.is_main:
             run.dir.mkdir(parents=True, exist_ok=True)
         shard.barrier()
-        state = torch.load(run.state, weights_only=False) if run.state.exists() else None
+        state = read_run_file(run.state, "the run's state (the step it resumes from)", run.restart_fix(),
+                              {"step": int, "adapt": dict, "settings": dict, "generator": torch.Tensor},
+                              weights_only=False) if run.state.exists() else None
         try:
             if state is not None:
                 s, settings = resumed_settings(state, s, settings)

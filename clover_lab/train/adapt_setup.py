@@ -19,6 +19,7 @@ from clover_lab.model.decoder import CloverModel
 from clover_lab.train import lora as lora_
 from clover_lab.train.mask_token import ensure_mask_token
 from clover_lab.train.objective import TrainSettings
+from clover_lab.train.loop import read_run_file, run_write
 from clover_lab.train.shard import Shard
 from clover_lab.train.stdlib_corpus import encode_files, split_files, text_files
 from clover_lab.writes import FileSet, atomic_path
@@ -56,6 +57,11 @@ class Run:
 
     def checkpoint(self, step: int) -> Path:
         return self.dir / f"checkpoint-{step:07d}"
+
+    def restart_fix(self) -> str:
+        """What to do when the run cannot resume: what a restart keeps."""
+        return (f"the run cannot resume from it: delete {self.state} to start the run again from step 0 (the encoded "
+                f"data is kept), or give another --out")
 
 
 # --------------------------------------------------------------------------- the model
@@ -133,10 +139,12 @@ def prepare_data(run: Run, data: list[str], pattern: str, tokenizer, shard: Shar
             print(f"data: {len(train_files)} training and {len(held_files)} held-out files", flush=True)
             tokens = {"train": encode_files(tokenizer, train_files), "heldout": encode_files(tokenizer, held_files),
                       "heldout_files": [str(f) for f in held_files], "sources": data}
-            with atomic_path(run.data) as tmp:
+            with run_write(run.data, "the encoded --data", "nothing was written: free some space and rerun"), \
+                    atomic_path(run.data) as tmp:
                 torch.save(tokens, tmp)
     shard.barrier()
-    tokens = torch.load(run.data)
+    tokens = read_run_file(run.data, "the run's encoded --data", f"delete {run.data} and rerun: --data is encoded "
+                           f"again (the same files give the same tokens)", {"train": torch.Tensor, "sources": list})
     if tokens["sources"] != data:
         raise ValueError(f"{run.data} holds --data {' '.join(tokens['sources'])}; this command gives "
                          f"--data {' '.join(data)}: give the same to resume, or another --out")

@@ -29,7 +29,7 @@ from clover_lab.cpu import set_threads
 from clover_lab.engine.sampling import SamplerSettings, apply_penalties
 from clover_lab.errors import CheckpointError
 from clover_lab.model.decoder import CloverModel
-from clover_lab.writes import OutputError, atomic_path, check_writable
+from clover_lab.writes import OutputError, atomic_path, check_writable, refuse_inputs
 
 
 @torch.no_grad()
@@ -169,6 +169,7 @@ def main(argv=None):
         ap.error(f"--threads must be a positive integer, got {args.threads}")
     model_dir, tokens_file, out = _sources(ap, args)
     try:  # found now, not after the generation
+        refuse_inputs(out, [("the model directory", model_dir), ("--tokens", tokens_file)], "--out")
         check_writable(out.parent, what="--out")
     except OutputError as e:
         ap.error(str(e))

@@ -5,6 +5,7 @@ export of a trained model directory and the command line.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -14,15 +15,16 @@ from pathlib import Path
 
 import torch
 
+from clover_lab.checkpoint.loading import load_tokenizer
 from clover_lab.checkpoint.saving import stage_model
 from clover_lab.cli.arguments import ArgumentParser
 from clover_lab.config import PRESETS, CloverConfig, ConfigError
-from clover_lab.errors import CheckpointError
+from clover_lab.errors import CheckpointError, CloverError, OutputError
 from clover_lab.model.decoder import CloverModel
 from clover_lab.signals import NotedSignals
 from clover_lab.train.objective import TrainSettings, block_diffusion_loss
 from clover_lab.train.stdlib_corpus import encode_files, split_corpus, train_tokenizer
-from clover_lab.writes import FileSet, atomic_path, check_writable, refuse_same, write_text
+from clover_lab.writes import FileSet, atomic_path, check_writable, refuse_inputs, refuse_same, write_text
 
 
 def training_batch(tokens: torch.Tensor, distilled: torch.Tensor | None, s: TrainSettings,
@@ -64,20 +66,17 @@ def prepare(out: Path, preset: str, vocab_size: int, block_size: int, overrides:
         with atomic_path(data) as tmp:
             torch.save({"train": encode_files(tok, train_files), "heldout": encode_files(tok, held_files),
                         "heldout_modules": [str(f.name) for f in held_files]}, tmp)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    tok = load_tokenizer(out / "tokenizer")  # never the init's own code (its tokenizer_config's auto_map)
     config = CloverConfig.preset(
         preset, vocab_size=len(tok), block_size=block_size, mask_token_id=tok.mask_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **overrides)
-    return tok, torch.load(data), config
+    return tok, read_run_file(data, "the run's encoded corpus", f"delete {data} and rerun: the corpus is encoded "
+                              f"again", {"train": torch.Tensor}), config
 
 
 def copy_tokenizer(init: Path, out: Path):
     """``init``'s tokenizer (and card, as ``init_card.json``) copied into the run directory ``out``."""
     import shutil
-
-    from transformers import AutoTokenizer
 
     with FileSet(out / "tokenizer") as files:
         for name in INIT_FILES:
@@ -85,7 +84,49 @@ def copy_tokenizer(init: Path, out: Path):
                 shutil.copy(init / name, files.path(out / "tokenizer" / name))
     if (init / "card.json").is_file():
         shutil.copy(init / "card.json", out / "init_card.json")
-    return AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    return load_tokenizer(out / "tokenizer")
+
+
+def read_run_file(path: Path, what: str, fix: str, expect: dict, weights_only: bool = True) -> dict:
+    """A file a resume reads (a run's state, its encoded data), verified: readable and a dict
+    holding ``expect``'s keys with values of their types; else a CheckpointError naming the file and
+    what it is, and saying what to do (``fix``), where a cut-short file was a raw traceback."""
+    try:
+        obj = torch.load(path, weights_only=weights_only)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} is missing; {fix}") from None
+    except Exception as e:  # noqa: BLE001 - pickle, zip and storage errors alike: the file is damaged
+        raise CheckpointError(f"{path}: {what} cannot be read: it is damaged or cut short ({error_summary(e)}); "
+                              f"{fix}") from None
+    wrong = [k for k, kind in expect.items() if not isinstance(obj, dict) or not isinstance(obj.get(k), kind)]
+    if wrong:
+        raise CheckpointError(f"{path}: {what} lacks {', '.join(wrong)} (not a file this run wrote, or damaged); {fix}")
+    return obj
+
+
+@contextlib.contextmanager
+def run_write(path: Path, what: str, after: str):
+    """A write whose failure (a full disk: OSError, torch.save's RuntimeError, DCP's
+    CheckpointException, a BaseException) is an OutputError naming ``path`` and saying what is
+    safe (``after``), instead of a traceback; Ctrl-C and clover_lab's own errors pass through."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, CloverError):
+        raise
+    except BaseException as e:
+        if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "CheckpointException":
+            raise
+        raise OutputError(f"{path}: cannot write {what} ({error_summary(e)}); {after}") from None
+
+
+def error_summary(e: BaseException) -> str:
+    """One line of what went wrong: the OS's words (No space left on device), the first failure a
+    DCP CheckpointException gathered, else the first line of the message."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return error_summary(first[0] if isinstance(first, tuple) else first)
+    return getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def check_init(init: str | Path) -> Path:
@@ -114,6 +155,8 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     from tqdm.auto import tqdm
 
     out = Path(out)
+    refuse_inputs(out, [("--init", init), ("--distill", settings.distill_data if settings else None)], "--out",
+                  folder=True)
     check_writable(out, what="--out")
     out.mkdir(parents=True, exist_ok=True)
     if threads:
@@ -123,7 +166,9 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     init = check_init(init) if init is not None and not state_file.exists() else None
     tok, data, config = prepare(out, preset, vocab_size, block_size, overrides or {}, init)
     if state_file.exists():
-        state = torch.load(state_file, weights_only=False)
+        state = read_run_file(state_file, "the run's state (the step it resumes from)", _restart_fix(state_file),
+                              {"step": int, "settings": dict, "optimizer": dict, "generator": torch.Tensor},
+                              weights_only=False)
         model, settings, step = _resume(out, state, device, extend_steps, extend_lr, extend_overrides)
         trim_log(out / "loss_log.jsonl", step)
     else:
@@ -158,7 +203,10 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
         nonlocal saved
         if saved == step:
             return
-        with FileSet(out / "checkpoint") as files:
+        safe = (f"the checkpoint of step {saved} is as it was" if saved is not None else "no checkpoint was made yet") \
+            + "; free some space and rerun the command to resume"
+        with run_write(out / "checkpoint", f"the checkpoint of step {step}", safe), \
+                FileSet(out / "checkpoint") as files:
             stage_model(model, files, out / "checkpoint")
             torch.save({"step": step, "settings": asdict(settings), "optimizer": opt.state_dict(),
                         "generator": gen.get_state()}, files.path(state_file))
@@ -225,7 +273,10 @@ def _logged_step(line: str) -> float:
 def _resume(out: Path, state: dict, device, extend_steps, extend_lr, extend_overrides):
     """(model, settings, step) of the run in ``out``; ``extend_steps`` starts a fresh schedule."""
     settings = TrainSettings(**state["settings"])
-    model = CloverModel.from_pretrained(out / "checkpoint", device=device, dtype=torch.float32)
+    try:
+        model = CloverModel.from_pretrained(out / "checkpoint", device=device, dtype=torch.float32)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {_restart_fix(out / 'train_state.pt')}") from None
     step = state["step"]
     if extend_steps:
         settings.schedule_start, settings.max_steps = step, step + extend_steps
@@ -234,6 +285,10 @@ def _resume(out: Path, state: dict, device, extend_steps, extend_lr, extend_over
             setattr(settings, field, value)
     print(f"resuming {out} at step {step} (schedule to step {settings.max_steps})", flush=True)
     return model, settings, step
+
+
+def _restart_fix(state_file: Path) -> str:
+    return f"the run cannot resume: delete {state_file} to start the run again from step 0, or give another --out"
 
 
 def _optimizer(model: CloverModel, settings: TrainSettings) -> torch.optim.AdamW:

@@ -158,6 +158,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", help="write the figures (JSON) here")
     args = ap.parse_args(argv)
+    if args.out:  # found now, not after the measuring
+        from clover_lab.writes import OutputError, refuse_inputs
+
+        try:
+            refuse_inputs(args.out, [("--model", args.model), ("--run", args.run)], "--out")
+        except OutputError as e:
+            ap.error(str(e))
     torch.set_num_threads(args.threads)
     heldout = heldout_tokens(args.model, args.run)
     results = []

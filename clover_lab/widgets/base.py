@@ -19,9 +19,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from clover_lab.widgets.pieces import page, require_notebook, section
+from clover_lab.widgets.pieces import page, require_notebook, section, view_inputs
 from clover_lab.widgets.throttle import Attachment, Throttle, _weak_hook, weak_callback
-from clover_lab.writes import write_text
+from clover_lab.writes import refuse_inputs, write_text
 
 # --------------------------------------------------------------------------- throttling
 
@@ -37,6 +37,7 @@ class View:
 
     title = "view"
     needs_model = False  # replaying a trace needs the model's weights (engine=...)
+    replay_needs: tuple = ()  # the points (patterns) a trace must record for this view to replay it
 
     def __init__(self, engine=None, *, fps: float = 15.0):
         require_notebook()
@@ -298,7 +299,8 @@ class View:
 
     def export_html(self, path, frame: int | str | None = "all") -> Path:
         """Write :meth:`to_html` to ``path``: by default every frame with a slider (a
-        self-contained file; nothing loads from the network)."""
+        self-contained file; nothing loads from the network). Never over the model's own files."""
+        refuse_inputs(path, view_inputs([self]), "export_html")
         return write_text(path, self.to_html(frame))
 
 

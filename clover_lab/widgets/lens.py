@@ -22,6 +22,7 @@ from clover_lab.widgets.pieces import figure_html, token_piece, visible
 class LensView(View):
     title = "Logit lens per denoising step"
     needs_model = True  # the lens is the model's final norm and LM head over each layer's output
+    replay_needs = (points.every_layer(points.OUTPUT), points.FINAL_NORM_OUTPUT)
 
     def __init__(self, engine=None, *, k: int = 5, fps: float = 10.0, tokenizer=None):
         self.k = k

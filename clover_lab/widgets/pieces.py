@@ -5,7 +5,7 @@ import html
 from pathlib import Path
 from typing import Iterable
 
-from clover_lab.writes import write_text
+from clover_lab.writes import model_inputs, refuse_inputs, write_text
 
 
 def require_notebook():
@@ -64,8 +64,16 @@ def page(title: str, sections: Iterable[str]) -> str:
             + "\n".join(sections) + "\n</body></html>")
 
 
+def view_inputs(views) -> list:
+    """The checkpoint directories of the models ``views`` watch: inputs an export never overwrites."""
+    return [i for v in views if getattr(v, "engine", None) is not None for i in model_inputs(v.engine.model)]
+
+
 def export_html(views, path, title: str = "clover_lab") -> Path:
-    """Several views in one self-contained HTML file (plotly.js embedded once)."""
+    """Several views in one self-contained HTML file (plotly.js embedded once); never over the
+    models' own files."""
+    views = list(views)
+    refuse_inputs(path, view_inputs(views), "export_html")
     return write_text(path, page(title, [v.to_html(full_html=False) for v in views]))
 
 

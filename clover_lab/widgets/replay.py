@@ -74,6 +74,12 @@ def replay(view, trace, engine=None) -> int:
     if not chosen:
         raise ValueError(f"{type(view).__name__} listens to {', '.join(methods)}; the trace records "
                          f"{', '.join(trace.points)}: nothing to replay")
+    lacking = [p for p in view.replay_needs if not any(fnmatch.fnmatchcase(rec.point, p) for _, rec in chosen)]
+    if lacking:  # a LensView fed steps without the layer outputs drew nothing, or failed deep inside
+        shown = [p.replace("*[0-9]", "*") for p in methods]  # the point patterns as a user writes them
+        raise InputError(f"{type(view).__name__}.replay needs records of "
+                         f"{', '.join(p.replace('*[0-9]', '*') for p in lacking)}, and the trace has none (it records "
+                         f"{', '.join(trace.points)}); capture them too: engine.capture({shown!r})")
     rows = sorted({i for _, rec in chosen if rec.rows is not None for i in rec.rows})
     if rows and view.row not in rows:  # else it would show no frame at all
         raise InputError(f"{type(view).__name__}.row={view.row!r}: the trace is of a batch of rows {rows[0]}.."
@@ -81,6 +87,7 @@ def replay(view, trace, engine=None) -> int:
     config = getattr(trace, "config", None)
     view.replayed_tokenizer = getattr(trace, "tokenizer", None)  # token text saved with the trace, if any
     if engine is not None:
+        same_model(type(view).__name__, config, [rec for _, rec in chosen], engine.model.config)
         view._on_attach(engine)
     elif view.needs_model:
         raise ValueError(f"{type(view).__name__}.replay needs the model that made the trace (engine=...): a "
@@ -91,6 +98,29 @@ def replay(view, trace, engine=None) -> int:
         view._dispatch(method, RecordedEvent(rec))
     view.flush()
     return len(chosen)
+
+
+def same_model(who: str, recorded, chosen, config) -> None:
+    """An InputError when the records to replay through ``config``'s model were made by another
+    model: the trace's config (``recorded``, when saved with one) differs in a field that decides a
+    shape, or a record names a layer it lacks or holds a residual stream of another width (a
+    shape error from inside the model's final norm otherwise)."""
+    from clover_lab.config import REQUIRED_FIELDS
+
+    if recorded is not None:
+        differ = [f"{f} {getattr(recorded, f)} vs {getattr(config, f)}" for f in REQUIRED_FIELDS + ("layer_types",)
+                  if getattr(recorded, f) != getattr(config, f)]
+        if differ:
+            raise InputError(f"{who}.replay: the trace was recorded on another model ({'; '.join(differ[:3])} in the "
+                             f"trace and the engine's model): replay it with the engine of the model that made it")
+    for rec in chosen:
+        layer = P.parse(rec.point)[0]
+        value = rec.data.get("value")
+        width = value.shape[-1] if hasattr(value, "shape") and len(value.shape) else None
+        if (layer is not None and layer >= config.num_hidden_layers) or (width is not None and width != config.hidden_size):
+            raise InputError(f"{who}.replay: the trace's {rec.point} (a residual stream of width {width}) is not of the "
+                             f"engine's model ({config.num_hidden_layers} layers, hidden_size {config.hidden_size}): "
+                             f"replay it with the engine of the model that made it")
 
 
 _SLIDER_JS = """

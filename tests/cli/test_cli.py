@@ -268,3 +268,229 @@ def test_the_other_commands_find_an_unwritable_output_before_the_run(tmp_path, c
         distill.main(["--model", str(tmp_path), "--tokens", str(tmp_path / "a-file"), "--out", str(bad / "d.pt")])
     err = capsys.readouterr().err
     assert err.count(f"--out {bad}: {tmp_path / 'a-file'} is a file") == 2 and f"--export {bad}: " in err, err
+
+
+# --------------------------------------------------------------------------- outputs never over inputs
+def _copy_model(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst, {p.name: p.read_bytes() for p in dst.iterdir()}
+
+
+@pytest.mark.parametrize("target", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_check_json_never_overwrites_the_checkpoint(capsys, gen_text_model_dir, tmp_path, target):
+    """``check --model M --json M/config.json`` wrote the report over the checkpoint's config.json and
+    exited 0: M no longer loaded. Refused before the model loads, with M untouched."""
+    model, before = _copy_model(gen_text_model_dir, tmp_path / "m")
+    code, out, err = run_cli(capsys, "check", "--model", model, "--json", model / target, "--windows", 1)
+    assert code == 2 and "--json" in err and "is a file in the model directory" in err and len(err.splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+    (tmp_path / "link.json").symlink_to(model / "config.json")  # another name for it
+    code, _, err = run_cli(capsys, "check", "--model", model, "--json", tmp_path / "link.json")
+    assert code == 2 and "is the model directory" not in err and "overwrite the input" in err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def test_check_json_never_overwrites_the_embedded_model_or_its_data(capsys, tmp_path, monkeypatch):
+    from clover_lab.checkpoint.loading import default_model_dir
+
+    monkeypatch.delenv("CLOVER_LAB_MODEL", raising=False)
+    config = default_model_dir() / "config.json"
+    before = config.read_bytes()
+    code, _, err = run_cli(capsys, "check", "--json", config)  # no --model: the embedded model is the input
+    assert code == 2 and "overwrite the input" in err and config.read_bytes() == before
+    data = tmp_path / "text.py"
+    data.write_text("def f():\n    return 1\n" * 50)
+    code, _, err = run_cli(capsys, "check", "--data", data, "--json", data)
+    assert code == 2 and "--data" in err and data.read_text().startswith("def f()")
+
+
+def test_routes_out_never_overwrites_the_model_or_the_corpus(capsys, gen_text_model_dir, tmp_path):
+    model, before = _copy_model(gen_text_model_dir, tmp_path / "m")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("w1 w2 w3\n" * 20)
+    (model / "routes.npz").write_bytes(b"kept")  # any file in the model directory is the model's
+    (corpus / "old.npz").write_bytes(b"kept")
+    before["routes.npz"] = b"kept"
+    for out, label in [(model / "routes.npz", "model directory"), (model / "routes", "model directory"),
+                       (corpus / "old.npz", "--data")]:
+        code, _, err = run_cli(capsys, "routes", "--model", model, "--data", corpus, "--out", out)
+        assert code == 2 and label in err and "overwrite the input" in err, err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+    assert (corpus / "a.py").read_text() == "w1 w2 w3\n" * 20 and (corpus / "old.npz").read_bytes() == b"kept"
+
+
+# --------------------------------------------------------------------------- settings the mode ignores
+def test_settings_the_mode_ignores_are_one_line_warnings(capsys, gen_model_dir):
+    code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6,7", "--mode", "ar",
+                             "--threshold", 0.5, "--block-size", 8, "--policy", "topk:k=2", "--max-new-tokens", 3,
+                             "--json")
+    assert code == 0 and len(json.loads(out)["token_ids"]) == 3
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("clover-lab: warning: mode='ar'") for line in lines), err
+    assert "threshold, policy" in err and "block_size" in err
+    code, _, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6,7",
+                           "--draft-passes", 2, "--max-new-tokens", 3, "--json")
+    assert code == 0 and err.strip() == ("clover-lab: warning: draft_passes drafts blocks in mode='speculative'; "
+                                         "mode='diffusion' ignores it: it has no effect on this run")
+
+
+def test_thinking_on_a_tokenizer_without_a_thinking_mode_is_an_error(capsys, gen_text_model_dir, tmp_path):
+    import shutil
+
+    shutil.copytree(gen_text_model_dir, tmp_path / "m")
+    for f in ("chat_template.jinja", "tokenizer_config.json"):
+        p = tmp_path / "m" / f
+        if p.exists() and "enable_thinking" in p.read_text():
+            p.write_text(p.read_text().replace("enable_thinking is defined and enable_thinking", "false"))
+    code, _, err = run_cli(capsys, "generate", "--model", tmp_path / "m", "--prompt", "w8 w9", "--chat",
+                           "--thinking", "--max-new-tokens", 4, "--json")
+    assert code == 2 and "thinking=True: this tokenizer has no thinking mode" in err and len(err.splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- Ctrl-C before the generation
+def _swallowed_ctrl_c():
+    """A Ctrl-C that a library swallows (torch's import catches every error of its numpy import)."""
+    import signal
+    import time
+
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the handler runs here
+    except KeyboardInterrupt:
+        pass
+
+
+@pytest.mark.parametrize("then", ["returns", "fails"])
+def test_a_ctrl_c_a_library_swallowed_still_stops_the_command(capsys, gen_model_dir, monkeypatch, then):
+    """Once in ~10 tries a Ctrl-C in the first second of `clover-lab generate` was lost (swallowed
+    during torch's import) and the generation went on; or the half-imported module failed later with a
+    traceback. The command notes the Ctrl-C and stops with exit 130 at the next point that looks."""
+    import clover_lab.engine
+
+    real = clover_lab.engine.load
+    generated = []
+
+    def load(*a, **k):
+        _swallowed_ctrl_c()
+        if then == "fails":
+            raise RecursionError("maximum recursion depth exceeded (numpy's half-imported linalg)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(clover_lab.engine, "load", load)
+    monkeypatch.setattr(clover_lab.engine.Engine, "stream", lambda *a, **k: generated.append(1))
+    code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6", "--json")
+    assert code == 130 and err.strip() == "clover-lab: interrupted" and out == "" and not generated
+
+
+def test_a_ctrl_c_during_the_imports_is_one_line(capsys, monkeypatch):
+    def build_parser():
+        raise KeyboardInterrupt  # what torch's import raises when Ctrl-C lands in it
+
+    monkeypatch.setattr(cli, "build_parser", build_parser)
+    code, out, err = run_cli(capsys, "generate", "--prompt-ids", "5,6")
+    assert code == 130 and err.strip() == "clover-lab: interrupted"
+
+
+def test_the_entry_point_imports_nothing_heavy():
+    """main() must run before torch is imported, to take a Ctrl-C from the first instant."""
+    code = ("import sys; import clover_lab.cli.main; import clover_lab; "
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_any_moment_of_the_start_exits_130():
+    """Ctrl-C sent to a real `clover-lab generate` at moments over its first seconds (imports, load,
+    generation): never a traceback, never lost."""
+    import signal
+    import time
+
+    exe = os.path.join(os.path.dirname(sys.executable), "clover-lab")
+    for delay in (0.3, 0.6, 0.9, 1.5, 3.0, 6.0):
+        p = subprocess.Popen([exe, "generate", "--prompt", "def f():", "--max-new-tokens", "400", "--no-live"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 130 and "Traceback" not in err, (delay, p.returncode, err[-2000:])
+
+
+# --------------------------------------------------------------------------- options checked before the load
+def _no_load(monkeypatch):
+    def load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr("clover_lab.engine.load", load)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["serve", "--port", "70000"], r"--port must be a TCP port in \[1, 65535\], got 70000"),
+    (["serve", "--port", "0"], r"--port must be a TCP port"),
+    (["serve", "--host", "no-such-host.invalid"], "--host 'no-such-host.invalid': not an address to listen on"),
+    (["serve", "--graceful", "-1"], "--graceful must be a number of seconds >= 0"),
+    (["serve", "--threshold", "2"], r"threshold=2.0: must be in \(0, 1\]"),
+    (["serve", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["generate", "--prompt-ids", "1,2", "--policy", "topk:k=0"], "TopKPolicy k=0"),
+    (["generate", "--prompt-ids", "1,2", "--policy", "topk:k=2,k=3"], "given twice"),
+    (["generate", "--prompt-ids", "1,2", "--temperature", "-1"], "temperature"),
+    (["generate", "--prompt-ids", "1,2", "--coreset-size", "1"], "--coreset-size: coreset_size=1"),
+    (["generate", "--prompt-ids", "1,99999"], r"--prompt-ids: token ids \[99999\] are outside the vocabulary"),
+    (["generate", "--prompt-ids", "1,2", "--block-size", "0"], "--block-size must be >= 1"),
+    (["check", "--windows", "1", "--json", "/nonexistent-dir/r.json"], "does not exist"),
+])
+def test_what_the_options_say_is_checked_before_the_model_loads(capsys, gen_model_dir, monkeypatch, argv, match):
+    """`clover-lab serve --port 70000` failed after the model loaded (a 70 GB load: minutes)."""
+    _no_load(monkeypatch)
+    code, _, err = run_cli(capsys, *argv[:1], "--model", gen_model_dir, *argv[1:])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    import re
+    assert re.search(match, err), err
+
+
+def test_a_port_in_use_is_found_before_the_model_loads(capsys, gen_model_dir, monkeypatch):
+    """A port in use was reported after the load (~60 s for the release) as uvicorn's log lines."""
+    import socket
+
+    _no_load(monkeypatch)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, _, err = run_cli(capsys, "serve", "--model", gen_model_dir, "--port", port)
+    assert code == 2 and f"--port {port}: cannot listen there: another process is listening there" in err
+
+
+def test_serve_listens_on_the_socket_it_bound_before_loading(capsys, gen_text_model_dir, monkeypatch):
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    servers = []
+
+    def run(self, sockets=None):
+        servers.append(sockets[0].getsockname()[1])
+        thread = threading.Thread(target=uvicorn.Server.run, args=(self, sockets), daemon=True)
+        thread.start()
+        deadline = time.time() + 30
+        while not self.started:
+            assert time.time() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        port = sockets[0].getsockname()[1]
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == "tiny"
+        self.should_exit = True
+        thread.join(30)
+
+    monkeypatch.setattr("clover_lab.serve.server.Server.run", run)
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, _, err = run_cli(capsys, "serve", "--model", gen_text_model_dir, "--port", port,
+                           "--served-model-name", "tiny")
+    assert code == 0, err
+    assert servers == [port]

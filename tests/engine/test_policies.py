@@ -77,3 +77,98 @@ def test_the_command_line_takes_a_policy(capsys):
     assert main(["generate", "--prompt-ids", "5,17,33", "--max-new-tokens", "8", "--policy", "topk:k=0",
                  "--no-progress"]) != 0
     assert "TopKPolicy k=0" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- a custom rule's word, checked
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from clover_lab import GenerationError  # noqa: E402
+from clover_lab.engine.policies import DecodingPolicy, LookAheadPolicy, Proposal  # noqa: E402
+
+# what a buggy rule may hand back: (field, how it is spoiled); None: a proposal left as it was
+FAULTS = [None, ("tokens", "mask"), ("tokens", "vocab"), ("tokens", "negative"), ("tokens", "float"),
+          ("tokens", "short"), ("tokens", "list"), ("confidences", "nan"), ("confidences", "inf"),
+          ("confidences", "long"), ("confidences", "long_shape"), ("unmask", "long"), ("unmask", "short"),
+          ("proposal", "tuple"), ("proposal", "none")]
+
+
+class Spoiled(ThresholdPolicy):
+    """The threshold rule whose proposal is spoiled as ``fault`` says from the ``at``-th step on."""
+
+    def __init__(self, fault, at: int = 0, mask_id: int = 511, vocab: int = 512):
+        self.fault, self.at, self.calls, self.mask_id, self.vocab = fault, at, 0, mask_id, vocab
+
+    def propose(self, row, block, logits, finish):
+        p = super().propose(row, block, logits, finish)
+        self.calls += 1
+        if self.fault is None or self.calls <= self.at:
+            return p
+        field, how = self.fault
+        if field == "proposal":
+            return (p.tokens, p.confidences, p.unmask) if how == "tuple" else None
+        t = getattr(p, field)
+        spoiled = {"mask": lambda: torch.full_like(t, self.mask_id), "vocab": lambda: t + self.vocab,
+                   "negative": lambda: t - self.vocab, "float": lambda: t.float(), "short": lambda: t[:-1] if
+                   len(t) > 1 else t[:0], "list": lambda: t.tolist(), "nan": lambda: torch.full_like(t, float("nan")),
+                   "inf": lambda: torch.full_like(t, float("inf")), "long": lambda: t.long(),
+                   "long_shape": lambda: t[None]}[how]()
+        return Proposal(**{**vars(p), field: spoiled})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fault=st.sampled_from(FAULTS), at=st.integers(0, 6), mode=st.sampled_from(["diffusion", "speculative"]),
+       batch=st.booleans())
+def test_a_custom_policys_proposal_is_checked_where_it_enters_the_loop(tiny_engine, fault, at, mode, batch):
+    """A rule proposing the mask token returned mask tokens as the answer; ids out of the vocabulary,
+    negative, float or of the wrong length were raw IndexError / RuntimeError; NaN confidences were
+    blamed on the logits. Every outcome is a result of real tokens or a GenerationError naming the
+    rule's method and the field, and the engine's greedy tokens are unchanged afterwards."""
+    prompts = [PROMPTS[0], PROMPTS[2]] if batch else PROMPTS[0]
+    before = tiny_engine.generate(PROMPTS[1], max_new_tokens=20)
+    policy = Spoiled(fault, at)
+    try:
+        r = tiny_engine.generate(prompts, mode=mode, max_new_tokens=24, policy=policy)
+    except GenerationError as e:
+        assert fault is not None, e
+        assert "Spoiled.propose: " in str(e) and ("row " in str(e)) == batch, e
+        field = "Proposal(tokens" if fault[0] == "proposal" else f"Proposal.{fault[0]}"
+        assert field in str(e), e
+    else:
+        results = r if batch else [r]
+        assert all(tiny_engine.mask_token_id not in x.token_ids for x in results)
+        assert fault is None or policy.calls <= at  # a spoiled proposal never passes
+    assert tiny_engine.generate(PROMPTS[1], max_new_tokens=20).token_ids == before.token_ids
+
+
+def test_a_look_ahead_rules_proposal_is_checked_too(tiny_engine):
+    class AheadMask(LookAheadPolicy):
+        def propose_ahead(self, row, block, ahead, logits):
+            p = super().propose_ahead(row, block, ahead, logits)
+            return Proposal(torch.full_like(p.tokens, 511), p.confidences, torch.ones_like(p.unmask))
+
+    with pytest.raises(GenerationError, match=r"AheadMask.propose_ahead: block \d+, step \d+: Proposal.tokens "
+                                              r"proposes the mask token 511"):
+        tiny_engine.generate(PROMPTS[1], max_new_tokens=48, policy=AheadMask(start=0.0, threshold=0.01))
+
+
+def test_nan_confidences_from_finite_logits_are_the_rules(tiny_engine):
+    class NaNs(DecodingPolicy):
+        def propose(self, row, block, logits, finish):
+            tokens = logits.argmax(-1)
+            return Proposal(tokens, torch.full(tokens.shape, float("nan")), torch.ones_like(tokens, dtype=torch.bool))
+
+    with pytest.raises(GenerationError, match="NaNs.propose: block 0, step 0: Proposal.confidences holds NaN or inf "
+                                              "while the step's logits are finite"):
+        tiny_engine.generate(PROMPTS[0], max_new_tokens=8, policy=NaNs())
+
+
+@pytest.mark.parametrize("method", ["finishes_block", "look_ahead"])
+@pytest.mark.parametrize("answer", [torch.tensor([True, False]), "yes", None, 1])
+def test_a_rules_yes_or_no_is_a_bool(tiny_engine, method, answer):
+    """finishes_block / look_ahead returning a tensor was 'Boolean value of Tensor ... is ambiguous'."""
+    rule = type("Odd", (LookAheadPolicy,), {method: lambda self, row, block: answer})(start=0.0)
+    with pytest.raises(GenerationError, match=rf"Odd.{method}: block 0, step 0: returned .*expected True or False"):
+        tiny_engine.generate(PROMPTS[1], max_new_tokens=40, policy=rule)
+    assert tiny_engine.generate(PROMPTS[1], max_new_tokens=8).token_ids

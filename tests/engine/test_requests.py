@@ -112,3 +112,63 @@ def test_a_batch_rows_no_progress_limit_names_the_row(tiny_engine):
 def test_a_list_that_is_neither_a_prompt_nor_a_batch_names_its_item(tiny_text_engine, prompt, match):
     with pytest.raises(GenerationError, match=match):
         tiny_text_engine.generate(prompt, max_new_tokens=4)
+
+
+# --------------------------------------------------------------------------- settings a mode or tokenizer ignores
+from clover_lab.engine.requests import IgnoredSettingError, IgnoredSettingWarning  # noqa: E402
+
+
+def test_a_policy_in_ar_and_draft_passes_outside_speculative_are_said(tiny_engine):
+    """A policy with mode "ar" and draft_passes outside speculative mode were silently ignored."""
+    with pytest.warns(IgnoredSettingWarning, match="ignores the block-diffusion setting.*policy"):
+        r = tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4, policy="topk:k=2")
+    assert r.stats.mode == "ar"
+    for mode in ("diffusion", "ar"):
+        with pytest.warns(IgnoredSettingWarning, match=f"draft_passes drafts blocks in mode='speculative'; "
+                                                       f"mode='{mode}' ignores it"):
+            tiny_engine.generate(PROMPT, mode=mode, max_new_tokens=4, draft_passes=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # where they apply: not a word
+        tiny_engine.generate(PROMPT, mode="speculative", max_new_tokens=4, draft_passes=2, policy="topk:k=2")
+        tiny_engine.generate(PROMPT, max_new_tokens=4, policy="eb:gamma=0.5")
+
+
+def no_thinking_tokenizer(template_reads_it: bool):
+    from conftest import GEN_CHAT_TEMPLATE, make_gen_tokenizer
+
+    tok = make_gen_tokenizer()
+    if not template_reads_it:
+        tok.chat_template = GEN_CHAT_TEMPLATE.split("{% if add_generation_prompt %}")[0] + \
+            "{% if add_generation_prompt %}w3 {% endif %}"
+    return tok
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_thinking_on_a_tokenizer_without_a_thinking_mode_is_refused(gen_model, thinking):
+    """thinking=True on a tokenizer without <think> whose template does not read enable_thinking changed
+    nothing, silently. A template that reads it (the fixture's: w4 / w5) still takes it."""
+    deaf = Engine(gen_model, no_thinking_tokenizer(False))
+    msgs = [{"role": "user", "content": "w8 w9"}]
+    with pytest.raises(IgnoredSettingError, match=f"thinking={thinking}: this tokenizer has no thinking mode"):
+        deaf.generate(msgs, thinking=thinking, max_new_tokens=4)
+    assert deaf.generate(msgs, max_new_tokens=4).prompt_ids == [1, 8, 9, 3]  # the engine as it was
+    listening = Engine(gen_model, no_thinking_tokenizer(True))
+    assert listening.generate(msgs, thinking=thinking, max_new_tokens=4).prompt_ids[-1] == (4 if thinking else 5)
+
+
+def test_a_policy_naming_a_setting_twice_is_refused():
+    from clover_lab.engine.policies import make_policy
+
+    for spec in ("topk:k=2,k=4", "eb:gamma=0.1,gamma=0.5", "lookahead:start=0.5,threshold=0.9,start=0.1"):
+        with pytest.raises(SettingsError, match="given twice"):
+            make_policy(spec)
+
+
+def test_text_holding_a_lone_surrogate_is_named(tiny_text_engine):
+    """A lone surrogate reached the tokenizer as a TypeError."""
+    for prompt, where in [("w5 \ud800 w6", "prompt"), ([{"role": "user", "content": "w5\udfff"}], "chat message 0's content")]:
+        with pytest.raises(GenerationError, match=f"{where}: the text holds a lone surrogate"):
+            tiny_text_engine.generate(prompt, max_new_tokens=2)
+    with pytest.raises(GenerationError, match=r"stop\[1\]: the text holds a lone surrogate"):
+        tiny_text_engine.generate("w5", stop=["w6", "\ud800"], max_new_tokens=2)
+    assert tiny_text_engine.generate("w5 \U0001F600 w6", max_new_tokens=2).token_ids  # a real pair is text

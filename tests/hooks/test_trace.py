@@ -257,3 +257,45 @@ def test_an_unfinished_trace_is_refused(tmp_path, monkeypatch):
     with pytest.raises(TraceError, match=r"an unfinished save: it stopped while putting tensors\.safetensors, "
                                               r"trace\.json in place"):
         load_trace(tmp_path / "t")
+
+
+# --------------------------------------------------------------------------- what a save and a diff are given
+@pytest.mark.parametrize("meta, said", [({"x": {1, 2}}, r"meta\['x'\] is set"), ({"x": [object()]}, r"meta\['x'\]\[0\] is object"),
+                                        ({"x": {3: "a"}}, r"meta\['x'\] has the key 3, not a string"),
+                                        ([1, 2], "meta must be a dict")])
+def test_save_meta_json_cannot_hold_is_named_and_nothing_written(tiny_engine, tmp_path, meta, said):
+    """save(meta=...) with a value JSON cannot hold was json's TypeError from deep inside."""
+    with tiny_engine.capture(["denoise.step"]) as cap:
+        tiny_engine.generate([1, 2, 3], max_new_tokens=4)
+    for target in (cap, load_trace_of(cap, tmp_path / "ok")):
+        with pytest.raises(InputError, match=said):
+            target.save(tmp_path / "t", meta=meta)
+        assert not (tmp_path / "t").exists()
+
+
+def load_trace_of(cap, path):
+    cap.save(path)
+    return load_trace(path)
+
+
+def test_a_capture_on_the_meta_device_is_refused_at_save(tiny_engine, tmp_path):
+    """capture(to="meta") then save was NotImplementedError ("Cannot copy out of meta tensor")."""
+    with tiny_engine.capture(["denoise.step", "layers.*.output"], to="meta") as cap:
+        tiny_engine.generate([1, 2, 3], max_new_tokens=4)
+    with pytest.raises(InputError, match="on the meta device .* keeps shapes, not values.*capture with to='cpu'"):
+        cap.save(tmp_path / "t")
+    assert not (tmp_path / "t").exists()
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="capture: to='cuda' cannot be used here"):
+            tiny_engine.capture(["denoise.step"], to="cuda")
+
+
+@pytest.mark.parametrize("other", [None, "trace", 3, [1, 2]])
+def test_diff_with_what_is_no_run_is_named(tiny_engine, tmp_path, other):
+    """Trace.diff(None) was AttributeError: 'NoneType' object has no attribute 'records'."""
+    with tiny_engine.capture(["denoise.step"]) as cap:
+        tiny_engine.generate([1, 2, 3], max_new_tokens=4)
+    trace = load_trace_of(cap, tmp_path / "t")
+    with pytest.raises(InputError, match=f"Trace.diff: other must be a Trace or a Capture .*got {type(other).__name__}"):
+        trace.diff(other)
+    assert trace.diff(cap) is None  # a capture is a run's records too

@@ -156,3 +156,13 @@ def test_coreset_sweep_takes_one_prompt_as_one(tiny_engine):
 
     rows = lens.coreset_sweep(tiny_engine, PROMPT, sizes=[2], max_new_tokens=8, threshold=0.3)
     assert [r["prompts"] for r in rows] == [1, 1]
+
+
+@pytest.mark.parametrize("repeat", [-3, 0, 1.5, True, "2"])
+def test_coreset_sweep_repeat_is_a_positive_count(tiny_engine, repeat):
+    """repeat=-3 (or 0) was read as 1: a setting silently ignored."""
+    from clover_lab.errors import InputError
+    from clover_lab.lens.coreset import coreset_sweep
+
+    with pytest.raises(InputError, match=rf"coreset_sweep repeat={repeat!r}: expected a positive integer"):
+        coreset_sweep(tiny_engine, [5, 6, 7], sizes=[2], repeat=repeat, max_new_tokens=4)

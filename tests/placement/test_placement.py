@@ -221,3 +221,10 @@ def test_a_gpu_placement_without_cuda_is_one_line(gen_model_dir, capsys):
 def test_max_memory_none_with_auto_plans_on_what_is_free(gen_model_dir):
     engine = clover_lab.load(gen_model_dir, device_map="auto", max_memory=None)
     assert len(engine.generate(PROMPT, max_new_tokens=4).token_ids) == 4
+
+
+@pytest.mark.parametrize("size", [None, -1, 0, True, "lots", "-1GB", 1.5])
+def test_a_max_memory_that_is_no_size_is_named_before_loading(gen_model_dir, size):
+    """max_memory={"cpu": None} was a TypeError from inside accelerate's planner."""
+    with pytest.raises(CheckpointError, match=rf"max_memory\['cpu'\]={size!r}: expected a size"):
+        clover_lab.load(gen_model_dir, device_map="auto", max_memory={"cpu": size})

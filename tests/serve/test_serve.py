@@ -349,3 +349,97 @@ def test_sigterm_lets_the_stream_in_flight_finish(refs):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+# --------------------------------------------------------------------------- in process: settings, bodies
+@pytest.fixture(scope="module")
+def tiny_app():
+    """An app over the tiny text engine, called in process (fastapi's TestClient): fast tier."""
+    from fastapi.testclient import TestClient
+    from conftest import make_gen_model, make_gen_tokenizer
+
+    engine = clover_lab.Engine(make_gen_model(), make_gen_tokenizer())
+    with TestClient(create_app(engine, model_name="tiny")) as client:
+        yield client, engine
+
+
+IGNORED = [({"mode": "ar", "threshold": 0.5}, "clover.threshold"),
+           ({"mode": "ar", "coreset_size": 4}, "clover.coreset_size"),
+           ({"mode": "ar", "max_steps_per_block": 3}, "clover.max_steps_per_block"),
+           ({"mode": "ar", "block_size": 8}, "clover.block_size")]
+
+
+@pytest.mark.parametrize("clover,param", IGNORED, ids=[p for _, p in IGNORED])
+def test_a_setting_the_mode_ignores_is_refused_naming_it(tiny_app, clover, param):
+    """clover.mode "ar" with clover.threshold was answered as if the threshold were not there; the API
+    and the command line warn (IgnoredSettingWarning), the server has no way to warn a client: 400."""
+    client, _ = tiny_app
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 4, "clover": clover})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "mode='ar'" in r.json()["error"]["message"] and r.json()["error"]["code"] == "ignored_setting"
+    ok = client.post("/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 4,
+                                              "clover": {"mode": "ar", "repetition_penalty": 1.2}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_enable_thinking_on_a_tokenizer_without_thinking_is_refused(tiny_app, monkeypatch):
+    client, engine = tiny_app
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w8"}], "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": True}}
+                       ).status_code == 200  # the fixture's template reads enable_thinking
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{% for m in messages %}w1 {{ m['content'] }} "
+                        "{% endfor %}{% if add_generation_prompt %}w3 {% endif %}")
+    for extra, param in [({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs.enable_thinking"),
+                         ({"clover": {"thinking": False}}, "clover.thinking")]:
+        r = client.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "no thinking mode" in r.json()["error"]["message"]
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+SURROGATES = st.integers(0xD800, 0xDFFF).map(chr)
+WORDS = st.lists(st.integers(0, 508).map(lambda i: f"w{i}"), max_size=4).map(" ".join)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(before=WORDS, lone=SURROGATES, after=WORDS, where=st.sampled_from(["prompt", "messages", "stop"]))
+def test_a_lone_surrogate_is_a_400_naming_the_field(tiny_app, before, lone, after, where):
+    """A prompt holding a lone surrogate (JSON's "\\ud800") was a 500: the README promises never a 500."""
+    client, _ = tiny_app
+    text = f"{before} {lone} {after}"
+    body = {"model": "tiny", "max_tokens": 2}
+    path = "/v1/chat/completions" if where == "messages" else "/v1/completions"
+    if where == "messages":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text if where == "prompt" else "w5 w6"
+    if where == "stop":
+        body["stop"] = [text]
+    r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == where, r.text
+    assert "lone surrogate" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None, "application/json"])
+def test_a_json_body_is_read_whatever_its_content_type(tiny_app, content_type):
+    """A valid JSON body sent as text/plain (or by curl -d, form-encoded) was told "the body must be a JSON
+    object"; a body that is not JSON still gets "not valid JSON"."""
+    client, _ = tiny_app
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = json.dumps({"model": "tiny", "prompt": "w5 w6", "max_tokens": 2})
+    r = client.post("/v1/completions", content=body, headers=headers)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["text"].split()) == 2, r.text
+    r = client.post("/v1/completions", content=b"model=tiny&prompt=w5", headers=headers)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("depth", [2000, 10000])
+def test_a_body_nested_past_the_parser_is_named(tiny_app, depth):
+    client, _ = tiny_app
+    body = '{"model": "tiny", "prompt": ' + "[" * depth + "]" * depth + "}"
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == "invalid_json"

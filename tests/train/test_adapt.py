@@ -520,3 +520,90 @@ def test_an_adapt_run_stopped_at_any_boundary_resumes_as_if_never_stopped(
     assert log_of(out) == log_of(uninterrupted)
     want, got = (load_file_dict(d / "model.safetensors") for d in (uninterrupted, out))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+# --------------------------------------------------------------------------- a resume's files, verified
+@pytest.fixture(scope="module")
+def stopped_at_2(tmp_path_factory, clover_init, data):
+    """A run stopped (checkpointed) at step 2 of 4."""
+    out = tmp_path_factory.mktemp("stopped") / "out"
+    assert adapt_code("--init", clover_init, "--data", data, "--out", out, *STEPS, "--stop-at", 2) == 0
+    assert (out / "training" / "checkpoint-0000002" / ".metadata").is_file()
+    return out
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+
+
+DAMAGE = [("state.pt", lambda t: _truncate(t / "state.pt"), "state.pt: the run's state .* cannot be read: it is damaged "
+           "or cut short", "delete .*state.pt to start the run again from step 0"),
+          ("state.pt-not-ours", lambda t: torch.save({"step": "two"}, t / "state.pt"), "state.pt: the run's state .* "
+           "lacks step, adapt, settings, generator", "delete .*state.pt"),
+          ("data.pt", lambda t: _truncate(t / "data.pt"), "data.pt: the run's encoded --data cannot be read",
+           "delete .*data.pt and rerun: --data is encoded again"),
+          ("checkpoint-missing", lambda t: shutil.rmtree(t / "checkpoint-0000002"),
+           "checkpoint-0000002: the checkpoint of step 2, which .*state.pt says the run resumes from, is missing",
+           "delete .*state.pt"),
+          ("shard", lambda t: [_truncate(f) for f in (t / "checkpoint-0000002").glob("*.distcp")],
+           "checkpoint-0000002: the checkpoint of step 2 cannot be read: a shard is damaged", "delete .*state.pt")]
+
+
+@pytest.mark.parametrize("what, damage, said, fix", DAMAGE, ids=[d[0] for d in DAMAGE])
+def test_a_resume_from_a_damaged_file_names_it_and_says_what_to_do(tmp_path, capsys, clover_init, data, stopped_at_2,
+                                                                   uninterrupted, what, damage, said, fix):
+    """Resuming adapt from a cut-short state.pt, data.pt or shard, or without its checkpoint folder, was a
+    raw traceback. Now one line naming the file and what to do; doing it finishes the run as an
+    uninterrupted one (the same weights)."""
+    import re
+
+    out = tmp_path / "out"
+    shutil.copytree(stopped_at_2, out)
+    damage(out / "training")
+    capsys.readouterr()
+    assert adapt_code("--init", clover_init, "--data", data, "--out", out, *STEPS) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(said, err) and re.search(fix, err), err
+    remove = re.search(r"delete (\S+?\.pt)", err).group(1)
+    Path(remove).unlink()
+    assert adapt_code("--init", clover_init, "--data", data, "--out", out, *STEPS) == 0
+    want, got = (load_file_dict(d / "model.safetensors") for d in (uninterrupted, out))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+FULL_DISK = [("checkpoint", "save_checkpoint", "checkpoint-0000002: cannot write the checkpoint "
+              "of step 2"),
+             ("state", "torch.save:state", "state.pt: cannot write the run's state at step 2"),
+             ("data", "torch.save:data", "data.pt: cannot write the encoded --data")]
+
+
+@pytest.mark.parametrize("what, target, said", FULL_DISK, ids=[f[0] for f in FULL_DISK])
+def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, monkeypatch, capsys, clover_init, data, uninterrupted,
+                                                     what, target, said):
+    """A full disk reached adapt as DCP's CheckpointException (a BaseException) or torch.save's
+    RuntimeError: a traceback, though the data was safe. Now one line naming the file and what is safe."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        if what == "checkpoint":
+            def full(*a, **k):
+                raise CheckpointException("failed", {0: (OSError(errno.ENOSPC, "No space left on device"), None)})
+            m.setattr(sys.modules["clover_lab.train.adapt"], "save_checkpoint", full)
+        else:
+            real, name = torch.save, target.split(":")[1]
+
+            def save(obj, f, *a, **k):
+                if name in str(f):
+                    raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing "
+                                       "file data/0: file write failed")
+                return real(obj, f, *a, **k)
+            m.setattr(torch, "save", save)
+        assert adapt_code("--init", clover_init, "--data", data, "--out", out, *STEPS) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # past tqdm's bar
+    assert len(err) == 1 and err[0].startswith("clover-lab adapt: error: ") and said in err[0], err
+    assert "free some space and rerun" in err[0] and "No space left on device" in err[0] or "write failed" in err[0]
+    assert not leftovers(out) if out.exists() else True
+    assert adapt_code("--init", clover_init, "--data", data, "--out", out, *STEPS) == 0
+    want, got = (load_file_dict(d / "model.safetensors") for d in (uninterrupted, out))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

@@ -189,3 +189,23 @@ def test_a_training_run_stopped_inside_a_step_resumes_as_if_never_stopped(tmp_pa
              for line in (d / "loss_log.jsonl").read_text().splitlines()] for d in (tmp_path / "whole", run)]
     assert logs[0] == logs[1] and [r["step"] for r in logs[0]] == [1, 2, 3, 4]
     assert same_weights(*(CloverModel.from_pretrained(d / "checkpoint") for d in (tmp_path / "whole", run)))
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda run: (run / "train_state.pt").write_bytes((run / "train_state.pt").read_bytes()[:100]),
+     r"train_state.pt: the run.s state \(the step it resumes from\) cannot be read"),
+    (lambda run: (run / "data.pt").write_bytes(b"PK\x03\x04 cut"), "data.pt: the run's encoded corpus cannot be read"),
+    (lambda run: (run / "checkpoint" / "model.safetensors").unlink(), "checkpoint: no model.safetensors")])
+def test_a_train_resume_from_a_damaged_file_names_it(gen_text_model_dir, tmp_path, monkeypatch, damage, said):
+    """The same for clover-lab train's run directory: the file named, and what to do."""
+    from clover_lab.errors import CheckpointError
+
+    files = [f for f in training.stdlib_files() if f.name in ("bisect.py", "heapq.py", "colorsys.py")]
+    monkeypatch.setattr(training, "split_corpus", lambda root=None: (files[:-1], files[-1:]))
+    run = tmp_path / "run"
+    settings = training.TrainSettings(seq_len=64, batch_size=2, warmup_steps=2, max_steps=10)
+    training.train(run, minutes=0, settings=settings, init=gen_text_model_dir)
+    damage(run)
+    with pytest.raises(CheckpointError, match=said) as e:
+        training.train(run, minutes=0, settings=settings)
+    assert "delete" in str(e.value) and "rerun" in str(e.value) or "start the run again from step 0" in str(e.value)

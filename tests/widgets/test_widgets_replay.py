@@ -141,3 +141,28 @@ def test_lens_view_live_and_from_a_lens(view_engine):
     assert list(offline.fig.data[0].y) == list(range(view_engine.model.config.num_hidden_layers))
     view.close()
     offline.close()
+
+
+@pytest.mark.parametrize("points", [["denoise.step"], ["final_norm.output", "denoise.step"]])
+def test_the_logit_lens_names_what_a_trace_lacks(view_engine, points):
+    """A trace without layer outputs replayed into a LensView drew nothing, or was a KeyError from inside."""
+    with view_engine.capture(points) as cap:
+        view_engine.generate(PROMPT, max_new_tokens=8)
+    view = LensView(fps=1000)
+    with pytest.raises(clover_lab.InputError, match=r"LensView.replay needs records of layers.\*.output"):
+        view.replay(cap, view_engine)
+    view.close()
+
+
+def test_the_logit_lens_refuses_a_trace_of_another_model(view_engine, tmp_path):
+    """Replayed with another model's engine, a LensView was a RuntimeError from inside the final norm."""
+    other = clover_lab.Engine(clover_lab.CloverModel.random("clover-stdlib", seed=1))
+    with view_engine.capture(list(LensView.hook_methods(LensView()))) as cap:
+        view_engine.generate(PROMPT, max_new_tokens=8)
+    cap.save(tmp_path / "t")
+    for trace, said in [(clover_lab.load_trace(tmp_path / "t"), "recorded on another model .*hidden_size 64 vs 256"),
+                        (clover_lab.Trace(cap.records, cap.points), "not of the engine's model")]:  # no config: shapes
+        view = LensView(fps=1000)
+        with pytest.raises(clover_lab.InputError, match=said):
+            view.replay(trace, other)
+        view.close()
