@@ -1,5 +1,6 @@
 """``clover-lab adapt``: an AR checkpoint gets a mask token and a trained preview; runs resume;
 two gloo processes under torchrun (FSDP2) give the loss and weights of one process."""
+import errno
 import json
 import os
 import shutil
