@@ -165,3 +165,14 @@ def test_a_long_module_says_why_it_is_one_concept():
             if len(text.splitlines()) > LONG_MODULE_LINES and "one concept" not in doc.lower():
                 long.append(f"{p.relative_to(ROOT)}: {len(text.splitlines())} lines")
     assert not long, "long modules that do not say why they are one concept:\n" + "\n".join(long)
+
+
+def test_no_test_imports_a_conftest():
+    """Which ``conftest`` module ``import conftest`` finds depends on which folders were collected
+    first (tests/ and tests/kernels/ both have one): shared helpers are fixtures, or live in a
+    module of their own (tests/injected_faults.py)."""
+    tests = ROOT / "tests"
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in sorted(tests.rglob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.match(r"\s*(from conftest import|import conftest)", line)]
+    assert not found, "imports of conftest: " + ", ".join(found)

@@ -1,4 +1,5 @@
 """Tests moved from test_reliability.py."""
+import copy
 import json
 import shutil
 import warnings
@@ -133,26 +134,26 @@ def test_a_policy_in_ar_and_draft_passes_outside_speculative_are_said(tiny_engin
         tiny_engine.generate(PROMPT, max_new_tokens=4, policy="eb:gamma=0.5")
 
 
-def no_thinking_tokenizer(template_reads_it: bool):
-    from conftest import GEN_CHAT_TEMPLATE, make_gen_tokenizer
-
-    tok = make_gen_tokenizer()
+def no_thinking_tokenizer(gen_tokenizer, template_reads_it: bool):
+    """A copy of the fixture's tokenizer (it has no <think> tokens) whose chat template reads
+    enable_thinking (w4 / w5 at the end), or does not."""
+    tok = copy.deepcopy(gen_tokenizer)
     if not template_reads_it:
-        tok.chat_template = GEN_CHAT_TEMPLATE.split("{% if add_generation_prompt %}")[0] + \
+        tok.chat_template = tok.chat_template.split("{% if add_generation_prompt %}")[0] + \
             "{% if add_generation_prompt %}w3 {% endif %}"
     return tok
 
 
 @pytest.mark.parametrize("thinking", [True, False])
-def test_thinking_on_a_tokenizer_without_a_thinking_mode_is_refused(gen_model, thinking):
+def test_thinking_on_a_tokenizer_without_a_thinking_mode_is_refused(gen_model, gen_tokenizer, thinking):
     """thinking=True on a tokenizer without <think> whose template does not read enable_thinking changed
     nothing, silently. A template that reads it (the fixture's: w4 / w5) still takes it."""
-    deaf = Engine(gen_model, no_thinking_tokenizer(False))
+    deaf = Engine(gen_model, no_thinking_tokenizer(gen_tokenizer, False))
     msgs = [{"role": "user", "content": "w8 w9"}]
     with pytest.raises(IgnoredSettingError, match=f"thinking={thinking}: this tokenizer has no thinking mode"):
         deaf.generate(msgs, thinking=thinking, max_new_tokens=4)
     assert deaf.generate(msgs, max_new_tokens=4).prompt_ids == [1, 8, 9, 3]  # the engine as it was
-    listening = Engine(gen_model, no_thinking_tokenizer(True))
+    listening = Engine(gen_model, no_thinking_tokenizer(gen_tokenizer, True))
     assert listening.generate(msgs, thinking=thinking, max_new_tokens=4).prompt_ids[-1] == (4 if thinking else 5)
 
 

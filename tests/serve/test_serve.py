@@ -353,12 +353,11 @@ def test_sigterm_lets_the_stream_in_flight_finish(refs):
 
 # --------------------------------------------------------------------------- in process: settings, bodies
 @pytest.fixture(scope="module")
-def tiny_app():
+def tiny_app(gen_model, gen_tokenizer):
     """An app over the tiny text engine, called in process (fastapi's TestClient): fast tier."""
     from fastapi.testclient import TestClient
-    from conftest import make_gen_model, make_gen_tokenizer
 
-    engine = clover_lab.Engine(make_gen_model(), make_gen_tokenizer())
+    engine = clover_lab.Engine(gen_model, gen_tokenizer)
     with TestClient(create_app(engine, model_name="tiny")) as client:
         yield client, engine
 
