@@ -27,7 +27,7 @@ def run(*cmd, **kw):
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(REPO / name, src / name)
     for name in ("clover_lab", "kernels"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))

@@ -114,10 +114,22 @@ def _tail(segments: list[tuple[str, str]], width: int) -> list[tuple[str, str]]:
     return out
 
 
+def _row_line(segments: list[tuple[str, str]], width: int, prompt_first: bool) -> list[tuple[str, str]]:
+    """A batch row's line in ``width`` characters: with ``prompt_first`` (the first segment is the
+    row's prompt) the prompt's start stays in view, in at most a quarter of the line, and the rest
+    is the tail of the text."""
+    if not prompt_first or sum(len(t) for t, _ in segments) <= width:
+        return _tail(segments, width)
+    (prompt, style), rest = segments[0], segments[1:]
+    keep = min(len(prompt), width // 4)
+    start = prompt[:keep].replace("\n", "⏎") + ("…" if keep < len(prompt) else "")
+    return [(start, style), (" ", style)] + _tail(rest, width - len(start) - 1)
+
+
 class LiveView:
     """The prompt (dim), the committed text (bold), then the current block: provisional tokens in
-    colour, masks as ░. A batch: one line per row, the tail of its prompt and text, each row with
-    where it is; the footer counts blocks and steps (block diffusion) or tokens (AR)."""
+    colour, masks as ░. A batch: one line per row, the start of its prompt (which row it is) and
+    the tail of its text, each row with where it is; the footer counts blocks and steps (block diffusion) or tokens (AR)."""
 
     def __init__(self, engine, args, prompts: list | None = None):
         from rich.console import Console
@@ -229,12 +241,15 @@ class LiveView:
         for row in range(max(len(self.prompts), max(self.rows, default=-1) + 1)):
             u = self.rows.get(row)
             head = f"row {row} "
+            given = self.prompts[row] if row < len(self.prompts) else None
             if u is None:
-                lines.append(Text(head + "prefilling ...", style="dim"))
+                shown = "" if given is None else (given if isinstance(given, str) else " ".join(map(str, given)))
+                lines.append(Text(head + "prefilling " + (shown.replace("\n", "⏎") or "..."), style="dim",
+                                  no_wrap=True, overflow="ellipsis"))
                 continue
             where = self._where(u)
             line = Text(f"{head}[{where}] ", style="cyan", no_wrap=True, overflow="crop")
-            for piece, style in _tail(self._segments(u, row), width - len(line)):
+            for piece, style in _row_line(self._segments(u, row), width - len(line), given is not None):
                 line.append(piece, style=style)
             lines.append(line)
         done = sum(u.kind == "done" for u in self.rows.values())
