@@ -410,13 +410,21 @@ def test_ctrl_c_at_any_moment_of_the_start_exits_130():
     import time
 
     exe = os.path.join(os.path.dirname(sys.executable), "clover-lab")
+    interrupted = []
     for delay in (0.3, 0.6, 0.9, 1.5, 3.0, 6.0):
-        p = subprocess.Popen([exe, "generate", "--prompt", "def f():", "--max-new-tokens", "400", "--no-live"],
+        # long enough to outlast every delay on a quiet machine (400 tokens took under 6 s here)
+        p = subprocess.Popen([exe, "generate", "--prompt", "def f():", "--max-new-tokens", "3000", "--no-live"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(delay)
+        if p.poll() is not None:  # it ended (an EOS) before this moment: nothing to interrupt, nothing lost
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, (delay, p.returncode, err[-2000:])
+            continue
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 130 and "Traceback" not in err, (delay, p.returncode, err[-2000:])
+        interrupted.append(delay)
+    assert interrupted[:5] == [0.3, 0.6, 0.9, 1.5, 3.0]  # the imports, the load and the first blocks
 
 
 # --------------------------------------------------------------------------- options checked before the load
