@@ -1,12 +1,11 @@
 """DenoiseView's hover candidates are the ones each step decided with: a top-k of the
 distribution after the row's penalties (with repetition_penalty the raw logits' best token is
-often not the one chosen), live and replayed from a saved trace, which keeps them."""
+often not the one chosen); replayed from a saved trace: test_widgets_replay.py."""
 import pytest
 
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
-import clover_lab  # noqa: E402
 from clover_lab.widgets import DenoiseView  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 42, 8, 8, 123]
@@ -44,17 +43,3 @@ def test_hover_candidates_are_the_steps_decided_candidates(view_engine):
             assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
             checked += 1
     assert checked > 32
-
-
-def test_a_replayed_trace_shows_the_hover_candidates_the_live_view_showed(view_engine, tmp_path):
-    live = DenoiseView(view_engine, fps=1000)
-    try:
-        with view_engine.capture(list(live.hook_methods())) as cap:
-            view_engine.generate(PROMPT, **PENALISED)
-        live.flush()
-        cap.save(tmp_path / "run")
-    finally:
-        live.detach()
-    replayed = DenoiseView(fps=1000).replay(clover_lab.load_trace(tmp_path / "run"))
-    want = tops_by_step(live)
-    assert want and tops_by_step(replayed) == want

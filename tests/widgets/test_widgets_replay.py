@@ -9,6 +9,7 @@ pytest.importorskip("plotly")
 
 import clover_lab  # noqa: E402
 from clover_lab.widgets import DenoiseView, ExpertView, LensView, MemoryView, SpeedView  # noqa: E402
+from test_denoise import PENALISED, tops_by_step  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 42, 8, 8, 123]
 GEN = dict(max_new_tokens=40, threshold=0.3, temperature=0.0)
@@ -24,16 +25,23 @@ def same(a, b, skip=()) -> bool:
     return a == b
 
 
+def record_live(live, path, prompt, **gen):
+    """Run ``prompt`` with the view ``live`` attached to its engine and everything it listens to
+    captured; flush and detach the view, save the capture to ``path``."""
+    engine = live.engine
+    try:
+        with engine.capture(list(live.hook_methods())) as cap:
+            engine.generate(prompt, **gen)
+        live.flush()
+        cap.save(path)
+    finally:
+        live.detach()
+
+
 @pytest.mark.parametrize("cls", [DenoiseView, ExpertView, MemoryView, SpeedView])
 def test_a_saved_trace_replays_as_the_live_run(view_engine, tmp_path, cls):
     live = cls(view_engine, fps=1000)
-    try:
-        with view_engine.capture(list(live.hook_methods())) as cap:
-            view_engine.generate(PROMPT, coreset_size=3, **GEN)
-        live.flush()
-        cap.save(tmp_path / "run")
-    finally:
-        live.detach()
+    record_live(live, tmp_path / "run", PROMPT, coreset_size=3, **GEN)
     trace = clover_lab.load_trace(tmp_path / "run")
     replayed = cls(fps=1000).replay(trace)  # no view_engine, no model
     assert replayed.engine is None and len(replayed.frames) == len(live.frames) > 0
@@ -52,13 +60,7 @@ def test_a_batched_trace_replays_one_row(view_engine, tmp_path, cls):
     """A view following row 1 of a batch, live and replayed from the batch's trace, shows the same."""
     live = cls(view_engine, fps=1000)
     live.row = 1
-    try:
-        with view_engine.capture(list(live.hook_methods())) as cap:
-            view_engine.generate([PROMPT, [7, 7, 300], [9]], coreset_size=3, **GEN)
-        live.flush()
-        cap.save(tmp_path / "batch")
-    finally:
-        live.detach()
+    record_live(live, tmp_path / "batch", [PROMPT, [7, 7, 300], [9]], coreset_size=3, **GEN)
     replayed = cls(fps=1000)
     replayed.row = 1
     replayed.replay(clover_lab.load_trace(tmp_path / "batch"))
@@ -70,13 +72,7 @@ def test_a_batched_trace_replays_one_row(view_engine, tmp_path, cls):
 
 def test_the_logit_lens_replays_a_trace_with_the_model_that_made_it(view_engine, tmp_path):
     live = LensView(view_engine, fps=1000)
-    try:
-        with view_engine.capture(list(live.hook_methods())) as cap:
-            view_engine.generate(PROMPT, **GEN)
-        live.flush()
-        cap.save(tmp_path / "run")
-    finally:
-        live.detach()
+    record_live(live, tmp_path / "run", PROMPT, **GEN)
     trace = clover_lab.load_trace(tmp_path / "run")
     with pytest.raises(ValueError, match="LensView.replay needs the model that made the trace"):
         LensView(fps=1000).replay(trace)
@@ -166,3 +162,12 @@ def test_the_logit_lens_refuses_a_trace_of_another_model(view_engine, tmp_path):
         with pytest.raises(clover_lab.InputError, match=said):
             view.replay(trace, other)
         view.close()
+
+
+def test_a_replayed_trace_shows_the_hover_candidates_the_live_view_showed(view_engine, tmp_path):
+    """The hover candidates a step decided with (after penalties) are kept by the trace."""
+    live = DenoiseView(view_engine, fps=1000)
+    record_live(live, tmp_path / "run", PROMPT, **PENALISED)
+    replayed = DenoiseView(fps=1000).replay(clover_lab.load_trace(tmp_path / "run"))
+    want = tops_by_step(live)
+    assert want and tops_by_step(replayed) == want
