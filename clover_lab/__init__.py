@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 # name -> the module that defines it
 _DEFINED_IN = {
     "PRESETS": "clover_lab.config", "CloverConfig": "clover_lab.config", "ConfigError": "clover_lab.config",
-    "BatchResult": "clover_lab.engine.results", "BatchStats": "clover_lab.engine.results",
+    "BatchResult": "clover_lab.engine.results", "Request": "clover_lab.engine.requests",
+    "Handle": "clover_lab.engine.row",
     "GenerationResult": "clover_lab.engine.results", "GenerationStats": "clover_lab.engine.results",
     "StreamUpdate": "clover_lab.engine.results", "Engine": "clover_lab.engine.engine", "load": "clover_lab.engine.engine",
     "GenerationError": "clover_lab.engine.requests",
@@ -29,7 +30,7 @@ _DEFINED_IN = {
 __all__ = [
     "CloverError", "InputError", "CorpusError", "TraceError", "CloverConfig", "ConfigError", "PRESETS", "CloverModel", "CloverCache", "CacheFullError", "Coreset",
     "StepOutput", "CheckpointError", "HookError", "StopGeneration",
-    "Engine", "load", "BatchResult", "BatchStats", "GenerationResult", "GenerationStats", "GenerationError", "SamplerSettings", "SettingsError",
+    "Engine", "load", "BatchResult", "Request", "Handle", "GenerationResult", "GenerationStats", "GenerationError", "SamplerSettings", "SettingsError",
     "StepEvent", "CommitEvent", "StreamUpdate", "Capture", "Record", "Trace", "load_trace", "OutputError",
 ]
 

@@ -53,6 +53,8 @@ def add_sampler_options(parser: argparse.ArgumentParser) -> None:
 
     types = {"float": float, "int": int, "str": str}
     for f in dataclasses.fields(SamplerSettings):
+        if f.metadata.get("cli") is False:  # not a single value (logit_bias: the API's and the server's)
+            continue
         kind = types[str(f.type).split(" |")[0]]
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
                             help=f"{f.metadata.get('help', '')} (default: {f.default})")

@@ -1,5 +1,5 @@
-"""Block diffusion (spec section 4), one loop for one row or many: after the prompts' prefill,
-each block starts as mask tokens and is resolved by previews, one denoising step each, until
+"""Block diffusion (spec section 4), the decoder of the step loop's diffusion rows: after the
+prompt's prefill, each block starts as mask tokens and is resolved by previews, one denoising step each, until
 no position is masked. The first preview of a block is fused with the commit of the previous
 block (one forward); a row's last block is committed on its own, so the cache ends up holding
 the whole response.
@@ -19,21 +19,18 @@ a finished block whose fused commit was abandoned is still returned, and
 tokens (``stop_reason`` "hook").
 
 Looking ahead (a policy's ``look_ahead``, ``policies.py``): the next block, made early
-(``BlockLoop.ahead``), is previewed in the current block's forward on one canvas and takes a
+(``row.ahead``), is previewed in the current block's forward on one canvas and takes a
 look-ahead step after the block's (``denoise_step(..., ahead_of=block)``); it begins with those
 tokens, and one resolved entirely still takes the fused forward that commits the block before it.
 """
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
-from clover_lab.engine.faults import NONFINITE, check_logits, collapsed, logits_health
+from clover_lab.engine.faults import check_logits
 from clover_lab.engine.policies import blame_confidences, check_proposal_values, checked_proposal, policy_flag
 from clover_lab.engine.requests import GenerationError
-from clover_lab.engine.results import StreamUpdate
-from clover_lab.engine.sampling import apply_penalties
+from clover_lab.engine.sampling import NONFINITE, OK, apply_penalties, collapsed, logits_health
 from clover_lab.hooks import points
 from clover_lab.hooks.events import StepEvent
 from clover_lab.hooks.registry import HookError, StopGeneration
@@ -84,193 +81,172 @@ class Block:
         return self.host[:self.end]
 
 
-# --------------------------------------------------------------------------- the block loop
-def run_diffusion(run) -> Iterator[StreamUpdate]:
-    """Generate ``run.max_new`` tokens at most per row, block by block; yields "step" and
-    "commit" updates (when the run emits), a "done" per row and, for a batch, a last "batch"."""
-    loop = BlockLoop(run)
-    try:
-        run.prefill(None)
-    except StopGeneration:  # a model hook stopped a prompt's prefill: no tokens, the prompts half cached
-        yield from run.end(run.active, "hook", cache_complete=False)
+# --------------------------------------------------------------------------- the decoder
+def advance(loop, rows: list) -> None:
+    """One step of a cohort's block-diffusion rows (``step_loop.py``). At a block boundary (no row
+    resolving a block) each row begins its next block; then the rows still resolving preview,
+    one forward per group of rows that agree in block length, whether a finished block is
+    committed in the same forward (rows that joined since have none) and whether the next block
+    is previewed too; each row decides its own unmasking from its own logits, so rows finish their
+    blocks at different steps, and a row whose block is done sits out the others' previews. When
+    no row is resolving any more, the finished blocks wait (``row.pending``) to be committed fused
+    with the next block's first preview; a row that ends (EOS, a stop string, its length, a hook)
+    commits its last block on its own and leaves. Each row gives the tokens it gives alone."""
+    if not any(resolving(row) for row in rows):
+        for row in rows:
+            begin_block(row)
+        if loop.runner.coreset is not None:
+            loop.runner.coreset.reset()
+    groups: dict[tuple, list] = {}
+    for row in rows:
+        if resolving(row):
+            groups.setdefault((len(row.block), row.pending is not None, looks_ahead(row)), []).append(row)
+    for (_, fused, ahead), group in groups.items():
+        group = [row for row in group if row.live]  # a commit hook may have ended a row
+        if group:
+            preview(loop, group, fused, bool(ahead))
+    rows = [row for row in rows if row.live]
+    if rows and not any(resolving(row) for row in rows):
+        end_blocks(loop, rows)
+
+
+def resolving(row) -> bool:
+    """The row has a block with masked positions, or one waiting for the fused forward that commits
+    the block before it (a block the look-ahead resolved entirely)."""
+    return row.block is not None and (bool(row.block.masked) or row.pending is not None)
+
+
+def begin_block(row) -> None:
+    """The row's next block: begun by the look-ahead, or new (a row that joined: its first)."""
+    if row.block is not None:
+        return
+    row.produced = len(row.committed) + len(row.pending[0] if row.pending else ())
+    if row.ahead is not None:
+        row.block, row.ahead = row.ahead, None
     else:
-        try:
-            yield from loop.run_blocks()
-        except StopGeneration:  # a model hook stopped a forward; that forward changed nothing
-            yield from loop.abandon()
-    yield from run.finish(loop.index)
+        row.block = new_block(row, row.stats.blocks + (row.pending is not None), row.max_new - row.produced)
 
 
-class BlockLoop:
-    """The rows resolve their block ``index`` together. Each row decides its own unmasking from
-    its own logits, so rows finish their blocks at different steps; a row whose block is done
-    sits out the others' remaining previews. The finished blocks wait (``row.pending``) to be
-    committed fused with the next block's first preview; a row that ends (EOS, a stop string,
-    its length, a hook) commits its last block on its own and leaves. Greedy rows give the
-    tokens they would give alone."""
+def new_block(row, index: int, room: int) -> Block:
+    block = Block(index, min(row.block_size, room), row.engine.mask_token_id, row.device, row.s.max_steps_per_block)
+    block.memo = row.policy.begin_block(row, block)
+    return block
 
-    def __init__(self, run):
-        self.run = run
-        self.coreset = run.runner.new_coreset(run.s.coreset_size)
-        self.index = 0
-        self.ahead: dict[int, Block] = {}  # row -> its next block, made early by a look-ahead policy
-        self.produced: dict[int, int] = {}  # row -> its tokens before the current block (filled in run_blocks)
 
-    def run_blocks(self) -> Iterator[StreamUpdate]:
-        run, engine = self.run, self.run.engine
-        while True:
-            run.admit()  # a block boundary: rows may join (Engine.stream's join)
-            if not run.active:
-                break
-            produced, blocks = self.produced, {}
-            for r in run.active:  # rows that joined later are at earlier blocks of their own
-                row = run.rows[r]
-                produced[r] = len(row.committed) + len(row.pending[0] if row.pending else ())
-                if r in self.ahead:  # begun by the look-ahead
-                    blocks[r] = self.ahead.pop(r)
-                    continue
-                index = row.stats.blocks + (row.pending is not None)
-                blocks[r] = self.new_block(r, index, run.max_new - produced[r])
-            self.ahead.clear()  # rows that ended meanwhile
-            if self.coreset is not None:
-                self.coreset.reset()
-            yield from self.resolve(blocks)
-            leaving = []
-            for r in run.active:
-                block, tokens = blocks[r], blocks[r].tokens()
-                if block.end_reason is not None or produced[r] + len(tokens) >= run.max_new:
-                    leaving.append((r, tokens, block))
-                else:
-                    run.rows[r].pending = (tokens, block.step)
-            yield from self.commit_last(leaving)
-            self.index += 1
+def looks_ahead(row) -> int:
+    """The length of the row's next block (made here when new) if this step previews it too (its
+    policy asks, and the row has one: this block does not end it), else 0."""
+    block = row.block
+    room = row.max_new - row.produced - len(block)
+    if not block.masked or block.end_reason is not None or room <= 0 or not policy_flag(
+            row.policy, "look_ahead", row.policy.look_ahead(row, block), f"block {block.index}, step {block.step}"):
+        return 0
+    if row.ahead is None:
+        row.ahead = new_block(row, block.index + 1, room)
+    return len(row.ahead) if row.ahead.masked else 0
 
-    def new_block(self, r: int, index: int, room: int) -> Block:
-        engine, row = self.run.engine, self.run.rows[r]
-        block = Block(index, min(engine.block_size, room), engine.mask_token_id, self.run.device,
-                      self.run.s.max_steps_per_block)
-        block.memo = row.policy.begin_block(row, block)
-        return block
 
-    def resolve(self, blocks: dict[int, Block]) -> Iterator[StreamUpdate]:
-        """Previews until no active row's block has a masked position nor a finished block waiting
-        for its commit (behind a block the look-ahead resolved). The rows previewed together share a
-        block length, whether a finished block is committed in the same forward (rows that joined
-        since differ in both) and the length of the next block previewed too (0: none)."""
-        run = self.run
-        while any(blocks[r].masked or run.rows[r].pending is not None for r in run.active):
-            groups: dict[tuple, list[int]] = {}
-            for r in run.active:
-                if blocks[r].masked or run.rows[r].pending is not None:  # a row whose block is done waits
-                    key = (len(blocks[r]), run.rows[r].pending is not None, self.looks_ahead(r, blocks[r]))
-                    groups.setdefault(key, []).append(r)
-            for (_, fused, ahead), rows in groups.items():
-                rows = [r for r in rows if r in run.active]  # a commit hook may have ended a row
-                if rows:
-                    yield from self.preview(rows, blocks, fused, bool(ahead))
+def preview(loop, rows: list, fused: bool, ahead: bool = False) -> None:
+    """One denoising step of these rows' blocks, in one forward (fused with the commit of their
+    finished blocks on a block's first step; ``ahead``: their next blocks previewed after them,
+    on one canvas, and taking a look-ahead step)."""
+    m = len(rows[0].block)
+    canvas = torch.stack([torch.cat([row.block.canvas, row.ahead.canvas]) if ahead else row.block.canvas
+                          for row in rows])
+    first = rows[0]
+    one = None if len(rows) > 1 else first.block.masked_index() if not ahead else torch.tensor(
+        first.block.masked + [m + p for p in first.ahead.masked], device=first.device)  # one row: where masked
+    at = first.block
+    pending = torch.tensor([row.pending[0] for row in rows], device=first.device) if fused else None
+    where = loop.where(rows, "decode", at.index, at.step, commit_block=at.index - 1 if fused else None)
+    with loop.forward("preview", rows, fused=fused):
+        logits = loop.runner.use(first.hooks).preview([row.key for row in rows], canvas, where, pending, one)
+    if fused:
+        publish_pending(loop, rows)
+    for i, row in enumerate(rows):
+        block = row.block
+        if not row.live or not block.masked:  # a commit hook ended the row; a block resolved ahead
+            continue
+        n, idx = len(block.masked), block.masked_index()
+        mine = logits[i:i + 1, :n] if one is not None else logits[i:i + 1, :m]
+        unmask, _ = denoise_step(row, block, mine if idx is None or one is not None else mine[:, idx], idx)
+        row.update("step", block.index, block.step - 1, block.host, unmask)
+        if ahead and block.end_reason is None:  # the next block's look-ahead step (not streamed: not begun)
+            idx = (nxt := row.ahead).masked_index()
+            mine = logits[i:i + 1, n:] if one is not None else logits[i:i + 1, m:]
+            denoise_step(row, nxt, mine if idx is None or one is not None else mine[:, idx], idx, ahead_of=block)
 
-    def looks_ahead(self, r: int, block: Block) -> int:
-        """The length of the row's next block (made here when new) if this step previews it too (its
-        policy asks, and the row has one: this block does not end it), else 0."""
-        row = self.run.rows[r]
-        room = self.run.max_new - self.produced[r] - len(block)
-        if not block.masked or block.end_reason is not None or room <= 0 or not policy_flag(
-                row.policy, "look_ahead", row.policy.look_ahead(row, block), f"block {block.index}, step {block.step}"):
-            return 0
-        if r not in self.ahead:
-            self.ahead[r] = self.new_block(r, block.index + 1, room)
-        return len(self.ahead[r]) if self.ahead[r].masked else 0
 
-    def preview(self, rows: list[int], blocks: dict[int, Block], fused: bool,
-                ahead: bool = False) -> Iterator[StreamUpdate]:
-        """One denoising step of these rows' blocks, in one forward (fused with the commit of
-        their finished blocks on a block's first step; ``ahead``: their next blocks previewed
-        after them, on one canvas, and taking a look-ahead step)."""
-        run = self.run
-        m = len(blocks[rows[0]])
-        canvas = torch.stack([torch.cat([blocks[r].canvas, self.ahead[r].canvas]) if ahead else blocks[r].canvas
-                              for r in rows])
-        one = None if len(rows) > 1 else blocks[rows[0]].masked_index() if not ahead else torch.tensor(
-            blocks[rows[0]].masked + [m + p for p in self.ahead[rows[0]].masked], device=run.device)  # one row: where masked
-        at = blocks[rows[0]]
-        if fused:
-            pending = torch.tensor([run.rows[r].pending[0] for r in rows], device=run.device)
-            where = run.where("decode", at.index, at.step, commit_block=at.index - 1, rows=rows)
-            logits = run.preview(rows, canvas, where, pending=pending, positions=one)
-            yield from self.publish_pending(rows)
+def publish_pending(loop, rows: list) -> None:
+    """The fused forward committed each row's previous block: it joins the row's response and
+    fires ``block.commit``; a row whose hook asks to stop ends here."""
+    stopped = []
+    for row in rows:
+        (tokens, steps), row.pending = row.pending, None
+        start, index = len(row.prompt_ids) + len(row.committed), row.stats.blocks
+        row.record_block(tokens, steps)
+        if row.fire_commit(index, tokens, steps, start):
+            stopped.append(row)
+        row.update("commit", index, None)
+    loop.end(stopped, "hook")
+
+
+def end_blocks(loop, rows: list) -> None:
+    """Every row's block is resolved: the rows that end commit their last blocks and leave, the
+    others' blocks wait for their fused commit."""
+    leaving = []
+    for row in rows:
+        block, row.block = row.block, None
+        if block is None:
+            continue
+        tokens = block.tokens()
+        if block.end_reason is not None or row.produced + len(tokens) >= row.max_new:
+            leaving.append((row, tokens, block))
         else:
-            logits = run.preview(rows, canvas, run.where("decode", at.index, at.step, rows=rows), positions=one)
-        for i, r in enumerate(rows):
-            block = blocks[r]
-            if r not in run.active or not block.masked:  # a commit hook ended the row; a block resolved ahead
-                continue
-            n, idx = len(block.masked), block.masked_index()
-            mine = logits[i:i + 1, :n] if one is not None else logits[i:i + 1, :m]
-            unmask, _ = denoise_step(run.rows[r], block, mine if idx is None or one is not None else mine[:, idx], idx)
-            if run.emit:
-                yield run.rows[r].update("step", block.index, block.step - 1, block.host, unmask)
-            if ahead and block.end_reason is None:  # the next block's look-ahead step (not streamed: not begun)
-                idx = (nxt := self.ahead[r]).masked_index()
-                mine = logits[i:i + 1, n:] if one is not None else logits[i:i + 1, m:]
-                denoise_step(run.rows[r], nxt, mine if idx is None or one is not None else mine[:, idx], idx,
-                             ahead_of=block)
+            row.pending = (tokens, block.step)
+    commit_last(loop, leaving)
 
-    def publish_pending(self, rows: list[int]) -> Iterator[StreamUpdate]:
-        """The fused forward committed each row's previous block: it joins the row's response and
-        fires ``block.commit``; a row whose hook asks to stop ends here."""
-        run = self.run
-        stopped = []
-        for r in rows:
-            row = run.rows[r]
-            (tokens, steps), row.pending = row.pending, None
-            start, block = len(row.prompt_ids) + len(row.committed), row.stats.blocks
-            row.record_block(tokens, steps)
-            if row.fire_commit(block, tokens, steps, start):
-                stopped.append(r)
-            if run.emit:
-                yield row.update("commit", block, None)
-        yield from run.end(stopped, "hook", index=self.index)
 
-    def commit_last(self, leaving: list[tuple]) -> Iterator[StreamUpdate]:
-        """The last blocks of the rows that end now, committed on their own (rows whose blocks are
-        as long share a forward), so that the cache holds each row's whole response."""
-        run = self.run
-        by_length: dict[int, list[tuple]] = {}
-        for item in leaving:
-            by_length.setdefault(len(item[1]), []).append(item)
-        reasons = {}
-        for length, group in by_length.items():
-            rows = [r for r, _, _ in group]
-            reasons.update({r: block.end_reason or "length" for r, _, block in group})
-            if not length:
-                continue
-            starts = {r: len(run.rows[r].prompt_ids) + len(run.rows[r].committed) for r in rows}
-            ids = torch.tensor([tokens for _, tokens, _ in group], device=run.device)
-            try:
-                run.commit(rows, ids, run.where("decode", commit_block=group[0][2].index, rows=rows))
-            except StopGeneration:  # a model hook stopped it: the blocks are the rows' last, not cached
-                for r, tokens, block in group:
-                    run.rows[r].record_block(tokens, block.step)
-                    reasons[r] = "hook"
-                yield from run.end(rows, reasons, cache_complete=False, index=self.index)
-                continue
-            for r, tokens, block in group:
-                row = run.rows[r]
+def commit_last(loop, leaving: list[tuple]) -> None:
+    """The last blocks of the rows that end now, committed on their own (rows whose blocks are
+    as long share a forward), so that the cache holds each row's whole response."""
+    by_length: dict[int, list[tuple]] = {}
+    for item in leaving:
+        by_length.setdefault(len(item[1]), []).append(item)
+    reasons = {}
+    for length, group in by_length.items():
+        rows = [row for row, _, _ in group]
+        reasons.update({row.key: block.end_reason or "length" for row, _, block in group})
+        if not length:
+            continue
+        starts = {row.key: len(row.prompt_ids) + len(row.committed) for row in rows}
+        ids = torch.tensor([tokens for _, tokens, _ in group], device=rows[0].device)
+        try:
+            with loop.forward("commit", rows):
+                loop.runner.use(rows[0].hooks).commit([row.key for row in rows], ids,
+                                                      loop.where(rows, "decode", commit_block=group[0][2].index))
+        except StopGeneration:  # a model hook stopped it: the blocks are the rows' last, not cached
+            for row, tokens, block in group:
                 row.record_block(tokens, block.step)
-                row.fire_commit(block.index, tokens, block.step, starts[r])  # the row ends anyway
-                if run.emit:
-                    yield row.update("commit", block.index, None)
-        yield from run.end([r for r, _, _ in leaving], reasons, index=self.index)
+                reasons[row.key] = "hook"
+            loop.end(rows, reasons, cache_complete=False)
+            continue
+        for row, tokens, block in group:
+            row.record_block(tokens, block.step)
+            row.fire_commit(block.index, tokens, block.step, starts[row.key])  # the row ends anyway
+            row.update("commit", block.index, None)
+    loop.end([row for row, _, _ in leaving], reasons)
 
-    def abandon(self) -> Iterator[StreamUpdate]:
-        """A model hook stopped a shared forward: every row ends; a finished block that was
-        waiting for its fused commit is part of its row's response, but not in the cache."""
-        for row in self.run.live():
-            if row.pending is not None:
-                (tokens, steps), row.pending = row.pending, None
-                row.record_block(tokens, steps)
-                row.stats.cache_complete = False
-        yield from self.run.end(list(self.run.active), "hook", index=self.index)
+
+def abandon(loop, rows: list) -> None:
+    """A model hook stopped a shared forward: these rows end; a finished block that was waiting
+    for its fused commit is part of its row's response, but not in the cache."""
+    for row in rows:
+        if row.pending is not None:
+            (tokens, steps), row.pending = row.pending, None
+            row.record_block(tokens, steps)
+            row.stats.cache_complete = False
+    loop.end(rows, "hook")
 
 
 # --------------------------------------------------------------------------- one denoising step
@@ -302,7 +278,8 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     flags_host, cand_host = host[:N], host[N:2 * N]
     if host[2 * N] == NONFINITE:  # the rule's confidences, or the model's logits?
         blame_confidences(run.policy, logits, mask_id, rule, ahead)
-    check_logits(run, host[2 * N], where, block.canvas)
+    if host[2 * N] != OK:
+        check_logits(run, host[2 * N], where, block.canvas)
     check_proposal_values(run.policy, cand_host, run.model.config.vocab_size, mask_id, rule, ahead)
     if finish and not all(flags_host) or not any(flags_host) and ahead_of is None:
         raise GenerationError(f"{type(run.policy).__name__}.propose: block {block.index}, step {block.step}: "

@@ -1,5 +1,7 @@
-"""The engine, the front door: ``Engine`` runs generations on one model (block diffusion or AR),
-checks requests up front, and hands out hooks and captures; ``load`` builds one from a Hugging Face
+"""The engine, the front door: ``Engine`` runs generations on one model (block diffusion, AR or
+speculative), checks requests up front (``check``), queues them (``submit``, a Handle each) and
+runs them a step at a time (``step``: ``engine/step_loop.py``), ``generate`` and ``stream`` on top;
+it hands out hooks and captures; ``load`` builds one from a Hugging Face
 directory (or the embedded default model), with the defaults of its generation_config.json, its
 weights placed on one device or over several.
 
@@ -8,8 +10,8 @@ ready for the next call either way (the cache is per generation). Scoped hooks a
 apply to the generations started inside their ``with`` block in that thread or context;
 permanent hooks (``add_hook``) to every generation.
 
-Every public setting is checked when it is set (``attributes.py``): a bad value is a ValueError
-naming it.
+Every public setting is checked when it is set (:class:`Checked`, below): a bad value is a
+ValueError naming it, and the attribute keeps the value it had.
 """
 from __future__ import annotations
 
@@ -23,28 +25,13 @@ from clover_lab.checkpoint import defaults as checkpoint_defaults
 from clover_lab.checkpoint import loading
 from clover_lab.checkpoint.loading import resolve_device
 from clover_lab.cpu import check_threads, set_threads, tune_malloc
-from clover_lab.engine import attributes as A
-from clover_lab.engine.ar import run_ar
-from clover_lab.engine.attributes import Checked, plain_int
-from clover_lab.engine.diffusion import run_diffusion
-from clover_lab.engine.graphs import FastPath
 from clover_lab.engine.policies import DecodingPolicy, ThresholdPolicy, make_policy
-from clover_lab.engine.requests import (
-    GenerationError,
-    check_coreset,
-    check_join,
-    check_memory,
-    check_mode_settings,
-    check_request,
-    encode_prompt,
-    is_batch,
-    stop_list,
-)
+from clover_lab.engine.requests import GenerationError, Plan, Request, check_coreset, encode_prompt, plain_int, plan
 from clover_lab.engine.results import GenerationResult, StreamUpdate
-from clover_lab.engine.run import Run
+from clover_lab.engine.row import Handle
+from clover_lab.engine.runner import FastPath
 from clover_lab.engine.sampling import SamplerSettings
-from clover_lab.engine.speculative import run_speculative
-from clover_lab.engine.thinking import Thinking, stop_ids
+from clover_lab.engine.step_loop import StepLoop
 from clover_lab.errors import CheckpointError, flag
 from clover_lab.hooks.capture import Capture
 from clover_lab.hooks.registry import MAX_NESTED_GENERATIONS, hook_depth
@@ -53,6 +40,78 @@ from clover_lab.placement import plan_placement
 from clover_lab.placement.plan import check_usable
 
 DEFAULT_MAX_NEW_TOKENS = 256
+
+
+# --------------------------------------------------------------------------- checked settings
+class Checked:
+    """An attribute whose every assignment passes ``check(owner, name, value)``, which returns the
+    value kept (possibly converted) or raises ValueError. ``copy``: what a read hands out instead of
+    the kept value itself (``list`` for a list the caller must not edit in place)."""
+
+    def __init__(self, check: Callable[[Any, str, Any], Any], doc: str = "", copy: Callable | None = None):
+        self.check, self.copy, self.__doc__ = check, copy, doc
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.slot]
+        return value if self.copy is None else self.copy(value)
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = self.check(obj, self.name, value)
+
+
+def positive_int(owner, name: str, value) -> int:
+    value = plain_int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def one_of(*allowed, what: str) -> Callable:
+    """A check that the value is one of ``allowed`` (compared by identity: True is not 1)."""
+    def check(owner, name: str, value):
+        if not any(value is a for a in allowed):
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+        return value
+
+    return check
+
+
+def instance_of(cls: type, what: str) -> Callable:
+    def check(owner, name: str, value):
+        if not isinstance(value, cls):
+            raise ValueError(f"{name} must be {what}, got {type(value).__name__} {value!r:.80}")
+        return value
+
+    return check
+
+
+def a_tokenizer(owner, name: str, value):
+    """A transformers tokenizer (callable, with ``decode``), or None."""
+    if value is not None and not (callable(value) and callable(getattr(value, "decode", None))):
+        raise ValueError(f"{name} must be a tokenizer (callable, with decode) or None, got {type(value).__name__}")
+    return value
+
+
+def token_ids(owner, name: str, value) -> list[int]:
+    """Token ids of the owner's model (``owner.model.config.vocab_size``): one id or a list, possibly empty."""
+    V = owner.model.config.vocab_size
+    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in ids):
+        raise ValueError(f"{name} must be token ids in [0, {V}) (a list, possibly empty), got {value!r}")
+    return list(ids)
+
+
+def token_id_or_none(owner, name: str, value) -> int | None:
+    V = owner.model.config.vocab_size
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < V):
+        raise ValueError(f"{name} must be a token id in [0, {V}) or None, got {value!r}")
+    return value
 
 
 class Engine:
@@ -86,17 +145,18 @@ class Engine:
         if not eos and isinstance(tok_eos, int) and 0 <= tok_eos < model.config.vocab_size:
             eos = [tok_eos]
         self.eos_token_ids = eos
-        self._runs = itertools.count(1)
+        self._runs = itertools.count(1)  # request numbers (events' ``where.run``)
         # the no-hook fast path (engine/runner.py): None = on where it pays (CUDA, as CUDA graphs),
         # True = also on a CPU (static-shape steps run eagerly: tests), False = off
         self.step_graphs = None
         # on a CPU, run the fast path's steps through torch.compile (~10 s of compilation per step
         # shape on first use, then steps 2-3x faster: bench/compare_transformers.py)
         self.compile_steps = False
-        # the static steps (StepGraphs) generations run on, one generation at a time: ``fast_path.graphs``
-        # is what the last one built (None before any), ``fast_path.held`` whether one holds them now
+        # the static steps (StepGraphs) the step loop runs on: ``fast_path.graphs`` is what it last
+        # built (None before any), ``fast_path.held`` whether rows run on them now
         self.fast_path = FastPath()
         self.policy = ThresholdPolicy()  # which block positions a denoising step unmasks (policies.py)
+        self.loop = StepLoop(self)  # where every generation runs (engine/step_loop.py): submit, step
 
     def fast_path_off(self) -> str | None:
         """Why generations take the eager forward (what their stats' ``path`` says), or None
@@ -116,24 +176,24 @@ class Engine:
                 f"block_size={self.block_size}, mask_token_id={self.mask_token_id}, device={self.model.device}, "
                 f"dtype={self.model.dtype}, tokenizer={'yes' if self.tokenizer is not None else 'no'})")
 
-    # ---------------------------------------------------------------- settings (engine/attributes.py)
-    tokenizer = Checked(A.tokenizer, "The tokenizer (a transformers tokenizer: callable, with ``decode``), or None.")
-    settings = Checked(A.instance_of(SamplerSettings, "a SamplerSettings"),
+    # ---------------------------------------------------------------- settings (Checked, below)
+    tokenizer = Checked(a_tokenizer, "The tokenizer (a transformers tokenizer: callable, with ``decode``), or None.")
+    settings = Checked(instance_of(SamplerSettings, "a SamplerSettings"),
                        "The sampler settings a request does not override.")
-    max_new_tokens = Checked(A.positive_int, "The default length of a response.")
-    prefill_chunk_size = Checked(A.positive_int,
+    max_new_tokens = Checked(positive_int, "The default length of a response.")
+    prefill_chunk_size = Checked(positive_int,
                                  "Prompt tokens committed per forward during the prefill (bounds activation memory).")
-    eos_token_ids = Checked(A.token_ids, "Token ids that end a response (a copy: assign a new list to change them).",
+    eos_token_ids = Checked(token_ids, "Token ids that end a response (a copy: assign a new list to change them).",
                             copy=list)
-    step_graphs = Checked(A.one_of(None, True, False, what="None, True or False"),
+    step_graphs = Checked(one_of(None, True, False, what="None, True or False"),
                           "The no-hook fast path: None = where it pays (CUDA), True = also on a CPU, False = off.")
-    compile_steps = Checked(A.one_of(True, False, what="True or False"),
+    compile_steps = Checked(one_of(True, False, what="True or False"),
                             "On a CPU, run the fast path's steps through torch.compile.")
-    policy = Checked(A.instance_of(DecodingPolicy, "a DecodingPolicy (clover_lab.engine.policies)"),
+    policy = Checked(instance_of(DecodingPolicy, "a DecodingPolicy (clover_lab.engine.policies)"),
                      "The decoding rule block diffusion asks, per row and step, which positions to unmask with "
                      "which tokens and when a block is done (``clover_lab.engine.policies``).")
-    block_size = Checked(A.positive_int, "Tokens per block.")
-    mask_token_id = Checked(A.token_id_or_none, "The mask token a preview's masked positions hold, or None.")
+    block_size = Checked(positive_int, "Tokens per block.")
+    mask_token_id = Checked(token_id_or_none, "The mask token a preview's masked positions hold, or None.")
 
     # ---------------------------------------------------------------- hooks
     def hooks(self, hooks: dict[str, Callable | list[Callable]]):
@@ -156,89 +216,92 @@ class Engine:
         """A prompt as token ids: a string (needs a tokenizer), token ids, or chat messages."""
         return encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size, thinking)
 
-    def check_request(self, prompt_len: int, max_new_tokens: int, mode: str) -> None:
-        """Refuse up front what cannot run: unknown mode, no mask token, context or memory overflow."""
-        check_request(self.model, self.mask_token_id, prompt_len, max_new_tokens, mode)
+    def check(self, request: Request) -> Plan:
+        """Refuse up front what cannot run (an unknown mode or setting, a bad prompt, no mask token,
+        context or memory overflow): a GenerationError naming the field (``error.field``); else the
+        request's :class:`Plan` (its prompts as token ids, the settings each row runs with)."""
+        checked = plan(self, request)
+        if checked.policy is not None:
+            try:
+                checked.policy = make_policy(checked.policy)
+            except (ValueError, TypeError) as e:
+                raise GenerationError(str(e), "policy") from None
+        return checked
 
-    def _request(self, mode, max_new_tokens, stop, settings, sampler, policy=None) -> tuple:
-        """What every request checks before its prompts: nesting, sampler settings, stop strings,
-        the response length. Returns (settings, stop strings, max_new_tokens)."""
+    # ---------------------------------------------------------------- the step loop
+    def submit(self, request: Request, *, emit: bool = True, listener: Callable | None = None) -> Handle:
+        """Queue ``request``'s rows (checked first: :meth:`check`); :meth:`step` runs them.
+        ``emit``: build StreamUpdates for it (``handle.updates()``, or ``listener(update)`` in the
+        thread that steps). Thread-safe."""
         if hook_depth() >= MAX_NESTED_GENERATIONS:
             raise GenerationError(f"generate() called from inside hooks {hook_depth()} levels deep; a hook that "
                                   f"generates must not do so again unconditionally (at most "
                                   f"{MAX_NESTED_GENERATIONS} nested generations)")
-        s = SamplerSettings.from_kwargs(self.settings if settings is None else settings, **sampler)
-        if mode == "speculative" and not s.greedy and s.draft_passes != 1:
-            raise GenerationError(f"sampled speculative decoding takes draft_passes=1 (got {s.draft_passes}): the "
-                                  f"acceptance rule needs each drafted token's own distribution, which only a one-pass "
-                                  f"draft gives")
-        if mode == "speculative" and s.logprobs is not None:
-            raise GenerationError("logprobs: not reported in speculative mode yet; its greedy tokens are AR's, and "
-                                  "mode='ar' reports them with their log-probabilities")
-        check_coreset(self.model.config, s.coreset_size)
-        check_mode_settings(mode, sampler, policy)
-        stop = stop_list(stop, self.tokenizer)
-        return s, stop, self.max_new_tokens if max_new_tokens is None else A.plain_int(max_new_tokens)
+        checked = self.check(request)
+        handle = Handle(self, checked, next(self._runs), self.model.hooks.view(), emit, listener)
+        # a generation started inside a hook, while this thread steps the engine, runs on a loop of its own
+        handle.loop = StepLoop(self) if self.loop.stepping_here() else self.loop
+        handle.loop.submit(handle)
+        return handle
 
-    def _start(self, prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit, policy=None,
-               join=None, capacity=None) -> Run:
-        """A generation of one prompt or (a list) a batch: checked, its cache allocated."""
-        s, stop, max_new_tokens = self._request(mode, max_new_tokens, stop, settings, sampler, policy)
-        if join is not None:
-            check_join(self.model.config, is_batch(prompt), mode, s.coreset_size, capacity)
-        batched = is_batch(prompt)
-        ids = []
-        for r, one in enumerate(prompt if batched else [prompt]):
-            try:
-                ids.append(self.encode(one, thinking))
-                check_request(self.model, self.mask_token_id, len(ids[-1]), max_new_tokens, mode, memory=False)
-            except GenerationError as e:
-                if not batched:
-                    raise
-                raise GenerationError(f"prompt {r} of the batch: {e}") from e
-        length = max(max(map(len, ids)) + max_new_tokens, capacity or 0)
-        check_memory(self.model, length, len(ids))
-        policy = None if policy is None else make_policy(policy)
-        run = Run(self, ids, mode, max_new_tokens, s, stop, emit, next(self._runs), batched, policy, join, length)
-        for row in run.rows:
-            self._think(row, thinking)
-        return run
+    def step(self) -> list[StreamUpdate]:
+        """One step of every request submitted: rows admitted and prefilled, each row's next
+        forward (grouped with the rows that can share it), its decision; returns the updates."""
+        return self.loop.step()
 
-    def _think(self, row, thinking: bool | None) -> None:
-        """The row's thinking tokens (``engine/thinking.py``); with thinking off, ``</think>`` ends it."""
-        row.thinking = Thinking.of(self.tokenizer, row.prompt_ids)
-        row.eos |= stop_ids(row.thinking, thinking)
+    def wait(self, handle: Handle):
+        """Step until ``handle``'s request has ended; its result (an error it ended with is raised).
+        An interrupt meanwhile cancels it."""
+        try:
+            while not handle.done:
+                handle.loop.step()
+        except BaseException:
+            handle.cancel()
+            raise
+        if handle.error is not None:
+            raise handle.error
+        return handle.result
+
+    def _follow(self, handle: Handle) -> Iterator[StreamUpdate]:
+        # no inference_mode around the yields: it would leak into the consumer's code between updates
+        try:
+            while True:
+                updates = handle.updates()  # other streams' steps may have produced some meanwhile
+                if updates:
+                    yield from updates
+                elif handle.done:
+                    break
+                else:
+                    try:
+                        handle.loop.step()
+                    except BaseException:  # an interrupt: what the step decided before it comes first
+                        yield from handle.updates()
+                        raise
+            if handle.error is not None:
+                raise handle.error
+        finally:  # abandoned or interrupted: its rows leave at the next step
+            if not handle.done:
+                handle.cancel()
 
     # ---------------------------------------------------------------- generation
     def stream(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
                thinking: bool | None = None, settings: SamplerSettings | None = None, policy=None,
-               join: Callable[[int], list] | None = None, capacity: int | None = None,
                **sampler: Any) -> Iterator[StreamUpdate]:
         """Like :meth:`generate`, yielding a :class:`StreamUpdate` per denoising step ("step":
         provisional tokens of the current block), per committed block ("commit") and one "done"
         whose ``result`` is the GenerationResult. Requests are checked before the first update.
         A list of prompts streams a batch: updates carry their ``row``, a "done" per row as it
-        ends, and a last "batch" update whose ``result`` is the :class:`BatchResult`.
-
-        ``join`` (a batch in diffusion mode, without a coreset): rows join the running batch at
-        block boundaries. At each, ``join(room)`` returns the token-id prompts (of at most
-        ``room`` tokens) that join now, with this request's settings; they become rows
-        ``len(prompts)``, ``len(prompts) + 1``, ... in the order given. ``capacity``: positions
-        per row of the cache (a joining prompt plus ``max_new_tokens`` must fit in it)."""
-        return self._drive(self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=True,
-                                       policy=policy, join=join, capacity=capacity))
-
-    def _drive(self, run: Run) -> Iterator[StreamUpdate]:
-        # no inference_mode around the yields: it would leak into the consumer's code between updates
-        try:
-            yield from LOOPS[run.mode](run)
-        finally:  # ended, failed or abandoned: the fast path's cache is free for the next generation
-            self.fast_path.release(run)
+        ends, and a last "batch" update whose ``result`` is the :class:`BatchResult`. Other
+        requests (another stream, a server's) advance meanwhile: every step is the engine's.
+        ``prompt`` may be a :class:`Request` (then without other arguments)."""
+        request = self._request(prompt, mode, max_new_tokens, stop, thinking, settings, policy, sampler)
+        return self._follow(self.submit(request, emit=True))
 
     def generate(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
                  thinking: bool | None = None, settings: SamplerSettings | None = None, policy=None,
                  **sampler: Any) -> GenerationResult:
-        """Generate a response to ``prompt`` (a string, token ids, or chat messages).
+        """Generate a response to ``prompt`` (a string, token ids, or chat messages; or a
+        :class:`Request`, then without other arguments).
 
         ``mode``: "diffusion" (block diffusion), "ar" (one token per forward, the baseline) or
         "speculative" (AR's answer: each block drafted by ``draft_passes`` previews and accepted
@@ -257,15 +320,24 @@ class Engine:
         A list of prompts (strings, token-id lists or chat conversations) is a batch: the rows
         share every forward, each progresses on its own, and the result is a :class:`BatchResult`
         (a list of GenerationResults, one per prompt, with the batch's figures in ``stats``).
-        Greedy rows give the tokens each prompt gives alone; a ``seed`` seeds every row alike.
+        Each row gives the tokens its prompt gives alone; a ``seed`` seeds every row alike.
         """
-        run = self._start(prompt, mode, max_new_tokens, stop, thinking, settings, sampler, emit=False, policy=policy)
-        for _ in self._drive(run):
-            pass
-        return run.result if run.batched else run.result[0]
+        request = self._request(prompt, mode, max_new_tokens, stop, thinking, settings, policy, sampler)
+        return self.wait(self.submit(request, emit=False))
+
+    @staticmethod
+    def _request(prompt, mode, max_new_tokens, stop, thinking, settings, policy, sampler) -> Request:
+        if not isinstance(prompt, Request):
+            return Request(prompt, mode=mode, max_new_tokens=max_new_tokens, stop=stop, thinking=thinking,
+                           settings=settings, policy=policy, **sampler)
+        given = [k for k, v in (("max_new_tokens", max_new_tokens), ("stop", stop), ("thinking", thinking),
+                                ("settings", settings), ("policy", policy)) if v is not None]
+        if given or sampler or mode != "diffusion":
+            raise TypeError(f"a Request carries its own settings; pass them to Request(...), not here "
+                            f"({', '.join(given + list(sampler) + (['mode'] if mode != 'diffusion' else []))})")
+        return prompt
 
 
-LOOPS = {"diffusion": run_diffusion, "ar": run_ar, "speculative": run_speculative}
 
 
 def load(path=None, device=None, dtype=None, *, device_map=None, max_memory: dict | None = None,

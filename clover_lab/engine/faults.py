@@ -1,33 +1,20 @@
 """Logits no token can be chosen from: non-finite ones (the error names where the NaN or inf came
 from) and collapsed ones (every token equal: the hidden state reaching the LM head is zero).
 
-The loops learn that a step's logits are not finite from the one device-to-host transfer they
-make per step anyway (a flag stacked onto the decision); only then does this module look for the
-source, on the error path, where reading the device costs nothing that matters: the weights, the
-cache, and (for a preview) the same preview again without hooks, layer by layer.
+The decoders learn that a step's logits are not finite from the one device-to-host transfer they
+make per step anyway (a flag stacked onto the decision: ``sampling.logits_health``); only on a
+flag other than OK do they come here (:func:`check_logits`), which looks for the source on the
+error path, where reading the device costs nothing that matters: the weights, the cache, and (for
+a preview) the same preview again without hooks, layer by layer.
 """
 from __future__ import annotations
 
 import torch
 
 from clover_lab.engine.requests import GenerationError
+from clover_lab.engine.sampling import COLLAPSED, NONFINITE
 from clover_lab.model.cache import AttentionCache
 from clover_lab.model.context import ForwardContext
-
-OK, NONFINITE, COLLAPSED = 1, 0, 2
-
-
-def collapsed(logits: torch.Tensor) -> torch.Tensor:
-    """0-d bool on the device: some row of ``logits`` [.., V] is equal over the whole vocabulary
-    (as when a norm's mean square overflowed and zeroed the hidden state)."""
-    return (logits.amax(-1) == logits.amin(-1)).any()
-
-
-def logits_health(flat: torch.Tensor, confidences: torch.Tensor) -> torch.Tensor:
-    """A 0-d device flag to ride along a step's one host transfer: OK, NONFINITE (a confidence is
-    NaN or inf: so were the logits) or COLLAPSED (``flat``, from :func:`collapsed`: argmax would
-    answer token 0)."""
-    return torch.where(confidences.isfinite().all(), torch.where(flat, COLLAPSED, OK), NONFINITE).long()
 
 
 def check_logits(run, health: int, where: str, block_ids: torch.Tensor | None = None) -> None:

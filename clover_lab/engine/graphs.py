@@ -25,7 +25,6 @@ compiled step as compiled segments of layers around the layers whose hooks run l
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 
@@ -373,40 +372,3 @@ def _fresh(static_out: tuple) -> tuple:
     if len(static_out) == 2:
         return logits
     return (*logits, copied(static_out[2]), static_out[3])
-
-
-# --------------------------------------------------------------------------- which graphs a run uses
-class FastPath:
-    """An engine's StepGraphs, handed to one generation at a time: a stream left open holds them,
-    and a generation started meanwhile takes the plain path."""
-
-    def __init__(self):
-        self.graphs: StepGraphs | None = None
-        self._holder = None  # weakref to the generation running on them
-
-    def acquire(self, run, model: CloverModel, length: int, use: bool, compile: bool) -> StepGraphs | None:
-        """The StepGraphs for ``run``, a generation of ``length`` positions, or None for the plain
-        path (``use`` False, or another unfinished generation holds them)."""
-        if not use:
-            return None
-        if self.held:
-            return None
-        self._holder = weakref.ref(run)
-        g = self.graphs
-        if (g is None or not g.fits(length) or (g.device, g.dtype) != (model.device, model.dtype)
-                or g.compile != compile):
-            size = max(1024, 1 << (length - 1).bit_length())  # a power of two: few re-allocations
-            size = min(size, model.config.max_position_embeddings)
-            self.graphs = None  # free the old cache and graphs first
-            self.graphs = StepGraphs(model, size, compile=compile)
-        return self.graphs
-
-    @property
-    def held(self) -> bool:
-        """Whether an unfinished generation holds the graphs (a stream left open does)."""
-        return self._holder is not None and self._holder() is not None
-
-    def release(self, run) -> None:
-        """``run`` ended, failed or was abandoned: the graphs' cache is free for the next one."""
-        if self._holder is not None and self._holder() is run:
-            self._holder = None

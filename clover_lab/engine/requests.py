@@ -1,12 +1,17 @@
-"""A request, checked before anything runs: the prompt as token ids, stop strings, the mode,
-the context and the memory its cache needs."""
+"""A request and its check: :class:`Request` carries a prompt (or a list of prompts) and every
+setting that is per generation (mode, length, stop strings, thinking, sampler settings, decoding
+policy, block size, ``n``); :func:`check` turns it into a :class:`Plan` before anything runs: the
+prompts as token ids, the settings resolved over the engine's, the context and the memory its
+rows need. Whatever is wrong is a GenerationError naming the field (``error.field``)."""
 from __future__ import annotations
 
 import numbers
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 
+from clover_lab.engine.sampling import SamplerSettings, SettingsError
 from clover_lab.errors import CloverError, flag
 from clover_lab.model.cache import cache_bytes
 
@@ -17,7 +22,59 @@ DIFFUSION_SETTINGS = ("threshold", "confidence", "max_tokens_per_step", "max_ste
 
 class GenerationError(CloverError, ValueError):
     """A request the engine refuses up front (context overflow, bad prompt, missing mask token), or a
-    generation that cannot give a correct result (non-finite logits); the message says which."""
+    generation that cannot give a correct result (non-finite logits); the message says which, and
+    ``field`` the request's field it is about (None when it is no field's)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+def plain_int(value):
+    """numpy integers and the like as Python ints; anything else as it is (checked by the caller)."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
+class Request:
+    """One request to the engine: ``Request(prompt, mode="ar", max_new_tokens=64, temperature=0.8,
+    seed=1)``. ``prompt``: a string, token ids, chat messages, or a list of those (a batch: one row
+    each). Per request: ``mode`` ("diffusion", "ar" or "speculative"), ``max_new_tokens`` (default
+    the engine's), ``stop`` strings, ``thinking`` (the chat template's switch), ``settings`` (a
+    SamplerSettings the keyword sampler settings override; default the engine's), ``policy`` (a
+    DecodingPolicy or its name, default the engine's), ``block_size`` (default the engine's) and
+    ``n`` (rows per prompt; sampled with a seed, row i takes seed + i). Requests with different
+    settings share the engine's forwards; each row's tokens are the ones it gives alone."""
+
+    FIELDS = ("mode", "max_new_tokens", "stop", "thinking", "settings", "policy", "block_size", "n")
+
+    def __init__(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
+                 thinking: bool | None = None, settings=None, policy=None, block_size: int | None = None,
+                 n: int = 1, **sampler):
+        self.prompt, self.mode, self.max_new_tokens, self.stop, self.thinking = prompt, mode, max_new_tokens, stop, \
+            thinking
+        self.settings, self.policy, self.block_size, self.n, self.sampler = settings, policy, block_size, n, sampler
+
+    def __repr__(self) -> str:
+        given = {k: getattr(self, k) for k in self.FIELDS if getattr(self, k) not in (None, 1, "diffusion")}
+        given.update(self.sampler)
+        return f"Request({self.prompt!r:.60}, {', '.join(f'{k}={v!r}' for k, v in given.items())})"
+
+
+@dataclass
+class Plan:
+    """A checked request: its rows' prompts as token ids (a prompt's ``n`` rows in a row), the
+    settings each row runs with, and whether it was a batch (its result is then a BatchResult)."""
+
+    prompts: list[list[int]]
+    mode: str
+    max_new_tokens: int
+    stop: list[str]
+    settings: list  # SamplerSettings per row
+    policy: object  # a DecodingPolicy (``Engine.check`` makes one of a name), or None for the engine's
+    block_size: int
+    thinking: bool | None
+    batched: bool
+    sources: list[int] = field(default_factory=list)  # row -> the prompt it answers
 
 
 def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = None) -> list[int]:
@@ -106,8 +163,8 @@ def chat_ids(tokenizer, messages, thinking: bool | None) -> list[int]:
 
 
 def has_think_tokens(tokenizer) -> bool:
-    """Whether ``tokenizer`` has ``<think>`` and ``</think>`` as tokens of their own (``thinking.py``)."""
-    from clover_lab.engine.thinking import Thinking
+    """Whether ``tokenizer`` has ``<think>`` and ``</think>`` as tokens of their own (``results.py``)."""
+    from clover_lab.engine.results import Thinking
 
     return Thinking.of(tokenizer, []) is not None
 
@@ -117,19 +174,20 @@ def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tok
     """Refuse up front what cannot run: unknown mode, no mask token, context or memory overflow
     (``memory=False``: a batch checks its whole cache once, :func:`check_memory`)."""
     if mode not in MODES:
-        raise GenerationError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
+        raise GenerationError(f"mode={mode!r}: expected one of {', '.join(MODES)}", "mode")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
+        raise GenerationError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer", "max_new_tokens")
     if mode in ("diffusion", "speculative") and mask_token_id is None:
         raise GenerationError(f"{mode} decoding needs a mask token, and none was found: not in config.json or "
                               "generation_config.json (mask_token_id), not in the tokenizer, and the embedding has "
                               "no row past the tokenizer's vocabulary; set engine.mask_token_id, add mask_token_id "
-                              "to generation_config.json, or use mode='ar'")
+                              "to generation_config.json, or use mode='ar'", "mode")
     ctx = model.config.max_position_embeddings
     if prompt_len + max_new_tokens > ctx:
         raise GenerationError(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) is "
                               f"{prompt_len + max_new_tokens} positions, over the context length "
-                              f"max_position_embeddings={ctx}; shorten the prompt or lower max_new_tokens")
+                              f"max_position_embeddings={ctx}; shorten the prompt or lower max_new_tokens",
+                              "prompt" if prompt_len >= ctx else "max_new_tokens")
     if memory:
         check_memory(model, prompt_len + max_new_tokens)
 
@@ -143,7 +201,7 @@ class IgnoredSettingError(GenerationError):
     without a thinking mode); ``setting`` names it."""
 
     def __init__(self, setting: str, message: str):
-        super().__init__(message)
+        super().__init__(message, setting)
         self.setting = setting
 
 
@@ -173,7 +231,7 @@ def check_mode_settings(mode: str, sampler: dict, policy=None) -> None:
     """Settings a request's mode does not read (:func:`ignored_settings`) are said, once per
     request (a warning, not an error: one set of settings may serve both modes, as comparisons do)."""
     for _, why in ignored_settings(mode, sampler, policy):
-        warnings.warn(why, IgnoredSettingWarning, stacklevel=5)  # the caller of generate / stream
+        warnings.warn(why, IgnoredSettingWarning, stacklevel=6)  # the caller of generate / stream
 
 
 def settings_for_mode(mode: str, sampler: dict) -> dict:
@@ -198,7 +256,7 @@ def check_memory(model, length: int, rows: int = 1) -> None:
                      (f"{rows} rows of {length} positions",
                       "batch fewer prompts, lower max_new_tokens or shorten the prompts"))
         raise GenerationError(f"the cache for {what} needs {need / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB "
-                              f"is free on {model.device}; {fix}")
+                              f"is free on {model.device}; {fix}", "max_new_tokens")
 
 
 def check_coreset(config, size: int | None) -> None:
@@ -295,3 +353,72 @@ class StopStrings:
     def cut(self, text: str) -> str:
         hits = [text.find(s) for s in self.stops if s in text]
         return text[:min(hits)] if hits else text
+
+
+def plan(engine, request: Request) -> Plan:
+    """``request`` checked against ``engine`` (``Engine.check``): every refusal before anything
+    runs, a GenerationError naming the field (a sampler setting's SettingsError names it too)."""
+    if not isinstance(request, Request):
+        raise GenerationError(f"expected a clover_lab.Request, got {type(request).__name__}")
+    mode, n = request.mode, request.n
+    if mode not in MODES:
+        raise GenerationError(f"mode={mode!r}: expected one of {', '.join(MODES)}", "mode")
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise GenerationError(f"n={n!r}: expected a positive integer (rows per prompt)", "n")
+    try:
+        s = SamplerSettings.from_kwargs(engine.settings if request.settings is None else request.settings,
+                                        **request.sampler)
+    except SettingsError as e:  # it names the setting; ``field`` too
+        e.field = next((k for k in request.sampler if k in str(e)), "settings")
+        raise
+    if mode == "speculative" and not s.greedy and s.draft_passes != 1:
+        raise GenerationError(f"sampled speculative decoding takes draft_passes=1 (got {s.draft_passes}): the "
+                              f"acceptance rule needs each drafted token's own distribution, which only a one-pass "
+                              f"draft gives", "draft_passes")
+    if mode != "ar" and s.penalty_window is not None:
+        raise GenerationError(f"penalty_window applies to mode='ar' (block diffusion resolves positions out of "
+                              f"order, so 'the last N tokens' has no meaning there); mode={mode!r}", "penalty_window")
+    bad = [t for t in (s.logit_bias or {}) if t >= engine.model.config.vocab_size]
+    if bad:
+        raise GenerationError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, "
+                              f"{engine.model.config.vocab_size})", "logit_bias")
+    if mode == "speculative" and s.logprobs is not None:
+        raise GenerationError("logprobs: not reported in speculative mode yet; its greedy tokens are AR's, and "
+                              "mode='ar' reports them with their log-probabilities", "logprobs")
+    try:
+        check_coreset(engine.model.config, s.coreset_size)
+    except GenerationError as e:
+        raise GenerationError(str(e), "coreset_size") from None
+    check_mode_settings(mode, request.sampler, request.policy)
+    try:
+        stop = stop_list(request.stop, engine.tokenizer)
+    except GenerationError as e:
+        raise GenerationError(str(e), "stop") from None
+    max_new = engine.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
+    max_new = plain_int(max_new)
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        raise GenerationError(f"max_new_tokens={max_new!r}: expected a positive integer", "max_new_tokens")
+    block_size = engine.block_size if request.block_size is None else plain_int(request.block_size)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise GenerationError(f"block_size={request.block_size!r}: expected a positive integer", "block_size")
+    batched = is_batch(request.prompt)
+    prompts = request.prompt if batched else [request.prompt]
+    ids = []
+    for r, one in enumerate(prompts):
+        try:
+            ids.append(encode_prompt(one, engine.tokenizer, engine.model.config.vocab_size, request.thinking))
+            check_request(engine.model, engine.mask_token_id, len(ids[-1]), max_new, mode, memory=False)
+        except GenerationError as e:
+            if e.field is None:  # what encoding the prompt refused
+                e.field = "prompt"
+            if batched:
+                e.args = (f"prompt {r} of the batch: {e}",)
+            raise
+    rows = [p for p in ids for _ in range(n)]
+    check_memory(engine.model, max(map(len, rows)) + max_new, len(rows))
+    settings = []
+    for i in range(len(rows)):
+        seeded = s.seed is not None and n > 1 and not s.greedy
+        settings.append(SamplerSettings.from_kwargs(s, seed=(s.seed + i % n) % (2**64)) if seeded else s)
+    return Plan(rows, mode, max_new, stop, settings, request.policy, block_size, request.thinking, batched or n > 1,
+                [p for p in range(len(ids)) for _ in range(n)])

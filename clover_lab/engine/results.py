@@ -1,7 +1,16 @@
 """What a generation returns: its figures (``GenerationStats``, timed by ``Clock``), the
-result, and the updates ``Engine.stream`` yields; a batch returns one GenerationResult per
-prompt with the batch's own figures (``BatchResult``, ``BatchStats``). A single prompt is a batch
-of one, run by the same loops (``diffusion.py``, ``ar.py``) and runner (``runner.py``)."""
+result, and the updates ``Engine.stream`` yields. One statistics type: a row's figures, and a
+request of several rows (a list of prompts, ``n`` > 1) returns one GenerationResult per row with
+the request's figures in ``BatchResult.stats``, the same type aggregating its rows
+(:meth:`GenerationStats.of_rows`).
+
+Thinking mode (spec 4.5): a result holds a response's reasoning, written inside
+``<think>...</think>``, apart from its answer, for tokenizers that have those two as single
+tokens (Qwen3.5/3.6's; :class:`Thinking`). Qwen3.5/3.6's chat templates open ``<think>`` at the
+end of the prompt when thinking is on, and write an empty ``<think>\\n\\n</think>\\n\\n`` there when
+it is off; a model that writes the ``<think>`` itself is read the same way. With thinking off, a
+``</think>`` in the response ends it, like an EOS: the model would be closing a reasoning it was
+not asked for (:func:`stop_ids`)."""
 from __future__ import annotations
 
 import time
@@ -9,9 +18,80 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from clover_lab.engine.thinking import ANSWER, texts
+# --------------------------------------------------------------------------- thinking (spec 4.5)
+THINK_START, THINK_END = "<think>", "</think>"
+REASONING, ANSWER = "reasoning", "answer"
 
 
+@dataclass(frozen=True)
+class Thinking:
+    start: int  # <think>'s token id
+    end: int  # </think>'s
+    open: bool  # the prompt left a <think> open: the response starts inside the reasoning
+
+    @classmethod
+    def of(cls, tokenizer, prompt_ids: list[int]) -> "Thinking | None":
+        """The thinking tokens of ``tokenizer`` and where ``prompt_ids`` leaves them, or None
+        when the tokenizer lacks them."""
+        if tokenizer is None or not callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
+            return None
+        start, end = tokenizer.convert_tokens_to_ids(THINK_START), tokenizer.convert_tokens_to_ids(THINK_END)
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if not isinstance(start, int) or not isinstance(end, int) or unk in (start, end):
+            return None
+        last = {t: i for i, t in enumerate(prompt_ids) if t in (start, end)}
+        return cls(start, end, last.get(start, -1) > last.get(end, -1))
+
+    def split(self, ids: list[int]) -> tuple[list[int] | None, list[int]]:
+        """(the reasoning's tokens, or None when the response has none; the answer's tokens).
+        The tags themselves belong to neither."""
+        i, inside = 0, self.open
+        if not inside and ids[:1] == [self.start]:
+            i, inside = 1, True
+        if not inside:
+            return None, list(ids)
+        if self.end in ids[i:]:
+            k = ids.index(self.end, i)
+            return list(ids[i:k]), list(ids[k + 1:])
+        return list(ids[i:]), []
+
+    def parts(self, ids: list[int | None]) -> list[str | None]:
+        """Which part each token of ``ids`` (the response so far, None where still masked)
+        belongs to: "reasoning" (its tags too), "answer", or None where masked."""
+        out, inside = [], self.open
+        for i, t in enumerate(ids):
+            if t is not None and i == 0 and t == self.start and not inside:
+                inside = True
+            out.append(None if t is None else REASONING if inside else ANSWER)
+            if t == self.end:
+                inside = False
+        return out
+
+
+def texts(tokenizer, thinking: "Thinking | None", ids: list[int], cut=None) -> tuple[str | None, str | None]:
+    """(reasoning, answer) of the response ``ids`` as text; ``cut``: the stop strings' cut of a
+    text that ran into one (the reasoning's, if the stop is there: then no answer)."""
+    if tokenizer is None:
+        return None, None
+    reasoning, answer = (None, ids) if thinking is None else thinking.split(ids)
+
+    def decode(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=True).strip("\n")
+
+    r_text, a_text = (None if reasoning is None else decode(reasoning)), decode(answer)
+    if cut is not None:
+        if r_text is not None and cut(r_text) != r_text:
+            return cut(r_text), ""
+        a_text = cut(a_text)
+    return r_text, a_text
+
+
+def stop_ids(thinking: "Thinking | None", enabled: bool | None) -> set[int]:
+    """The tokens that end a response besides EOS: ``</think>`` when thinking is off."""
+    return {thinking.end} if thinking is not None and enabled is False else set()
+
+
+# --------------------------------------------------------------------------- figures and results
 @dataclass
 class GenerationStats:
     """Figures of one generation. Forwards and times exclude the prompt prefill unless named
@@ -40,7 +120,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     total_seconds: float = 0.0
     tokens_per_second: float = 0.0
-    stop_reason: str = "length"  # "length" | "eos" | "stop_string" | "hook"
+    stop_reason: str = "length"  # "length" | "eos" | "stop_string" | "hook" | "cancelled" ("mixed": rows differ)
     seed: int | None = None
     block_size: int | None = None
     coreset_size: int | None = None
@@ -54,9 +134,34 @@ class GenerationStats:
     # which path the forwards after the prefill took ("cuda graph", "compiled", "static" steps, or
     # "eager: why"), with counts when it changed during the run (engine/runner.py)
     path: str | None = None
+    # a request's figures over its rows (``of_rows``): how many, and each one's stop reason
+    rows: int = 1
+    stop_reasons: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def of_rows(cls, rows: list["GenerationStats"], clock: "Clock", forwards: dict[str, int], t0: float,
+                t_decode: float, path: str | None) -> "GenerationStats":
+        """A request's figures: its rows' tokens and blocks summed, the forwards any of them took
+        part in counted once each (``forwards``: preview, fused, commit, prefill), timed by the
+        request's ``clock``; ``tokens_per_second`` every row's new tokens over the wall time after
+        the first prefill until the last row ended."""
+        modes = {st.mode for st in rows}
+        reasons = [st.stop_reason for st in rows]
+        st = cls(mode=modes.pop() if len(modes) == 1 else "mixed", rows=len(rows), stop_reasons=reasons,
+                 stop_reason=reasons[0] if len(set(reasons)) == 1 else "mixed",
+                 prompt_tokens=sum(r.prompt_tokens for r in rows), new_tokens=sum(r.new_tokens for r in rows),
+                 blocks=sum(r.blocks for r in rows), preview_forwards=forwards["preview"] + forwards["fused"],
+                 fused_forwards=forwards["fused"], commit_forwards=forwards["commit"],
+                 prefill_forwards=forwards["prefill"], cache_complete=all(r.cache_complete for r in rows),
+                 steps_per_block=[n for r in rows for n in r.steps_per_block], path=path)
+        for name in ("seed", "block_size", "coreset_size"):
+            values = {getattr(r, name) for r in rows}
+            setattr(st, name, values.pop() if len(values) == 1 else None)
+        clock.fill(st, t0, t_decode)
+        return st
 
     @property
     def forward_split(self) -> dict[str, int]:
@@ -94,11 +199,11 @@ class GenerationResult:
     included), ``text`` its decoding without special tokens and cut before a stop string (None
     without a tokenizer), ``prompt_ids`` the prompt as tokens, ``stats`` the run's figures.
 
-    Thinking mode (``engine/thinking.py``): ``reasoning`` what the response wrote inside
+    Thinking mode (:class:`Thinking`): ``reasoning`` what the response wrote inside
     ``<think>...</think>`` (None when it has no reasoning, or the tokenizer no such tokens),
     ``answer`` the rest (the whole text then); both without the tags, None without a tokenizer.
 
-    Per response token (``engine/token_info.py``): ``unmask_steps`` the denoising step of its
+    Per response token (``row.py``'s ``TokenInfo``): ``unmask_steps`` the denoising step of its
     block that unmasked it (0 in AR); with ``logprobs`` asked for, ``logprobs`` its
     log-probability and ``top_logprobs`` the most probable alternatives as (token id,
     log-probability) pairs (None otherwise)."""
@@ -147,7 +252,7 @@ class StreamUpdate:
     result: "GenerationResult | None" = None  # the last update of a batched stream: its BatchResult
     tokenizer: object = field(default=None, repr=False)
     row: int | None = None  # the request row of a batched stream (None: a single generation)
-    thinking: object = field(default=None, repr=False)  # engine/thinking.py's Thinking, or None
+    thinking: object = field(default=None, repr=False)  # the response's Thinking, or None
 
     @property
     def committed_text(self) -> str | None:
@@ -231,38 +336,11 @@ class Clock:
             st.mean_steps_per_block = sum(st.steps_per_block) / len(st.steps_per_block)
 
 
-@dataclass
-class BatchStats:
-    """Figures of a batched generation. ``forwards`` counts the shared forwards after the prefill
-    (each row's own stats count those it took part in); ``preview_seconds`` and
-    ``commit_seconds`` time them (as ``GenerationStats`` does a row's); ``tokens_per_second`` is
-    every row's new tokens over the wall time after the prefill, until the last row finished."""
-
-    mode: str
-    rows: int
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    forwards: int = 0
-    prefill_forwards: int = 0
-    tokens_per_forward: float = 0.0
-    prefill_seconds: float = 0.0
-    preview_seconds: float = 0.0
-    commit_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    total_seconds: float = 0.0
-    tokens_per_second: float = 0.0
-    stop_reasons: list[str] = field(default_factory=list)
-    path: str | None = None  # which path the shared forwards took (GenerationStats.path)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
 class BatchResult(list):
-    """The results of a batched generation, one :class:`GenerationResult` per prompt in order,
-    with the batch's figures in ``stats``."""
+    """The results of a request of several rows, one :class:`GenerationResult` per row in order
+    (prompt by prompt; a prompt's ``n`` rows together), with the request's figures in ``stats``."""
 
-    def __init__(self, results: list[GenerationResult], stats: BatchStats):
+    def __init__(self, results: list[GenerationResult], stats: GenerationStats):
         super().__init__(results)
         self.stats = stats
 

@@ -1,7 +1,10 @@
-"""The runner: the only caller of the model during a generation. It owns the generation's cache,
-whose batch rows (``slots``) hold the request rows still going, and runs the prefill, the
-previews and the commits the loops ask for, picking per step the static step (``graphs.py``: a
-CUDA graph on CUDA, compiled or eager static steps on a CPU) or the eager forward.
+"""The runner: the only caller of the model while the engine generates. It owns the cache, whose
+batch rows (``slots``) hold the rows going on (by their keys), and runs the prefill, the
+previews and the commits the step loop (``step_loop.py``) asks for, over all of its rows or some,
+each forward with the hooks of the rows it runs; it is the one place that picks, per forward,
+the static step (``graphs.py``: a CUDA graph on CUDA, compiled or eager static steps on a CPU)
+or the eager forward. The step loop makes one when rows arrive at an idle engine and drops it
+when the last row has left; rows joining meanwhile grow its cache.
 
 A single prompt is a batch of one. On the static path the cache has a bucket of rows (1, 2, 4,
 8, ...): rows that leave become padding (filler ids, never read) until the rows left fit a
@@ -16,10 +19,11 @@ of a generation tells the steps' time from the loop's (``bench/bench_batch_bound
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
-from clover_lab.engine.graphs import bucket
+from clover_lab.engine.graphs import StepGraphs, bucket
 from clover_lab.engine.observed import describe, fire_observed, live_layers, observed_points
 from clover_lab.engine.requests import GenerationError
 from clover_lab.model.cache import CloverCache, cache_bytes
@@ -29,29 +33,39 @@ from clover_lab.model.context import Coreset
 class Runner:
     FILL = 0  # the token id padding rows carry
 
-    def __init__(self, engine, run, length: int, rows: int):
+    def __init__(self, engine, owner, length: int, keys: list[int], coreset_size: int | None = None):
+        """A cache of ``length`` positions for the rows ``keys`` (empty, to be prefilled); the
+        fast path's graphs when it applies and ``owner`` (a step loop) can hold them."""
         model = engine.model
-        self.model, self.hooks = model, run.hooks
+        self.model, self.hooks = model, model.hooks.view()
         self.coreset: Coreset | None = None
-        self.off = engine.fast_path_off()  # why this generation has no fast path, or None
-        self.paths: dict[str, int] = {}  # which path the forwards after the prefill took -> how many
+        self.off = engine.fast_path_off()  # why these rows have no fast path, or None
+        self.last: str | None = None  # the path the last forward took (a label, ``_took``)
+        rows = len(keys)
         try:
-            self.graphs = engine.fast_path.acquire(run, model, length, self.off is None,
+            self.graphs = engine.fast_path.acquire(owner, model, length, self.off is None,
                                                     engine.compile_steps and model.device.type != "cuda")
             if self.graphs is None and self.off is None:
-                self.off = "another generation holds the fast path (a stream left open?)"
+                self.off = "another step loop holds the fast path (a generation started inside a hook)"
             if self.graphs is not None:
                 self.cache = self.graphs.reset(bucket(rows))
             else:
                 self.cache = model.new_cache(length, rows)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             raise allocation_error(model, length, rows, e) from e
-        self.slots: list[int | None] = list(range(rows)) + [None] * (self.cache.batch_size - rows)
+        self.slots: list[int | None] = list(keys) + [None] * (self.cache.batch_size - rows)
+        self.cache.set_row_lengths([0] * self.cache.batch_size)
+        if coreset_size:
+            self.coreset = self.graphs.coreset(coreset_size) if self.graphs is not None else Coreset(coreset_size)
 
     @property
     def rows(self) -> list[int]:
-        """The request rows still going, in the cache's order."""
+        """The rows going on (their keys), in the cache's order."""
         return [r for r in self.slots if r is not None]
+
+    def fits(self, length: int) -> bool:
+        """Whether a row of ``length`` positions fits in the cache."""
+        return length <= self.cache.max_len
 
     def plan(self) -> tuple[str, object]:
         """How a step of the rows runs now (``engine/observed.py``): ("static", the points whose
@@ -69,14 +83,9 @@ class Runner:
             return "split", live_layers(names)
         return "eager", "a hook on " + describe(names)
 
-    def path(self) -> str | None:
-        """Which path the forwards took, and why the eager forward where it ran: "compiled",
-        "eager: a hook on layers.2.moe.route", or each with its count when they changed."""
-        if len(self.paths) <= 1:
-            return next(iter(self.paths), None)
-        return "; ".join(f"{label} ({n} forwards)" for label, n in self.paths.items())
-
     def _took(self, kind: str, detail) -> None:
+        """The path this forward took, as a label (``last``): "compiled", "eager: a hook on
+        layers.2.moe.route" (which path, and why the eager forward where it ran)."""
         if kind == "eager":
             label = "eager: " + detail
         elif kind == "split":
@@ -86,52 +95,41 @@ class Runner:
         else:
             label = self.graphs.last + (f" (observers read after each step: {describe(sorted(detail))})"
                                         if detail else "")
-        self.paths[label] = self.paths.get(label, 0) + 1
-
-    def new_coreset(self, size: int | None) -> Coreset | None:
-        """The generation's expert coreset (on the fast path, the one whose buffers its steps share)."""
-        if not size:
-            return None
-        self.coreset = self.graphs.coreset(size) if self.graphs is not None else Coreset(size)
-        return self.coreset
+        self.last = label
 
     def row_cache(self, row: int) -> CloverCache:
         """Row ``row``'s part of the cache, as a cache of its own (a copy: the error path inspects it)."""
         return self.cache.select([self.slots.index(row)])
 
-    # ---------------------------------------------------------------- forwards
-    def prefill(self, prompts: dict[int, list[int]], chunk: int, logits: str | None, where, timed,
-                join: bool = False) -> dict:
-        """Every row's prompt into its row of the cache, the prompts of one length in one forward
-        (no padding inside the model). ``where(rows)`` and ``timed(rows)`` give each forward's
-        place and clock. Returns row -> last-position logits [V] when ``logits`` is "last".
-        ``join``: these are new rows, joining the rows going on (the cache grows by them)."""
-        lengths = self._grow(list(prompts)) if join else [0] * len(self.slots)
-        groups: dict[int, list[int]] = {}
-        for r, ids in prompts.items():
-            groups.setdefault(len(ids), []).append(r)
-        outs = {}
-        for rows in groups.values():
-            index = [self.slots.index(r) for r in rows]
-            if len(rows) == self.cache.batch_size:
-                cache = self.cache
-            elif len(rows) == 1:
-                cache = self.cache.row(index[0])  # views: the commit lands in this cache
-            else:
-                cache = self.model.new_cache(self.cache.max_len, len(rows))
-            with timed(rows), self.hooks.applied(), region("prefill"):
-                out = self.model.prefill(cache, [prompts[r] for r in rows], chunk_size=chunk, logits=logits,
-                                         where=where(rows))
-            if 1 < len(rows) < self.cache.batch_size:
-                self.cache.put(index, cache)
-            if out is not None:
-                outs.update(zip(rows, out[:, -1]))
-        self.cache.set_row_lengths([len(prompts[r]) if r in prompts else n for r, n in zip(self.slots, lengths)])
-        return outs
+    def use(self, hooks) -> "Runner":
+        """The hooks the next forward runs with (those of the rows it runs)."""
+        self.hooks = hooks
+        return self
 
-    def _grow(self, rows: list[int]) -> list[int]:
-        """A cache of the rows going on plus ``rows`` (empty, after them); returns its row lengths.
-        The static path adopts it into its bucket at the next step."""
+    # ---------------------------------------------------------------- forwards
+    def prefill(self, rows: list[int], prompts: list[list[int]], chunk: int, logits: str | None, where):
+        """These rows' prompts (of one length) into their rows of the cache in one forward (no
+        padding inside the model); their last-position logits [R, V] when ``logits`` is "last"."""
+        index = [self.slots.index(r) for r in rows]
+        if len(rows) == self.cache.batch_size:
+            cache = self.cache
+        elif len(rows) == 1:
+            cache = self.cache.row(index[0])  # views: the commit lands in this cache
+        else:
+            cache = self.model.new_cache(self.cache.max_len, len(rows))
+        lengths = list(self.cache.row_lengths or [self.cache.length] * self.cache.batch_size)
+        with self.hooks.applied(), region("prefill"):
+            out = self.model.prefill(cache, prompts, chunk_size=chunk, logits=logits, where=where)
+        if cache is not self.cache and len(rows) > 1:
+            self.cache.put(index, cache)
+        for i, ids in zip(index, prompts):
+            lengths[i] = len(ids)
+        self.cache.set_row_lengths(lengths)
+        return None if out is None else out[:, -1]
+
+    def add(self, rows: list[int]) -> None:
+        """A cache of the rows going on plus ``rows`` (empty, after them), to be prefilled. The
+        static path adopts it into its bucket at its next step."""
         going = self.rows
         keep = [self.slots.index(r) for r in going]
         old = self.cache
@@ -140,7 +138,7 @@ class Runner:
         if going:
             self.cache.put(list(range(len(going))), old if keep == list(range(old.batch_size)) else old.select(keep))
         self.slots = going + rows
-        return lengths
+        self.cache.set_row_lengths(lengths)
 
     def preview(self, rows: list[int], canvas: torch.Tensor, where, pending: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,11 +167,18 @@ class Runner:
     def commit(self, rows: list[int], ids: torch.Tensor, where, logits: str | None = None) -> torch.Tensor | None:
         """Commit ``ids`` [R, c] (a token or a block per row); the last row's logits [R, 1, V] when
         ``logits`` is "last" (the static AR step always gives them). Every row: in place; some rows
-        only (their last block, as they leave): on a copy of their rows, the others' untouched."""
+        only (rows of other modes or requests go on beside them): on a copy of their rows, written
+        back."""
         with self.hooks.applied(), region("commit"):
             if rows != self.rows:
+                self._arrange(fast=False)
                 index = [self.slots.index(r) for r in rows]
-                return self.model.commit(self.cache.select(index), ids, logits=logits, where=where)
+                part = self.cache.select(index)
+                out = self.model.commit(part, ids, logits=logits, where=where)
+                self._write_back(index, part)
+                kind, detail = self.plan()
+                self._took("eager", detail if kind == "eager" else "a commit of some rows (others go on beside)")
+                return out
             kind, detail = self.plan()
             if ids.shape[1] == 1 and kind != "eager":
                 out = self._static(rows, ids, 1, 0, where, kind, detail, commit_logits=True)[0]
@@ -184,17 +189,17 @@ class Runner:
                 self._took(kind, detail)
             return out
 
-    def commit_draft(self, rows: list[int], ids: torch.Tensor, where):
-        """Commit every row's drafted block ``ids`` [R, m] on the eager forward; the
-        ``DraftCommit`` then keeps each row's accepted prefix in the cache (``drafts.py``)."""
-        if rows != self.rows:
-            raise ValueError(f"commit_draft: every row commits its draft together ({self.rows}), got {rows}")
+    def commit_draft(self, rows: list[int], ids: torch.Tensor, where) -> "KeptDraft":
+        """Commit these rows' drafted blocks ``ids`` [R, m] on the eager forward; the returned
+        draft's ``keep`` then keeps each row's accepted prefix in the cache (``drafts.py``)."""
         with self.hooks.applied(), region("commit"):
             self._arrange(fast=False)
-            out = self.model.commit_draft(self.cache, ids, where=where)
+            index = None if rows == self.rows else [self.slots.index(r) for r in rows]
+            cache = self.cache if index is None else self.cache.select(index)
+            out = self.model.commit_draft(cache, ids, where=where)
             kind, detail = self.plan()
             self._took("eager", detail if kind == "eager" else "a drafted block's commit")
-            return out
+            return KeptDraft(out, None if index is None else lambda: self._write_back(index, cache))
 
     def _static(self, rows, ids, c: int, m: int, where, kind: str, detail, commit_logits: bool = False):
         """The static step of ``plan()``: whole (observers, if any, fired after it) or split."""
@@ -267,6 +272,58 @@ class Runner:
             return
         if self.coreset is not None and self.coreset.experts:
             self.coreset.keep(keep)
+
+
+# --------------------------------------------------------------------------- which step loop holds the graphs
+class FastPath:
+    """An engine's StepGraphs, held by one step loop at a time (the engine's; a generation started
+    inside a hook runs on a loop of its own, and takes the plain path)."""
+
+    def __init__(self):
+        self.graphs: "StepGraphs | None" = None
+        self._holder = None  # weakref to the generation running on them
+
+    def acquire(self, owner, model, length: int, use: bool, compile: bool) -> "StepGraphs | None":
+        """The StepGraphs for ``owner`` (a step loop), rows of ``length`` positions, or None for the
+        plain path (``use`` False, or another loop holds them)."""
+        if not use:
+            return None
+        holder = None if self._holder is None else self._holder()
+        if holder is not None and holder is not owner and holder.runner is not None:
+            return None
+        self._holder = weakref.ref(owner)
+        g = self.graphs
+        if (g is None or not g.fits(length) or (g.device, g.dtype) != (model.device, model.dtype)
+                or g.compile != compile):
+            size = max(1024, 1 << (length - 1).bit_length())  # a power of two: few re-allocations
+            size = min(size, model.config.max_position_embeddings)
+            self.graphs = None  # free the old cache and graphs first
+            self.graphs = StepGraphs(model, size, compile=compile)
+        return self.graphs
+
+    @property
+    def held(self) -> bool:
+        """Whether rows (of requests not cancelled) run on the graphs now (a stream left open)."""
+        holder = None if self._holder is None else self._holder()
+        return holder is not None and holder.runner is not None and holder.runner.graphs is not None and holder.busy
+
+    def release(self, owner) -> None:
+        """``owner``'s rows have all left: the graphs are free for the next loop."""
+        if self._holder is not None and self._holder() is owner:
+            self._holder = None
+
+
+class KeptDraft:
+    """A committed draft (``drafts.DraftCommit``) of some rows, committed on a copy of their cache
+    rows: keeping the accepted prefixes writes them back."""
+
+    def __init__(self, draft, write_back=None):
+        self.draft, self.logits, self.write_back = draft, draft.logits, write_back
+
+    def keep(self, lengths: list[int]) -> None:
+        self.draft.keep(lengths)
+        if self.write_back is not None:
+            self.write_back()
 
 
 def region(name: str):

@@ -53,6 +53,10 @@ class SamplerSettings:
       positive logits and multiplies negative ones of seen tokens), ``presence_penalty`` (subtracted
       once from seen tokens) and ``frequency_penalty`` (subtracted per occurrence), both within
       +-1e4: beyond that float32 logits overflow.
+    - ``penalty_window``: the penalties count only the last N response tokens (None: all of them);
+      AR decoding only (block diffusion resolves positions out of order).
+    - ``logit_bias``: {token id: bias in [-100, 100]} added to the logits before anything is chosen
+      (OpenAI's: -100 bans the token, 100 all but forces it).
     - ``coreset_size``: per-block expert coreset M (spec 3.3); None or 0 = off. A request checks it
       against the model: at least ``num_experts_per_tok`` and at most ``num_experts``.
     - ``seed``: seeds the run's torch.Generator, in [0, 2**64); None draws a fresh seed (reported in
@@ -60,7 +64,7 @@ class SamplerSettings:
     - ``draft_passes``: speculative mode: denoising passes that draft each block (>= 1; the last
       unmasks every position left). Sampled speculative decoding takes one pass.
     - ``logprobs``: None (off: nothing computed) or k >= 0: the result carries each response
-      token's log-probability and its k most probable alternatives' (``engine/token_info.py``).
+      token's log-probability and its k most probable alternatives' (``engine/row.py``'s TokenInfo).
 
     Invalid values raise :class:`SettingsError` naming the setting.
     """
@@ -78,6 +82,10 @@ class SamplerSettings:
     repetition_penalty: float = field(default=1.0, metadata={"help": "in [1e-4, 1e4], 1 = off"})
     presence_penalty: float = field(default=0.0, metadata={"help": "subtracted once from seen tokens"})
     frequency_penalty: float = field(default=0.0, metadata={"help": "subtracted per occurrence"})
+    penalty_window: int | None = field(default=None, metadata={"help": "penalties count the last N response "
+                                                                       "tokens only (AR; none: all)"})
+    logit_bias: dict | None = field(default=None, metadata={"help": "token id -> bias in [-100, 100]; -100 bans it",
+                                                            "cli": False})
     coreset_size: int | None = field(default=None, metadata={"help": "per-block expert coreset size (off by default)"})
     seed: int | None = field(default=None, metadata={"help": "seeds sampling; none: a fresh seed, reported"})
     draft_passes: int = field(default=1, metadata={"help": "speculative mode: denoising passes per drafted block"})
@@ -87,6 +95,8 @@ class SamplerSettings:
     def __post_init__(self):
         for f in dataclasses.fields(self):  # numpy scalars and the like as plain Python numbers
             v = getattr(self, f.name)
+            if f.name == "logit_bias":
+                continue
             if not isinstance(v, (bool, int, float, str, type(None))):
                 if isinstance(v, numbers.Integral):
                     setattr(self, f.name, int(v))
@@ -149,6 +159,18 @@ class SamplerSettings:
         for name in ("presence_penalty", "frequency_penalty"):
             if abs(number(name)) > MAX_ADDITIVE_PENALTY:
                 bad(name, f"must be within +-{MAX_ADDITIVE_PENALTY:g} (0 = off); beyond that float32 logits overflow")
+        integer("penalty_window", 1, allow_none=True)
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict):
+                bad("logit_bias", "must be a dict of token id -> bias")
+            for k, v in bias.items():
+                key = int(k) if isinstance(k, str) and k.strip().isdigit() else k  # JSON's keys are strings
+                if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
+                    bad("logit_bias", f"{k!r} is no token id (a non-negative integer)")
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -100 <= float(v) <= 100:
+                    bad("logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {v!r}")
+            self.logit_bias = {int(k): float(v) for k, v in bias.items()} or None
         integer("coreset_size", 0, allow_none=True)
         integer("seed", 0, allow_none=True)
         integer("draft_passes", 1, allow_none=False)
@@ -162,7 +184,10 @@ class SamplerSettings:
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether the logits are changed before anything is chosen (penalties, a bias): rows then
+        keep counts of their tokens."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -178,9 +203,14 @@ def _float(v) -> float:
 # --------------------------------------------------------------------------- penalties
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, s: SamplerSettings) -> torch.Tensor:
     """logits [N, V] float, counts [V] (or [N, V], one row each): occurrences of each token in
-    the response so far."""
+    the response so far (its last ``penalty_window``); and the ``logit_bias`` (-100: banned)."""
     if not s.has_penalties:
         return logits
+    if s.logit_bias:
+        ids = torch.tensor([t for t in s.logit_bias if t < logits.shape[-1]], device=logits.device, dtype=torch.long)
+        bias = torch.tensor([b if b > -100 else float("-inf") for t, b in s.logit_bias.items() if t < logits.shape[-1]],
+                            device=logits.device, dtype=logits.dtype)
+        logits = logits.index_add(-1, ids, bias.expand(*logits.shape[:-1], len(ids)))
     seen = counts > 0  # [V]
     if s.repetition_penalty != 1.0:
         rp = s.repetition_penalty
@@ -287,3 +317,20 @@ def decide(logits: torch.Tensor, counts: torch.Tensor | None, s: SamplerSettings
     tokens, probs = candidates(logits, s, generator)
     conf = confidences(probs, tokens, s.confidence)
     return tokens, conf, select_unmask(conf, s.threshold, s.max_tokens_per_step, force_all)
+
+
+# --------------------------------------------------------------------------- whether a choice can be made
+OK, NONFINITE, COLLAPSED = 1, 0, 2  # a step's logits_health: fine, NaN or inf, equal for every token
+
+
+def collapsed(logits: torch.Tensor) -> torch.Tensor:
+    """0-d bool on the device: some row of ``logits`` [.., V] is equal over the whole vocabulary
+    (as when a norm's mean square overflowed and zeroed the hidden state)."""
+    return (logits.amax(-1) == logits.amin(-1)).any()
+
+
+def logits_health(flat: torch.Tensor, confidences: torch.Tensor) -> torch.Tensor:
+    """A 0-d device flag to ride along a step's one host transfer: OK, NONFINITE (a confidence is
+    NaN or inf: so were the logits) or COLLAPSED (``flat``, from :func:`collapsed`: argmax would
+    answer token 0)."""
+    return torch.where(confidences.isfinite().all(), torch.where(flat, COLLAPSED, OK), NONFINITE).long()

@@ -26,39 +26,31 @@ from pathlib import Path
 import torch
 
 from clover_lab.cpu import set_threads
-from clover_lab.engine.sampling import SamplerSettings, apply_penalties
+from clover_lab.engine.engine import Engine
+from clover_lab.engine.requests import Request
+from clover_lab.engine.sampling import SamplerSettings
 from clover_lab.errors import CheckpointError
 from clover_lab.model.decoder import CloverModel
 from clover_lab.writes import OutputError, atomic_path, check_writable, refuse_inputs
 
 
-@torch.no_grad()
 def greedy_continuations(model: CloverModel, prompts: torch.Tensor, new_tokens: int,
                          repetition_penalty: float = 1.2, window: int = 64) -> torch.Tensor:
-    """Greedy causal continuations of a batch of equal-length prompts [B, P] -> [B, new_tokens].
-
-    The sampler's repetition penalty (``sampling.apply_penalties``) applies to the tokens of each
-    row's last ``window`` generated tokens; EOS is never chosen, so that every row is
-    ``new_tokens`` long."""
+    """Greedy causal continuations of a batch of equal-length prompts [B, P] -> [B, new_tokens]:
+    the engine's AR decoding (one request of B rows), with the repetition penalty over each row's
+    last ``window`` generated tokens; EOS, the mask and the pad token are banned (``logit_bias``),
+    so that every row is ``new_tokens`` long."""
     if prompts.dim() != 2 or prompts.shape[1] == 0:
         raise ValueError(f"prompts must be [B, P] with P > 0, got {tuple(prompts.shape)}")
-    settings = SamplerSettings(repetition_penalty=repetition_penalty)  # validates it
+    SamplerSettings(repetition_penalty=repetition_penalty)  # validates it, naming it
     cfg = model.config
-    B, P = prompts.shape
-    cache = model.new_cache(P + new_tokens, B)
-    logits = model.prefill(cache, prompts.to(model.device))[:, -1].float()
-    out = torch.empty(B, new_tokens, dtype=torch.long, device=model.device)
-    counts = torch.zeros(B, cfg.vocab_size, device=model.device)  # per row: tokens in the window
-    banned = [t for t in (cfg.eos_token_id, cfg.mask_token_id, cfg.pad_token_id) if t is not None]
-    for i in range(new_tokens):
-        logits[:, banned] = float("-inf")
-        out[:, i] = apply_penalties(logits, counts, settings).argmax(-1)
-        counts.scatter_add_(1, out[:, i:i + 1], torch.ones(B, 1, device=model.device))
-        if i >= window:  # the token leaving the window
-            counts.scatter_add_(1, out[:, i - window:i - window + 1], -torch.ones(B, 1, device=model.device))
-        if i + 1 < new_tokens:
-            logits = model.commit(cache, out[:, i:i + 1])[:, -1].float()
-    return out
+    banned = {t: -100 for t in (cfg.eos_token_id, cfg.mask_token_id, cfg.pad_token_id) if t is not None}
+    engine = Engine(model)
+    engine.eos_token_ids = []
+    out = engine.generate(Request([row.tolist() for row in prompts], mode="ar", max_new_tokens=new_tokens,
+                                  temperature=0.0, repetition_penalty=repetition_penalty, penalty_window=window,
+                                  logit_bias=banned or None))
+    return torch.tensor([r.token_ids for r in out], dtype=torch.long, device=model.device)
 
 
 def distinct_ngrams(ids: torch.Tensor, n: int = 4) -> float:

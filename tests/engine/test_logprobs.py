@@ -5,7 +5,7 @@ import torch
 
 from clover_lab import SamplerSettings, SettingsError
 from clover_lab.cli.main import build_parser
-from clover_lab.engine import sampling, token_info
+from clover_lab.engine import row, sampling
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -69,7 +69,7 @@ def test_nothing_computed_without_logprobs(tiny_engine, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("log-probabilities computed although not asked for")
 
-    monkeypatch.setattr(token_info, "log_probs", refuse)
+    monkeypatch.setattr(row, "log_probs", refuse)
     for mode in ("diffusion", "ar"):
         r = tiny_engine.generate(PROMPT, mode=mode, max_new_tokens=20)
         assert r.logprobs is None and r.top_logprobs is None and len(r.unmask_steps) == 20

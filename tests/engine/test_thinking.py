@@ -7,7 +7,7 @@ import torch
 
 import clover_lab
 from clover_lab import GenerationError
-from clover_lab.engine.thinking import Thinking
+from clover_lab.engine.results import Thinking
 from clover_lab.errors import InputError
 
 QWEN_TEMPLATE = (

@@ -282,7 +282,7 @@ def test_no_events_are_built_without_hooks(tiny_engine, monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("an event was built with no hook attached")
 
-    for where in ("engine.diffusion.StepEvent", "engine.run.CommitEvent", "model.layers.moe.RouteEvent",
+    for where in ("engine.diffusion.StepEvent", "engine.row.CommitEvent", "model.layers.moe.RouteEvent",
                   "model.layers.gdn.GDNPreviewEvent", "model.layers.gdn.GDNStateEvent"):
         monkeypatch.setattr(f"clover_lab.{where}", forbidden)
     tiny_engine.generate(PROMPT, **KW)
@@ -393,22 +393,17 @@ def test_scoped_hooks_and_captures_stay_in_their_thread(tiny_engine):
     with tiny_engine.hooks({"layers.*.moe.route": lambda ev: ev.ban([0, 1])}):
         banned = tiny_engine.generate(PROMPT, **KW_20)
     assert banned.token_ids != base.token_ids
-    both_running = threading.Barrier(2, timeout=60)
+    both_submitted = threading.Barrier(2, timeout=60)  # then their rows share the engine's steps
     results, errors = {}, []
-
-    def meet_once(flag: list):
-        def hook(ev):
-            if not flag:
-                flag.append(True)
-                both_running.wait()  # the other thread is inside its generation too
-        return hook
 
     def rerouting():
         torch.set_num_threads(1)  # as the main thread: the same sums in the same order
         try:
             with tiny_engine.capture(["denoise.step", "layers.0.moe.route"]) as cap:
-                with tiny_engine.hooks({"layers.*.moe.route": [lambda ev: ev.ban([0, 1]), meet_once([])]}):
-                    results["a"] = tiny_engine.generate(PROMPT, **KW_20)
+                with tiny_engine.hooks({"layers.*.moe.route": lambda ev: ev.ban([0, 1])}):
+                    handle = tiny_engine.submit(clover_lab.Request(PROMPT, **KW_20), emit=False)
+                    both_submitted.wait()
+                    results["a"] = tiny_engine.wait(handle)
             results["a_runs"] = {rec.run for rec in cap.records}
             results["a_steps"] = len(cap["denoise.step"])
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
@@ -417,8 +412,12 @@ def test_scoped_hooks_and_captures_stay_in_their_thread(tiny_engine):
     def plain():
         torch.set_num_threads(1)
         try:
-            with tiny_engine.hooks({"denoise.step": meet_once([])}):
-                results["b"] = tiny_engine.generate(PROMPT, **KW_20)
+            seen = []
+            with tiny_engine.hooks({"denoise.step": lambda ev: seen.append(ev.run)}):
+                handle = tiny_engine.submit(clover_lab.Request(PROMPT, **KW_20), emit=False)
+                both_submitted.wait()
+                results["b"] = tiny_engine.wait(handle)
+            results["b_runs"] = set(seen)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -431,6 +430,7 @@ def test_scoped_hooks_and_captures_stay_in_their_thread(tiny_engine):
     assert results["a"].token_ids == banned.token_ids  # its scoped hooks applied to its generation
     assert results["b"].token_ids == base.token_ids  # and never to the other thread's
     assert len(results["a_runs"]) == 1 and results["a_steps"] == results["a"].stats.preview_forwards
+    assert len(results["b_runs"]) == 1 and results["b_runs"] != results["a_runs"]
 
     seen = []  # a permanent hook reaches every thread
     handle = tiny_engine.add_hook("block.commit", lambda ev: seen.append(threading.get_ident()))

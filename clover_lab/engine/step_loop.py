@@ -1,0 +1,291 @@
+"""The step loop: the one place where generation happens. ``Engine.submit`` queues a request's
+rows; each :meth:`StepLoop.step`
+
+1. ends the rows of cancelled requests (stop reason "cancelled", their partial results intact);
+2. admits queued rows while there is room, prefilling their prompts (a forward per prompt
+   length);
+3. groups the rows going on into cohorts, rows that may share a forward (the same hooks; with a
+   hook inside the model, the same request), and hands each cohort's rows of each mode to that
+   mode's decoder (``diffusion.py``, ``ar.py``, ``speculative.py``), which asks the runner
+   (``runner.py``) for its forwards through :meth:`StepLoop.forward` and decides from their logits;
+4. returns the step's updates (also handed to each request's handle).
+
+Rows join and leave at any step; rows with different settings (mode, sampler, policy, length,
+stop strings) share forwards wherever their forward kind and shape agree, and each row's tokens
+are the ones it gives alone. A request with an expert coreset runs alone (its coreset's experts
+are shared by the rows of a block). An error ends the requests whose rows it concerns, and the
+loop goes on with the others; the runner's cache is dropped when the last row has left.
+
+One loop per engine (``engine.loop``); a generation started inside a hook (a nested one) gets
+a loop of its own.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+
+from clover_lab.engine import ar, diffusion, speculative
+from clover_lab.engine.row import Handle, Row
+from clover_lab.engine.runner import Runner
+from clover_lab.hooks.events import Where
+from clover_lab.hooks.registry import StopGeneration
+
+DECODERS = {"diffusion": diffusion, "ar": ar, "speculative": speculative}
+
+
+class StepLoop:
+    def __init__(self, engine):
+        self.engine = engine
+        self.queue: deque[Row] = deque()  # rows waiting for room, oldest first
+        self.rows: list[Row] = []  # the rows going on, in the order they were admitted
+        self.runner: Runner | None = None
+        self.max_rows = 64  # rows going on at once (the server sets its --max-batch)
+        self.capacity = 0  # positions per row the runner's cache holds at least (the server's)
+        self.forwards = 0  # forwards run after the prefills, every request's together
+        self._keys = itertools.count()
+        self._lock = threading.RLock()
+        self._stepping: threading.Thread | None = None
+        self._step_updates: list | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether rows of requests not cancelled are queued or going on."""
+        return any(not row.handle.cancelled for row in itertools.chain(self.queue, self.rows))
+
+    @property
+    def idle(self) -> bool:
+        """No row queued or going on (cancelled ones included: a step ends them)."""
+        return not (self.queue or self.rows)
+
+    def stepping_here(self) -> bool:
+        """Whether this thread is inside :meth:`step` (a hook generating: a nested generation)."""
+        return self._stepping is threading.current_thread()
+
+    def submit(self, handle: Handle) -> None:
+        with self._lock:
+            self.queue.extend(handle.rows)
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> list:
+        """One scheduler step; returns the updates it produced (of requests that stream)."""
+        with self._lock:
+            self._stepping, self._step_updates = threading.current_thread(), []
+            try:
+                self._cancel()
+                self._admit()
+                for cohort in self._cohorts():
+                    for mode, decoder in DECODERS.items():
+                        rows = [row for row in cohort if row.mode == mode and row.live]
+                        if rows:
+                            self._advance(decoder, rows)
+                self._release()
+                return self._step_updates
+            finally:
+                self._stepping, self._step_updates = None, None
+
+    def _advance(self, decoder, rows: list[Row]) -> None:
+        """One step of a cohort's rows of one mode; a model hook's StopGeneration ends their
+        requests' rows (``decoder.abandon``), an error fails their requests."""
+        try:
+            decoder.advance(self, rows)
+        except StopGeneration:
+            decoder.abandon(self, [row for row in self.rows if row.live and row.handle in {r.handle for r in rows}])
+        except BaseException as e:
+            self.fail({row.handle for row in rows}, e)
+            if not isinstance(e, Exception):  # an interrupt reaches whoever steps
+                raise
+
+    def _cohorts(self) -> list[list[Row]]:
+        """The rows going on, by what lets them share a forward: the hooks that apply to them,
+        and, with a hook inside the model (whose events name one request), the request."""
+        cohorts: dict[tuple, list[Row]] = {}
+        for row in self.rows:
+            if row.live:
+                hooks = row.hooks
+                alone = row.handle.number if hooks.model_hooks_attached() else None
+                cohorts.setdefault((hooks.scopes, alone), []).append(row)
+        return list(cohorts.values())
+
+    # ---------------------------------------------------------------- rows arrive
+    def _admit(self) -> None:
+        """Queued rows join while there is room: a coreset request only into an idle loop, and
+        alone; a row too long for the runner's cache waits until the loop is idle."""
+        new: list[Row] = []
+        while self.queue:
+            row = self.queue[0]
+            if row.handle.error is not None or row.handle.cancelled:
+                self.queue.popleft()
+                continue
+            if not self._room(row, self.rows + new):
+                break
+            if self.runner is not None and not self.runner.fits(len(row.prompt_ids) + row.max_new):
+                break
+            new.append(self.queue.popleft())
+        if not new:
+            return
+        for row in new:
+            row.key, row.loop = next(self._keys), self
+        keys = [row.key for row in new]
+        if self.runner is None:
+            length = max(max(len(r.prompt_ids) + r.max_new for r in new), self.capacity)
+            length = min(length, self.engine.model.config.max_position_embeddings)
+            coreset = next((r.s.coreset_size for r in new if alone(r)), None)
+            try:
+                self.runner = Runner(self.engine, self, length, keys, coreset)
+            except BaseException as e:
+                self.fail({row.handle for row in new}, e)
+                if not isinstance(e, Exception):
+                    raise
+                return
+        else:
+            self.runner.add(keys)
+        self.rows += new
+        groups: dict[tuple, list[Row]] = {}
+        for row in new:
+            groups.setdefault((row.hooks.scopes, len(row.prompt_ids)), []).append(row)
+        for rows in groups.values():
+            self._prefill(rows)
+
+    def _room(self, row: Row, going: list[Row]) -> bool:
+        """Whether ``row`` may join ``going``: within ``max_rows``; a request with a coreset only
+        into an idle loop, and nothing beside it but its own rows."""
+        if not going:
+            return True
+        if len(going) >= self.max_rows:
+            return False
+        if alone(row) or any(alone(r) for r in going):
+            return {r.handle for r in going} == {row.handle}
+        return True
+
+    def _prefill(self, rows: list[Row]) -> None:
+        """These rows' prompts (of one length) into the cache, in one forward (or one per chunk of
+        ``prefill_chunk_size``); rows that decode from the prompt's next-token logits keep them."""
+        chunk = self.engine.prefill_chunk_size
+        want = any(row.mode != "diffusion" for row in rows)
+        try:
+            with self.forward("prefill", rows):
+                logits = self.runner.use(rows[0].hooks).prefill(
+                    [r.key for r in rows], [r.prompt_ids for r in rows], chunk, "last" if want else None,
+                    self.where(rows, "prefill"))
+        except StopGeneration:  # a model hook stopped a prompt's prefill: no tokens, the prompt half cached
+            self.end(rows, "hook", cache_complete=False)
+            return
+        except BaseException as e:
+            self.fail({row.handle for row in rows}, e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        forwards = -(-len(rows[0].prompt_ids) // chunk)
+        if self.engine.model.device.type == "cuda":  # decode time starts after the prefill really ended
+            torch.cuda.synchronize(self.engine.model.device)
+        now = time.perf_counter()
+        for i, row in enumerate(rows):
+            row.stats.prefill_forwards = forwards
+            row.t_decode = now
+            if row.handle.t_decode is None:
+                row.handle.t_decode = now
+            if logits is not None and row.mode != "diffusion":
+                row.logits = logits[i]
+
+    # ---------------------------------------------------------------- forwards, timed and counted
+    @contextmanager
+    def forward(self, kind: str, rows: list[Row], fused: bool = False):
+        """One forward of ``kind`` ("prefill", "preview", "commit") over ``rows``: its time goes to
+        each row and request; a forward that succeeded counts for them, with the path it took."""
+        handles = list(dict.fromkeys(row.handle for row in rows))
+        clocks = [h.clock for h in handles] + [row.clock for row in rows]
+        for c in clocks:
+            c.start(kind)
+        try:
+            yield
+        finally:
+            for c in clocks:
+                c.stop()
+        label = self.runner.last
+        for h in handles:
+            h.took("fused" if fused else kind, label)
+        if kind == "prefill":
+            return
+        self.forwards += 1
+        for row in rows:
+            st = row.stats
+            if kind == "preview":
+                st.preview_forwards += 1
+                st.fused_forwards += fused
+            else:
+                st.commit_forwards += 1
+            if label is not None:
+                row.paths[label] = row.paths.get(label, 0) + 1
+
+    def where(self, rows: list[Row], phase: str, block: int | None = None, step: int | None = None,
+              commit_block: int | None = None) -> Where:
+        """Where a forward of ``rows`` stands: their request's number and, in a batch, their rows
+        (rows of several requests share a forward only where no event inside the model names it)."""
+        handle = rows[0].handle
+        one = all(row.handle is handle for row in rows)
+        return Where(handle.number, phase, block, step, commit_block,
+                     tuple(row.index for row in rows) if one and handle.batched else None)
+
+    # ---------------------------------------------------------------- rows leave
+    def end(self, rows: list[Row], reason: str | dict, cache_complete: bool = True) -> None:
+        """These rows are done: their results (a "done" update each), and out of the cache."""
+        rows = [row for row in rows if row.live]
+        for row in rows:
+            if not cache_complete:
+                row.stats.cache_complete = False
+            row.finish(reason if isinstance(reason, str) else reason[row.key])
+            row.update("done", row.stats.blocks, None)
+        self._drop(rows)
+        for handle in dict.fromkeys(row.handle for row in rows):
+            handle.row_ended()
+
+    def fail(self, handles, error: BaseException) -> None:
+        """These requests end with ``error``: their rows leave, queued or going on."""
+        for handle in handles:
+            handle.fail(error)
+        self.queue = deque(row for row in self.queue if row.handle not in handles)
+        self._drop([row for row in self.rows if row.handle in handles])
+
+    def _drop(self, rows: list[Row]) -> None:
+        gone = {row.key for row in rows}
+        if not gone:
+            return
+        self.rows = [row for row in self.rows if row.key not in gone]
+        if self.runner is not None:
+            self.runner.drop([k for k in gone if k in self.runner.slots])
+
+    def _cancel(self) -> None:
+        """Rows of cancelled requests end here, at a step boundary: a queued one with no tokens; a
+        finished block waiting for its fused commit is part of its row's response."""
+        queued = [row for row in self.queue if row.handle.cancelled and row.handle.error is None]
+        if queued:
+            self.queue = deque(row for row in self.queue if row not in queued)
+            for row in queued:
+                row.finish("cancelled")
+                row.update("done", 0, None)
+            for handle in dict.fromkeys(row.handle for row in queued):
+                handle.row_ended()
+        going = [row for row in self.rows if row.handle.cancelled and row.live]
+        for row in going:
+            if row.pending is not None:
+                (tokens, steps), row.pending = row.pending, None
+                row.record_block(tokens, steps)
+                row.stats.cache_complete = False
+        self.end(going, "cancelled")
+
+    def _release(self) -> None:
+        """The last row has left: the cache goes (and the fast path's graphs are free)."""
+        if not self.rows and self.runner is not None:
+            self.runner = None
+            self.engine.fast_path.release(self)
+
+
+def alone(row: Row) -> bool:
+    """A block-diffusion row with an expert coreset: its request runs alone (the coreset is one
+    set of experts per block for the rows of the step)."""
+    return row.mode == "diffusion" and bool(row.s.coreset_size)

@@ -1,0 +1,149 @@
+"""The engine as a scheduler of rows (engine/step_loop.py): requests with their own settings share
+forwards, join at any step, leave on their own and can be cancelled; each row gives the tokens
+it gives alone (greedy, and sampled with a seed), on the eager forward and on the static steps."""
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import clover_lab
+from clover_lab import Request
+from clover_lab.engine.requests import GenerationError
+from clover_lab.engine.sampling import SettingsError
+
+PROMPTS = ["def parse(line):\n", "import os\n", "class Stack:\n    def push(self, x):\n", "x = [", "# read\n"]
+STOP = "\n\n"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return clover_lab.load(dtype=torch.float32)
+
+
+def mixed(engine):
+    """Five requests that differ in everything a request sets."""
+    return [Request(PROMPTS[0], max_new_tokens=40, temperature=0.8, seed=7),
+            Request(PROMPTS[1], mode="ar", max_new_tokens=24),
+            Request(PROMPTS[2], max_new_tokens=40, policy="topk:k=2"),
+            Request(PROMPTS[3], max_new_tokens=48, stop=STOP),
+            Request(PROMPTS[4], mode="speculative", max_new_tokens=40)]
+
+
+def run_all(engine, handles) -> None:
+    for _ in range(10_000):
+        if all(h.done for h in handles):
+            return
+        engine.step()
+    raise AssertionError("the requests did not end")
+
+
+@pytest.mark.parametrize("path", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_a_mixed_batch_gives_each_row_its_alone_tokens_in_fewer_forwards(engine, path):
+    alone = [engine.generate(r) for r in mixed(engine)]
+    assert alone[3].stop_reason in ("stop_string", "length")
+    engine.compile_steps = path == "compiled"
+    try:
+        before = engine.loop.forwards
+        handles = [engine.submit(r, emit=False) for r in mixed(engine)]
+        run_all(engine, handles)
+        shared = engine.loop.forwards - before
+    finally:
+        engine.compile_steps = False
+    for h, a in zip(handles, alone):
+        assert h.error is None and h.result.token_ids == a.token_ids, h
+        assert h.result.stop_reason == a.stop_reason
+    assert shared < sum(a.stats.forwards for a in alone)
+    if path == "compiled":
+        assert any("compiled" in (h.result.stats.path or "") for h in handles)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_rows_join_at_any_step_and_give_their_own_tokens(engine, static):
+    alone = [engine.generate(p, max_new_tokens=40).token_ids for p in PROMPTS]
+    engine.step_graphs = static
+    try:
+        handles = [engine.submit(Request(PROMPTS[0], max_new_tokens=40))]
+        joins = {1: [1], 3: [2, 3], 7: [4]}  # step -> prompts submitted before it
+        for k in range(10_000):
+            for p in joins.get(k, []):
+                handles.append(engine.submit(Request(PROMPTS[p], max_new_tokens=40)))
+            if k > max(joins) and all(h.done for h in handles):
+                break
+            engine.step()
+    finally:
+        engine.step_graphs = None
+    assert [h.result.token_ids for h in handles] == alone
+    commits = [u for u in handles[4].updates() if u.kind == "commit"]
+    assert [u.block for u in commits] == list(range(len(commits)))  # a late row counts its own blocks
+
+
+def test_cancel_ends_that_row_only_with_its_partial_result(engine):
+    alone = [engine.generate(p, max_new_tokens=64).token_ids for p in PROMPTS[:3]]
+    handles = [engine.submit(Request(p, max_new_tokens=64)) for p in PROMPTS[:3]]
+    queued = engine.submit(Request(PROMPTS[3], max_new_tokens=64))
+    queued.cancel()  # still queued: it ends with no tokens
+    while not any(u.kind == "commit" for u in handles[1].updates()):  # a block of it is final
+        engine.step()
+    threading.Thread(target=handles[1].cancel).start()  # from another thread
+    run_all(engine, handles + [queued])
+    assert [handles[0].result.token_ids, handles[2].result.token_ids] == [alone[0], alone[2]]
+    cut = handles[1].result
+    assert cut.stop_reason == "cancelled" and 0 < len(cut.token_ids) < len(alone[1])
+    assert cut.token_ids == alone[1][:len(cut.token_ids)]
+    assert queued.result.stop_reason == "cancelled" and queued.result.token_ids == []
+    assert not engine.loop.busy and engine.loop.runner is None  # the cache went with the last row
+
+
+def test_an_abandoned_stream_is_cancelled(engine):
+    stream = engine.stream(PROMPTS[0], max_new_tokens=64)
+    next(stream)
+    stream.close()
+    assert not engine.loop.busy
+    engine.step()
+    assert engine.loop.runner is None
+
+
+def test_n_rows_of_one_request_take_seed_plus_i(engine):
+    want = [engine.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, seed=5 + i).token_ids for i in range(3)]
+    out = engine.generate(Request(PROMPTS[0], max_new_tokens=24, temperature=0.8, seed=5, n=3))
+    assert [r.token_ids for r in out] == want and out.stats.rows == 3
+    greedy = engine.generate(Request(PROMPTS[1], max_new_tokens=16, n=2))
+    assert greedy[0].token_ids == greedy[1].token_ids
+
+
+def test_the_request_check_names_the_field(engine):
+    cases = [(Request("x", mode="fast"), "mode"), (Request("x", n=0), "n"), (Request("x", max_new_tokens=0),
+                                                                             "max_new_tokens"),
+             (Request("x", stop=[""]), "stop"), (Request("x", block_size=-1), "block_size"),
+             (Request("x", policy="nope"), "policy"), (Request("x", coreset_size=1), "coreset_size"),
+             (Request("x", max_new_tokens=10**9), "max_new_tokens"), (Request([1, 10**9]), "prompt")]
+    for request, field in cases:
+        with pytest.raises(GenerationError) as e:
+            engine.check(request)
+        assert e.value.field == field, (request, e.value)
+    with pytest.raises(SettingsError) as e:
+        engine.check(Request("x", temperature=-1))
+    assert e.value.field == "temperature"
+    with pytest.raises(TypeError, match="Request carries its own settings"):
+        engine.generate(Request("x"), max_new_tokens=3)
+
+
+def test_one_diffusion_generate_passes_through_at_most_nine_engine_files(engine):
+    """The flow is submit -> step -> runner -> decoders -> updates; the rest of engine/ (the fast
+    path, faults, speculative decoding, ...) is entered only where it applies."""
+    root = str(Path(clover_lab.engine.__file__).parent)
+    seen = set()
+
+    def calls(frame, event, arg):
+        if frame.f_code.co_filename.startswith(root):
+            seen.add(Path(frame.f_code.co_filename).name)
+
+    engine.generate(PROMPTS[0], max_new_tokens=8)  # imports done
+    sys.setprofile(calls)
+    try:
+        engine.generate(PROMPTS[0], max_new_tokens=40)
+    finally:
+        sys.setprofile(None)
+    assert "step_loop.py" in seen and "diffusion.py" in seen and len(seen) <= 9, sorted(seen)
