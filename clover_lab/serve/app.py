@@ -52,12 +52,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
     app.state.engine, app.state.scheduler, app.state.metrics = engine, scheduler, metrics
     _errors(app, metrics)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        metrics.requests.labels(request.url.path if request.url.path in _COUNTED else "other",
-                                str(response.status_code)).inc()
-        return response
+    app.add_middleware(Counted, metrics=metrics)
 
     @app.get("/v1/models")
     async def models():
@@ -109,6 +104,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
     return app
 
 
+DISCONNECT_POLL = 0.1  # seconds between checks that a non-streamed request's client is still there
 _COUNTED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
 
 
@@ -136,8 +132,13 @@ async def _answer(request, scheduler, metrics, jobs, body, shape: R.Shape):
     if body.stream:
         return StreamingResponse(_stream(scheduler, metrics, jobs, body, shape, started),
                                  media_type="text/event-stream")
+    collect = asyncio.ensure_future(_collect(jobs, metrics, started))
     try:
-        results = await _collect(jobs, metrics, started)
+        while not collect.done():  # a client that went away cancels its rows: they leave at the next step
+            await asyncio.wait({collect}, timeout=DISCONNECT_POLL)
+            if not collect.done() and await request.is_disconnected():
+                collect.cancel()
+        results = await collect
     finally:
         for job in jobs:
             scheduler.cancel(job)  # a no-op for the finished; frees the rows of a client gone meanwhile
@@ -244,6 +245,27 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
     async def failed(request, e: Exception):  # the server's fault, never the request's: 500
         return JSONResponse({"error": {"message": f"generation failed: {type(e).__name__}: {e}",
                                        "type": "server_error", "param": None, "code": None}}, status_code=500)
+
+
+class Counted:
+    """Counts every answer by endpoint and status (``clover_requests_total``). A plain ASGI
+    middleware: Starlette's ``BaseHTTPMiddleware`` would hide a client's disconnect from the
+    endpoint, and a non-streamed request whose client left would then run to its end."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in _COUNTED else "other"
+
+        async def sent(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, sent)
 
 
 class JSONBodies:

@@ -47,9 +47,10 @@ CLOVER_SAMPLER = ("threshold", "coreset_size", "confidence", "top_k", "max_token
 
 @dataclass(eq=False)
 class Job:
-    """One prompt of a request, as the scheduler's worker runs it. ``updates`` carries the
-    engine's StreamUpdates (and a final None, or an exception) back to the request's event loop,
-    as (job, item) pairs: a request's jobs share one queue."""
+    """One row of a request (a prompt, or one of its ``n`` samples), as the scheduler hands it to
+    the engine (``handle``: the engine's request). ``updates`` carries the engine's StreamUpdates
+    (and a final None, or an exception) back to the request's event loop, as (job, item) pairs: a
+    request's jobs share one queue."""
 
     id: str
     index: int
@@ -65,12 +66,20 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     updates: asyncio.Queue | None = None
+    handle: object = None  # the engine's Handle, once submitted
+    capture: object = None  # a traced job's Capture, and the context its scope is open in
+    context: object = None
 
-    def key(self):
-        """Jobs with equal keys can share a batch (the engine runs one setting per batch); a
-        traced job runs alone, so that its trace is its own."""
-        alone = None if self.trace_points is None else id(self)
-        return self.mode, self.max_new_tokens, tuple(self.stop), self.settings, self.block_size, alone
+    @property
+    def started(self) -> bool:
+        """The engine has admitted its row (it runs)."""
+        return self.handle is not None and self.handle.rows[0].key is not None
+
+    def deliver(self, update) -> None:
+        """The engine's listener (in the worker thread): the updates the client asked for."""
+        if self.cancelled.is_set() or (update.kind == "step" and not self.provisional):
+            return
+        self.send(update)
 
     def send(self, item) -> None:
         """From the worker thread: an update (or None at the end, or an exception) to the request."""
@@ -152,6 +161,9 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
         raise RequestError("clover.stream_provisional: AR decoding has no denoising steps to stream; "
                            "use mode diffusion", "clover.stream_provisional")
     points = trace_points(engine, opts.trace)
+    n = request.n
+    if n > 1 and points is not None:
+        raise RequestError("clover.trace records one generation; ask for it with n = 1", "n")
     rid = new_id(prefix)
     jobs = []
     ctx = engine.model.config.max_position_embeddings
@@ -170,6 +182,10 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
             param = (where if len(ids) >= ctx else max_tokens_param) if over else (
                 "clover.mode" if "mode" in str(e) or "mask token" in str(e) else max_tokens_param)
             raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
-        jobs.append(Job(rid, i, ids, mode, max_new, stop, settings, opts.block_size or engine.block_size,
-                        provisional=opts.stream_provisional, trace_points=points))
+        for k in range(n):  # n rows of one request: sampled with a seed, row k takes seed + k
+            s = settings
+            if k and s.seed is not None and not s.greedy:
+                s = SamplerSettings.from_kwargs(s, seed=(s.seed + k) % 2**64)
+            jobs.append(Job(rid, i * n + k, ids, mode, max_new, stop, s, opts.block_size or engine.block_size,
+                            provisional=opts.stream_provisional, trace_points=points))
     return jobs

@@ -1,32 +1,29 @@
-"""The scheduler: one worker thread owns the engine (a generation's cache and hooks belong to the
-thread that runs it), a bounded queue in front of it, and batches.
+"""The server's side of the engine: one worker thread steps the engine (``Engine.step``: the
+engine's step loop, ``engine/step_loop.py``) while it has rows, and sleeps while it has none; a
+bounded queue in front of it.
 
-At each start the worker takes the oldest waiting job and every waiting job that can share its
-batch (``Job.key``: the same mode, length, stop strings, sampler settings and block size), up to
-``max_batch`` rows, and runs them as one batched ``engine.stream``: the rows share every forward
-and each leaves as it ends. In block diffusion (without a coreset) jobs of that key that arrive
-meanwhile join the running batch at its next block boundary (``Engine.stream``'s ``join``), into
-a cache of ``capacity`` positions per row; a job of another key waits for the batch to end, and
-each batch is bounded by its length. Greedy float32 rows give the tokens each prompt gives alone, so what
-else is in the batch never changes a response. A job whose client went away is stopped at its
-next denoising step (a ``denoise.step`` hook stops its row; in AR, ``block.commit``) and its row
-leaves the batch. A full queue refuses new jobs (HTTP 429); a closing scheduler refuses them too
-(503) and finishes what it holds.
+Each job (one row of a request: a prompt, or one of its ``n`` samples) is submitted to the engine
+as a request of its own with its own settings (mode, length, stop strings, sampler settings,
+block size), so requests that differ in any of them share the engine's forwards, rows join at
+any step and leave as they end; what else runs never changes a row's tokens. A job whose client
+went away (streamed or not, running or still queued) is cancelled (``Handle.cancel``): its row
+leaves at the next step, and with no row left the worker sleeps. A full queue refuses new jobs
+(HTTP 429); a closing scheduler refuses them too (503) and finishes what it holds.
 """
 from __future__ import annotations
 
+import contextvars
 import shutil
 import tempfile
 import threading
-from collections import OrderedDict, deque
-from contextlib import nullcontext
+from collections import OrderedDict
 from pathlib import Path
 
-from clover_lab.hooks import points
+from clover_lab.engine.requests import Request
 from clover_lab.serve.jobs import Job, RequestError
 from clover_lab.serve.prometheus import Metrics
 
-DEFAULT_CAPACITY = 4096  # positions per row of a batch that jobs join
+DEFAULT_CAPACITY = 4096  # positions per row the engine's cache holds at least while serving
 
 
 class Scheduler:
@@ -35,13 +32,14 @@ class Scheduler:
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch}, {max_queue}")
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
-        self.capacity = capacity or min(engine.model.config.max_position_embeddings, DEFAULT_CAPACITY)
+        engine.loop.max_rows = max_batch
+        engine.loop.capacity = capacity or min(engine.model.config.max_position_embeddings, DEFAULT_CAPACITY)
         self.metrics = metrics or Metrics()
         self.traces = traces or TraceStore()
         self._cv = threading.Condition()
-        self._waiting: deque[Job] = deque()
+        self._inbox: list[Job] = []  # submitted, not yet handed to the engine
+        self._jobs: list[Job] = []  # handed to the engine, not yet ended
         self._closing = False
-        self.running = 0  # rows in the batch now running
         self._thread = threading.Thread(target=self._work, name="clover-serve-engine", daemon=True)
 
     # ---------------------------------------------------------------- the request side
@@ -50,32 +48,44 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Jobs not yet running (queued here or in the engine)."""
+        return len(self._inbox) + sum(1 for job in self._jobs if job.handle is not None and not job.started)
+
+    @property
+    def running(self) -> int:
+        return sum(1 for job in self._jobs if job.started)
 
     @property
     def closing(self) -> bool:
         return self._closing
 
     def submit(self, jobs: list[Job]) -> None:
-        """Queue a request's jobs (all or none)."""
+        """Queue a request's jobs (all or none). A request with more jobs than the queue holds can
+        never be taken: a 400, not a 429 to retry."""
+        if len(jobs) > self.max_queue:
+            raise RequestError(f"this request has {len(jobs)} prompts (times n), more than the server's queue holds "
+                               f"({self.max_queue}, --max-queue); send fewer per request", "n")
         with self._cv:
             if self._closing:
                 raise RequestError("the server is shutting down", status=503, type="service_unavailable",
                                    code="shutting_down")
-            if len(self._waiting) + len(jobs) > self.max_queue:
+            if self.waiting + len(jobs) > self.max_queue:
                 raise RequestError(f"the queue is full ({self.max_queue} waiting prompts); retry later", status=429,
                                    type="rate_limit_error", code="queue_full")
-            self._waiting.extend(jobs)
-            self.metrics.queue.set(len(self._waiting))
+            self._inbox.extend(jobs)
+            self.metrics.queue.set(self.waiting)
             self._cv.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: a waiting job leaves the queue, a running one its batch."""
+        """The client is gone: the job's row leaves at the next step (or the queue at once)."""
         job.cancelled.set()
+        if job.handle is not None:
+            job.handle.cancel()
         with self._cv:
-            if job in self._waiting:
-                self._waiting.remove(job)
-                self.metrics.queue.set(len(self._waiting))
+            if job in self._inbox:
+                self._inbox.remove(job)
+                self.metrics.queue.set(self.waiting)
+            self._cv.notify()
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new jobs, finish the queued and running ones, stop the worker."""
@@ -90,97 +100,70 @@ class Scheduler:
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._waiting and not self._closing:
+                while not self._inbox and not self._jobs and not self._closing:
                     self._cv.wait()
-                if not self._waiting:
+                if not self._inbox and not self._jobs:
                     return
-                batch = self._take()
-                self.metrics.queue.set(len(self._waiting))
-            self._run(batch)
+                jobs, self._inbox = self._inbox, []
+            for job in jobs:
+                self._start(job)
+            if not self.engine.loop.idle:
+                before = self.engine.loop.forwards
+                try:
+                    self.engine.step()
+                except Exception as e:  # noqa: BLE001 - the engine failed outside any request: every job hears it
+                    for job in self._jobs:
+                        job.handle.fail(e)
+                self.metrics.stepped(self.engine.loop.forwards - before)
+            self._settle()
 
-    def _take(self) -> list[Job]:
-        """The oldest job and the waiting jobs that can share its batch."""
-        first = self._waiting.popleft()
-        batch, key = [first], first.key()
-        for job in list(self._waiting):
-            if len(batch) == self.max_batch:
-                break
-            if job.key() == key:
-                batch.append(job)
-                self._waiting.remove(job)
-        return batch
-
-    def _run(self, batch: list[Job]) -> None:
-        engine, first = self.engine, batch[0]
-        live = [job for job in batch if not job.cancelled.is_set()]
-        if not live:
+    def _start(self, job: Job) -> None:
+        """Hand a job to the engine as a request of its own (a traced one inside its capture's
+        scope, opened in a context of its own and closed when it ends)."""
+        if job.cancelled.is_set():
             return
-        batch = live
-
-        def stop_cancelled(event):  # a gone client's row stops at its next step (AR: token)
-            r = event.where.row
-            if r is not None and batch[r].cancelled.is_set():
-                event.stop()
-
-        traced = first.trace_points is not None  # a traced job runs alone (Job.key)
-        joins = first.mode == "diffusion" and not first.settings.coreset_size and not traced
-        longest = max(len(job.prompt_ids) for job in batch) + first.max_new_tokens
-        block_size = engine.block_size
-        self.running = len(batch)
-        self.metrics.running.set(len(batch))
+        if self.engine.loop.rows:
+            self.metrics.joined.inc()
+        request = Request(job.prompt_ids, mode=job.mode, max_new_tokens=job.max_new_tokens, stop=job.stop or None,
+                          settings=job.settings, block_size=job.block_size)
         try:
-            engine.block_size = first.block_size
-            with engine.hooks({points.DENOISE_STEP: stop_cancelled, points.BLOCK_COMMIT: stop_cancelled}), \
-                    (engine.capture(first.trace_points, to="cpu") if traced else nullcontext()) as capture:
-                stream = engine.stream([job.prompt_ids for job in batch], mode=first.mode,
-                                       max_new_tokens=first.max_new_tokens, stop=first.stop or None,
-                                       settings=first.settings, join=self._joining(batch) if joins else None,
-                                       capacity=max(longest, self.capacity) if joins else None)
-                for update in stream:
-                    if update.kind == "batch":
-                        self.metrics.batch(update.result)
-                        continue
-                    job = batch[update.row]
-                    if update.kind == "done":
-                        with self._cv:
-                            self.running -= 1
-                        self.metrics.running.set(self.running)
-                    if job.cancelled.is_set() or (update.kind == "step" and not job.provisional):
-                        continue
-                    job.send(update)
-                    if update.kind == "done" and not traced:
-                        job.send(None)
-            if traced:
-                self.traces.add(first.id, capture, {"request": first.id})
-                first.send(None)
-        except Exception as e:  # noqa: BLE001 - the jobs' requests answer it; the worker goes on
-            for job in batch:
-                job.send(e)
-        finally:
-            engine.block_size = block_size
-            self.running = 0
-            self.metrics.running.set(0)
+            if job.trace_points is None:
+                job.handle = self.engine.submit(request, listener=job.deliver)
+            else:
+                job.context = contextvars.copy_context()
+                job.capture = self.engine.capture(job.trace_points, to="cpu")
+                job.handle = job.context.run(self._traced, job, request)
+        except Exception as e:  # noqa: BLE001 - checked before it was queued; what is left is the request's
+            job.send(e)
+            job.send(None)
+            return
+        self._jobs.append(job)
 
+    def _traced(self, job: Job, request: Request):
+        job.capture.__enter__()
+        return self.engine.submit(request, listener=job.deliver)
 
-    def _joining(self, batch: list[Job]):
-        """``Engine.stream``'s join source: waiting jobs of the batch's key whose prompts fit,
-        while the batch has rows free; they are appended to ``batch`` (their row indices)."""
-        key = batch[0].key()
-
-        def join(room: int) -> list[list[int]]:
-            with self._cv:
-                free = self.max_batch - self.running
-                jobs = [job for job in self._waiting if job.key() == key and len(job.prompt_ids) <= room][:free]
-                for job in jobs:
-                    self._waiting.remove(job)
-                self.metrics.queue.set(len(self._waiting))
-                self.running += len(jobs)
-                self.metrics.running.set(self.running)
-                self.metrics.joined.inc(len(jobs))
-            batch.extend(jobs)
-            return [job.prompt_ids for job in jobs]
-
-        return join
+    def _settle(self) -> None:
+        """Jobs whose request ended leave: an error is their answer; a traced one's trace is saved."""
+        going = []
+        for job in self._jobs:
+            h = job.handle
+            if not h.done:
+                going.append(job)
+                continue
+            if job.capture is not None:
+                job.context.run(job.capture.__exit__, None, None, None)
+                if h.error is None and not job.cancelled.is_set():
+                    self.traces.add(job.id, job.capture, {"request": job.id})
+            if h.error is not None:
+                job.send(h.error)
+            else:
+                self.metrics.finished(h.result)
+            job.send(None)
+        with self._cv:
+            self._jobs = going
+            self.metrics.queue.set(self.waiting)
+            self.metrics.running.set(self.running)
 
 
 class TraceStore:

@@ -16,6 +16,7 @@ from clover_lab.hooks import points
 TRACE_POINTS = (points.DENOISE_STEP, points.BLOCK_COMMIT)
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128  # choices per request
 
 
 class Strict(BaseModel):
@@ -50,7 +51,7 @@ class Common(Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)  # rows of one request (sampled with a seed, row k takes seed + k)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

@@ -76,6 +76,8 @@ def metric(base: str, name: str) -> float:
     for line in httpx.get(base + "/metrics").text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
+    if "{" in name:  # a labelled series appears with its first count
+        return 0.0
     raise KeyError(name)
 
 
@@ -126,7 +128,11 @@ def test_stop_string_and_seeded_sampling(client, engine, server):
 def test_concurrent_streams_each_equal_their_single_request(server, refs, n):
     base, app = server
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-    batches = metric(base, "clover_batches_total")
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+    forwards = metric(base, "clover_forwards_total")
+    client.completions.create(model=NAME, prompt=prompts[0], max_tokens=8)
+    alone = metric(base, "clover_forwards_total") - forwards  # one request's forwards
+    forwards += alone
 
     async def one(aclient, prompt):
         stream = await aclient.completions.create(model=NAME, prompt=prompt, max_tokens=8, stream=True)
@@ -138,12 +144,13 @@ def test_concurrent_streams_each_equal_their_single_request(server, refs, n):
 
     texts = asyncio.run(all_of())
     assert texts == [refs[(p, 8)] for p in prompts]
-    assert metric(base, "clover_batches_total") - batches < n  # they shared batches
+    assert metric(base, "clover_forwards_total") - forwards < n * alone  # they shared forwards
 
 
-def test_requests_join_the_running_batch_at_block_boundaries(server, refs):
+def test_requests_join_the_running_rows(server, refs, engine):
     base = server[0]
-    joined, batches = metric(base, "clover_joined_rows_total"), metric(base, "clover_batches_total")
+    long = engine.generate(PROMPTS[0], max_new_tokens=120).text  # the engine is the server's too: thread-safe
+    joined = metric(base, "clover_joined_rows_total")
     late, texts = PROMPTS[1:4], {}
 
     def ask(prompt):
@@ -151,7 +158,7 @@ def test_requests_join_the_running_batch_at_block_boundaries(server, refs):
         texts[prompt] = httpx.post(base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
 
     threads = [threading.Thread(target=ask, args=(p,)) for p in late]
-    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 20, "stream": True}
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 120, "stream": True}
     text = ""
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
@@ -162,9 +169,8 @@ def test_requests_join_the_running_batch_at_block_boundaries(server, refs):
                         t.start()
     for t in threads:
         t.join(120)
-    assert text == refs[(PROMPTS[0], 20)] and texts == {p: refs[(p, 20)] for p in late}
-    assert metric(base, "clover_joined_rows_total") > joined  # at least one joined the running batch
-    assert metric(base, "clover_batches_total") - batches < 1 + len(late)
+    assert text == long and texts == {p: refs[(p, 20)] for p in late}
+    assert metric(base, "clover_joined_rows_total") > joined  # at least one joined the running rows
 
 
 def test_a_client_that_leaves_frees_its_row(server, client, refs):
@@ -184,6 +190,62 @@ def test_a_client_that_leaves_frees_its_row(server, client, refs):
     assert client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=8).choices[0].text == refs[(PROMPTS[2], 8)]
 
 
+
+def idle_within(app, seconds: float) -> float:
+    """Seconds until the server runs no row and its worker sleeps (its process CPU then stays
+    still); fails past ``seconds``."""
+    scheduler, engine = app.state.scheduler, app.state.engine
+    t0 = time.perf_counter()
+    while scheduler.running or not engine.loop.idle:
+        assert time.perf_counter() - t0 < seconds, "rows of clients that left are still running"
+        time.sleep(0.02)
+    return time.perf_counter() - t0
+
+
+def test_clients_that_leave_cancel_their_rows_streamed_or_not_running_or_queued(server, engine):
+    base, app = server
+    long = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 2000}
+
+    def leave_after(seconds, body):
+        try:
+            httpx.post(base + "/v1/completions", json=body, timeout=seconds)
+        except httpx.TimeoutException:
+            pass  # the client hangs up
+
+    # non-streamed: the client gives up while its row runs
+    cancelled = metric(base, 'clover_rows_total{stop_reason="cancelled"}')
+    leave_after(1.5, long)
+    idle_within(app, 1.0)
+    assert metric(base, 'clover_rows_total{stop_reason="cancelled"}') - cancelled == 1
+    # queued: with the rows taken, a request waits; its client leaves before it ever runs
+    engine.loop.max_rows = 1
+    try:
+        first = threading.Thread(target=leave_after, args=(3.0, long))
+        first.start()
+        time.sleep(0.5)
+        cancelled = metric(base, 'clover_rows_total{stop_reason="cancelled"}')
+        leave_after(1.0, {**long, "prompt": PROMPTS[2]})  # queued behind the first, then gone
+        first.join()
+    finally:
+        engine.loop.max_rows = app.state.scheduler.max_batch
+    idle_within(app, 1.0)
+    assert metric(base, 'clover_rows_total{stop_reason="cancelled"}') - cancelled == 2
+    # the worker sleeps: the process is still
+    cpu = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - cpu < 0.3
+
+
+def test_n_choices_are_n_rows_of_one_request(server, engine, client):
+    want = [engine.generate(PROMPTS[0], max_new_tokens=12, temperature=0.8, seed=3 + i).text for i in range(3)]
+    out = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0.8, seed=3, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == want
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "a loop"}],
+                                          max_tokens=8, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
 BAD = [
     ({"model": NAME, "prompt": "x", "max_tokens": "3"}, "max_tokens"),
     ({"model": NAME, "prompt": "x", "max_tokens": -1}, "max_tokens"),
@@ -197,7 +259,8 @@ BAD = [
     ({"model": NAME}, "prompt"),
     ({"model": NAME, "prompt": "x", "temperature": "hot"}, "temperature"),
     ({"model": NAME, "prompt": "x", "temperature": 5000}, "temperature"),
-    ({"model": NAME, "prompt": "x", "n": 2}, "n"),
+    ({"model": NAME, "prompt": "x", "n": 0}, "n"),
+    ({"model": NAME, "prompt": "x", "n": 2, "clover": {"trace": True}}, "n"),
     ({"model": NAME, "prompt": "x", "stop": ["a", ""]}, "stop"),
     ({"model": NAME, "prompt": "x", "seed": -1}, "seed"),
     ({"model": NAME, "prompt": "x", "clover": {"threshold": 2}}, "clover.threshold"),
