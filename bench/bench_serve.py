@@ -8,10 +8,18 @@ request: the time to its first committed token (request sent to the first chunk 
 the per-token latency (first to last text chunk, over the tokens after the first block); per
 level: generated tokens per second of wall time, the median and p90 of both latencies, and
 whether every response equals that prompt's single-request text. Bounded: c x requests-per-client
-requests per level. Prints a table and writes JSON to bench/results/. A benchmark, not a test.
+requests per level.
+
+Then requests that differ (``--lengths``, issue 38): 8 clients whose requests ask for four different
+``max_tokens`` (16, 32, 48, 64 by default) against 8 clients whose requests are identical (their mean,
+40), measured side by side, alternately, ``--rounds`` times each; the ratio of their tokens per second
+is what per-request settings cost (before the engine scheduled rows, requests that differed only in
+max_tokens could not share a forward). Prints tables and writes JSON to bench/results/. A benchmark,
+not a test.
 
     python bench/bench_serve.py [--model DIR] [--concurrency 1 4 16 32] [--requests-per-client 2]
-                                [--max-tokens 32] [--threads 2] [--dtype float32] [--out DIR]
+                                [--max-tokens 32] [--lengths 16 32 48 64] [--rounds 3] [--threads 2]
+                                [--dtype float32] [--out DIR]
 """
 from __future__ import annotations
 
@@ -46,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 48, 64],
+                   help="the max_tokens of the differing requests (8 clients; the identical ones ask for their mean)")
+    p.add_argument("--rounds", type=int, default=3, help="alternate runs of identical and differing requests")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
@@ -84,14 +95,17 @@ async def one(client, base, prompt, max_tokens):
                     first, first_tokens = now, tokens
                 last = now
     after = tokens - first_tokens
-    return dict(prompt=prompt, text=text, tokens=tokens, ttft=None if first is None else first - t0,
+    return dict(prompt=prompt, text=text, tokens=tokens, seconds=time.perf_counter() - t0,
+                ttft=None if first is None else first - t0,
                 per_token=(last - first) / after if first is not None and after > 0 else None)
 
 
 async def level(base, c, per_client, max_tokens):
+    """``c`` clients, each ``per_client`` requests in turn; ``max_tokens``: one for all, or one per client."""
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * c
     async with httpx.AsyncClient(timeout=600) as client:
         async def worker(k):
-            return [await one(client, base, PROMPTS[(k * per_client + i) % len(PROMPTS)], max_tokens)
+            return [await one(client, base, PROMPTS[(k * per_client + i) % len(PROMPTS)], lengths[k])
                     for i in range(per_client)]
 
         t0 = time.perf_counter()
@@ -124,6 +138,7 @@ def main(argv=None):
                              per_token_p90=quantile([r["per_token"] for r in results], 0.9),
                              same_text_as_alone=all(r["text"] == alone[r["prompt"]] for r in results)))
             print(f"concurrency {c}: {rows[-1]['tokens_per_second']:.1f} tokens/s", flush=True)
+        lengths = compare_lengths(base, args)
     finally:
         server.should_exit = True
         thread.join(60)
@@ -135,9 +150,39 @@ def main(argv=None):
         print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_second']:.1f} | "
               f"{r['tokens_per_second'] / base1:.2f}x | {r['ttft_median']:.2f} / {r['ttft_p90']:.2f} | {pt} | "
               f"{'yes' if r['same_text_as_alone'] else 'NO'} |")
-    print()
+    print(f"\n8 clients x {args.requests_per_client} requests, {args.rounds} alternate rounds each:\n"
+          f"| requests | max_tokens | tokens/s (median of rounds) | p99 request seconds |\n|---|---|---|---|")
+    for name in ("identical", "differing"):
+        r = lengths[name]
+        print(f"| {name} | {r['max_tokens']} | {r['tokens_per_second']:.1f} | {r['request_p99']:.2f} |")
+    print(f"differing / identical: {lengths['ratio']:.2f}x\n")
     write_result(args.out, f"serve-{'default-model' if args.model is None else Path(args.model).name}-cpu",
-                 dict(args=vars(args), host=platform.node(), torch=torch.__version__, threads=args.threads, rows=rows))
+                 dict(args=vars(args), host=platform.node(), torch=torch.__version__, threads=args.threads, rows=rows,
+                      lengths=lengths))
+
+
+def compare_lengths(base, args, clients: int = 8) -> dict:
+    """Tokens per second of ``clients`` clients whose requests differ in max_tokens against as many whose
+    requests are identical (the mean length), alternately, ``args.rounds`` rounds each."""
+    differing = [args.lengths[k % len(args.lengths)] for k in range(clients)]
+    same = round(sum(differing) / clients)
+    runs = {"identical": [], "differing": []}
+    for _ in range(args.rounds):
+        for name, lengths in (("identical", [same] * clients), ("differing", differing)):
+            t0 = time.perf_counter()
+            results, wall = asyncio.run(level(base, clients, args.requests_per_client, lengths))
+            seconds = time.perf_counter() - t0  # with the event loop's start and end
+            runs[name].append(dict(tokens=sum(r["tokens"] for r in results), wall_seconds=wall, seconds=seconds,
+                                   tokens_per_second=sum(r["tokens"] for r in results) / wall,
+                                   request_seconds=[r["seconds"] for r in results]))
+            print(f"{name}: {runs[name][-1]['tokens_per_second']:.1f} tokens/s", flush=True)
+    out = {}
+    for name, lengths in (("identical", [same] * clients), ("differing", differing)):
+        tps = statistics.median(r["tokens_per_second"] for r in runs[name])
+        out[name] = dict(max_tokens=sorted(set(lengths)), tokens_per_second=tps, runs=runs[name],
+                         request_p99=quantile([x for r in runs[name] for x in r["request_seconds"]], 0.99))
+    out["ratio"] = out["differing"]["tokens_per_second"] / out["identical"]["tokens_per_second"]
+    return out
 
 
 if __name__ == "__main__":
