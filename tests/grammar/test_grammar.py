@@ -12,8 +12,7 @@ import torch
 import clover_lab
 from clover_lab.engine.policies import DecodingPolicy, Proposal
 from clover_lab.errors import GrammarError
-from clover_lab.grammar import Grammar, GrammarPolicy
-from clover_lab.grammar import tool_calls
+from clover_lab.grammar import Grammar, GrammarPolicy, tool_calls
 from clover_lab.grammar.vocabulary import Vocabulary
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}},
