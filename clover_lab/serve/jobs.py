@@ -61,6 +61,7 @@ class Job:
     block_size: int
     provisional: bool = False
     trace_points: list[str] | None = None
+    policy: object = None  # the request's own decoding policy (a DecodingPolicy: GrammarPolicy), None: the engine's
     created: float = field(default_factory=time.time)
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
@@ -70,7 +71,7 @@ class Job:
         """Jobs with equal keys can share a batch (the engine runs one setting per batch); a
         traced job runs alone, so that its trace is its own."""
         alone = None if self.trace_points is None else id(self)
-        return self.mode, self.max_new_tokens, tuple(self.stop), self.settings, self.block_size, alone
+        return self.mode, self.max_new_tokens, tuple(self.stop), self.settings, self.block_size, alone, self.policy
 
     def send(self, item) -> None:
         """From the worker thread: an update (or None at the end, or an exception) to the request."""
@@ -126,9 +127,11 @@ def trace_points(engine, option) -> list[str] | None:
 def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str, prefix: str,
               thinking: bool | None = None, max_tokens_param: str = "max_tokens",
               max_tokens: int | None = None, logprobs: tuple[int | None, str] = (None, "logprobs"),
-              thinking_param: str = "clover.thinking") -> list[Job]:
+              thinking_param: str = "clover.thinking", policy=None, encode=None) -> list[Job]:
     """The jobs of one request: one per prompt, every check done. ``logprobs``: how many
-    alternatives per token (None: no log-probabilities), and the field that asks."""
+    alternatives per token (None: no log-probabilities), and the field that asks. ``policy``: the
+    request's decoding policy; ``encode(prompt, thinking)``: its prompts' token ids (default
+    ``engine.encode``; chat with tools renders them too)."""
     opts = request.clover
     mode = opts.mode or "diffusion"
     max_new = max_tokens if max_tokens is not None else engine.max_new_tokens
@@ -158,7 +161,7 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
     for i, prompt in enumerate(prompts):
         where = prompt_param if len(prompts) == 1 else f"{prompt_param}.{i}"
         try:
-            ids = engine.encode(prompt, thinking)
+            ids = (encode or engine.encode)(prompt, thinking)
         except IgnoredSettingError as e:
             raise RequestError(str(e), thinking_param, code="ignored_setting") from None
         except GenerationError as e:
@@ -171,5 +174,5 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
                 "clover.mode" if "mode" in str(e) or "mask token" in str(e) else max_tokens_param)
             raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
         jobs.append(Job(rid, i, ids, mode, max_new, stop, settings, opts.block_size or engine.block_size,
-                        provisional=opts.stream_provisional, trace_points=points))
+                        provisional=opts.stream_provisional, trace_points=points, policy=policy))
     return jobs

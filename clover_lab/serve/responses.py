@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import time
 
+from clover_lab.grammar import tool_calls
+from clover_lab.serve.tools import openai_calls
+
 FINISH = {"length": "length"}  # every other stop reason (eos, stop string) is OpenAI's "stop"
 
 
@@ -38,8 +41,12 @@ class TextStream:
         held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[:len(text) - held]
 
-    def delta(self, ids: list[int]) -> str:
-        return self._advance(self.visible(ids))
+    def delta(self, ids: list[int], hold_calls: bool = False) -> str:
+        """The new text of the committed ``ids``; ``hold_calls``: none from where a tool call
+        begins (or may begin), which the last chunk sends as a call."""
+        text = self.visible(ids)
+        at = tool_calls.opens_call(text) if hold_calls else -1
+        return self._advance(text if at < 0 else text[:at])
 
     def final(self, text: str) -> str:
         return self._advance(text)
@@ -54,19 +61,23 @@ class TextStream:
 class Shape:
     """The response shapes of one endpoint: ``chat`` (chat.completion) or not (text_completion)."""
 
-    def __init__(self, chat: bool, rid: str, model: str, tokenizer=None):
+    def __init__(self, chat: bool, rid: str, model: str, tokenizer=None, parse_calls: bool = False):
         self.chat, self.id, self.model, self.created = chat, rid, model, int(time.time())
         self.tokenizer = tokenizer  # names the tokens of log-probabilities
+        self.parse_calls = parse_calls  # the request has tools: the model's tool calls become message.tool_calls
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, index: int, text: str, finish: str | None = None, clover: dict | None = None,
-              first: bool = False, result=None) -> dict:
-        """A stream chunk; ``result`` (the last chunk's) brings the response's log-probabilities, if asked."""
+              first: bool = False, result=None, calls: list[dict] | None = None) -> dict:
+        """A stream chunk; ``result`` (the last chunk's) brings the response's log-probabilities, if asked;
+        ``calls``: the response's tool calls (OpenAI's message.tool_calls), as one delta."""
         lp = None if result is None else self.logprobs(result)
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+            if calls:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
@@ -83,11 +94,37 @@ class Shape:
         choices = []
         for i, (r, text) in enumerate(zip(results, texts)):
             c = {"index": i, "logprobs": self.logprobs(r), "finish_reason": finish_reason(r.stop_reason)}
-            c.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            if self.chat:
+                c["message"] = self.message(r, text)
+                if c["message"].get("tool_calls"):
+                    c["finish_reason"] = "tool_calls"
+            else:
+                c["text"] = text
             choices.append(c)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": usage(results), "clover": clover_summary(self.id, results, trace)}
 
+
+    def message(self, result, text: str) -> dict:
+        """The assistant message: its text, its reasoning apart (``reasoning_content``, when the chat
+        has thinking), its tool calls parsed out of the text (when the request has tools)."""
+        if result.reasoning is not None:
+            text = result.answer
+        msg = {"role": "assistant", "content": text}
+        if result.reasoning is not None:
+            msg["reasoning_content"] = result.reasoning
+        if self.parse_calls:
+            content, calls = tool_calls.parse(text)
+            if calls:
+                msg.update(content=content or None, tool_calls=openai_calls(calls))
+        return msg
+
+    def split_calls(self, text: str) -> tuple[str, list[dict]]:
+        """(the text outside the tool calls, the calls) of a streamed response's final text."""
+        if not self.parse_calls:
+            return text, []
+        content, calls = tool_calls.parse(text)
+        return (content, openai_calls(calls)) if calls else (text, [])
 
     def logprobs(self, result) -> dict | None:
         """The response tokens' log-probabilities (``GenerationResult.logprobs``: under the
@@ -106,8 +143,10 @@ class Shape:
         for text in tokens:
             offsets.append(at)
             at += len(text)
+        # logprobs: 0 asks for no alternatives: each token's entry holds the token itself (never null)
         return {"tokens": tokens, "token_logprobs": list(result.logprobs),
-                "top_logprobs": None if result.top_logprobs is None else [{piece(t): v for t, v in top} for top in tops],
+                "top_logprobs": [{piece(t): v for t, v in top} if top else {text: lp}
+                                 for top, text, lp in zip(tops, tokens, result.logprobs)],
                 "text_offset": offsets}
 
 
