@@ -217,6 +217,7 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
     each denoising step), its finish, then usage (asked for) and [DONE]."""
     tok = scheduler.engine.tokenizer
     texts = {job.index: R.TextStream(tok, job.stop) for job in jobs}
+    reasons = {job.index: R.TextStream(tok, job.stop) for job in jobs}  # a chat's reasoning, apart (thinking)
     lengths = {job.index: 0 for job in jobs}
     results, open_, first = {}, {job.index for job in jobs}, None
     try:
@@ -238,16 +239,21 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
             elif update.kind == "commit":
                 first = first if first is not None else time.perf_counter() - started
                 tokens, lengths[i] = update.committed[lengths[i]:], len(update.committed)
-                yield R.sse(shape.chunk(i, texts[i].delta(update.committed, hold_calls=shape.parse_calls),
-                                        clover=R.committed(update, tokens)))
+                reasoning, answer = (None, update.committed) if not shape.chat or update.thinking is None else \
+                    update.thinking.split(update.committed)
+                thought = "" if reasoning is None else reasons[i].delta(reasoning, part=True)
+                yield R.sse(shape.chunk(i, texts[i].delta(answer, hold_calls=shape.parse_calls,
+                                                          part=reasoning is not None),
+                                        clover=R.committed(update, tokens), reasoning=thought))
             elif update.kind == "done":
                 r = results[i] = update.result
                 done = {"kind": "done", "stop_reason": r.stop_reason, "stats": r.stats.to_dict()}
                 if job.trace_points is not None:
                     done["trace_id"] = job.id
-                content, calls = shape.split_calls(r.text)
+                content, calls = shape.split_calls(r.text if r.reasoning is None else r.answer)
+                thought = "" if r.reasoning is None else reasons[i].final(r.reasoning)
                 yield R.sse(shape.chunk(i, texts[i].final(content), "tool_calls" if calls else R.finish_reason(
-                    r.stop_reason), clover=done, result=r, calls=calls))
+                    r.stop_reason), clover=done, result=r, calls=calls, reasoning=thought))
         if len(results) == len(jobs):
             _observe(metrics, started, first)
             if body.stream_options is not None and body.stream_options.include_usage:

@@ -41,10 +41,12 @@ class TextStream:
         held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[:len(text) - held]
 
-    def delta(self, ids: list[int], hold_calls: bool = False) -> str:
+    def delta(self, ids: list[int], hold_calls: bool = False, part: bool = False) -> str:
         """The new text of the committed ``ids``; ``hold_calls``: none from where a tool call
-        begins (or may begin), which the last chunk sends as a call."""
+        begins (or may begin), which the last chunk sends as a call; ``part``: the ids are a
+        reasoning or an answer, whose text is without the newlines at its ends (as a result's)."""
         text = self.visible(ids)
+        text = text.strip("\n") if part else text
         at = tool_calls.opens_call(text) if hold_calls else -1
         return self._advance(text if at < 0 else text[:at])
 
@@ -70,12 +72,15 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, index: int, text: str, finish: str | None = None, clover: dict | None = None,
-              first: bool = False, result=None, calls: list[dict] | None = None) -> dict:
+              first: bool = False, result=None, calls: list[dict] | None = None, reasoning: str = "") -> dict:
         """A stream chunk; ``result`` (the last chunk's) brings the response's log-probabilities, if asked;
-        ``calls``: the response's tool calls (OpenAI's message.tool_calls), as one delta."""
+        ``calls``: the response's tool calls (OpenAI's message.tool_calls), as one delta; ``reasoning``:
+        new text of the reasoning (``delta.reasoning_content``, as vLLM, SGLang and DeepSeek send it)."""
         lp = None if result is None else self.logprobs(result)
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if calls:
                 delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
