@@ -137,22 +137,24 @@ class Shape:
         if result.logprobs is None:
             return None
         piece = lambda t: self.tokenizer.decode([t])  # noqa: E731
-        tops = result.top_logprobs or [None] * len(result.logprobs)
         tokens = [piece(t) for t in result.token_ids]
+        # each token's alternatives hold the token itself (as vLLM's), also where it ranked below the k asked
+        # for; top_logprobs: 0 (chat) asks for none: []
+        tops = [[] if top is None and self.chat else list(top or []) + ([] if any(t == tid for t, _ in top or [])
+                                                                         else [(tid, lp)])
+                for top, tid, lp in zip(result.top_logprobs or [None] * len(result.logprobs), result.token_ids,
+                                        result.logprobs)]
         if self.chat:
             def entry(text, lp):
                 return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-            return {"content": [{**entry(text, lp), "top_logprobs": [entry(piece(t), v) for t, v in (top or [])]}
+            return {"content": [{**entry(text, lp), "top_logprobs": [entry(piece(t), v) for t, v in top]}
                                 for text, lp, top in zip(tokens, result.logprobs, tops)]}
         offsets, at = [], 0
         for text in tokens:
             offsets.append(at)
             at += len(text)
-        # logprobs: 0 asks for no alternatives: each token's entry holds the token itself (never null)
         return {"tokens": tokens, "token_logprobs": list(result.logprobs),
-                "top_logprobs": [{piece(t): v for t, v in top} if top else {text: lp}
-                                 for top, text, lp in zip(tops, tokens, result.logprobs)],
-                "text_offset": offsets}
+                "top_logprobs": [{piece(t): v for t, v in top} for top in tops], "text_offset": offsets}
 
 
 def usage(results) -> dict:

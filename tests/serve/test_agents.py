@@ -3,10 +3,14 @@ float32): a tool-using agent loop with the openai client calling a local Python 
 responses that validate, named and required tool calls whose arguments validate, tools written into
 the prompt, history as OpenAI's client dumps it, tool calls streamed as deltas, the model entry and
 the 4xx cases of issue 39."""
+import importlib.util
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -21,6 +25,7 @@ from clover_lab.serve.tools import written_out
 uvicorn = pytest.importorskip("uvicorn")
 
 NAME = "clover-stdlib"
+ROOT = Path(__file__).resolve().parents[2]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -64,34 +69,41 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def test_an_agent_loop_calls_a_local_function_and_answers(client):
-    """The example of issue 39: the model must call add (tool_choice names it), the loop runs the
-    Python function and sends the result back as a tool message; the next turn answers in text."""
-    def add(a: int, b: int) -> int:
-        return a + b
+def example(name: str):
+    """A script of examples/, imported by path (examples/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    local = {"add": add}
-    messages = [{"role": "system", "content": "You add numbers with the add tool."},
-                {"role": "user", "content": "What is 17 + 25?"}]
-    calls_made = []
-    for turn in range(3):  # bounded: a call, then an answer
-        choice = {"type": "function", "function": {"name": "add"}} if turn == 0 else "auto"
-        r = client.chat.completions.create(model=NAME, messages=messages, tools=[ADD], tool_choice=choice,
-                                           max_tokens=48)
-        msg = r.choices[0].message
-        messages.append(msg.model_dump())  # refusal: null, tool_calls: null ... sent back as they are
-        if not msg.tool_calls:
-            break
-        assert r.choices[0].finish_reason == "tool_calls"
-        for call in msg.tool_calls:
-            assert call.id.startswith("call_") and call.type == "function"
-            args = json.loads(call.function.arguments)
-            jsonschema.validate(args, ADD["function"]["parameters"])
-            result = local[call.function.name](**args)
-            calls_made.append((args, result))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
-    assert calls_made and calls_made[0][1] == calls_made[0][0]["a"] + calls_made[0][0]["b"]
-    assert messages[3]["role"] == "tool" and len(messages) >= 5
+
+def test_the_agent_example_calls_its_local_function_and_answers(client):
+    """examples/agent_tools.py: the model must call add (the first turn names it), the loop runs the
+    Python function and sends the result back as a tool message; the next turn answers in text."""
+    agent = example("agent_tools")
+    messages = agent.run(client, NAME)
+    assert [m["role"] for m in messages[:4]] == ["system", "user", "assistant", "tool"]
+    call = messages[2]["tool_calls"][0]
+    assert call["id"].startswith("call_") and call["type"] == "function" and call["function"]["name"] == "add"
+    args = json.loads(call["function"]["arguments"])
+    jsonschema.validate(args, agent.ADD["function"]["parameters"])
+    assert json.loads(messages[3]["content"]) == args["a"] + args["b"] and messages[3]["tool_call_id"] == call["id"]
+    assert messages[-1]["role"] == "assistant" and len(messages) >= 5  # the next turn went through
+
+
+def test_the_json_schema_example_validates(client):
+    schema = example("json_schema")
+    module, person = schema.run(client, NAME)
+    jsonschema.validate(module, schema.MODULE)
+    assert isinstance(person, schema.Person)
+
+
+@pytest.mark.slow  # a process: the examples as a user runs them
+def test_the_examples_run_as_scripts(server):
+    for name in ("agent_tools", "json_schema"):
+        out = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py"), "--base-url",
+                              server[0] + "/v1", "--model", NAME], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip(), out.stderr
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -113,19 +125,10 @@ def test_json_schema_output_validates(client, stream):
         jsonschema.validate(json.loads(text), PERSON)
 
 
-def test_json_object_and_the_clients_parse(client):
+def test_json_object(client):
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "JSON please"}],
                                        response_format={"type": "json_object"}, max_tokens=64)
     assert isinstance(json.loads(r.choices[0].message.content), dict)
-    pydantic = pytest.importorskip("pydantic")
-
-    class Person(pydantic.BaseModel):
-        name: str
-        age: int
-
-    parsed = client.beta.chat.completions.parse(model=NAME, messages=[{"role": "user", "content": "a person"}],
-                                                response_format=Person, max_tokens=96)
-    assert isinstance(parsed.choices[0].message.parsed, Person)
 
 
 def test_required_tool_calls_validate_and_stream_as_deltas(client):
@@ -224,3 +227,16 @@ def test_zero_alternatives_give_empty_or_self_top_logprobs(server):
                                                    "logprobs": 0})
     lp = r.json()["choices"][0]["logprobs"]
     assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
+
+
+def test_the_sampled_token_is_always_among_its_alternatives(server):
+    base, _ = server
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 24, "logprobs": True,
+            "top_logprobs": 1, "temperature": 1.5, "seed": 4}
+    content = httpx.post(base + "/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+    assert all(e["token"] in [a["token"] for a in e["top_logprobs"]] for e in content)
+    assert any(len(e["top_logprobs"]) == 2 for e in content), "no sampled token below the top one: test too weak"
+    r = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": "import os\n", "max_tokens": 24,
+                                                   "logprobs": 1, "temperature": 1.5, "seed": 4}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert all(t in top for t, top in zip(lp["tokens"], lp["top_logprobs"]))
