@@ -240,3 +240,31 @@ def test_the_sampled_token_is_always_among_its_alternatives(server):
                                                    "logprobs": 1, "temperature": 1.5, "seed": 4}).json()
     lp = r["choices"][0]["logprobs"]
     assert all(t in top for t, top in zip(lp["tokens"], lp["top_logprobs"]))
+
+
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for tc in message.tool_calls or [] %}<tool_call>\n"
+    "{{ {'name': tc.function.name, 'arguments': tc.function.arguments} | tojson }}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_reads_tools_gets_them_and_the_calls_as_objects(server, monkeypatch):
+    """A chat template that renders tools itself (Qwen3.5/3.6's do) is given them through
+    apply_chat_template(tools=...), and a history call's arguments as an object, not JSON text."""
+    from clover_lab.serve.tools import chat_ids, reads_tools
+
+    _, engine = server
+    monkeypatch.setattr(engine.tokenizer, "chat_template", TOOLS_TEMPLATE)
+    assert reads_tools(engine.tokenizer)
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+                {"role": "tool", "content": "12", "tool_call_id": "call_1"}]
+    text = engine.tokenizer.decode(chat_ids(engine, messages, [WEATHER["function"]], None))
+    assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text.split("<|im_end|>")[0]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>' in text
+    assert "<|im_start|>tool\n12<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    assert "# Tools" not in engine.tokenizer.decode(chat_ids(engine, messages[:1], [], None))
