@@ -104,8 +104,12 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
         _stream_options(body)
         p = body.prompt
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else p
+        grammar = tools.format_grammar(engine, body.response_format)
+        if grammar is not None:
+            tools.constrained_mode(body, "response_format")
         jobs = make_jobs(engine, body, prompts, "prompt", "cmpl", max_tokens=body.max_tokens,
-                         logprobs=(body.logprobs, "logprobs"))
+                         logprobs=(body.logprobs, "logprobs"),
+                         policy=None if grammar is None else GrammarPolicy(grammar))
         return await _answer(request, scheduler, metrics, jobs, body,
                              R.Shape(False, jobs[0].id, model_name, engine.tokenizer))
 
@@ -118,13 +122,8 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
         limit, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
                         is not None else (body.max_tokens, "max_tokens"))
         plan = tools.plan(engine, body)
-        mode = body.clover.mode or "diffusion"
-        if plan.grammar is not None and mode != "diffusion":
-            # issue 39: the AR and speculative decoders take the grammar's Constraint once the engine of
-            # rows (issue 38) calls it; until then only block diffusion (GrammarPolicy) enforces it
-            raise RequestError(f"{plan.grammar_param}: a constrained response is enforced in mode diffusion only "
-                               f"for now; leave clover.mode out or set it to diffusion", "clover.mode",
-                               code="unsupported_mode")
+        if plan.grammar is not None:
+            tools.constrained_mode(body, plan.grammar_param)
         jobs = make_jobs(engine, body, [schemas.chat_messages(body)], "messages", "chatcmpl",
                          thinking=schemas.thinking(body), thinking_param=schemas.thinking_param(body),
                          max_tokens_param=param, max_tokens=limit,

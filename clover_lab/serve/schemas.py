@@ -72,6 +72,8 @@ class CompletionRequest(Common):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
+    response_format: Union[TextFormat, JSONObjectFormat, JSONSchemaResponseFormat] | None = Field(
+        default=None, discriminator="type")  # as vLLM's completions take it
 
 
 class TextPart(Strict):

@@ -57,16 +57,7 @@ def plan(engine, body: schemas.ChatRequest) -> Plan:
         if choice in ("required",) or isinstance(choice, schemas.NamedToolChoice):
             raise RequestError(f"response_format {fmt.type} and tool_choice {_choice_name(choice)} both constrain the "
                                f"response; ask for one", "response_format")
-        if fmt.type == "json_object":
-            out.grammar = _grammar(lambda: Grammar.json_object(engine, what="response_format"))
-        else:
-            schema = fmt.json_schema.schema_
-            if schema is None:
-                raise RequestError("response_format.json_schema.schema: a JSON schema is required",
-                                   "response_format.json_schema.schema")
-            out.grammar = _grammar(lambda: Grammar.json_schema(schema, engine, what="response_format.json_schema."
-                                                                                   "schema"))
-        out.grammar_param = "response_format"
+        out.grammar, out.grammar_param = format_grammar(engine, fmt), "response_format"
     elif choice == "required":
         out.grammar = _grammar(lambda: Grammar.tool_calls(functions, engine, parallel=body.parallel_tool_calls
                                                           is not False, what="tools"))
@@ -79,6 +70,28 @@ def plan(engine, body: schemas.ChatRequest) -> Plan:
         out.grammar = _grammar(lambda: Grammar.tool_calls(named, engine, parallel=False, what="tools"))
         out.grammar_param = "tool_choice"
     return out
+
+
+def format_grammar(engine, fmt) -> Grammar | None:
+    """The grammar of a ``response_format`` (None for text); completions take it too, as vLLM's do."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return _grammar(lambda: Grammar.json_object(engine, what="response_format"))
+    schema = fmt.json_schema.schema_
+    if schema is None:
+        raise RequestError("response_format.json_schema.schema: a JSON schema is required",
+                           "response_format.json_schema.schema")
+    return _grammar(lambda: Grammar.json_schema(schema, engine, what="response_format.json_schema.schema"))
+
+
+def constrained_mode(body, param: str) -> None:
+    """A constrained request runs in mode diffusion; another mode is a 400 naming clover.mode."""
+    if (body.clover.mode or "diffusion") != "diffusion":
+        # issue 39: the AR and speculative decoders take the grammar's Constraint once the engine of
+        # rows (issue 38) calls it; until then only block diffusion (GrammarPolicy) enforces it
+        raise RequestError(f"{param}: a constrained response is enforced in mode diffusion only for now; leave "
+                           f"clover.mode out or set it to diffusion", "clover.mode", code="unsupported_mode")
 
 
 def _choice_name(choice) -> str:

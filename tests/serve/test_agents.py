@@ -268,3 +268,16 @@ def test_a_template_that_reads_tools_gets_them_and_the_calls_as_objects(server, 
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>' in text
     assert "<|im_start|>tool\n12<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     assert "# Tools" not in engine.tokenizer.decode(chat_ids(engine, messages[:1], [], None))
+
+
+def test_completions_take_a_response_format_too(client, server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for prompt in ("import os\n", "def parse(line):\n"):
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=64, extra_body={"response_format": fmt})
+        jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+    bad = httpx.post(server[0] + "/v1/completions", json={"model": NAME, "prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strang"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format.json_schema.schema", bad.text
+    ar = httpx.post(server[0] + "/v1/completions", json={"model": NAME, "prompt": "x", "clover": {"mode": "ar"},
+                                                          "response_format": {"type": "json_object"}})
+    assert ar.status_code == 400 and ar.json()["error"]["param"] == "clover.mode", ar.text
