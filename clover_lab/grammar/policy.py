@@ -44,7 +44,9 @@ class _RowState:
 class GrammarPolicy(DecodingPolicy):
     """Block diffusion inside ``grammar``; ``inner`` (default: the threshold rule with the row's
     settings) decides how sure a position must be, and the candidates. Rows of a batch share the
-    instance; each has its own Constraint, made at its first block."""
+    instance; each has its own Constraint, made at its first block. Tokens the grammar forces are
+    unmasked beyond the inner rule's cap per step (``max_tokens_per_step``): they are not the
+    model's guesses. The inner rule's look-ahead is not used (the next block's left is unknown)."""
 
     def __init__(self, grammar: Grammar, inner: DecodingPolicy | None = None):
         if not isinstance(grammar, Grammar):

@@ -54,7 +54,7 @@ def plan(engine, body: schemas.ChatRequest) -> Plan:
     out = Plan(functions=[] if choice == "none" else functions, parse_calls=choice != "none")
     fmt = body.response_format
     if fmt is not None and fmt.type != "text":
-        if choice in ("required",) or isinstance(choice, schemas.NamedToolChoice):
+        if choice == "required" or isinstance(choice, schemas.NamedToolChoice):
             raise RequestError(f"response_format {fmt.type} and tool_choice {_choice_name(choice)} both constrain the "
                                f"response; ask for one", "response_format")
         out.grammar, out.grammar_param = format_grammar(engine, fmt), "response_format"
