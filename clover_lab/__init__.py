@@ -18,7 +18,8 @@ _DEFINED_IN = {
     "GenerationError": "clover_lab.engine.requests",
     "SamplerSettings": "clover_lab.engine.sampling", "SettingsError": "clover_lab.engine.sampling",
     "CheckpointError": "clover_lab.errors", "CloverError": "clover_lab.errors", "CorpusError": "clover_lab.errors",
-    "InputError": "clover_lab.errors", "OutputError": "clover_lab.errors",
+    "InputError": "clover_lab.errors", "OutputError": "clover_lab.errors", "GrammarError": "clover_lab.errors",
+    "Grammar": "clover_lab.grammar.grammar", "GrammarPolicy": "clover_lab.grammar.policy",
     "Capture": "clover_lab.hooks.capture", "CommitEvent": "clover_lab.hooks.events", "StepEvent": "clover_lab.hooks.events",
     "HookError": "clover_lab.hooks.registry", "StopGeneration": "clover_lab.hooks.registry",
     "Record": "clover_lab.hooks.records", "Trace": "clover_lab.hooks.trace", "load_trace": "clover_lab.hooks.trace",
@@ -32,6 +33,7 @@ __all__ = [
     "StepOutput", "CheckpointError", "HookError", "StopGeneration",
     "Engine", "load", "BatchResult", "Request", "Handle", "GenerationResult", "GenerationStats", "GenerationError", "SamplerSettings", "SettingsError",
     "StepEvent", "CommitEvent", "StreamUpdate", "Capture", "Record", "Trace", "load_trace", "OutputError",
+    "GrammarError", "Grammar", "GrammarPolicy",
 ]
 
 

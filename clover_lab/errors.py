@@ -39,6 +39,15 @@ class OutputError(CloverError, ValueError):
     clover_lab did not write, or it cannot be written; the message names it."""
 
 
+class GrammarError(CloverError, ValueError):
+    """A schema or grammar that cannot be compiled (``clover_lab.grammar``), or a token the grammar
+    refuses; ``what`` names where it came from (a request field, an argument)."""
+
+    def __init__(self, message: str, what: str | None = None):
+        super().__init__(message)
+        self.what = what
+
+
 def flag(name: str, value, none: bool = True):
     """``value`` as a boolean setting: True or False (numpy's bools too), or None where ``none``;
     never a string ("false" is truthy) or a number taken for one."""

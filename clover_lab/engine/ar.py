@@ -17,12 +17,13 @@ def advance(loop, rows: list) -> None:
     """One token per row (``step_loop.py``): each row decides its token from the logits at its next
     position (the prompt's prefill, or its last commit), then the rows commit their tokens in one
     forward, which gives the logits for their next ones."""
-    tokens, health = [], []
+    tokens, health, shaped = [], [], []
     for row in rows:
-        logits = row.logits[None]
+        logits = row.allowed(row.logits[None])  # within the row's grammar, if it has one
         t, conf, _ = sampling.decide(logits, row.counts, row.s, row.generator)
         tokens.append(t[0])
-        health.append(logits_health(collapsed(logits), conf))
+        health.append(logits_health(collapsed(row.logits[None]), conf))
+        shaped.append(logits)
     # the one sync per step: every row's token, and whether its logits could be used (NaN or inf
     # make the confidence NaN, equal logits carry no answer; argmax would return token 0 either way)
     host = torch.stack(tokens + health).tolist()
@@ -30,8 +31,9 @@ def advance(loop, rows: list) -> None:
         if host[len(rows) + j] != OK:
             check_logits(row, host[len(rows) + j], f"token {len(row.committed)} (AR)")
     reasons = {}
-    for row, t in zip(rows, host):
-        row.info.add(0, *row.info.chosen(row.info.distribution(row.logits[None], row.counts, row.s), [0], [t])[0])
+    for row, t, logits in zip(rows, host, shaped):
+        row.info.add(0, *row.info.chosen(row.info.distribution(logits, row.counts, row.s), [0], [t])[0])
+        row.follow([t])
         if row.counts is not None:
             row.counts[t] += 1
             window = row.s.penalty_window

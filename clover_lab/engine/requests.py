@@ -41,18 +41,22 @@ class Request:
     each). Per request: ``mode`` ("diffusion", "ar" or "speculative"), ``max_new_tokens`` (default
     the engine's), ``stop`` strings, ``thinking`` (the chat template's switch), ``settings`` (a
     SamplerSettings the keyword sampler settings override; default the engine's), ``policy`` (a
-    DecodingPolicy or its name, default the engine's), ``block_size`` (default the engine's) and
-    ``n`` (rows per prompt; sampled with a seed, row i takes seed + i). Requests with different
+    DecodingPolicy or its name, default the engine's), ``block_size`` (default the engine's), ``n``
+    (rows per prompt; sampled with a seed, row i takes seed + i) and ``grammar`` (a
+    ``clover_lab.grammar.Grammar`` the response must follow, in every mode: block diffusion through
+    ``GrammarPolicy`` around the request's policy, AR and speculative decoding by masking the
+    causal choice with the row's ``Constraint``). Requests with different
     settings share the engine's forwards; each row's tokens are the ones it gives alone."""
 
-    FIELDS = ("mode", "max_new_tokens", "stop", "thinking", "settings", "policy", "block_size", "n")
+    FIELDS = ("mode", "max_new_tokens", "stop", "thinking", "settings", "policy", "block_size", "n", "grammar")
 
     def __init__(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
                  thinking: bool | None = None, settings=None, policy=None, block_size: int | None = None,
-                 n: int = 1, **sampler):
+                 n: int = 1, grammar=None, **sampler):
         self.prompt, self.mode, self.max_new_tokens, self.stop, self.thinking = prompt, mode, max_new_tokens, stop, \
             thinking
         self.settings, self.policy, self.block_size, self.n, self.sampler = settings, policy, block_size, n, sampler
+        self.grammar = grammar
 
     def __repr__(self) -> str:
         given = {k: getattr(self, k) for k in self.FIELDS if getattr(self, k) not in (None, 1, "diffusion")}
@@ -75,6 +79,7 @@ class Plan:
     thinking: bool | None
     batched: bool
     sources: list[int] = field(default_factory=list)  # row -> the prompt it answers
+    grammar: object = None  # a clover_lab.grammar.Grammar the rows follow, or None
 
 
 def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = None) -> list[int]:
@@ -401,6 +406,9 @@ def plan(engine, request: Request) -> Plan:
     block_size = engine.block_size if request.block_size is None else plain_int(request.block_size)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise GenerationError(f"block_size={request.block_size!r}: expected a positive integer", "block_size")
+    if request.grammar is not None and not callable(getattr(request.grammar, "matcher", None)):
+        raise GenerationError(f"grammar={request.grammar!r:.80}: expected a clover_lab.grammar.Grammar "
+                              f"(Grammar.json_schema(schema, engine), ...)", "grammar")
     batched = is_batch(request.prompt)
     prompts = request.prompt if batched else [request.prompt]
     ids = []
@@ -421,4 +429,4 @@ def plan(engine, request: Request) -> Plan:
         seeded = s.seed is not None and n > 1 and not s.greedy
         settings.append(SamplerSettings.from_kwargs(s, seed=(s.seed + i % n) % (2**64)) if seeded else s)
     return Plan(rows, mode, max_new, stop, settings, request.policy, block_size, request.thinking, batched or n > 1,
-                [p for p in range(len(ids)) for _ in range(n)])
+                [p for p in range(len(ids)) for _ in range(n)], request.grammar)

@@ -55,6 +55,10 @@ class Handle:
         self._cancelled = threading.Event()
         self._updates: deque[StreamUpdate] = deque()
         policy = plan.policy if plan.policy is not None else engine.policy
+        if plan.grammar is not None and plan.mode == "diffusion":  # the grammar around the request's rule
+            from clover_lab.grammar.policy import GrammarPolicy  # the grammar engine loads when a grammar is used
+
+            policy = GrammarPolicy(plan.grammar, inner=policy)
         self.rows = [Row(self, i, ids, s, policy) for i, (ids, s) in enumerate(zip(plan.prompts, plan.settings))]
 
     def __repr__(self) -> str:
@@ -158,6 +162,8 @@ class Row:
         self.next_token: int | None = None  # speculative: the causal token at the next position, when known
         self.draft = None  # speculative: what a draft must give back (penalty counts, the stop strings' scan)
         self.stopped = False  # speculative: a step hook asked to stop; the row ends after this cycle
+        # AR and speculative rows' place in the request's grammar (diffusion's is its GrammarPolicy's)
+        self.constraint = plan.grammar.matcher() if plan.grammar is not None and self.mode != "diffusion" else None
 
     @property
     def live(self) -> bool:
@@ -170,6 +176,22 @@ class Row:
 
     def now(self) -> float:
         return time.perf_counter() - self.handle.t0
+
+    def allowed(self, logits: torch.Tensor, path: list[int] = (), skip: int = 0) -> torch.Tensor:
+        """``logits`` [N, V] with what the row's grammar does not allow next at -inf: row i after
+        the response and ``path[:skip + i]``; rows past a token the grammar refuses stay as they
+        are (no choice there is kept). Without a grammar, ``logits``."""
+        if self.constraint is None:
+            return logits
+        masks = self.constraint.masks(list(path))[skip:skip + logits.shape[0]].to(logits.device)
+        masks[~masks.any(-1)] = True
+        return logits.masked_fill(~masks[:, :logits.shape[-1]], float("-inf"))
+
+    def follow(self, tokens: list[int]) -> None:
+        """The row's grammar follows these committed tokens (up to an end of the response)."""
+        if self.constraint is not None:
+            ends = [i for i, t in enumerate(tokens) if t in self.eos]
+            self.constraint.accept(tokens[:ends[0]] if ends else tokens)
 
     def where(self, phase: str, block: int | None = None, step: int | None = None,
               commit_block: int | None = None) -> Where:

@@ -73,7 +73,7 @@ def begin_cycle(row, m: int) -> None:
     c0, row.next_token = row.next_token, None
     if c0 is None:
         logits = row.logits
-        t, conf, _ = sampling.decide(logits[None], row.counts, row.s, row.generator)
+        t, conf, _ = sampling.decide(row.allowed(logits[None]), row.counts, row.s, row.generator)
         c0, health = torch.stack([t[0], logits_health(collapsed(logits[None]), conf)]).tolist()
         if health != OK:
             check_logits(row, health, "the prompt's next token")
@@ -157,9 +157,11 @@ def accept(row, block: Block, logits: torch.Tensor) -> tuple[int, str]:
     d = min(block.prefix, block.end) - 1  # drafted positions 1..d
     drafted = block.host[1:d + 1]
     rows, counts = logits[:d + 1].float(), draft_counts(row, block.host[:d + 1])
+    flat = collapsed(rows)
+    rows = row.allowed(rows, block.host[:d + 1], skip=1)  # row i follows the block's first i + 1 tokens
     if row.s.greedy:
         t, conf, _ = sampling.decide(rows, counts, row.s, row.generator)
-        host = torch.cat([t, logits_health(collapsed(rows), conf).reshape(1)]).tolist()
+        host = torch.cat([t, logits_health(flat, conf).reshape(1)]).tolist()
         if host[-1] != OK:
             check_logits(row, host[-1], f"block {block.index}, the draft's commit")
         n = greedy_accept(drafted, host[:d])
@@ -180,6 +182,7 @@ def accept(row, block: Block, logits: torch.Tensor) -> tuple[int, str]:
         reason = end_reason(row, t)
         if reason != "length" or len(row.committed) >= row.max_new:
             break
+    row.follow(row.committed[len(row.committed) - kept:])
     row.stats.record_draft(d, n, block.step)
     return kept, reason
 

@@ -1,6 +1,7 @@
 """The HTTP side: a FastAPI app over one engine and its scheduler.
 
-    GET  /v1/models               the one model served
+    GET  /v1/models               the one model served (with its context length)
+    GET  /v1/models/{id}          that model, or 404
     POST /v1/completions          text completion, streamed (server-sent events) or not
     POST /v1/chat/completions     chat, through the model's chat template (thinking switch)
     GET  /v1/traces/{id}          a traced request's trace.json; .../tensors.safetensors its tensors
@@ -22,9 +23,10 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from clover_lab.engine.results import Thinking
 from clover_lab.hooks.trace import META_FILE, TENSOR_FILE
 from clover_lab.serve import responses as R
-from clover_lab.serve import schemas
+from clover_lab.serve import schemas, tools
 from clover_lab.serve.jobs import RequestError, make_jobs
 from clover_lab.serve.prometheus import Metrics
 from clover_lab.serve.scheduler import Scheduler, TraceStore
@@ -54,10 +56,22 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
 
     app.add_middleware(Counted, metrics=metrics)
 
+    context = engine.model.config.max_position_embeddings
+
+    def entry() -> dict:  # the context length as vLLM names it (max_model_len) and as others do
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "clover-lab",
+                "max_model_len": context, "context_length": context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "clover-lab"}]}
+        return {"object": "list", "data": [entry()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise RequestError(f"model {model_id!r} is not served here; this server serves {model_name!r}",
+                               "model", status=404, code="model_not_found")
+        return entry()
 
     @app.get("/health")
     async def health():
@@ -80,32 +94,50 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request):
         _model(body, model_name)
+        _stream_options(body)
         p = body.prompt
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else p
+        grammar = tools.format_grammar(engine, body.response_format)
         jobs = make_jobs(engine, body, prompts, "prompt", "cmpl", max_tokens=body.max_tokens,
-                         logprobs=(body.logprobs, "logprobs"))
+                         logprobs=(body.logprobs, "logprobs"),
+                         grammar=grammar)
         return await _answer(request, scheduler, metrics, jobs, body,
                              R.Shape(False, jobs[0].id, model_name, engine.tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatRequest, request: Request):
         _model(body, model_name)
+        _stream_options(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         limit, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
                         is not None else (body.max_tokens, "max_tokens"))
+        plan = tools.plan(engine, body)
         jobs = make_jobs(engine, body, [schemas.chat_messages(body)], "messages", "chatcmpl",
                          thinking=schemas.thinking(body), thinking_param=schemas.thinking_param(body),
                          max_tokens_param=param, max_tokens=limit,
-                         logprobs=((body.top_logprobs or 0) if body.logprobs else None, "logprobs"))
+                         logprobs=((body.top_logprobs or 0) if body.logprobs else None, "logprobs"),
+                         grammar=plan.grammar,
+                         encode=lambda prompt, thinking: tools.chat_ids(engine, prompt, plan.functions, thinking))
+        think = Thinking.of(engine.tokenizer, jobs[0].prompt_ids)
+        if plan.grammar is not None and think is not None and think.open:
+            raise RequestError(f"{plan.grammar_param}: the prompt opens a reasoning (<think>), which the grammar "
+                               f"does not allow; turn thinking off (chat_template_kwargs.enable_thinking: false)",
+                               schemas.thinking_param(body), code="thinking_with_grammar")
         return await _answer(request, scheduler, metrics, jobs, body,
-                             R.Shape(True, jobs[0].id, model_name, engine.tokenizer))
+                             R.Shape(True, jobs[0].id, model_name, engine.tokenizer, parse_calls=plan.parse_calls))
 
     return app
 
 
 DISCONNECT_POLL = 0.1  # seconds between checks that a non-streamed request's client is still there
 _COUNTED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+
+
+def _stream_options(body) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise RequestError("stream_options applies to a stream: set stream: true or leave stream_options out",
+                           "stream_options")
 
 
 def _model(body, model_name: str) -> None:
@@ -179,6 +211,7 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
     each denoising step), its finish, then usage (asked for) and [DONE]."""
     tok = scheduler.engine.tokenizer
     texts = {job.index: R.TextStream(tok, job.stop) for job in jobs}
+    reasons = {job.index: R.TextStream(tok, job.stop) for job in jobs}  # a chat's reasoning, apart (thinking)
     lengths = {job.index: 0 for job in jobs}
     results, open_, first = {}, {job.index for job in jobs}, None
     try:
@@ -200,14 +233,21 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
             elif update.kind == "commit":
                 first = first if first is not None else time.perf_counter() - started
                 tokens, lengths[i] = update.committed[lengths[i]:], len(update.committed)
-                yield R.sse(shape.chunk(i, texts[i].delta(update.committed), clover=R.committed(update, tokens)))
+                reasoning, answer = (None, update.committed) if not shape.chat or update.thinking is None else \
+                    update.thinking.split(update.committed)
+                thought = "" if reasoning is None else reasons[i].delta(reasoning, part=True)
+                yield R.sse(shape.chunk(i, texts[i].delta(answer, hold_calls=shape.parse_calls,
+                                                          part=reasoning is not None),
+                                        clover=R.committed(update, tokens), reasoning=thought))
             elif update.kind == "done":
                 r = results[i] = update.result
                 done = {"kind": "done", "stop_reason": r.stop_reason, "stats": r.stats.to_dict()}
                 if job.trace_points is not None:
                     done["trace_id"] = job.id
-                yield R.sse(shape.chunk(i, texts[i].final(r.text), R.finish_reason(r.stop_reason), clover=done,
-                                        result=r))
+                content, calls = shape.split_calls(r.text if r.reasoning is None else r.answer)
+                thought = "" if r.reasoning is None else reasons[i].final(r.reasoning)
+                yield R.sse(shape.chunk(i, texts[i].final(content), "tool_calls" if calls else R.finish_reason(
+                    r.stop_reason), clover=done, result=r, calls=calls, reasoning=thought))
         if len(results) == len(jobs):
             _observe(metrics, started, first)
             if body.stream_options is not None and body.stream_options.include_usage:
@@ -283,6 +323,20 @@ class JSONBodies:
         await self.app(scope, receive, send)
 
 
+def _untagged(err: dict) -> tuple[str, ...]:
+    """An error's location past "body", without the shape a union field tried (schemas.UNION_FIELDS)
+    and, where no shape's tag matched, ending with the tag's field (``messages.0.role``)."""
+    loc, out = [str(x) for x in err["loc"][1:]], []
+    i = 0
+    while i < len(loc):
+        out.append(loc[i])
+        star = ".".join(out[:-1] + ["*"]) if out[-1].isdigit() else None
+        i += 2 if (".".join(out) in schemas.UNION_FIELDS or star in schemas.UNION_FIELDS) and i + 1 < len(loc) else 1
+    if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        out.append(str(err.get("ctx", {}).get("discriminator", "")).strip("'"))
+    return tuple(out)
+
+
 def validation_error(errors: list[dict]) -> RequestError:
     """pydantic's errors as one RequestError naming the field (the common part of every error's
     location: a union's alternatives each report one)."""
@@ -290,7 +344,7 @@ def validation_error(errors: list[dict]) -> RequestError:
     if first["type"] == "json_invalid":
         return RequestError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                             code="invalid_json")
-    locs = [tuple(str(x) for x in err["loc"][1:]) for err in errors]  # past "body"
+    locs = [_untagged(err) for err in errors]
     common = []
     for parts in zip(*locs):
         if len(set(parts)) > 1:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from clover_lab.engine.requests import (
     GenerationError,
     IgnoredSettingError,
+    Request,
     check_coreset,
-    check_request,
     ignored_settings,
     stop_list,
 )
@@ -41,6 +41,7 @@ class RequestError(CloverError, ValueError):
 # request field -> SamplerSettings field, for the settings OpenAI's API names and Clover's own
 OPENAI_SAMPLER = {"temperature": "temperature", "top_p": "top_p", "seed": "seed",
                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+OPENAI_PARAMS = {name: f for f, name in OPENAI_SAMPLER.items()}  # SamplerSettings field -> request field
 CLOVER_SAMPLER = ("threshold", "coreset_size", "confidence", "top_k", "max_tokens_per_step", "max_steps_per_block",
                   "repetition_penalty")
 
@@ -62,6 +63,7 @@ class Job:
     block_size: int
     provisional: bool = False
     trace_points: list[str] | None = None
+    grammar: object = None  # the Grammar the response follows (response_format, a required tool call), or None
     created: float = field(default_factory=time.time)
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
@@ -135,9 +137,11 @@ def trace_points(engine, option) -> list[str] | None:
 def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str, prefix: str,
               thinking: bool | None = None, max_tokens_param: str = "max_tokens",
               max_tokens: int | None = None, logprobs: tuple[int | None, str] = (None, "logprobs"),
-              thinking_param: str = "clover.thinking") -> list[Job]:
+              thinking_param: str = "clover.thinking", grammar=None, encode=None) -> list[Job]:
     """The jobs of one request: one per prompt, every check done. ``logprobs``: how many
-    alternatives per token (None: no log-probabilities), and the field that asks."""
+    alternatives per token (None: no log-probabilities), and the field that asks. ``grammar``: the
+    Grammar its responses follow, in any mode; ``encode(prompt, thinking)``: its prompts' token ids (default
+    ``engine.encode``; chat with tools renders them too)."""
     opts = request.clover
     mode = opts.mode or "diffusion"
     max_new = max_tokens if max_tokens is not None else engine.max_new_tokens
@@ -166,26 +170,28 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
         raise RequestError("clover.trace records one generation; ask for it with n = 1", "n")
     rid = new_id(prefix)
     jobs = []
-    ctx = engine.model.config.max_position_embeddings
     for i, prompt in enumerate(prompts):
         where = prompt_param if len(prompts) == 1 else f"{prompt_param}.{i}"
         try:
-            ids = engine.encode(prompt, thinking)
+            ids = (encode or engine.encode)(prompt, thinking)
         except IgnoredSettingError as e:
             raise RequestError(str(e), thinking_param, code="ignored_setting") from None
         except GenerationError as e:
             raise RequestError(str(e), where) from None
-        try:
-            check_request(engine.model, engine.mask_token_id, len(ids), max_new, mode)
-        except GenerationError as e:
-            over = len(ids) + max_new > ctx
-            param = (where if len(ids) >= ctx else max_tokens_param) if over else (
-                "clover.mode" if "mode" in str(e) or "mask token" in str(e) else max_tokens_param)
+        try:  # the engine's one request check; its error names the field, which is the body's here
+            engine.check(Request(ids, mode=mode, max_new_tokens=max_new, stop=stop or None, settings=settings,
+                                 block_size=opts.block_size, grammar=grammar))
+        except (GenerationError, SettingsError) as e:
+            field = getattr(e, "field", None)
+            over = "context length" in str(e)
+            param = {"prompt": where, "max_new_tokens": max_tokens_param, "mode": "clover.mode", "stop": "stop",
+                     "block_size": "clover.block_size", "logprobs": logprobs[1]}.get(field) or (
+                OPENAI_PARAMS.get(field) or (f"clover.{field}" if field else max_tokens_param))
             raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
         for k in range(n):  # n rows of one request: sampled with a seed, row k takes seed + k
             s = settings
             if k and s.seed is not None and not s.greedy:
                 s = SamplerSettings.from_kwargs(s, seed=(s.seed + k) % 2**64)
             jobs.append(Job(rid, i * n + k, ids, mode, max_new, stop, s, opts.block_size or engine.block_size,
-                            provisional=opts.stream_provisional, trace_points=points))
+                            provisional=opts.stream_provisional, trace_points=points, grammar=grammar))
     return jobs

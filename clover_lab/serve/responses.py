@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import time
 
+from clover_lab.grammar import tool_calls
+from clover_lab.serve.tools import openai_calls
+
 FINISH = {"length": "length"}  # every other stop reason (eos, stop string) is OpenAI's "stop"
 
 
@@ -38,8 +41,14 @@ class TextStream:
         held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[:len(text) - held]
 
-    def delta(self, ids: list[int]) -> str:
-        return self._advance(self.visible(ids))
+    def delta(self, ids: list[int], hold_calls: bool = False, part: bool = False) -> str:
+        """The new text of the committed ``ids``; ``hold_calls``: none from where a tool call
+        begins (or may begin), which the last chunk sends as a call; ``part``: the ids are a
+        reasoning or an answer, whose text is without the newlines at its ends (as a result's)."""
+        text = self.visible(ids)
+        text = text.strip("\n") if part else text
+        at = tool_calls.opens_call(text) if hold_calls else -1
+        return self._advance(text if at < 0 else text[:at])
 
     def final(self, text: str) -> str:
         return self._advance(text)
@@ -54,19 +63,26 @@ class TextStream:
 class Shape:
     """The response shapes of one endpoint: ``chat`` (chat.completion) or not (text_completion)."""
 
-    def __init__(self, chat: bool, rid: str, model: str, tokenizer=None):
+    def __init__(self, chat: bool, rid: str, model: str, tokenizer=None, parse_calls: bool = False):
         self.chat, self.id, self.model, self.created = chat, rid, model, int(time.time())
         self.tokenizer = tokenizer  # names the tokens of log-probabilities
+        self.parse_calls = parse_calls  # the request has tools: the model's tool calls become message.tool_calls
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, index: int, text: str, finish: str | None = None, clover: dict | None = None,
-              first: bool = False, result=None) -> dict:
-        """A stream chunk; ``result`` (the last chunk's) brings the response's log-probabilities, if asked."""
+              first: bool = False, result=None, calls: list[dict] | None = None, reasoning: str = "") -> dict:
+        """A stream chunk; ``result`` (the last chunk's) brings the response's log-probabilities, if asked;
+        ``calls``: the response's tool calls (OpenAI's message.tool_calls), as one delta; ``reasoning``:
+        new text of the reasoning (``delta.reasoning_content``, as vLLM, SGLang and DeepSeek send it)."""
         lp = None if result is None else self.logprobs(result)
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if calls:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
@@ -83,11 +99,37 @@ class Shape:
         choices = []
         for i, (r, text) in enumerate(zip(results, texts)):
             c = {"index": i, "logprobs": self.logprobs(r), "finish_reason": finish_reason(r.stop_reason)}
-            c.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            if self.chat:
+                c["message"] = self.message(r, text)
+                if c["message"].get("tool_calls"):
+                    c["finish_reason"] = "tool_calls"
+            else:
+                c["text"] = text
             choices.append(c)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": usage(results), "clover": clover_summary(self.id, results, trace)}
 
+
+    def message(self, result, text: str) -> dict:
+        """The assistant message: its text, its reasoning apart (``reasoning_content``, when the chat
+        has thinking), its tool calls parsed out of the text (when the request has tools)."""
+        if result.reasoning is not None:
+            text = result.answer
+        msg = {"role": "assistant", "content": text}
+        if result.reasoning is not None:
+            msg["reasoning_content"] = result.reasoning
+        if self.parse_calls:
+            content, calls = tool_calls.parse(text)
+            if calls:
+                msg.update(content=content or None, tool_calls=openai_calls(calls))
+        return msg
+
+    def split_calls(self, text: str) -> tuple[str, list[dict]]:
+        """(the text outside the tool calls, the calls) of a streamed response's final text."""
+        if not self.parse_calls:
+            return text, []
+        content, calls = tool_calls.parse(text)
+        return (content, openai_calls(calls)) if calls else (text, [])
 
     def logprobs(self, result) -> dict | None:
         """The response tokens' log-probabilities (``GenerationResult.logprobs``: under the
@@ -95,20 +137,24 @@ class Shape:
         if result.logprobs is None:
             return None
         piece = lambda t: self.tokenizer.decode([t])  # noqa: E731
-        tops = result.top_logprobs or [None] * len(result.logprobs)
         tokens = [piece(t) for t in result.token_ids]
+        # each token's alternatives hold the token itself (as vLLM's), also where it ranked below the k asked
+        # for; top_logprobs: 0 (chat) asks for none: []
+        tops = [[] if top is None and self.chat else list(top or []) + ([] if any(t == tid for t, _ in top or [])
+                                                                         else [(tid, lp)])
+                for top, tid, lp in zip(result.top_logprobs or [None] * len(result.logprobs), result.token_ids,
+                                        result.logprobs)]
         if self.chat:
             def entry(text, lp):
                 return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-            return {"content": [{**entry(text, lp), "top_logprobs": [entry(piece(t), v) for t, v in (top or [])]}
+            return {"content": [{**entry(text, lp), "top_logprobs": [entry(piece(t), v) for t, v in top]}
                                 for text, lp, top in zip(tokens, result.logprobs, tops)]}
         offsets, at = [], 0
         for text in tokens:
             offsets.append(at)
             at += len(text)
         return {"tokens": tokens, "token_logprobs": list(result.logprobs),
-                "top_logprobs": None if result.top_logprobs is None else [{piece(t): v for t, v in top} for top in tops],
-                "text_offset": offsets}
+                "top_logprobs": [{piece(t): v for t, v in top} for top in tops], "text_offset": offsets}
 
 
 def usage(results) -> dict:

@@ -125,7 +125,7 @@ class Scheduler:
         if self.engine.loop.rows:
             self.metrics.joined.inc()
         request = Request(job.prompt_ids, mode=job.mode, max_new_tokens=job.max_new_tokens, stop=job.stop or None,
-                          settings=job.settings, block_size=job.block_size)
+                          settings=job.settings, block_size=job.block_size, grammar=job.grammar)
         try:
             if job.trace_points is None:
                 job.handle = self.engine.submit(request, listener=job.deliver)

@@ -6,12 +6,15 @@ refused, naming it); the values are then checked by the engine's own rules (``Sa
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from clover_lab.hooks import points
 
+# fields whose value is one of several shapes: pydantic names the shape it tried after the field
+# (messages.0.user.content, response_format.json_schema.json_schema.name); errors leave it out
+UNION_FIELDS = ("messages.*", "response_format", "tool_choice")
 # the engine points a trace records unless the request names others
 TRACE_POINTS = (points.DENOISE_STEP, points.BLOCK_COMMIT)
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -26,7 +29,7 @@ class Strict(BaseModel):
 class CloverOptions(Strict):
     """``"clover": {...}``: the engine's settings a request may change, and what it streams."""
 
-    mode: Literal["diffusion", "ar"] | None = None
+    mode: Literal["diffusion", "ar", "speculative"] | None = None
     threshold: float | None = None
     block_size: int | None = Field(default=None, ge=1)
     coreset_size: int | None = None
@@ -70,6 +73,8 @@ class CompletionRequest(Common):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
+    response_format: Union[TextFormat, JSONObjectFormat, JSONSchemaResponseFormat] | None = Field(
+        default=None, discriminator="type")  # as vLLM's completions take it
 
 
 class TextPart(Strict):
@@ -78,9 +83,82 @@ class TextPart(Strict):
 
 
 class Message(Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "developer"]
     content: str | list[TextPart]
     name: str | None = None
+
+
+class CalledFunction(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class AssistantMessage(Strict):
+    """An assistant turn sent back as history, as OpenAI's client dumps it (``refusal``,
+    ``tool_calls`` and the rest may be null)."""
+
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    function_call: None = None
+    audio: None = None
+    annotations: list | None = None
+    reasoning_content: str | None = None
+
+
+class ToolMessage(Strict):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+class FunctionSpec(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
 
 
 class ChatTemplateKwargs(Strict):
@@ -88,7 +166,13 @@ class ChatTemplateKwargs(Strict):
 
 
 class ChatRequest(Common):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Annotated[Union[Message, AssistantMessage, ToolMessage], Field(discriminator="role")]] = Field(
+        min_length=1)
+    response_format: Union[TextFormat, JSONObjectFormat, JSONSchemaResponseFormat] | None = Field(
+        default=None, discriminator="type")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -96,11 +180,19 @@ class ChatRequest(Common):
 
 
 def chat_messages(request: ChatRequest) -> list[dict]:
-    """The messages as the chat template takes them (text parts joined)."""
+    """The messages as the chat template takes them (text parts joined; an assistant's tool calls
+    with their arguments as objects, a tool's result with the id of the call it answers)."""
     out = []
     for m in request.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(
+            p.text for p in m.content)
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if isinstance(m, AssistantMessage) and m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]
+        if isinstance(m, ToolMessage):
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
     return out
 
 
