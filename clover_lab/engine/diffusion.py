@@ -261,6 +261,8 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     logits = logits[0].float()  # [N, V]
     flat = collapsed(logits)  # before the mask column is -inf
     logits[:, mask_id] = float("-inf")  # the mask token is never a candidate
+    start = run.produced + (len(ahead_of) if ahead_of is not None else 0)  # the block's first response position
+    run.keep_going(logits, [start + p for p in block.masked])  # no end before min_tokens
     N, where, ahead = len(block.masked), f"block {block.index}, step {block.step}", ahead_of is not None
     rule = where if run.row is None else f"row {run.row}, {where}"  # where a rule's word is faulted
     if ahead_of is None:

@@ -109,7 +109,8 @@ class Runner:
     # ---------------------------------------------------------------- forwards
     def prefill(self, rows: list[int], prompts: list[list[int]], chunk: int, logits: str | None, where):
         """These rows' prompts (of one length) into their rows of the cache in one forward (no
-        padding inside the model); their last-position logits [R, V] when ``logits`` is "last"."""
+        padding inside the model); their logits [R, T, V] when ``logits`` is "all", the last
+        position's [R, V] when "last"."""
         index = [self.slots.index(r) for r in rows]
         if len(rows) == self.cache.batch_size:
             cache = self.cache
@@ -125,7 +126,7 @@ class Runner:
         for i, ids in zip(index, prompts):
             lengths[i] = len(ids)
         self.cache.set_row_lengths(lengths)
-        return None if out is None else out[:, -1]
+        return out if out is None or logits == "all" else out[:, -1]
 
     def add(self, rows: list[int]) -> None:
         """A cache of the rows going on plus ``rows`` (empty, after them), to be prefilled. The

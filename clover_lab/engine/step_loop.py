@@ -147,7 +147,7 @@ class StepLoop:
         self.rows += new
         groups: dict[tuple, list[Row]] = {}
         for row in new:
-            groups.setdefault((row.hooks.scopes, len(row.prompt_ids)), []).append(row)
+            groups.setdefault((row.hooks.scopes, len(row.prompt_ids), row.prompt_logprobs is not None), []).append(row)
         for rows in groups.values():
             self._prefill(rows)
 
@@ -166,12 +166,12 @@ class StepLoop:
         """These rows' prompts (of one length) into the cache, in one forward (or one per chunk of
         ``prefill_chunk_size``); rows that decode from the prompt's next-token logits keep them."""
         chunk = self.engine.prefill_chunk_size
-        want = any(row.mode != "diffusion" for row in rows)
+        score = rows[0].prompt_logprobs is not None  # the group's rows agree
+        want = "all" if score else "last" if any(row.mode != "diffusion" for row in rows) else None
         try:
             with self.forward("prefill", rows):
                 logits = self.runner.use(rows[0].hooks).prefill(
-                    [r.key for r in rows], [r.prompt_ids for r in rows], chunk, "last" if want else None,
-                    self.where(rows, "prefill"))
+                    [r.key for r in rows], [r.prompt_ids for r in rows], chunk, want, self.where(rows, "prefill"))
         except StopGeneration:  # a model hook stopped a prompt's prefill: no tokens, the prompt half cached
             self.end(rows, "hook", cache_complete=False)
             return
@@ -181,6 +181,7 @@ class StepLoop:
                 raise
             return
         forwards = -(-len(rows[0].prompt_ids) // chunk)
+        last = logits[:, -1] if score else logits  # [R, V]: the logits at each row's next position
         if self.engine.model.device.type == "cuda":  # decode time starts after the prefill really ended
             torch.cuda.synchronize(self.engine.model.device)
         now = time.perf_counter()
@@ -189,8 +190,11 @@ class StepLoop:
             row.t_decode = now
             if row.handle.t_decode is None:
                 row.handle.t_decode = now
-            if logits is not None and row.mode != "diffusion":
-                row.logits = logits[i]
+            if score:
+                row.prompt_scores = prompt_scores(row, logits[i])
+            if last is not None and row.mode != "diffusion":
+                row.logits = last[i]
+        self.end([row for row in rows if row.max_new == 0], "length")  # a prompt scored, no response asked
 
     # ---------------------------------------------------------------- forwards, timed and counted
     @contextmanager
@@ -289,3 +293,16 @@ def alone(row: Row) -> bool:
     """A block-diffusion row with an expert coreset: its request runs alone (the coreset is one
     set of experts per block for the rows of the step)."""
     return row.mode == "diffusion" and bool(row.s.coreset_size)
+
+
+def prompt_scores(row: Row, logits: torch.Tensor) -> tuple[list, list | None]:
+    """Each prompt token's log-probability under the prompt before it (the first has none) and,
+    with ``prompt_logprobs`` k > 0, the k most probable alternatives' (``logits`` [T, V])."""
+    logp = logits[:-1].float().log_softmax(-1)
+    ids = torch.tensor(row.prompt_ids[1:], device=logp.device)
+    lp = logp.gather(-1, ids[:, None])[:, 0].tolist()
+    top = None
+    if row.prompt_logprobs:
+        best = logp.topk(min(row.prompt_logprobs, logp.shape[-1]), dim=-1)
+        top = [None] + [list(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
+    return [None] + lp, top

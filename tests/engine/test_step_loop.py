@@ -147,3 +147,41 @@ def test_one_diffusion_generate_passes_through_at_most_nine_engine_files(engine)
     finally:
         sys.setprofile(None)
     assert "step_loop.py" in seen and "diffusion.py" in seen and len(seen) <= 9, sorted(seen)
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar", "speculative"])
+def test_min_tokens_and_ignore_eos(engine, mode):
+    eos = engine.eos_token_ids[0]
+    pushed = {"logit_bias": {eos: 100}, "max_new_tokens": 24, "mode": mode}  # EOS all but forced
+    first = engine.generate(Request(PROMPTS[0], **pushed))
+    assert first.stop_reason == "eos" and len(first.token_ids) == 1
+    late = engine.generate(Request(PROMPTS[0], min_tokens=6, **pushed))
+    assert late.stop_reason == "eos" and len(late.token_ids) == 7 and eos not in late.token_ids[:6]
+    on = engine.generate(Request(PROMPTS[0], ignore_eos=True, **pushed))
+    assert on.stop_reason == "length" and len(on.token_ids) == 24 and eos in on.token_ids
+
+
+def test_prompt_logprobs_score_the_prompt_as_ar_scores_its_tokens(engine):
+    ids = engine.encode(PROMPTS[2] + "        self.items.append(x)\n")
+    scored = engine.generate(Request(ids, max_new_tokens=0, prompt_logprobs=3))
+    assert scored.token_ids == [] and scored.stop_reason == "length"
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(ids)
+    agreed = 0
+    for k in range(1, len(ids)):  # where AR's greedy token is the prompt's next one, its log-probability is the score
+        ar = engine.generate(Request(ids[:k], mode="ar", max_new_tokens=1, logprobs=3))
+        top = scored.prompt_top_logprobs[k]
+        assert [t for t, _ in top] == [t for t, _ in ar.top_logprobs[0]]
+        if ar.token_ids == [ids[k]]:
+            agreed += 1
+            assert abs(ar.logprobs[0] - scored.prompt_logprobs[k]) < 1e-4
+    assert agreed
+    with pytest.raises(GenerationError) as e:
+        engine.check(Request(ids, max_new_tokens=0))
+    assert e.value.field == "max_new_tokens"
+
+
+def test_streamed_updates_carry_the_committed_tokens_logprobs(engine):
+    updates = [u for u in engine.stream(Request(PROMPTS[1], mode="ar", max_new_tokens=6, logprobs=2))
+               if u.kind == "commit"]
+    assert [len(u.logprobs) for u in updates] == [1, 2, 3, 4, 5, 6]
+    assert updates[-1].logprobs == updates[-1].logprobs[:6] and len(updates[-1].top_logprobs[0]) >= 2
