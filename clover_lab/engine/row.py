@@ -235,12 +235,12 @@ class Row:
     def update(self, kind: str, block: int, step: int | None, block_tokens=(), unmasked=()) -> None:
         """A StreamUpdate to the request, when it streams."""
         if self.handle.emit:
-            info = self.info
+            info, n = self.info, len(self.committed)
             self.handle.put(StreamUpdate(kind, block, step, list(self.committed), list(block_tokens), list(unmasked),
                                          self.now(), self.result, tokenizer=self.engine.tokenizer, row=self.row,
                                          thinking=self.thinking,
-                                         logprobs=None if info.logprobs is None else info.logprobs[:len(self.committed)],
-                                         top_logprobs=None if info.top is None else info.top[:len(self.committed)]))
+                                         logprobs=None if info.logprobs is None else info.logprobs[:n],
+                                         top_logprobs=None if info.top is None else info.top[:n]))
 
     # ---------------------------------------------------------------- the end
     def finish(self, reason: str) -> GenerationResult:
