@@ -168,6 +168,8 @@ class Dashboard:
         if kwargs.get("policy") is not None:
             make_policy(kwargs["policy"])  # a bad name or setting: SettingsError now, nothing started
         request = [{"role": "user", "content": text}] if self.chat.value else text
+        if "experts" in self.views:  # its token picker lists the prompt's tokens by their text
+            self.views["experts"].expect_prompt(self.engine.encode(request))
         self._stop.clear()
         self.result, self.error = None, None
         self.generate_button.disabled = True
