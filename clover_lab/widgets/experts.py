@@ -149,7 +149,8 @@ class ExpertView(View):
         part = dict(kind="route", layer=ev.layer, phase=phase, ids=ids, weights=to_numpy(ev.weights),
                     mass=to_numpy(ev.router_probs.sum(0)), full=full, positions=to_numpy(ev.positions).astype(np.int64))
         prompt = self._prompt
-        if phase == "prefill" and prompt is not None and part["positions"].size and int(part["positions"].max()) < len(prompt):
+        positions = part["positions"]
+        if phase == "prefill" and prompt is not None and positions.size and int(positions.max()) < len(prompt):
             part["names"] = {int(p): prompt[int(p)] for p in part["positions"].tolist()}  # the prompt's tokens
         key, label = w, w.label()
         # one forward per frame (a fused commit+preview routes its commit rows and its preview rows in
@@ -194,7 +195,7 @@ class ExpertView(View):
         if phase != "preview":  # the routing of a committed token (prompt or response)
             for pos, i, w in zip(part["positions"].tolist(), ids, part["weights"]):
                 s["routes"].setdefault(pos, {})[layer] = (i, w)
-        if part.get("forward", layer == 0 and phase != "prefill"):  # a trace's parts: counted as before, less the prefill
+        if part.get("forward", layer == 0 and phase != "prefill"):  # parts kept before the flag: by layer 0
             s["forwards"] += 1
 
     # ---------------------------------------------------------------- reading
