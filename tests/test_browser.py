@@ -331,8 +331,9 @@ def test_dashboard_in_jupyterlab(lab, page, tmp_path):
     dash.locator(".clover-generate button, button.clover-generate").first.click()
     states = {before}
     deadline = time.time() + 120
-    while "done" not in status.inner_text() or len(states) == 1:
-        assert time.time() < deadline, "the dashboard's run did not finish"
+    grid_states = "() => window.__gridStates.size"
+    while "done" not in status.inner_text() or (len(states) == 1 and page.evaluate(grid_states) < 3):
+        assert time.time() < deadline, "the dashboard's run did not finish (or its grid never redrew)"
         states.add(grid.inner_html())
         page.wait_for_timeout(100)
     redraws = page.evaluate("() => window.__gridStates.size")
@@ -350,3 +351,57 @@ def test_dashboard_in_jupyterlab(lab, page, tmp_path):
     photograph_everything(page, folder, notebook.stem)
     readme = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else folder
     photograph(page, dash, readme / "dashboard.png", 20_000)
+    answers_during_a_run(page, dash)
+
+
+# runs code in the notebook's kernel without a cell (the dashboard's controls set from Python)
+KERNEL_EXECUTE = """(code) => new Promise((resolve, reject) => {
+  const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  k.requestExecute({code, silent: false, store_history: false}).done.then(resolve, reject); })"""
+# how long the page's main thread takes to answer: a task queued now, timed when it runs (a page
+# busy drawing answers late; at rest it answers in a few ms)
+ANSWER = """() => new Promise(resolve => {
+  const t = performance.now(); setTimeout(() => resolve(performance.now() - t), 0); })"""
+LATENCY_BUDGET_S = 0.5
+
+
+def answers_during_a_run(page, dash) -> None:
+    """During a 160-token dashboard run the page answers within LATENCY_BUDGET_S, and Stop ends
+    a run within a second of the click. The figures are printed (the README quotes them)."""
+    status = dash.locator(".clover-status")
+    page.evaluate(KERNEL_EXECUTE, "dash.max_new_tokens.value = 160")
+    answers = []
+    dash.locator(".clover-generate button, button.clover-generate").first.click()
+    page.wait_for_function("() => !document.querySelector('.clover-dashboard .clover-status').textContent"
+                           ".includes('done')", timeout=30_000)
+    deadline = time.time() + 180
+    began = time.perf_counter()
+    slowest = []  # (seconds to answer, when in the run)
+    while "done" not in status.inner_text():
+        assert time.time() < deadline, "the 160-token run did not finish"
+        start = time.perf_counter()
+        page.evaluate(ANSWER)
+        answers.append(time.perf_counter() - start)
+        slowest.append((answers[-1], start - began))
+        page.wait_for_timeout(50)
+    done = status.inner_text()
+    answers.sort()
+    print(f"\npage answers during a 160-token run: {len(answers)} probes, median {answers[len(answers) // 2]:.3f} s, "
+          f"worst {answers[-1]:.3f} s ({done}); slowest (s, at s): "
+          + ", ".join(f"{a:.2f} at {t:.1f}" for a, t in sorted(slowest, reverse=True)[:5]))
+    assert len(answers) >= 5, f"too few probes during the run ({len(answers)}): {done}"
+    assert answers[-1] < LATENCY_BUDGET_S, f"the page took {answers[-1]:.2f} s to answer during the run"
+
+    # Stop: clicked a second into a run, the run ends (its status says so) within a second
+    dash.locator(".clover-generate button, button.clover-generate").first.click()
+    page.wait_for_function("() => !document.querySelector('.clover-dashboard .clover-status').textContent"
+                           ".includes('done')", timeout=30_000)
+    page.wait_for_timeout(1000)
+    dash.locator(".clover-stop button, button.clover-stop").first.click()
+    clicked = time.perf_counter()
+    page.wait_for_function("() => document.querySelector('.clover-dashboard .clover-status').textContent"
+                           ".includes('done')", timeout=30_000)
+    stopped = time.perf_counter() - clicked
+    print(f"Stop: the run ended {stopped:.2f} s after the click ({status.inner_text()})")
+    assert "hook" in status.inner_text(), status.inner_text()  # ended by Stop (a hook), not by its length
+    assert stopped < 1.0, f"Stop took {stopped:.2f} s"
