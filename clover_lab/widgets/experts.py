@@ -113,20 +113,21 @@ class ExpertView(View):
         self.token_dd.observe(weak_callback(self, "_on_token"), names="value")
         self.fig_usage = Figure(go.Heatmap(z=[[0]], colorscale="Viridis", colorbar=dict(thickness=10)))
         # right margins hold each colorbar's tick labels (a count of 150 was cut to "15")
-        self.fig_usage.update_layout(title="expert usage", height=300, width=560, margin=dict(l=60, r=50, t=40, b=40),
+        self.fig_usage.update_layout(title="expert usage", height=300, width=500, margin=dict(l=60, r=50, t=40, b=40),
                                      xaxis_title="expert", yaxis_title="layer")
         self.fig_token = Figure(go.Heatmap(z=[[0]], colorscale="Blues", zmin=0, zmax=1,
                                                     colorbar=dict(thickness=10)))
-        self.fig_token.update_layout(title="top-k of the selected token", height=300, width=460,
+        self.fig_token.update_layout(title="top-k of the selected token", height=300, width=440,
                                      margin=dict(l=60, r=40, t=40, b=40), xaxis_title="expert", yaxis_title="layer")
         self.fig_coact = Figure(go.Heatmap(z=[[0]], colorscale="Magma", colorbar=dict(thickness=10)))
         self.fig_coact.update_layout(title="co-activation", height=320, width=400, margin=dict(l=50, r=60, t=40, b=40),
                                      xaxis_title="expert", yaxis_title="expert")
-        self.stats_html = W.HTML(layout=W.Layout(width="640px"))
+        self.stats_html = W.HTML(layout=W.Layout(width="520px"))
         return W.VBox([
             W.HBox([self.phase_dd, self.metric_dd, self.routing_tb]),
-            W.HBox([self.fig_usage, W.VBox([self.token_dd, self.fig_token])]),
-            W.HBox([W.VBox([self.layer_dd, self.fig_coact]), self.stats_html]),
+            # each row fits ~960 px (a figure squeezed by its row lost its colorbar's labels); narrower, it wraps
+            W.HBox([self.fig_usage, W.VBox([self.token_dd, self.fig_token])], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([W.VBox([self.layer_dd, self.fig_coact]), self.stats_html], layout=W.Layout(flex_flow="row wrap")),
         ])
 
     def _on_token(self, change) -> None:

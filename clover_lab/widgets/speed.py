@@ -79,8 +79,7 @@ class SpeedView(View):
         self.table = W.HTML()
         self.clear_button = W.Button(description="forget runs", layout=W.Layout(width="110px"))
         self.clear_button.on_click(weak_callback(self, "clear"))
-        return W.VBox([W.HBox([self.fig_rate, self.fig_blocks]), self.fig_compare,
-                       W.HBox([self.table, self.clear_button])])
+        return W.VBox([W.HBox([self.fig_rate, self.fig_blocks]), self.fig_compare, self.table, self.clear_button])
 
     # ---------------------------------------------------------------- events
     def _on_step(self, ev) -> None:
