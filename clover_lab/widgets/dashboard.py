@@ -65,10 +65,12 @@ class Dashboard:
             raise ValueError(f"unknown views {unknown}; known: {', '.join(VIEWS)}")
         self.engine = engine
         self.views = {name: VIEWS[name](engine, fps=fps) for name in views}
-        # one view's figures at a time to the browser, the token grid every other turn (it is cheap
-        # and what one watches): the page stays answerable during a run (tests/test_browser.py)
+        # one view's figures at a time to the browser, the token grid every other turn and with a
+        # short gap after it (it is cheap, and what one watches): the page stays answerable during a
+        # run (tests/test_browser.py)
         order = [n for n in ("denoise", "speed", "denoise", "experts", "denoise", "memory") if n in self.views]
-        self.pacer = Pacer({name: v.throttle for name, v in self.views.items()}, order or list(self.views), gap=pace)
+        self.pacer = Pacer({name: v.throttle for name, v in self.views.items()}, order or list(self.views), gap=pace,
+                           gaps={"denoise": min(pace, 0.15)})
         self.result = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None

@@ -95,18 +95,20 @@ class Throttle:
 
 class Pacer:
     """Draws the pending redraws of a group of views (a dashboard's) one view at a time, at most one
-    every ``gap`` seconds, round robin in ``order`` (a name may come more than once: drawn more
-    often). The browser then gets one view's figures at a time: four views each redrawing at its
+    every ``gap`` seconds (``gaps``: another gap after a given view's draw, a short one after a cheap
+    view), round robin in ``order`` (a name may come more than once: drawn more often). The browser then gets one view's figures at a time: four views each redrawing at its
     own rate sent their figures together, and the page took 1-2 s to answer (a Stop click waited
     behind them). The last request of each view is always drawn (its turn comes)."""
 
-    def __init__(self, throttles: dict[str, Throttle], order: list[str] | None = None, gap: float = 0.25):
+    def __init__(self, throttles: dict[str, Throttle], order: list[str] | None = None, gap: float = 0.25,
+                 gaps: dict[str, float] | None = None):
         self.throttles = dict(throttles)
         self.order = list(order or self.throttles)
         unknown = set(self.order) - set(self.throttles)
         if unknown:
             raise ValueError(f"Pacer order names {sorted(unknown)}, not among {sorted(self.throttles)}")
         self.gap = gap
+        self.gaps = dict(gaps or {})
         self._wake = threading.Condition()
         self._closed = False
         for t in self.throttles.values():
@@ -138,18 +140,19 @@ class Pacer:
             with self._wake:
                 if not any(t.pending for t in self.throttles.values()):
                     self._wake.wait(0.5)
+            gap = self.gap
             for _ in range(len(self.order)):  # the next view in turn with something to draw
                 name = self.order[turn % len(self.order)]
                 turn += 1
                 throttle = self.throttles[name]
                 if throttle.pending:
+                    gap = self.gaps.get(name, self.gap)
                     try:
                         throttle.flush()
                     except Exception as e:  # noqa: BLE001 - a pacer thread has nobody to raise to
                         if throttle.on_error is not None:
                             throttle.on_error(e)
                     break
-            gap = self.gap
             del self  # the loop holds the pacer only while it draws
             time.sleep(gap)
 
