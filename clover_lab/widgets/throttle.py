@@ -96,9 +96,10 @@ class Throttle:
 class Pacer:
     """Draws the pending redraws of a group of views (a dashboard's) one view at a time, at most one
     every ``gap`` seconds (``gaps``: another gap after a given view's draw, a short one after a cheap
-    view), round robin in ``order`` (a name may come more than once: drawn more often). The browser then gets one view's figures at a time: four views each redrawing at its
-    own rate sent their figures together, and the page took 1-2 s to answer (a Stop click waited
-    behind them). The last request of each view is always drawn (its turn comes)."""
+    view), round robin in ``order`` (a name may come more than once: drawn more often). The browser
+    then gets one view's figures at a time: four views each redrawing at its own rate sent their
+    figures together, and the page took 1-2 s to answer (a Stop click waited behind them). The last
+    request of each view is always drawn (its turn comes)."""
 
     def __init__(self, throttles: dict[str, Throttle], order: list[str] | None = None, gap: float = 0.25,
                  gaps: dict[str, float] | None = None):
