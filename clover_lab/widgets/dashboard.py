@@ -23,7 +23,7 @@ from clover_lab.widgets.experts import ExpertView
 from clover_lab.widgets.memory import MemoryView
 from clover_lab.widgets.pieces import export_html, require_notebook
 from clover_lab.widgets.speed import SpeedView
-from clover_lab.widgets.throttle import weak_callback
+from clover_lab.widgets.throttle import Pacer, weak_callback
 
 VIEWS = {"denoise": DenoiseView, "speed": SpeedView, "experts": ExpertView, "memory": MemoryView}
 DEFAULT_PROMPT = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
@@ -51,10 +51,12 @@ class Dashboard:
     """All views on one engine, with controls. ``generate()`` starts a run from code as the
     Generate button does (``wait=True`` blocks until it ends); ``stop()`` is the Stop button.
     ``chat``: send the prompt as a chat message (default: when the model was trained on its
-    tokenizer's template, :func:`chat_format`; a code model gets its prompt as plain text)."""
+    tokenizer's template, :func:`chat_format`; a code model gets its prompt as plain text).
+    ``pace``: the views redraw one at a time, one every ``pace`` seconds (a :class:`Pacer`), the
+    newest state of each when its turn comes; ``fps`` applies to a view only after ``close()``."""
 
     def __init__(self, engine, *, prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 64, fps: float = 10.0,
-                 views=("denoise", "speed", "experts", "memory"), chat: bool | None = None):
+                 views=("denoise", "speed", "experts", "memory"), chat: bool | None = None, pace: float = 0.4):
         require_notebook()
         import ipywidgets as W
 
@@ -63,6 +65,12 @@ class Dashboard:
             raise ValueError(f"unknown views {unknown}; known: {', '.join(VIEWS)}")
         self.engine = engine
         self.views = {name: VIEWS[name](engine, fps=fps) for name in views}
+        # one view's figures at a time to the browser, the token grid every other turn and with a
+        # short gap after it (it is cheap, and what one watches): the page stays answerable during a
+        # run (tests/test_browser.py)
+        order = [n for n in ("denoise", "speed", "denoise", "experts", "denoise", "memory") if n in self.views]
+        self.pacer = Pacer({name: v.throttle for name, v in self.views.items()}, order or list(self.views), gap=pace,
+                           gaps={"denoise": min(pace, 0.15)})
         self.result = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -168,6 +176,8 @@ class Dashboard:
         if kwargs.get("policy") is not None:
             make_policy(kwargs["policy"])  # a bad name or setting: SettingsError now, nothing started
         request = [{"role": "user", "content": text}] if self.chat.value else text
+        if "experts" in self.views:  # its token picker lists the prompt's tokens by their text
+            self.views["experts"].expect_prompt(self.engine.encode(request))
         self._stop.clear()
         self.result, self.error = None, None
         self.generate_button.disabled = True
@@ -203,11 +213,8 @@ class Dashboard:
             self._set_status(f"<span style='color:#b00'>failed: {html.escape(type(e).__name__)}: "
                              f"{html.escape(str(e))}</span>")
         finally:
-            for v in self.views.values():
-                try:
-                    v.flush()
-                except Exception:  # noqa: BLE001
-                    pass
+            # the pacer draws each view's last state in its turn: flushing all four here sent the
+            # browser every figure at once, just as a person reads the result or clicks
             self.generate_button.disabled = False
             self.stop_button.disabled = True
 
@@ -223,6 +230,8 @@ class Dashboard:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"the generation is still running after {timeout} s")
+            for v in self.views.values():  # whoever waited reads the views: drawn now, not in turn
+                v.flush()
         if self.error is not None:
             raise self.error
         return self.result
@@ -248,6 +257,7 @@ class Dashboard:
         if self.running:
             self.stop()
             self._thread.join()
+        self.pacer.close()
         for v in self.views.values():
             v.close()
         self._closed = True
