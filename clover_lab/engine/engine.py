@@ -30,7 +30,7 @@ from clover_lab.engine.requests import GenerationError, Plan, Request, check_cor
 from clover_lab.engine.results import GenerationResult, StreamUpdate
 from clover_lab.engine.row import Handle
 from clover_lab.engine.runner import FastPath
-from clover_lab.engine.sampling import SamplerSettings
+from clover_lab.engine.sampling import SamplerSettings, SettingsError
 from clover_lab.engine.step_loop import StepLoop
 from clover_lab.errors import CheckpointError, flag
 from clover_lab.hooks.capture import Capture
@@ -224,6 +224,9 @@ class Engine:
         if checked.policy is not None:
             try:
                 checked.policy = make_policy(checked.policy)
+            except SettingsError as e:  # it names the policy's setting; ``field`` the request's
+                e.field = "policy"
+                raise
             except (ValueError, TypeError) as e:
                 raise GenerationError(str(e), "policy") from None
         return checked

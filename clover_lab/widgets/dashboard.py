@@ -2,10 +2,10 @@
 (block diffusion under a registered policy with its settings, AR, or exact self-speculative),
 Generate and Stop.
 
-Generate runs the generation in a background thread, so the notebook stays responsive and Stop
-works while it runs: Stop sets a flag that a ``denoise.step`` / ``block.commit`` hook (attached
-only for the dashboard's own run) turns into StopGeneration, which ends the run cleanly after the
-current step. The views stay attached to the engine until ``close()``, so generations started
+Generate submits the request (checked at once: a bad setting is an error before anything runs)
+and waits for it in a background thread, so the notebook stays responsive and Stop works while it
+runs: Stop cancels the request (``Handle.cancel``), which ends it at the next step boundary with
+stop reason "cancelled" and the blocks committed so far. The views stay attached to the engine until ``close()``, so generations started
 from other cells (``engine.generate(...)``) show up in the dashboard too.
 """
 from __future__ import annotations
@@ -13,10 +13,9 @@ from __future__ import annotations
 import html
 import threading
 
-from clover_lab.engine.policies import POLICIES, make_policy
-from clover_lab.engine.requests import settings_for_mode
+from clover_lab.engine.policies import POLICIES
+from clover_lab.engine.requests import Request, settings_for_mode
 from clover_lab.engine.sampling import CONFIDENCE_RULES
-from clover_lab.hooks import StopGeneration, points
 from clover_lab.widgets.base import close_tree
 from clover_lab.widgets.denoise import DenoiseView
 from clover_lab.widgets.experts import ExpertView
@@ -74,7 +73,7 @@ class Dashboard:
         self.result = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._handle = None  # the running request's Handle
         self._closed = False
         s = engine.settings
         c = engine.model.config
@@ -173,32 +172,27 @@ class Dashboard:
         if kwargs["mode"] != "diffusion" and "policy" not in overrides:
             kwargs.pop("policy", None)  # mode="ar" given as an override: the picked policy does not apply
         kwargs = settings_for_mode(kwargs["mode"], kwargs)  # AR: the diffusion sliders do not apply
-        if kwargs.get("policy") is not None:
-            make_policy(kwargs["policy"])  # a bad name or setting: SettingsError now, nothing started
-        request = [{"role": "user", "content": text}] if self.chat.value else text
+        prompt = [{"role": "user", "content": text}] if self.chat.value else text
+        # the engine's one request check: a bad name or setting is an error now, and nothing starts
+        handle = self.engine.submit(Request(prompt, **kwargs), emit=False)
         if "experts" in self.views:  # its token picker lists the prompt's tokens by their text
-            self.views["experts"].expect_prompt(self.engine.encode(request))
-        self._stop.clear()
+            self.views["experts"].expect_prompt(handle.rows[0].prompt_ids)
+        self._handle = handle
         self.result, self.error = None, None
         self.generate_button.disabled = True
         self.stop_button.disabled = False
         self._set_status(f"generating ({html.escape(self.describe(kwargs))}, up to {kwargs['max_new_tokens']} "
                          f"tokens)…")
-        self._thread = threading.Thread(target=self._work, args=(request, kwargs), name="clover-dashboard",
+        self._thread = threading.Thread(target=self._work, args=(handle, kwargs), name="clover-dashboard",
                                         daemon=True)
         self._thread.start()
         if wait:
             return self.wait()
         return None
 
-    def _check_stop(self, event) -> None:
-        if self._stop.is_set():
-            raise StopGeneration("stopped from the dashboard")
-
-    def _work(self, request, kwargs) -> None:
+    def _work(self, handle, kwargs) -> None:
         try:
-            with self.engine.hooks({points.DENOISE_STEP: self._check_stop, points.BLOCK_COMMIT: self._check_stop}):
-                result = self.engine.generate(request, **kwargs)
+            result = self.engine.wait(handle)
             self.result = result
             what = self.describe(kwargs)
             if "speed" in self.views:
@@ -219,8 +213,9 @@ class Dashboard:
             self.stop_button.disabled = True
 
     def stop(self, *_) -> None:
-        """End the running generation after its current step (the resolved prefix is kept)."""
-        self._stop.set()
+        """End the running generation at the next step boundary (the blocks committed so far are kept)."""
+        if self._handle is not None:
+            self._handle.cancel()
         if self.running:
             self._set_status("stopping…")
 
