@@ -88,6 +88,8 @@ class Handle:
 
     # ---------------------------------------------------------------- the engine's side
     def put(self, update: StreamUpdate) -> None:
+        if self.loop is not None and self.loop.produced is not None:  # what Engine.step returns
+            self.loop.produced.append(update)
         if self.listener is not None:
             self.listener(update)
         else:
@@ -160,6 +162,7 @@ class Row:
         self.ahead = None  # its next block, begun early by a look-ahead policy
         self.pending: tuple[list[int], int] | None = None  # a finished block waiting for its fused commit, its steps
         self.produced = 0  # response tokens before the current block
+        self.wave: int | None = None  # diffusion: the step its current block began at (rows of a wave wait for each other)
         self.logits: torch.Tensor | None = None  # [V]: the causal logits at the next position (AR, speculative)
         self.next_token: int | None = None  # speculative: the causal token at the next position, when known
         self.draft = None  # speculative: what a draft must give back (penalty counts, the stop strings' scan)

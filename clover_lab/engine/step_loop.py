@@ -47,10 +47,11 @@ class StepLoop:
         self.max_rows = 64  # rows going on at once (the server sets its --max-batch)
         self.capacity = 0  # positions per row the runner's cache holds at least (the server's)
         self.forwards = 0  # forwards run after the prefills, every request's together
+        self.steps = 0  # steps taken
         self._keys = itertools.count()
         self._lock = threading.RLock()
         self._stepping: threading.Thread | None = None
-        self._step_updates: list | None = None
+        self.produced: list | None = None  # the updates of the step running now (Handle.put adds them)
 
     @property
     def busy(self) -> bool:
@@ -74,7 +75,8 @@ class StepLoop:
     def step(self) -> list:
         """One scheduler step; returns the updates it produced (of requests that stream)."""
         with self._lock:
-            self._stepping, self._step_updates = threading.current_thread(), []
+            self._stepping, self.produced = threading.current_thread(), []
+            self.steps += 1
             try:
                 self._cancel()
                 self._admit()
@@ -84,9 +86,9 @@ class StepLoop:
                         if rows:
                             self._advance(decoder, rows)
                 self._release()
-                return self._step_updates
+                return self.produced
             finally:
-                self._stepping, self._step_updates = None, None
+                self._stepping, self.produced = None, None
 
     def _advance(self, decoder, rows: list[Row]) -> None:
         """One step of a cohort's rows of one mode; a model hook's StopGeneration ends their

@@ -66,17 +66,19 @@ def test_rows_join_at_any_step_and_give_their_own_tokens(engine, static):
     try:
         handles = [engine.submit(Request(PROMPTS[0], max_new_tokens=40))]
         joins = {1: [1], 3: [2, 3], 7: [4]}  # step -> prompts submitted before it
+        stepped = []
         for k in range(10_000):
             for p in joins.get(k, []):
                 handles.append(engine.submit(Request(PROMPTS[p], max_new_tokens=40)))
             if k > max(joins) and all(h.done for h in handles):
                 break
-            engine.step()
+            stepped += engine.step()
     finally:
         engine.step_graphs = None
     assert [h.result.token_ids for h in handles] == alone
     commits = [u for u in handles[4].updates() if u.kind == "commit"]
     assert [u.block for u in commits] == list(range(len(commits)))  # a late row counts its own blocks
+    assert [u for u in stepped if u.kind == "commit" and u.committed == commits[-1].committed]  # step() returns them
 
 
 def test_cancel_ends_that_row_only_with_its_partial_result(engine):
