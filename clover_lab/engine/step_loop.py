@@ -115,17 +115,16 @@ class StepLoop:
 
     # ---------------------------------------------------------------- rows arrive
     def _admit(self) -> None:
-        """Queued rows join while there is room: a coreset request only into an idle loop, and
-        alone; a row too long for the runner's cache waits until the loop is idle."""
+        """Queued rows join while there is room (``max_rows``): a coreset request only into an idle
+        loop, and alone; the runner's cache grows by them."""
         new: list[Row] = []
         while self.queue:
             row = self.queue[0]
-            if row.handle.error is not None or row.handle.cancelled:
+            if row.handle.error is not None:  # its request failed: its rows are gone
                 self.queue.popleft()
                 continue
-            if not self._room(row, self.rows + new):
+            if row.handle.cancelled or not self._room(row, self.rows + new):  # a cancelled one: the next step ends it
                 break
-            if self.runner is not None and not self.runner.fits(len(row.prompt_ids) + row.max_new):
                 break
             new.append(self.queue.popleft())
         if not new:
@@ -145,7 +144,13 @@ class StepLoop:
                     raise
                 return
         else:
-            self.runner.add(keys)
+            try:  # the cache grows by the new rows (and to the longest of them)
+                self.runner.add(keys, max(len(r.prompt_ids) + r.max_new for r in new))
+            except BaseException as e:
+                self.fail({row.handle for row in new}, e)
+                if not isinstance(e, Exception):
+                    raise
+                return
         self.rows += new
         groups: dict[tuple, list[Row]] = {}
         for row in new:

@@ -81,6 +81,17 @@ def test_rows_join_at_any_step_and_give_their_own_tokens(engine, static):
     assert [u for u in stepped if u.kind == "commit" and u.committed == commits[-1].committed]  # step() returns them
 
 
+def test_a_longer_row_joining_grows_the_cache(engine):
+    want = [engine.generate(PROMPTS[0], max_new_tokens=16).token_ids, engine.generate(PROMPTS[1],
+                                                                                      max_new_tokens=300).token_ids]
+    short = engine.submit(Request(PROMPTS[0], max_new_tokens=16))
+    engine.step()
+    length = engine.loop.runner.cache.max_len
+    long = engine.submit(Request(PROMPTS[1], max_new_tokens=300))  # more positions than the cache has
+    run_all(engine, [short, long])
+    assert length < 300 and [short.result.token_ids, long.result.token_ids] == want
+
+
 def test_cancel_ends_that_row_only_with_its_partial_result(engine):
     alone = [engine.generate(p, max_new_tokens=64).token_ids for p in PROMPTS[:3]]
     handles = [engine.submit(Request(p, max_new_tokens=64)) for p in PROMPTS[:3]]
