@@ -187,3 +187,7 @@ def compare_lengths(base, args, clients: int = 8) -> dict:
                          request_p99=quantile([x for r in runs[name] for x in r["request_seconds"]], 0.99))
     out["ratio"] = out["differing"]["tokens_per_second"] / out["identical"]["tokens_per_second"]
     return out
+
+
+if __name__ == "__main__":
+    main()
