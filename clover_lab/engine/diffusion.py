@@ -5,7 +5,7 @@ block (one forward); a row's last block is committed on its own, so the cache en
 the whole response.
 
 Cost discipline: one device-to-host transfer per denoising step and row (the unmask decision,
-the candidates, which the loop needs to know what is left to do, and whether the step's logits
+the candidates, which the decoder needs to know what is left to do, and whether the step's logits
 were finite: NaN or inf logits end the run with a GenerationError naming block, step and
 source, never a garbage token); ``denoise.step`` events are built only when a hook is
 attached, and never add a transfer.

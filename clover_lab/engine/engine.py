@@ -5,8 +5,9 @@ it hands out hooks and captures; ``load`` builds one from a Hugging Face
 directory (or the embedded default model), with the defaults of its generation_config.json, its
 weights placed on one device or over several.
 
-Hooks: any exception in a hook ends the run with HookError naming the point, and the engine is
-ready for the next call either way (the cache is per generation). Scoped hooks and captures
+Hooks: any exception in a hook ends its request with HookError naming the point (the other
+requests go on), and the engine is ready for the next call either way (a request's rows leave the
+cache when it ends). Scoped hooks and captures
 apply to the generations started inside their ``with`` block in that thread or context;
 permanent hooks (``add_hook``) to every generation.
 
