@@ -95,16 +95,19 @@ def advance(loop, rows: list) -> None:
     and a row whose block is done sits out the others' previews. A row that ends (EOS, a stop
     string, its length, a hook) commits its last block on its own and leaves. Each row gives the
     tokens it gives alone."""
-    waves: dict[int, list] = {}
+    waves: dict[int | None, list] = {}
     for row in rows:
         waves.setdefault(row.wave, []).append(row)
+    arrived = waves.pop(None, [])
+    at_boundary = [wave for wave in waves.values() if not any(resolving(row) for row in wave)]
+    if arrived and (at_boundary or not waves):  # rows that arrived join the wave that begins now, or begin one
+        at_boundary.append(arrived)
     began = False
-    for wave in waves.values():
-        if not any(resolving(row) for row in wave):  # a boundary: the wave (or a row just arrived) begins
-            for row in wave:
-                begin_block(row)
-                row.wave = loop.steps
-            began = True
+    for wave in at_boundary:  # a boundary: the wave begins its next blocks, one wave with every other beginning
+        for row in wave:
+            begin_block(row)
+            row.wave = loop.steps
+        began = True
     if began and loop.runner.coreset is not None:  # a coreset's request runs alone: one wave
         loop.runner.coreset.reset()
     groups: dict[tuple, list] = {}

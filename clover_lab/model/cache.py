@@ -118,8 +118,8 @@ class CloverCache:
         as this one or fewer) into these rows."""
         if (part.batch_size != len(rows) or part.layers.keys() != self.layers.keys()
                 or part.max_len > self.max_len):
-            raise ValueError(f"put: a cache of {part.batch_size} rows x {part.max_len} positions cannot fill rows "
-                             f"{rows} of {self.max_len} positions")
+            raise ValueError(f"put: a cache of {part.batch_size} rows cannot fill rows {rows} (of {part.max_len} "
+                             f"positions, into {self.max_len})")
         index = _RowIndex(rows)
         for i, layer in self.layers.items():
             for mine, theirs in zip(_fields(layer), _fields(part.layers[i])):
