@@ -174,7 +174,8 @@ async def _answer(request, scheduler, metrics, jobs, body, shape: R.Shape):
     finally:
         for job in jobs:
             scheduler.cancel(job)  # a no-op for the finished; frees the rows of a client gone meanwhile
-    return shape.response(results, [r.text for r in results], jobs[0].trace_points is not None)
+    return shape.response(results, [r.text for r in results], jobs[0].trace_points is not None,
+                          [job.probe for job in jobs])
 
 
 async def _next(queue):
@@ -238,7 +239,8 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
                 thought = "" if reasoning is None else reasons[i].delta(reasoning, part=True)
                 yield R.sse(shape.chunk(i, texts[i].delta(answer, hold_calls=shape.parse_calls,
                                                           part=reasoning is not None),
-                                        clover=R.committed(update, tokens), reasoning=thought))
+                                        clover=R.committed(update, tokens, job.frames.pop(len(update.committed), None)),
+                                        reasoning=thought))
             elif update.kind == "done":
                 r = results[i] = update.result
                 done = {"kind": "done", "stop_reason": r.stop_reason, "stats": r.stats.to_dict()}

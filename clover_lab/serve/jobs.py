@@ -23,6 +23,7 @@ from clover_lab.engine.requests import (
 from clover_lab.engine.sampling import SamplerSettings, SettingsError
 from clover_lab.errors import CloverError
 from clover_lab.serve import schemas
+from clover_lab.serve.explore import NOT_ROUTED, ExpertRecorder, Probe
 
 
 class RequestError(CloverError, ValueError):
@@ -64,12 +65,18 @@ class Job:
     provisional: bool = False
     trace_points: list[str] | None = None
     grammar: object = None  # the Grammar the response follows (response_format, a required tool call), or None
+    policy: str | None = None  # the decoding policy's name (clover.policy), or None for the engine's
+    probe: Probe | None = None  # what it reports beside its tokens (clover.step_map, clover.experts), or None
+    streamed: bool = False  # the request streams: the probe frames each commit as it comes
+    frames: dict = field(default_factory=dict)  # the probe's frame per committed length (a streamed chunk's)
+    reported: int = 0  # response tokens the probe has framed
     created: float = field(default_factory=time.time)
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     updates: asyncio.Queue | None = None
     handle: object = None  # the engine's Handle, once submitted
-    capture: object = None  # a traced job's Capture, and the context its scope is open in
+    capture: object = None  # a traced job's Capture, its expert recorder's hook scope, and the context they are open in
+    scope: object = None
     context: object = None
 
     @property
@@ -81,6 +88,10 @@ class Job:
         """The engine's listener (in the worker thread): the updates the client asked for."""
         if self.cancelled.is_set() or (update.kind == "step" and not self.provisional):
             return
+        if self.probe is not None and self.streamed and update.kind == "commit":  # read now: the row goes on meanwhile
+            hi = len(update.committed)
+            self.frames[hi] = self.probe.frame(self.handle.rows[0].info.steps, self.reported, hi)
+            self.reported = hi
         self.send(update)
 
     def send(self, item) -> None:
@@ -147,7 +158,7 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
     max_new = max_tokens if max_tokens is not None else engine.max_new_tokens
     settings = sampler_settings(engine, request)
     given = {name: getattr(opts, name) for name in CLOVER_SAMPLER if getattr(opts, name) is not None}
-    for names, why in ignored_settings(mode, given, block_size=opts.block_size):
+    for names, why in ignored_settings(mode, given, policy=opts.policy, block_size=opts.block_size):
         # the API and the command line warn; a response has no place for a warning a client would see
         raise RequestError(f"{why}; leave {'them' if len(names) > 1 else 'it'} out, or use mode diffusion",
                            f"clover.{names[0]}", code="ignored_setting")
@@ -165,6 +176,9 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
         raise RequestError("clover.stream_provisional: AR decoding has no denoising steps to stream; "
                            "use mode diffusion", "clover.stream_provisional")
     points = trace_points(engine, opts.trace)
+    if opts.experts and engine.model.config.num_experts > NOT_ROUTED:
+        raise RequestError(f"clover.experts: this model has {engine.model.config.num_experts} experts, more than "
+                           f"the wire's uint8 ids hold (at most {NOT_ROUTED})", "clover.experts")
     n = request.n
     if n > 1 and points is not None:
         raise RequestError("clover.trace records one generation; ask for it with n = 1", "n")
@@ -180,18 +194,22 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
             raise RequestError(str(e), where) from None
         try:  # the engine's one request check; its error names the field, which is the body's here
             engine.check(Request(ids, mode=mode, max_new_tokens=max_new, stop=stop or None, settings=settings,
-                                 block_size=opts.block_size, grammar=grammar))
+                                 block_size=opts.block_size, grammar=grammar, policy=opts.policy))
         except (GenerationError, SettingsError) as e:
             field = getattr(e, "field", None)
             over = "context length" in str(e)
             param = {"prompt": where, "max_new_tokens": max_tokens_param, "mode": "clover.mode", "stop": "stop",
-                     "block_size": "clover.block_size", "logprobs": logprobs[1]}.get(field) or (
+                     "block_size": "clover.block_size", "logprobs": logprobs[1], "policy": "clover.policy"}.get(
+                field) or (
                 OPENAI_PARAMS.get(field) or (f"clover.{field}" if field else max_tokens_param))
             raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
         for k in range(n):  # n rows of one request: sampled with a seed, row k takes seed + k
             s = settings
             if k and s.seed is not None and not s.greedy:
                 s = SamplerSettings.from_kwargs(s, seed=(s.seed + k) % 2**64)
+            probe = None if not (opts.step_map or opts.experts) else Probe(
+                opts.step_map, ExpertRecorder(engine.model.config, len(ids), max_new) if opts.experts else None)
             jobs.append(Job(rid, i * n + k, ids, mode, max_new, stop, s, opts.block_size or engine.block_size,
-                            provisional=opts.stream_provisional, trace_points=points, grammar=grammar))
+                            provisional=opts.stream_provisional, trace_points=points, grammar=grammar,
+                            policy=opts.policy, probe=probe, streamed=request.stream))
     return jobs

@@ -95,7 +95,8 @@ class Shape:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                 "usage": usage(results)}
 
-    def response(self, results, texts: list[str], trace: bool) -> dict:
+    def response(self, results, texts: list[str], trace: bool, probes: list | None = None) -> dict:
+        """The whole response; ``probes``: each choice's :class:`~clover_lab.serve.explore.Probe` (or None)."""
         choices = []
         for i, (r, text) in enumerate(zip(results, texts)):
             c = {"index": i, "logprobs": self.logprobs(r), "finish_reason": finish_reason(r.stop_reason)}
@@ -107,7 +108,7 @@ class Shape:
                 c["text"] = text
             choices.append(c)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
-                "usage": usage(results), "clover": clover_summary(self.id, results, trace)}
+                "usage": usage(results), "clover": clover_summary(self.id, results, trace, probes)}
 
 
     def message(self, result, text: str) -> dict:
@@ -163,10 +164,14 @@ def usage(results) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def clover_summary(rid: str, results, trace: bool) -> dict:
+def clover_summary(rid: str, results, trace: bool, probes: list | None = None) -> dict:
+    """Per choice its stats and, where asked, its step map and experts (lists in the choices' order)."""
     out = {"stats": [r.stats.to_dict() for r in results]}
     if trace:
         out["trace_id"] = rid
+    if probes and probes[0] is not None:  # a request's choices all ask alike
+        frames = [p.summary(r) for p, r in zip(probes, results)]
+        out.update({key: [f[key] for f in frames] for key in frames[0]})
     return out
 
 
@@ -176,5 +181,6 @@ def provisional(update) -> dict:
             "pieces": update.block_pieces(), "unmasked": update.unmasked}
 
 
-def committed(update, tokens: list[int]) -> dict:
-    return {"kind": "committed", "block": update.block, "tokens": tokens}
+def committed(update, tokens: list[int], frame: dict | None = None) -> dict:
+    """A committed block: its tokens and, where asked, their step map and experts (``frame``)."""
+    return {"kind": "committed", "block": update.block, "tokens": tokens, **(frame or {})}

@@ -41,6 +41,9 @@ class CloverOptions(Strict):
     stream_provisional: bool = False  # stream each denoising step's canvas too, marked provisional
     trace: bool | list[str] = False  # record the request's trace (true: TRACE_POINTS), fetched by id
     thinking: bool | None = None  # the chat template's enable_thinking
+    policy: str | None = None  # the decoding policy by name ("eb:gamma=0.5", "topk:k=2"; engine/policies.py)
+    step_map: bool = False  # per committed token the denoising step that unmasked it (serve/explore.py)
+    experts: bool = False  # per committed token its routed experts, uint8 [tokens, layers, top_k] base64
 
 
 class StreamOptions(Strict):
