@@ -78,7 +78,11 @@ class Shape:
         new text of the reasoning (``delta.reasoning_content``, as vLLM, SGLang and DeepSeek send it)."""
         lp = None if result is None else self.logprobs(result)
         if self.chat:
-            delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+            # content is a string in every chunk (as vLLM and SGLang send it, and their tests read it) but one that
+            # carries only reasoning or tool calls
+            delta = {"role": "assistant"} if first else {}
+            if text or not (reasoning or calls):
+                delta["content"] = text
             if reasoning:
                 delta["reasoning_content"] = reasoning
             if calls:
