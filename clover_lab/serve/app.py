@@ -347,6 +347,9 @@ def validation_error(errors: list[dict]) -> RequestError:
         return RequestError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                             code="invalid_json")
     locs = [_untagged(err) for err in errors]
+    if all(err["type"] == "extra_forbidden" for err in errors) and len(errors) > 1:  # several unknown fields
+        names = [".".join(loc) for loc in locs]
+        return RequestError(f"unknown fields {', '.join(map(repr, names))}", names[0], code="unknown_field")
     common = []
     for parts in zip(*locs):
         if len(set(parts)) > 1:

@@ -268,6 +268,8 @@ BAD = [
     ({"model": NAME, "prompt": "x", "clover": {"mode": "fast"}}, "clover.mode"),
     ({"model": NAME, "prompt": "x", "clover": {"block_size": 0}}, "clover.block_size"),
     ({"model": NAME, "prompt": "x", "clover": {"nope": 1}}, "clover.nope"),
+    ({"model": NAME, "prompt": "x", "truncate_prompt_tokens": 4, "return_token_ids": True},
+     "truncate_prompt_tokens"),  # several unknown fields: the first named, every one in the message
     ({"model": NAME, "prompt": "x", "clover": {"trace": ["no.such.point"]}}, "clover.trace"),
     ({"model": NAME, "prompt": "x", "clover": {"stream_provisional": True}}, "clover.stream_provisional"),
     ({"model": NAME, "prompt": "x", "logprobs": 99}, "logprobs"),
