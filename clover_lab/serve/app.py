@@ -27,6 +27,7 @@ from clover_lab.engine.results import Thinking
 from clover_lab.hooks.trace import META_FILE, TENSOR_FILE
 from clover_lab.serve import responses as R
 from clover_lab.serve import schemas, tools
+from clover_lab.serve.call_stream import CallStream
 from clover_lab.serve.jobs import RequestError, make_jobs
 from clover_lab.serve.prometheus import Metrics
 from clover_lab.serve.scheduler import Scheduler, TraceStore
@@ -214,6 +215,7 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
     texts = {job.index: R.TextStream(tok, job.stop) for job in jobs}
     reasons = {job.index: R.TextStream(tok, job.stop) for job in jobs}  # a chat's reasoning, apart (thinking)
     lengths = {job.index: 0 for job in jobs}
+    streams = {job.index: CallStream() for job in jobs}  # a chat's tool calls, as deltas as they commit
     results, open_, first = {}, {job.index for job in jobs}, None
     try:
         if shape.chat:
@@ -237,8 +239,9 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
                 reasoning, answer = (None, update.committed) if not shape.chat or update.thinking is None else \
                     update.thinking.split(update.committed)
                 thought = "" if reasoning is None else reasons[i].delta(reasoning, part=True)
+                calls = [] if not shape.parse_calls else streams[i].update(texts[i].visible(answer))
                 yield R.sse(shape.chunk(i, texts[i].delta(answer, hold_calls=shape.parse_calls,
-                                                          part=reasoning is not None),
+                                                          part=reasoning is not None), calls=calls,
                                         clover=R.committed(update, tokens, job.frames.pop(len(update.committed), None)),
                                         reasoning=thought))
             elif update.kind == "done":
@@ -246,10 +249,12 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
                 done = {"kind": "done", "stop_reason": r.stop_reason, "stats": r.stats.to_dict()}
                 if job.trace_points is not None:
                     done["trace_id"] = job.id
-                content, calls = shape.split_calls(r.text if r.reasoning is None else r.answer)
+                text = r.text if r.reasoning is None else r.answer
+                content, calls = shape.split_calls(text)
+                deltas = streams[i].finish(text, calls) if calls else []
                 thought = "" if r.reasoning is None else reasons[i].final(r.reasoning)
                 yield R.sse(shape.chunk(i, texts[i].final(content), "tool_calls" if calls else R.finish_reason(
-                    r.stop_reason), clover=done, result=r, calls=calls, reasoning=thought))
+                    r.stop_reason), clover=done, result=r, calls=deltas, reasoning=thought))
         if len(results) == len(jobs):
             _observe(metrics, started, first)
             if body.stream_options is not None and body.stream_options.include_usage:

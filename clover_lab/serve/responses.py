@@ -74,7 +74,7 @@ class Shape:
     def chunk(self, index: int, text: str, finish: str | None = None, clover: dict | None = None,
               first: bool = False, result=None, calls: list[dict] | None = None, reasoning: str = "") -> dict:
         """A stream chunk; ``result`` (the last chunk's) brings the response's log-probabilities, if asked;
-        ``calls``: the response's tool calls (OpenAI's message.tool_calls), as one delta; ``reasoning``:
+        ``calls``: tool-call deltas (``call_stream.py``: each with its call's ``index``); ``reasoning``:
         new text of the reasoning (``delta.reasoning_content``, as vLLM, SGLang and DeepSeek send it)."""
         lp = None if result is None else self.logprobs(result)
         if self.chat:
@@ -86,7 +86,7 @@ class Shape:
             if reasoning:
                 delta["reasoning_content"] = reasoning
             if calls:
-                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                delta["tool_calls"] = calls
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
