@@ -11,11 +11,12 @@ whether every response equals that prompt's single-request text. Bounded: c x re
 requests per level.
 
 Then requests that differ (``--lengths``, issue 38): 8 clients whose requests ask for four different
-``max_tokens`` (16, 32, 48, 64 by default) against 8 clients whose requests are identical (their mean,
-40), measured side by side, alternately, ``--rounds`` times each; the ratio of their tokens per second
-is what per-request settings cost (before the engine scheduled rows, requests that differed only in
-max_tokens could not share a forward). Prints tables and writes JSON to bench/results/. A benchmark,
-not a test.
+``max_tokens`` (16, 32, 64, 80 by default; each client asks for each length once, starting at its own,
+so every client has the same work) against 8 clients whose requests are identical (the mean, 48: as
+many blocks per client), measured side by side, alternately, ``--rounds`` times each; the ratio of
+their tokens per second is what per-request settings cost (before the engine scheduled rows,
+requests that differed only in max_tokens could not share a forward). Prints tables and writes
+JSON to bench/results/. A benchmark, not a test.
 
     python bench/bench_serve.py [--model DIR] [--concurrency 1 4 16 32] [--requests-per-client 2]
                                 [--max-tokens 32] [--lengths 16 32 48 64] [--rounds 3] [--threads 2]
@@ -54,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 48, 64],
+    p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 80],
                    help="the max_tokens of the differing requests (8 clients; the identical ones ask for their mean)")
     p.add_argument("--rounds", type=int, default=3, help="alternate runs of identical and differing requests")
     p.add_argument("--threads", type=int, default=2)
@@ -101,11 +102,12 @@ async def one(client, base, prompt, max_tokens):
 
 
 async def level(base, c, per_client, max_tokens):
-    """``c`` clients, each ``per_client`` requests in turn; ``max_tokens``: one for all, or one per client."""
-    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * c
+    """``c`` clients, each ``per_client`` requests in turn; ``max_tokens``: one for all, or a function
+    (client, request) -> max_tokens."""
+    length = max_tokens if callable(max_tokens) else (lambda k, i: max_tokens)
     async with httpx.AsyncClient(timeout=600) as client:
         async def worker(k):
-            return [await one(client, base, PROMPTS[(k * per_client + i) % len(PROMPTS)], lengths[k])
+            return [await one(client, base, PROMPTS[(k * per_client + i) % len(PROMPTS)], length(k, i))
                     for i in range(per_client)]
 
         t0 = time.perf_counter()
@@ -150,7 +152,7 @@ def main(argv=None):
         print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_second']:.1f} | "
               f"{r['tokens_per_second'] / base1:.2f}x | {r['ttft_median']:.2f} / {r['ttft_p90']:.2f} | {pt} | "
               f"{'yes' if r['same_text_as_alone'] else 'NO'} |")
-    print(f"\n8 clients x {args.requests_per_client} requests, {args.rounds} alternate rounds each:\n"
+    print(f"\n8 clients x {len(args.lengths)} requests, {args.rounds} alternate rounds each:\n"
           f"| requests | max_tokens | tokens/s (median of rounds) | p99 request seconds |\n|---|---|---|---|")
     for name in ("identical", "differing"):
         r = lengths[name]
@@ -162,24 +164,26 @@ def main(argv=None):
 
 
 def compare_lengths(base, args, clients: int = 8) -> dict:
-    """Tokens per second of ``clients`` clients whose requests differ in max_tokens against as many whose
-    requests are identical (the mean length), alternately, ``args.rounds`` rounds each."""
-    differing = [args.lengths[k % len(args.lengths)] for k in range(clients)]
-    same = round(sum(differing) / clients)
+    """Tokens per second of ``clients`` clients whose requests differ in max_tokens (client k's i-th
+    request asks for ``lengths[(k + i) % n]``: each client asks for every length once) against as
+    many whose requests are identical (the mean length), alternately, ``args.rounds`` rounds each."""
+    n = len(args.lengths)
+    same = sum(args.lengths) // n
+    plans = {"identical": (lambda k, i: same), "differing": (lambda k, i: args.lengths[(k + i) % n])}
     runs = {"identical": [], "differing": []}
     for _ in range(args.rounds):
-        for name, lengths in (("identical", [same] * clients), ("differing", differing)):
+        for name, length in plans.items():
             t0 = time.perf_counter()
-            results, wall = asyncio.run(level(base, clients, args.requests_per_client, lengths))
+            results, wall = asyncio.run(level(base, clients, n, length))
             seconds = time.perf_counter() - t0  # with the event loop's start and end
             runs[name].append(dict(tokens=sum(r["tokens"] for r in results), wall_seconds=wall, seconds=seconds,
                                    tokens_per_second=sum(r["tokens"] for r in results) / wall,
                                    request_seconds=[r["seconds"] for r in results]))
             print(f"{name}: {runs[name][-1]['tokens_per_second']:.1f} tokens/s", flush=True)
     out = {}
-    for name, lengths in (("identical", [same] * clients), ("differing", differing)):
+    for name, lengths in (("identical", [same]), ("differing", sorted(args.lengths))):
         tps = statistics.median(r["tokens_per_second"] for r in runs[name])
-        out[name] = dict(max_tokens=sorted(set(lengths)), tokens_per_second=tps, runs=runs[name],
+        out[name] = dict(max_tokens=lengths, tokens_per_second=tps, runs=runs[name],
                          request_p99=quantile([x for r in runs[name] for x in r["request_seconds"]], 0.99))
     out["ratio"] = out["differing"]["tokens_per_second"] / out["identical"]["tokens_per_second"]
     return out

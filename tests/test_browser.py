@@ -18,6 +18,7 @@ README's pictures (dashboard.png, patching.png, logit_lens.png, features.png) go
     CLOVER_LAB_SCREENSHOTS=1 python -m pytest -q tests/test_browser.py
 """
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -324,19 +325,19 @@ def test_dashboard_in_jupyterlab(lab, page, tmp_path):
     before = grid.inner_html()
     # every redraw of the grid, seen in the page itself (polling from here missed them when a quiet
     # machine finished the run between two polls)
-    page.evaluate("""() => { const g = document.querySelector('.clover-dashboard .clover-grid');
-        window.__gridStates = new Set([g.innerHTML]);
-        new MutationObserver(() => window.__gridStates.add(g.innerHTML)).observe(
-            g, {subtree: true, childList: true, characterData: true, attributes: true}); }""")
+    page.evaluate(WATCH_GRID)
     dash.locator(".clover-generate button, button.clover-generate").first.click()
     states = {before}
     deadline = time.time() + 120
-    while "done" not in status.inner_text() or len(states) == 1:
-        assert time.time() < deadline, "the dashboard's run did not finish"
+    grid_states = "() => window.__gridStates.size"
+    while "done" not in status.inner_text() or (len(states) == 1 and page.evaluate(grid_states) < 3):
+        assert time.time() < deadline, "the dashboard's run did not finish (or its grid never redrew)"
         states.add(grid.inner_html())
         page.wait_for_timeout(100)
     redraws = page.evaluate("() => window.__gridStates.size")
-    assert max(len(states), redraws) >= 3, "the grid did not redraw while the run went on"
+    # the same prompt and settings as the notebook's run: its last grid is the one before, so a
+    # second state is one drawn while the run went on (the 160-token run below must show more)
+    assert max(len(states), redraws) >= 2, "the grid did not redraw while the run went on"
     page.wait_for_function(
         "() => document.querySelectorAll('.clover-dashboard .clover-speedview table tr').length >= 3",
         timeout=60_000)
@@ -350,3 +351,68 @@ def test_dashboard_in_jupyterlab(lab, page, tmp_path):
     photograph_everything(page, folder, notebook.stem)
     readme = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else folder
     photograph(page, dash, readme / "dashboard.png", 20_000)
+    answers_during_a_run(page, dash)
+
+
+# every state of the dashboard's token grid, recorded in the page at each change of its widget (the
+# grid element itself is replaced at each redraw)
+WATCH_GRID = """() => { const w = document.querySelector('.clover-dashboard .clover-grid-widget');
+    const grid = () => (w.querySelector('.clover-grid') || {}).innerHTML;
+    window.__gridStates = new Set([grid()]);
+    new MutationObserver(() => window.__gridStates.add(grid())).observe(
+        w, {subtree: true, childList: true, characterData: true, attributes: true}); }"""
+# runs code in the notebook's kernel without a cell (the dashboard's controls set from Python)
+KERNEL_EXECUTE = """(code) => new Promise((resolve, reject) => {
+  const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  k.requestExecute({code, silent: false, store_history: false}).done.then(resolve, reject); })"""
+# how long the page's main thread takes to answer: a task queued now, timed when it runs (a page
+# busy drawing answers late; at rest it answers in a few ms)
+ANSWER = """() => new Promise(resolve => {
+  const t = performance.now(); setTimeout(() => resolve(performance.now() - t), 0); })"""
+LATENCY_BUDGET_S = 0.5
+
+
+def answers_during_a_run(page, dash) -> None:
+    """During a 160-token dashboard run the page answers within LATENCY_BUDGET_S, and Stop ends
+    a run within a second of the click. The figures are printed (the README quotes them)."""
+    status = dash.locator(".clover-status")
+    page.evaluate(KERNEL_EXECUTE, "dash.max_new_tokens.value = 160")
+    page.evaluate(WATCH_GRID)
+    answers = []
+    dash.locator(".clover-generate button, button.clover-generate").first.click()
+    page.wait_for_function("() => !document.querySelector('.clover-dashboard .clover-status').textContent"
+                           ".includes('done')", timeout=30_000)
+    deadline = time.time() + 180
+    began = time.perf_counter()
+    slowest = []  # (seconds to answer, when in the run)
+    while "done" not in status.inner_text():
+        assert time.time() < deadline, "the 160-token run did not finish"
+        start = time.perf_counter()
+        page.evaluate(ANSWER)
+        answers.append(time.perf_counter() - start)
+        slowest.append((answers[-1], start - began))
+        page.wait_for_timeout(50)
+    done = status.inner_text()
+    answers.sort()
+    print(f"\npage answers during a 160-token run: {len(answers)} probes, median {answers[len(answers) // 2]:.3f} s, "
+          f"worst {answers[-1]:.3f} s ({done}); slowest (s, at s): "
+          + ", ".join(f"{a:.2f} at {t:.1f}" for a, t in sorted(slowest, reverse=True)[:5]))
+    assert len(answers) >= 5, f"too few probes during the run ({len(answers)}): {done}"
+    assert answers[-1] < LATENCY_BUDGET_S, f"the page took {answers[-1]:.2f} s to answer during the run"
+    grids = page.evaluate("() => window.__gridStates.size")
+    seconds = float(re.search(r"in ([0-9.]+)s", done).group(1))
+    assert grids >= 2 + int(seconds), f"the token grid showed {grids} states in a {seconds:.1f} s run: it did not follow"
+
+    # Stop: clicked a second into a run, the run ends (its status says so) within a second
+    dash.locator(".clover-generate button, button.clover-generate").first.click()
+    page.wait_for_function("() => !document.querySelector('.clover-dashboard .clover-status').textContent"
+                           ".includes('done')", timeout=30_000)
+    page.wait_for_timeout(1000)
+    dash.locator(".clover-stop button, button.clover-stop").first.click()
+    clicked = time.perf_counter()
+    page.wait_for_function("() => document.querySelector('.clover-dashboard .clover-status').textContent"
+                           ".includes('done')", timeout=30_000)
+    stopped = time.perf_counter() - clicked
+    print(f"Stop: the run ended {stopped:.2f} s after the click ({status.inner_text()})")
+    assert "cancelled" in status.inner_text(), status.inner_text()  # ended by Stop, not by its length
+    assert stopped < 1.0, f"Stop took {stopped:.2f} s"

@@ -55,9 +55,13 @@ def add_sampler_options(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(SamplerSettings):
         if f.metadata.get("cli") is False:  # not a single value (logit_bias: the API's and the server's)
             continue
+        help = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if str(f.type) == "bool":
+            parser.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None,
+                                help=help)
+            continue
         kind = types[str(f.type).split(" |")[0]]
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
-                            help=f"{f.metadata.get('help', '')} (default: {f.default})")
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, help=help)
 
 
 def sampler_kwargs(args) -> dict:
@@ -107,7 +111,6 @@ def load_engine(args):
     """The engine for ``args``. A seam for tests: ``generate`` calls ``clover_lab.cli.main.load_engine``,
     which a test may replace."""
     from clover_lab.engine import load
-
     from clover_lab.signals import check_interrupted
 
     check_interrupted()  # one swallowed by the imports: before a load that may take minutes

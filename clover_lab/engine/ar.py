@@ -19,7 +19,7 @@ def advance(loop, rows: list) -> None:
     forward, which gives the logits for their next ones."""
     tokens, health, shaped = [], [], []
     for row in rows:
-        logits = row.allowed(row.logits[None])  # within the row's grammar, if it has one
+        logits = row.keep_going(row.allowed(row.logits[None]), [len(row.committed)])  # grammar; min_tokens
         t, conf, _ = sampling.decide(logits, row.counts, row.s, row.generator)
         tokens.append(t[0])
         health.append(logits_health(collapsed(row.logits[None]), conf))

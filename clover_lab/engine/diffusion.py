@@ -5,7 +5,7 @@ block (one forward); a row's last block is committed on its own, so the cache en
 the whole response.
 
 Cost discipline: one device-to-host transfer per denoising step and row (the unmask decision,
-the candidates, which the loop needs to know what is left to do, and whether the step's logits
+the candidates, which the decoder needs to know what is left to do, and whether the step's logits
 were finite: NaN or inf logits end the run with a GenerationError naming block, step and
 source, never a garbage token); ``denoise.step`` events are built only when a hook is
 attached, and never add a transfer.
@@ -83,20 +83,30 @@ class Block:
 
 # --------------------------------------------------------------------------- the decoder
 def advance(loop, rows: list) -> None:
-    """One step of a cohort's block-diffusion rows (``step_loop.py``). At a block boundary (no row
-    resolving a block) each row begins its next block; then the rows still resolving preview,
-    one forward per group of rows that agree in block length, whether a finished block is
-    committed in the same forward (rows that joined since have none) and whether the next block
-    is previewed too; each row decides its own unmasking from its own logits, so rows finish their
-    blocks at different steps, and a row whose block is done sits out the others' previews. When
-    no row is resolving any more, the finished blocks wait (``row.pending``) to be committed fused
-    with the next block's first preview; a row that ends (EOS, a stop string, its length, a hook)
-    commits its last block on its own and leaves. Each row gives the tokens it gives alone."""
-    if not any(resolving(row) for row in rows):
-        for row in rows:
-            begin_block(row)
-        if loop.runner.coreset is not None:
-            loop.runner.coreset.reset()
+    """One step of a cohort's block-diffusion rows (``step_loop.py``). Rows resolve their blocks
+    in waves: the rows that began their blocks at one step. When no row of a wave is resolving a
+    block any more, its finished blocks wait (``row.pending``) and the wave begins its next blocks
+    together at the next step, each committed fused with its block's first preview; a row that
+    arrives begins its first block at once, in a wave of its own, so it never waits for the others'
+    blocks (waves that begin at one step are one). Then the rows still resolving preview, one
+    forward per group of rows that agree in block length, whether a finished block is committed in
+    the same forward and whether the next block is previewed too, whatever their wave; each row
+    decides its own unmasking from its own logits, so rows finish their blocks at different steps,
+    and a row whose block is done sits out the others' previews. A row that ends (EOS, a stop
+    string, its length, a hook) commits its last block on its own and leaves. Each row gives the
+    tokens it gives alone."""
+    waves: dict[int, list] = {}
+    for row in rows:
+        waves.setdefault(row.wave, []).append(row)
+    began = False
+    for wave in waves.values():
+        if not any(resolving(row) for row in wave):  # a boundary: the wave (or a row just arrived) begins
+            for row in wave:
+                begin_block(row)
+                row.wave = loop.steps
+            began = True
+    if began and loop.runner.coreset is not None:  # a coreset's request runs alone: one wave
+        loop.runner.coreset.reset()
     groups: dict[tuple, list] = {}
     for row in rows:
         if resolving(row):
@@ -105,9 +115,13 @@ def advance(loop, rows: list) -> None:
         group = [row for row in group if row.live]  # a commit hook may have ended a row
         if group:
             preview(loop, group, fused, bool(ahead))
-    rows = [row for row in rows if row.live]
-    if rows and not any(resolving(row) for row in rows):
-        end_blocks(loop, rows)
+    waves = {}
+    for row in rows:
+        if row.live:
+            waves.setdefault(row.wave, []).append(row)
+    for wave in waves.values():
+        if not any(resolving(row) for row in wave):
+            end_blocks(loop, wave)
 
 
 def resolving(row) -> bool:
@@ -261,6 +275,8 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     logits = logits[0].float()  # [N, V]
     flat = collapsed(logits)  # before the mask column is -inf
     logits[:, mask_id] = float("-inf")  # the mask token is never a candidate
+    start = run.produced + (len(ahead_of) if ahead_of is not None else 0)  # the block's first response position
+    run.keep_going(logits, [start + p for p in block.masked])  # no end before min_tokens
     N, where, ahead = len(block.masked), f"block {block.index}, step {block.step}", ahead_of is not None
     rule = where if run.row is None else f"row {run.row}, {where}"  # where a rule's word is faulted
     if ahead_of is None:

@@ -5,8 +5,9 @@ it hands out hooks and captures; ``load`` builds one from a Hugging Face
 directory (or the embedded default model), with the defaults of its generation_config.json, its
 weights placed on one device or over several.
 
-Hooks: any exception in a hook ends the run with HookError naming the point, and the engine is
-ready for the next call either way (the cache is per generation). Scoped hooks and captures
+Hooks: any exception in a hook ends its request with HookError naming the point (the other
+requests go on), and the engine is ready for the next call either way (a request's rows leave the
+cache when it ends). Scoped hooks and captures
 apply to the generations started inside their ``with`` block in that thread or context;
 permanent hooks (``add_hook``) to every generation.
 
@@ -30,7 +31,7 @@ from clover_lab.engine.requests import GenerationError, Plan, Request, check_cor
 from clover_lab.engine.results import GenerationResult, StreamUpdate
 from clover_lab.engine.row import Handle
 from clover_lab.engine.runner import FastPath
-from clover_lab.engine.sampling import SamplerSettings
+from clover_lab.engine.sampling import SamplerSettings, SettingsError
 from clover_lab.engine.step_loop import StepLoop
 from clover_lab.errors import CheckpointError, flag
 from clover_lab.hooks.capture import Capture
@@ -224,6 +225,9 @@ class Engine:
         if checked.policy is not None:
             try:
                 checked.policy = make_policy(checked.policy)
+            except SettingsError as e:  # it names the policy's setting; ``field`` the request's
+                e.field = "policy"
+                raise
             except (ValueError, TypeError) as e:
                 raise GenerationError(str(e), "policy") from None
         return checked

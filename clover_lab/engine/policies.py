@@ -12,7 +12,7 @@
   this one's current guesses) and unmasks there the positions at ``threshold``; the next block
   starts with them, so it needs fewer steps, and the run fewer forwards.
 
-The loop (``diffusion.py``) owns the mechanics every rule shares: the forwards, the one
+The decoder (``diffusion.py``) owns the mechanics every rule shares: the forwards, the one
 device-to-host transfer per step, the logits' health, the ``denoise.step`` hooks (which may
 change any decision), the canvas, EOS and stop strings. A :class:`DecodingPolicy` owns the
 decision: given a step's logits at a block's still-masked positions, which of them to unmask
@@ -20,12 +20,12 @@ and with which tokens (:meth:`~DecodingPolicy.propose`, on the device, no host s
 the block is done (:meth:`~DecodingPolicy.finishes_block`: this step resolves every position
 left). :meth:`~DecodingPolicy.begin_block` gives a rule a place of its own per row and block
 (``block.memo``): one that needs the block's logits over several steps keeps them there. A new
-rule is a subclass; the loop does not change. The loop holds the rule to its word, from the
+rule is a subclass; the decoder does not change. The decoder holds the rule to its word, from the
 step's one transfer: a step unmasks at least one position, a finishing step every one (a
 GenerationError naming the policy otherwise).
 
 Looking ahead (multi-block decoding): a rule whose :meth:`~DecodingPolicy.look_ahead` says so
-for a step has the loop preview the row's next block in the same forward, as a longer canvas
+for a step has the decoder preview the row's next block in the same forward, as a longer canvas
 ``[block ; next block]`` over the committed prefix, so the next block sees this block's current
 guesses; :meth:`~DecodingPolicy.propose_ahead` then decides which of the next block's positions
 to unmask already (none is required). The next block starts with them. Rules that do not look
@@ -75,7 +75,7 @@ class DecodingPolicy:
         return block.step + 1 >= block.limit
 
     def look_ahead(self, row, block) -> bool:
-        """Whether this step of ``block`` also previews the row's next block (the loop does so
+        """Whether this step of ``block`` also previews the row's next block (the decoder does so
         only when the row has one: this block does not end it). Default: never."""
         return False
 

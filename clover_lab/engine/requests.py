@@ -16,6 +16,7 @@ from clover_lab.errors import CloverError, flag
 from clover_lab.model.cache import cache_bytes
 
 MODES = ("diffusion", "ar", "speculative")
+MAX_PROMPT_LOGPROBS = 20
 # sampler settings that only block diffusion reads: an AR request given one would ignore it
 DIFFUSION_SETTINGS = ("threshold", "confidence", "max_tokens_per_step", "max_steps_per_block", "coreset_size")
 
@@ -45,18 +46,21 @@ class Request:
     (rows per prompt; sampled with a seed, row i takes seed + i) and ``grammar`` (a
     ``clover_lab.grammar.Grammar`` the response must follow, in every mode: block diffusion through
     ``GrammarPolicy`` around the request's policy, AR and speculative decoding by masking the
-    causal choice with the row's ``Constraint``). Requests with different
+    causal choice with the row's ``Constraint``) and ``prompt_logprobs`` (k: the result scores every
+    prompt token, its log-probability and k alternatives'; with it, ``max_new_tokens=0`` scores the
+    prompt alone). Requests with different
     settings share the engine's forwards; each row's tokens are the ones it gives alone."""
 
-    FIELDS = ("mode", "max_new_tokens", "stop", "thinking", "settings", "policy", "block_size", "n", "grammar")
+    FIELDS = ("mode", "max_new_tokens", "stop", "thinking", "settings", "policy", "block_size", "n", "grammar",
+              "prompt_logprobs")
 
     def __init__(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
                  thinking: bool | None = None, settings=None, policy=None, block_size: int | None = None,
-                 n: int = 1, grammar=None, **sampler):
+                 n: int = 1, grammar=None, prompt_logprobs: int | None = None, **sampler):
         self.prompt, self.mode, self.max_new_tokens, self.stop, self.thinking = prompt, mode, max_new_tokens, stop, \
             thinking
         self.settings, self.policy, self.block_size, self.n, self.sampler = settings, policy, block_size, n, sampler
-        self.grammar = grammar
+        self.grammar, self.prompt_logprobs = grammar, prompt_logprobs
 
     def __repr__(self) -> str:
         given = {k: getattr(self, k) for k in self.FIELDS if getattr(self, k) not in (None, 1, "diffusion")}
@@ -80,6 +84,7 @@ class Plan:
     batched: bool
     sources: list[int] = field(default_factory=list)  # row -> the prompt it answers
     grammar: object = None  # a clover_lab.grammar.Grammar the rows follow, or None
+    prompt_logprobs: int | None = None  # alternatives per scored prompt token (None: the prompt is not scored)
 
 
 def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = None) -> list[int]:
@@ -401,8 +406,14 @@ def plan(engine, request: Request) -> Plan:
         raise GenerationError(str(e), "stop") from None
     max_new = engine.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
     max_new = plain_int(max_new)
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-        raise GenerationError(f"max_new_tokens={max_new!r}: expected a positive integer", "max_new_tokens")
+    k = plain_int(request.prompt_logprobs)
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_PROMPT_LOGPROBS):
+        raise GenerationError(f"prompt_logprobs={request.prompt_logprobs!r}: expected None or alternatives per "
+                              f"token in [0, {MAX_PROMPT_LOGPROBS}]", "prompt_logprobs")
+    least = 0 if k is not None else 1  # a scored prompt may take no response
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < least:
+        raise GenerationError(f"max_new_tokens={max_new!r}: expected a positive integer"
+                              + (" (or 0 to score the prompt)" if least == 0 else ""), "max_new_tokens")
     block_size = engine.block_size if request.block_size is None else plain_int(request.block_size)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise GenerationError(f"block_size={request.block_size!r}: expected a positive integer", "block_size")
@@ -415,7 +426,7 @@ def plan(engine, request: Request) -> Plan:
     for r, one in enumerate(prompts):
         try:
             ids.append(encode_prompt(one, engine.tokenizer, engine.model.config.vocab_size, request.thinking))
-            check_request(engine.model, engine.mask_token_id, len(ids[-1]), max_new, mode, memory=False)
+            check_request(engine.model, engine.mask_token_id, len(ids[-1]), max(max_new, 1), mode, memory=False)
         except GenerationError as e:
             if e.field is None:  # what encoding the prompt refused
                 e.field = "prompt"
@@ -429,4 +440,4 @@ def plan(engine, request: Request) -> Plan:
         seeded = s.seed is not None and n > 1 and not s.greedy
         settings.append(SamplerSettings.from_kwargs(s, seed=(s.seed + i % n) % (2**64)) if seeded else s)
     return Plan(rows, mode, max_new, stop, settings, request.policy, block_size, request.thinking, batched or n > 1,
-                [p for p in range(len(ids)) for _ in range(n)], request.grammar)
+                [p for p in range(len(ids)) for _ in range(n)], request.grammar, k)

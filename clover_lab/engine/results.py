@@ -217,6 +217,8 @@ class GenerationResult:
     unmask_steps: list[int | None] = field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None  # Request(prompt_logprobs=k): each prompt token's (the first None)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def stop_reason(self) -> str:
@@ -225,7 +227,8 @@ class GenerationResult:
     def to_dict(self) -> dict:
         return {"text": self.text, "reasoning": self.reasoning, "answer": self.answer, "token_ids": self.token_ids,
                 "prompt_ids": self.prompt_ids, "unmask_steps": self.unmask_steps, "logprobs": self.logprobs,
-                "top_logprobs": self.top_logprobs, "stats": self.stats.to_dict()}
+                "top_logprobs": self.top_logprobs, "prompt_logprobs": self.prompt_logprobs,
+                "prompt_top_logprobs": self.prompt_top_logprobs, "stats": self.stats.to_dict()}
 
 
 @dataclass
@@ -253,6 +256,9 @@ class StreamUpdate:
     tokenizer: object = field(default=None, repr=False)
     row: int | None = None  # the request row of a batched stream (None: a single generation)
     thinking: object = field(default=None, repr=False)  # the response's Thinking, or None
+    # with SamplerSettings.logprobs: the committed tokens' log-probabilities and alternatives so far
+    logprobs: list[float] | None = None
+    top_logprobs: list | None = None
 
     @property
     def committed_text(self) -> str | None:

@@ -88,6 +88,8 @@ class Handle:
 
     # ---------------------------------------------------------------- the engine's side
     def put(self, update: StreamUpdate) -> None:
+        if self.loop is not None and self.loop.produced is not None:  # what Engine.step returns
+            self.loop.produced.append(update)
         if self.listener is not None:
             self.listener(update)
         else:
@@ -142,7 +144,9 @@ class Row:
                        if s.has_penalties else None)
         self.stop_strings = StopStrings(engine.tokenizer, plan.stop) if plan.stop else None
         self.thinking = Thinking.of(engine.tokenizer, prompt_ids)
-        self.eos = set(engine.eos_token_ids) | stop_ids(self.thinking, plan.thinking)
+        self.eos = (set() if s.ignore_eos else set(engine.eos_token_ids)) | stop_ids(self.thinking, plan.thinking)
+        self.prompt_logprobs = plan.prompt_logprobs  # k: the prompt's tokens scored at its prefill (None: not)
+        self.prompt_scores: tuple[list, list | None] | None = None
         self.clock = Clock(self.device)
         self.stats = GenerationStats(mode=self.mode, prompt_tokens=len(prompt_ids),
                                      seed=s.seed if s.greedy else self.seed,
@@ -158,6 +162,7 @@ class Row:
         self.ahead = None  # its next block, begun early by a look-ahead policy
         self.pending: tuple[list[int], int] | None = None  # a finished block waiting for its fused commit, its steps
         self.produced = 0  # response tokens before the current block
+        self.wave: int | None = None  # diffusion: the step its current block began at (rows of a wave wait for each other)
         self.logits: torch.Tensor | None = None  # [V]: the causal logits at the next position (AR, speculative)
         self.next_token: int | None = None  # speculative: the causal token at the next position, when known
         self.draft = None  # speculative: what a draft must give back (penalty counts, the stop strings' scan)
@@ -186,6 +191,15 @@ class Row:
         masks = self.constraint.masks(list(path))[skip:skip + logits.shape[0]].to(logits.device)
         masks[~masks.any(-1)] = True
         return logits.masked_fill(~masks[:, :logits.shape[-1]], float("-inf"))
+
+    def keep_going(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """``logits`` [N, V] at these response positions, with the row's end tokens at -inf where a
+        position comes before ``min_tokens`` (in place; ``logits`` as it is otherwise)."""
+        early = [i for i, q in enumerate(positions) if q < self.s.min_tokens]
+        if early and self.eos:
+            rows = torch.tensor(early, device=logits.device)[:, None]
+            logits[rows, torch.tensor(sorted(self.eos), device=logits.device)[None]] = float("-inf")
+        return logits
 
     def follow(self, tokens: list[int]) -> None:
         """The row's grammar follows these committed tokens (up to an end of the response)."""
@@ -224,9 +238,12 @@ class Row:
     def update(self, kind: str, block: int, step: int | None, block_tokens=(), unmasked=()) -> None:
         """A StreamUpdate to the request, when it streams."""
         if self.handle.emit:
+            info, n = self.info, len(self.committed)
             self.handle.put(StreamUpdate(kind, block, step, list(self.committed), list(block_tokens), list(unmasked),
                                          self.now(), self.result, tokenizer=self.engine.tokenizer, row=self.row,
-                                         thinking=self.thinking))
+                                         thinking=self.thinking,
+                                         logprobs=None if info.logprobs is None else info.logprobs[:n],
+                                         top_logprobs=None if info.top is None else info.top[:n]))
 
     # ---------------------------------------------------------------- the end
     def finish(self, reason: str) -> GenerationResult:
@@ -244,9 +261,11 @@ class Row:
             if cut is not None:
                 text = cut(text)
         reasoning, answer = texts(tok, self.thinking, self.committed, cut)
+        prompt_lp, prompt_top = self.prompt_scores or (None, None)
         self.result = GenerationResult(list(self.committed), text, list(self.prompt_ids), self.stats,
                                        reasoning=reasoning, answer=answer, unmask_steps=list(self.info.steps),
-                                       logprobs=self.info.logprobs, top_logprobs=self.info.top)
+                                       logprobs=self.info.logprobs, top_logprobs=self.info.top,
+                                       prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top)
         return self.result
 
 

@@ -38,6 +38,7 @@ class Runner:
         fast path's graphs when it applies and ``owner`` (a step loop) can hold them."""
         model = engine.model
         self.model, self.hooks = model, model.hooks.view()
+        self.engine_fast_path, self.owner = engine.fast_path, owner
         self.coreset: Coreset | None = None
         self.off = engine.fast_path_off()  # why these rows have no fast path, or None
         self.last: str | None = None  # the path the last forward took (a label, ``_took``)
@@ -62,10 +63,6 @@ class Runner:
     def rows(self) -> list[int]:
         """The rows going on (their keys), in the cache's order."""
         return [r for r in self.slots if r is not None]
-
-    def fits(self, length: int) -> bool:
-        """Whether a row of ``length`` positions fits in the cache."""
-        return length <= self.cache.max_len
 
     def plan(self) -> tuple[str, object]:
         """How a step of the rows runs now (``engine/observed.py``): ("static", the points whose
@@ -109,7 +106,8 @@ class Runner:
     # ---------------------------------------------------------------- forwards
     def prefill(self, rows: list[int], prompts: list[list[int]], chunk: int, logits: str | None, where):
         """These rows' prompts (of one length) into their rows of the cache in one forward (no
-        padding inside the model); their last-position logits [R, V] when ``logits`` is "last"."""
+        padding inside the model); their logits [R, T, V] when ``logits`` is "all", the last
+        position's [R, V] when "last"."""
         index = [self.slots.index(r) for r in rows]
         if len(rows) == self.cache.batch_size:
             cache = self.cache
@@ -125,16 +123,23 @@ class Runner:
         for i, ids in zip(index, prompts):
             lengths[i] = len(ids)
         self.cache.set_row_lengths(lengths)
-        return None if out is None else out[:, -1]
+        return out if out is None or logits == "all" else out[:, -1]
 
-    def add(self, rows: list[int]) -> None:
-        """A cache of the rows going on plus ``rows`` (empty, after them), to be prefilled. The
-        static path adopts it into its bucket at its next step."""
+    def add(self, rows: list[int], length: int = 0) -> None:
+        """A cache of the rows going on plus ``rows`` (empty, after them), to be prefilled, of
+        ``length`` positions per row at least (more than the static steps' cache holds: the rows
+        go on on the eager forward). The static path adopts it into its bucket at its next step."""
         going = self.rows
         keep = [self.slots.index(r) for r in going]
         old = self.cache
         lengths = [(old.row_lengths or [old.length] * old.batch_size)[i] for i in keep] + [0] * len(rows)
-        self.cache = self.model.new_cache(old.max_len, len(going) + len(rows))
+        if self.graphs is not None and not self.graphs.fits(max(length, old.max_len)):
+            self.graphs, self.off = None, f"a row of {length} positions is longer than the fast path's cache"
+            self.engine_fast_path.release(self.owner)
+        try:
+            self.cache = self.model.new_cache(max(length, old.max_len), len(going) + len(rows))
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            raise allocation_error(self.model, max(length, old.max_len), len(going) + len(rows), e) from e
         if going:
             self.cache.put(list(range(len(going))), old if keep == list(range(old.batch_size)) else old.select(keep))
         self.slots = going + rows

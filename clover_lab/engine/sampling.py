@@ -57,6 +57,9 @@ class SamplerSettings:
       AR decoding only (block diffusion resolves positions out of order).
     - ``logit_bias``: {token id: bias in [-100, 100]} added to the logits before anything is chosen
       (OpenAI's: -100 bans the token, 100 all but forces it).
+    - ``min_tokens``: the response's end tokens (EOS, ``</think>`` with thinking off) are not
+      chosen before this many tokens (0 = off); ``ignore_eos``: EOS does not end the response (it
+      runs to its length or a stop string: what benchmark clients ask for).
     - ``coreset_size``: per-block expert coreset M (spec 3.3); None or 0 = off. A request checks it
       against the model: at least ``num_experts_per_tok`` and at most ``num_experts``.
     - ``seed``: seeds the run's torch.Generator, in [0, 2**64); None draws a fresh seed (reported in
@@ -86,6 +89,8 @@ class SamplerSettings:
                                                                        "tokens only (AR; none: all)"})
     logit_bias: dict | None = field(default=None, metadata={"help": "token id -> bias in [-100, 100]; -100 bans it",
                                                             "cli": False})
+    min_tokens: int = field(default=0, metadata={"help": "no end token before this many tokens (0 = off)"})
+    ignore_eos: bool = field(default=False, metadata={"help": "EOS does not end the response"})
     coreset_size: int | None = field(default=None, metadata={"help": "per-block expert coreset size (off by default)"})
     seed: int | None = field(default=None, metadata={"help": "seeds sampling; none: a fresh seed, reported"})
     draft_passes: int = field(default=1, metadata={"help": "speculative mode: denoising passes per drafted block"})
@@ -160,6 +165,9 @@ class SamplerSettings:
             if abs(number(name)) > MAX_ADDITIVE_PENALTY:
                 bad(name, f"must be within +-{MAX_ADDITIVE_PENALTY:g} (0 = off); beyond that float32 logits overflow")
         integer("penalty_window", 1, allow_none=True)
+        integer("min_tokens", 0, allow_none=False)
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be True or False")
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, dict):

@@ -73,7 +73,8 @@ def begin_cycle(row, m: int) -> None:
     c0, row.next_token = row.next_token, None
     if c0 is None:
         logits = row.logits
-        t, conf, _ = sampling.decide(row.allowed(logits[None]), row.counts, row.s, row.generator)
+        t, conf, _ = sampling.decide(row.keep_going(row.allowed(logits[None]), [len(row.committed)]), row.counts,
+                                     row.s, row.generator)
         c0, health = torch.stack([t[0], logits_health(collapsed(logits[None]), conf)]).tolist()
         if health != OK:
             check_logits(row, health, "the prompt's next token")
@@ -82,7 +83,7 @@ def begin_cycle(row, m: int) -> None:
     block.place({0: c0}, row.eos)
     block.masked = [p for p in range(1, m) if p < block.end]
     block.memo = row.policy.begin_block(row, block)
-    row.block, row.stopped = block, False
+    row.block, row.stopped, row.produced = block, False, len(row.committed)
     row.draft = (None if row.counts is None else row.counts.clone(),
                  None if row.stop_strings is None else row.stop_strings.clean)
 
@@ -159,6 +160,7 @@ def accept(row, block: Block, logits: torch.Tensor) -> tuple[int, str]:
     rows, counts = logits[:d + 1].float(), draft_counts(row, block.host[:d + 1])
     flat = collapsed(rows)
     rows = row.allowed(rows, block.host[:d + 1], skip=1)  # row i follows the block's first i + 1 tokens
+    rows = row.keep_going(rows, range(len(row.committed) + 1, len(row.committed) + d + 2))
     if row.s.greedy:
         t, conf, _ = sampling.decide(rows, counts, row.s, row.generator)
         host = torch.cat([t, logits_health(flat, conf).reshape(1)]).tolist()

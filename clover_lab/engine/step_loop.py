@@ -47,10 +47,11 @@ class StepLoop:
         self.max_rows = 64  # rows going on at once (the server sets its --max-batch)
         self.capacity = 0  # positions per row the runner's cache holds at least (the server's)
         self.forwards = 0  # forwards run after the prefills, every request's together
+        self.steps = 0  # steps taken
         self._keys = itertools.count()
         self._lock = threading.RLock()
         self._stepping: threading.Thread | None = None
-        self._step_updates: list | None = None
+        self.produced: list | None = None  # the updates of the step running now (Handle.put adds them)
 
     @property
     def busy(self) -> bool:
@@ -74,7 +75,8 @@ class StepLoop:
     def step(self) -> list:
         """One scheduler step; returns the updates it produced (of requests that stream)."""
         with self._lock:
-            self._stepping, self._step_updates = threading.current_thread(), []
+            self._stepping, self.produced = threading.current_thread(), []
+            self.steps += 1
             try:
                 self._cancel()
                 self._admit()
@@ -84,9 +86,9 @@ class StepLoop:
                         if rows:
                             self._advance(decoder, rows)
                 self._release()
-                return self._step_updates
+                return self.produced
             finally:
-                self._stepping, self._step_updates = None, None
+                self._stepping, self.produced = None, None
 
     def _advance(self, decoder, rows: list[Row]) -> None:
         """One step of a cohort's rows of one mode; a model hook's StopGeneration ends their
@@ -113,17 +115,16 @@ class StepLoop:
 
     # ---------------------------------------------------------------- rows arrive
     def _admit(self) -> None:
-        """Queued rows join while there is room: a coreset request only into an idle loop, and
-        alone; a row too long for the runner's cache waits until the loop is idle."""
+        """Queued rows join while there is room (``max_rows``): a coreset request only into an idle
+        loop, and alone; the runner's cache grows by them."""
         new: list[Row] = []
         while self.queue:
             row = self.queue[0]
-            if row.handle.error is not None or row.handle.cancelled:
+            if row.handle.error is not None:  # its request failed: its rows are gone
                 self.queue.popleft()
                 continue
-            if not self._room(row, self.rows + new):
+            if row.handle.cancelled or not self._room(row, self.rows + new):  # a cancelled one: the next step ends it
                 break
-            if self.runner is not None and not self.runner.fits(len(row.prompt_ids) + row.max_new):
                 break
             new.append(self.queue.popleft())
         if not new:
@@ -143,11 +144,17 @@ class StepLoop:
                     raise
                 return
         else:
-            self.runner.add(keys)
+            try:  # the cache grows by the new rows (and to the longest of them)
+                self.runner.add(keys, max(len(r.prompt_ids) + r.max_new for r in new))
+            except BaseException as e:
+                self.fail({row.handle for row in new}, e)
+                if not isinstance(e, Exception):
+                    raise
+                return
         self.rows += new
         groups: dict[tuple, list[Row]] = {}
         for row in new:
-            groups.setdefault((row.hooks.scopes, len(row.prompt_ids)), []).append(row)
+            groups.setdefault((row.hooks.scopes, len(row.prompt_ids), row.prompt_logprobs is not None), []).append(row)
         for rows in groups.values():
             self._prefill(rows)
 
@@ -166,12 +173,12 @@ class StepLoop:
         """These rows' prompts (of one length) into the cache, in one forward (or one per chunk of
         ``prefill_chunk_size``); rows that decode from the prompt's next-token logits keep them."""
         chunk = self.engine.prefill_chunk_size
-        want = any(row.mode != "diffusion" for row in rows)
+        score = rows[0].prompt_logprobs is not None  # the group's rows agree
+        want = "all" if score else "last" if any(row.mode != "diffusion" for row in rows) else None
         try:
             with self.forward("prefill", rows):
                 logits = self.runner.use(rows[0].hooks).prefill(
-                    [r.key for r in rows], [r.prompt_ids for r in rows], chunk, "last" if want else None,
-                    self.where(rows, "prefill"))
+                    [r.key for r in rows], [r.prompt_ids for r in rows], chunk, want, self.where(rows, "prefill"))
         except StopGeneration:  # a model hook stopped a prompt's prefill: no tokens, the prompt half cached
             self.end(rows, "hook", cache_complete=False)
             return
@@ -181,6 +188,7 @@ class StepLoop:
                 raise
             return
         forwards = -(-len(rows[0].prompt_ids) // chunk)
+        last = logits[:, -1] if score else logits  # [R, V]: the logits at each row's next position
         if self.engine.model.device.type == "cuda":  # decode time starts after the prefill really ended
             torch.cuda.synchronize(self.engine.model.device)
         now = time.perf_counter()
@@ -189,8 +197,11 @@ class StepLoop:
             row.t_decode = now
             if row.handle.t_decode is None:
                 row.handle.t_decode = now
-            if logits is not None and row.mode != "diffusion":
-                row.logits = logits[i]
+            if score:
+                row.prompt_scores = prompt_scores(row, logits[i])
+            if last is not None and row.mode != "diffusion":
+                row.logits = last[i]
+        self.end([row for row in rows if row.max_new == 0], "length")  # a prompt scored, no response asked
 
     # ---------------------------------------------------------------- forwards, timed and counted
     @contextmanager
@@ -289,3 +300,16 @@ def alone(row: Row) -> bool:
     """A block-diffusion row with an expert coreset: its request runs alone (the coreset is one
     set of experts per block for the rows of the step)."""
     return row.mode == "diffusion" and bool(row.s.coreset_size)
+
+
+def prompt_scores(row: Row, logits: torch.Tensor) -> tuple[list, list | None]:
+    """Each prompt token's log-probability under the prompt before it (the first has none) and,
+    with ``prompt_logprobs`` k > 0, the k most probable alternatives' (``logits`` [T, V])."""
+    logp = logits[:-1].float().log_softmax(-1)
+    ids = torch.tensor(row.prompt_ids[1:], device=logp.device)
+    lp = logp.gather(-1, ids[:, None])[:, 0].tolist()
+    top = None
+    if row.prompt_logprobs:
+        best = logp.topk(min(row.prompt_logprobs, logp.shape[-1]), dim=-1)
+        top = [None] + [list(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
+    return [None] + lp, top

@@ -114,12 +114,17 @@ class CloverCache:
         return cls(layers, max_len, batch_size)
 
     def put(self, rows: list[int], part: "CloverCache") -> None:
-        """Write ``part`` (a cache of len(rows) rows, as :meth:`select` gives) into these rows."""
-        if part.batch_size != len(rows) or part.layers.keys() != self.layers.keys():
-            raise ValueError(f"put: a cache of {part.batch_size} rows cannot fill rows {rows}")
+        """Write ``part`` (a cache of len(rows) rows, as :meth:`select` gives; of as many positions
+        as this one or fewer) into these rows."""
+        if (part.batch_size != len(rows) or part.layers.keys() != self.layers.keys()
+                or part.max_len > self.max_len):
+            raise ValueError(f"put: a cache of {part.batch_size} rows x {part.max_len} positions cannot fill rows "
+                             f"{rows} of {self.max_len} positions")
         index = _RowIndex(rows)
         for i, layer in self.layers.items():
             for mine, theirs in zip(_fields(layer), _fields(part.layers[i])):
+                if isinstance(layer, AttentionCache) and part.max_len < self.max_len:
+                    mine = mine.narrow(2, 0, part.max_len)  # K,V's positions: the part's first ones
                 mine.index_copy_(0, index.on(mine.device), theirs.to(mine.device))
 
     @property

@@ -2,10 +2,10 @@
 (block diffusion under a registered policy with its settings, AR, or exact self-speculative),
 Generate and Stop.
 
-Generate runs the generation in a background thread, so the notebook stays responsive and Stop
-works while it runs: Stop sets a flag that a ``denoise.step`` / ``block.commit`` hook (attached
-only for the dashboard's own run) turns into StopGeneration, which ends the run cleanly after the
-current step. The views stay attached to the engine until ``close()``, so generations started
+Generate submits the request (checked at once: a bad setting is an error before anything runs)
+and waits for it in a background thread, so the notebook stays responsive and Stop works while it
+runs: Stop cancels the request (``Handle.cancel``), which ends it at the next step boundary with
+stop reason "cancelled" and the blocks committed so far. The views stay attached to the engine until ``close()``, so generations started
 from other cells (``engine.generate(...)``) show up in the dashboard too.
 """
 from __future__ import annotations
@@ -13,17 +13,16 @@ from __future__ import annotations
 import html
 import threading
 
-from clover_lab.engine.policies import POLICIES, make_policy
-from clover_lab.engine.requests import settings_for_mode
+from clover_lab.engine.policies import POLICIES
+from clover_lab.engine.requests import Request, settings_for_mode
 from clover_lab.engine.sampling import CONFIDENCE_RULES
-from clover_lab.hooks import StopGeneration, points
 from clover_lab.widgets.base import close_tree
 from clover_lab.widgets.denoise import DenoiseView
 from clover_lab.widgets.experts import ExpertView
 from clover_lab.widgets.memory import MemoryView
 from clover_lab.widgets.pieces import export_html, require_notebook
 from clover_lab.widgets.speed import SpeedView
-from clover_lab.widgets.throttle import weak_callback
+from clover_lab.widgets.throttle import Pacer, weak_callback
 
 VIEWS = {"denoise": DenoiseView, "speed": SpeedView, "experts": ExpertView, "memory": MemoryView}
 DEFAULT_PROMPT = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
@@ -51,10 +50,12 @@ class Dashboard:
     """All views on one engine, with controls. ``generate()`` starts a run from code as the
     Generate button does (``wait=True`` blocks until it ends); ``stop()`` is the Stop button.
     ``chat``: send the prompt as a chat message (default: when the model was trained on its
-    tokenizer's template, :func:`chat_format`; a code model gets its prompt as plain text)."""
+    tokenizer's template, :func:`chat_format`; a code model gets its prompt as plain text).
+    ``pace``: the views redraw one at a time, one every ``pace`` seconds (a :class:`Pacer`), the
+    newest state of each when its turn comes; ``fps`` applies to a view only after ``close()``."""
 
     def __init__(self, engine, *, prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 64, fps: float = 10.0,
-                 views=("denoise", "speed", "experts", "memory"), chat: bool | None = None):
+                 views=("denoise", "speed", "experts", "memory"), chat: bool | None = None, pace: float = 0.4):
         require_notebook()
         import ipywidgets as W
 
@@ -63,10 +64,16 @@ class Dashboard:
             raise ValueError(f"unknown views {unknown}; known: {', '.join(VIEWS)}")
         self.engine = engine
         self.views = {name: VIEWS[name](engine, fps=fps) for name in views}
+        # one view's figures at a time to the browser, the token grid every other turn and with a
+        # short gap after it (it is cheap, and what one watches): the page stays answerable during a
+        # run (tests/test_browser.py)
+        order = [n for n in ("denoise", "speed", "denoise", "experts", "denoise", "memory") if n in self.views]
+        self.pacer = Pacer({name: v.throttle for name, v in self.views.items()}, order or list(self.views), gap=pace,
+                           gaps={"denoise": min(pace, 0.15)})
         self.result = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._handle = None  # the running request's Handle
         self._closed = False
         s = engine.settings
         c = engine.model.config
@@ -165,30 +172,27 @@ class Dashboard:
         if kwargs["mode"] != "diffusion" and "policy" not in overrides:
             kwargs.pop("policy", None)  # mode="ar" given as an override: the picked policy does not apply
         kwargs = settings_for_mode(kwargs["mode"], kwargs)  # AR: the diffusion sliders do not apply
-        if kwargs.get("policy") is not None:
-            make_policy(kwargs["policy"])  # a bad name or setting: SettingsError now, nothing started
-        request = [{"role": "user", "content": text}] if self.chat.value else text
-        self._stop.clear()
+        prompt = [{"role": "user", "content": text}] if self.chat.value else text
+        # the engine's one request check: a bad name or setting is an error now, and nothing starts
+        handle = self.engine.submit(Request(prompt, **kwargs), emit=False)
+        if "experts" in self.views:  # its token picker lists the prompt's tokens by their text
+            self.views["experts"].expect_prompt(handle.rows[0].prompt_ids)
+        self._handle = handle
         self.result, self.error = None, None
         self.generate_button.disabled = True
         self.stop_button.disabled = False
         self._set_status(f"generating ({html.escape(self.describe(kwargs))}, up to {kwargs['max_new_tokens']} "
                          f"tokens)…")
-        self._thread = threading.Thread(target=self._work, args=(request, kwargs), name="clover-dashboard",
+        self._thread = threading.Thread(target=self._work, args=(handle, kwargs), name="clover-dashboard",
                                         daemon=True)
         self._thread.start()
         if wait:
             return self.wait()
         return None
 
-    def _check_stop(self, event) -> None:
-        if self._stop.is_set():
-            raise StopGeneration("stopped from the dashboard")
-
-    def _work(self, request, kwargs) -> None:
+    def _work(self, handle, kwargs) -> None:
         try:
-            with self.engine.hooks({points.DENOISE_STEP: self._check_stop, points.BLOCK_COMMIT: self._check_stop}):
-                result = self.engine.generate(request, **kwargs)
+            result = self.engine.wait(handle)
             self.result = result
             what = self.describe(kwargs)
             if "speed" in self.views:
@@ -203,17 +207,15 @@ class Dashboard:
             self._set_status(f"<span style='color:#b00'>failed: {html.escape(type(e).__name__)}: "
                              f"{html.escape(str(e))}</span>")
         finally:
-            for v in self.views.values():
-                try:
-                    v.flush()
-                except Exception:  # noqa: BLE001
-                    pass
+            # the pacer draws each view's last state in its turn: flushing all four here sent the
+            # browser every figure at once, just as a person reads the result or clicks
             self.generate_button.disabled = False
             self.stop_button.disabled = True
 
     def stop(self, *_) -> None:
-        """End the running generation after its current step (the resolved prefix is kept)."""
-        self._stop.set()
+        """End the running generation at the next step boundary (the blocks committed so far are kept)."""
+        if self._handle is not None:
+            self._handle.cancel()
         if self.running:
             self._set_status("stopping…")
 
@@ -223,6 +225,8 @@ class Dashboard:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"the generation is still running after {timeout} s")
+            for v in self.views.values():  # whoever waited reads the views: drawn now, not in turn
+                v.flush()
         if self.error is not None:
             raise self.error
         return self.result
@@ -248,6 +252,7 @@ class Dashboard:
         if self.running:
             self.stop()
             self._thread.join()
+        self.pacer.close()
         for v in self.views.values():
             v.close()
         self._closed = True

@@ -37,8 +37,10 @@ _CSS = """<style>
 .clover-grid .cl-rej{background:#fff;color:#c33;text-decoration:line-through;border:1px dotted #c33}
 .clover-legend{font-size:10px;color:#555;margin:2px 0 6px}
 .clover-legend span{display:inline-block;width:16px;height:10px;margin-right:1px;vertical-align:middle}
-.clover-text{white-space:pre-wrap;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;margin:0;
-  max-height:520px;overflow:auto;background:#fafafa;border:1px solid #ddd;padding:4px}
+/* JupyterLab breaks a widget's preformatted text anywhere ("in th|e module"): at spaces only here */
+.clover-text{white-space:pre-wrap;word-break:normal!important;overflow-wrap:normal!important;word-wrap:normal!important;
+  font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;margin:0;max-height:520px;overflow:auto;
+  background:#fafafa;border:1px solid #ddd;padding:4px}
 .clover-text .cl-prov{color:#15c}
 </style>"""
 

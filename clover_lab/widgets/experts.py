@@ -25,7 +25,9 @@ from clover_lab.widgets.throttle import weak_callback
 
 PHASES = ("preview", "commit", "prefill")
 # routing -> what the controls and tables call it
-ROUTINGS = {"actual": "used (after coreset, bans, forcing)", "without coreset": "router's proposal (top-k of all)"}
+# routing -> (its button's label, short enough to fit; what it means, on hover)
+ROUTINGS = {"actual": ("used", "the experts the forwards computed with: after the coreset, bans and forcing"),
+            "without coreset": ("router's proposal", "the router's own top-k over all experts, before any restriction")}
 
 
 class ExpertView(View):
@@ -41,6 +43,10 @@ class ExpertView(View):
         self._dims = (1, 1, 1)  # layers, experts, top-k
         self._phase, self._metric = phase, metric
         self._pieces: dict[int, str] = {}
+        # the prompt of the next run, to name its tokens in the picker: no hook event carries the
+        # prompt's ids, so whoever starts the run says them (the Dashboard does); used once
+        self._next_prompt: list[int] | None = None
+        self._prompt: list[int] | None = None
         super().__init__(engine, fps=fps)
 
     @classmethod
@@ -65,6 +71,17 @@ class ExpertView(View):
     def hook_methods(self):
         return {points.every_layer(points.MOE_ROUTE): "_on_route", points.BLOCK_COMMIT: "_on_commit"}
 
+    def expect_prompt(self, token_ids) -> None:
+        """The prompt of the next generation this view sees, as token ids (``engine.encode(prompt)``):
+        its tokens are listed by their text in the token picker. Applies to that run only, and only
+        when its prefill routes exactly that many tokens; other runs list prompt positions as
+        "(prompt)"."""
+        self._next_prompt = [int(t) for t in token_ids]
+
+    def _new_run(self):
+        super()._new_run()
+        self._prompt, self._next_prompt = self._next_prompt, None
+
     def _on_attach(self, engine):
         c = engine.model.config
         dims = (c.num_hidden_layers, c.num_experts, c.num_experts_per_tok)
@@ -84,8 +101,9 @@ class ExpertView(View):
                                    layout=W.Layout(width="200px"))
         self.metric_dd = W.Dropdown(options=["counts", "router mass"], value=self._metric, description="metric",
                                     layout=W.Layout(width="220px"))
-        self.routing_tb = W.ToggleButtons(options=[(label, key) for key, label in ROUTINGS.items()], value="actual",
-                                          description="routing", style={"button_width": "230px"})
+        self.routing_tb = W.ToggleButtons(options=[(label, key) for key, (label, _) in ROUTINGS.items()],
+                                          tooltips=[why for _, why in ROUTINGS.values()], value="actual",
+                                          description="routing", style={"button_width": "140px"})
         self.token_dd = W.Dropdown(options=[("(none yet)", -1)], value=-1, description="token",
                                    layout=W.Layout(width="300px"))
         self.layer_dd = W.Dropdown(options=[0], value=0, description="co-act layer", layout=W.Layout(width="200px"))
@@ -94,20 +112,22 @@ class ExpertView(View):
         self._token_pinned = False  # the user picked a token: keep it across redraws
         self.token_dd.observe(weak_callback(self, "_on_token"), names="value")
         self.fig_usage = Figure(go.Heatmap(z=[[0]], colorscale="Viridis", colorbar=dict(thickness=10)))
-        self.fig_usage.update_layout(title="expert usage", height=300, width=560, margin=dict(l=60, r=10, t=40, b=40),
+        # right margins hold each colorbar's tick labels (a count of 150 was cut to "15")
+        self.fig_usage.update_layout(title="expert usage", height=300, width=500, margin=dict(l=60, r=50, t=40, b=40),
                                      xaxis_title="expert", yaxis_title="layer")
         self.fig_token = Figure(go.Heatmap(z=[[0]], colorscale="Blues", zmin=0, zmax=1,
                                                     colorbar=dict(thickness=10)))
-        self.fig_token.update_layout(title="top-k of the selected token", height=300, width=460,
-                                     margin=dict(l=60, r=10, t=40, b=40), xaxis_title="expert", yaxis_title="layer")
+        self.fig_token.update_layout(title="top-k of the selected token", height=300, width=440,
+                                     margin=dict(l=60, r=40, t=40, b=40), xaxis_title="expert", yaxis_title="layer")
         self.fig_coact = Figure(go.Heatmap(z=[[0]], colorscale="Magma", colorbar=dict(thickness=10)))
-        self.fig_coact.update_layout(title="co-activation", height=320, width=380, margin=dict(l=50, r=10, t=40, b=40),
+        self.fig_coact.update_layout(title="co-activation", height=320, width=400, margin=dict(l=50, r=60, t=40, b=40),
                                      xaxis_title="expert", yaxis_title="expert")
-        self.stats_html = W.HTML(layout=W.Layout(width="640px"))
+        self.stats_html = W.HTML(layout=W.Layout(width="520px"))
         return W.VBox([
             W.HBox([self.phase_dd, self.metric_dd, self.routing_tb]),
-            W.HBox([self.fig_usage, W.VBox([self.token_dd, self.fig_token])]),
-            W.HBox([W.VBox([self.layer_dd, self.fig_coact]), self.stats_html]),
+            # each row fits ~960 px (a figure squeezed by its row lost its colorbar's labels); narrower, it wraps
+            W.HBox([self.fig_usage, W.VBox([self.token_dd, self.fig_token])], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([W.VBox([self.layer_dd, self.fig_coact]), self.stats_html], layout=W.Layout(flex_flow="row wrap")),
         ])
 
     def _on_token(self, change) -> None:
@@ -129,7 +149,14 @@ class ExpertView(View):
         full = to_numpy(ev.router_probs.topk(k, dim=-1).indices).astype(np.int64)
         part = dict(kind="route", layer=ev.layer, phase=phase, ids=ids, weights=to_numpy(ev.weights),
                     mass=to_numpy(ev.router_probs.sum(0)), full=full, positions=to_numpy(ev.positions).astype(np.int64))
+        prompt = self._prompt
+        positions = part["positions"]
+        if phase == "prefill" and prompt is not None and positions.size and int(positions.max()) < len(prompt):
+            part["names"] = {int(p): prompt[int(p)] for p in part["positions"].tolist()}  # the prompt's tokens
         key, label = w, w.label()
+        # one forward per frame (a fused commit+preview routes its commit rows and its preview rows in
+        # one forward, two events under one key); the prefill is not counted, as the engine's stats
+        part["forward"] = phase != "prefill" and (key != self._frame_key or not self.frames)
         self._push(part, key, label)
 
     def _on_commit(self, ev) -> None:
@@ -165,10 +192,11 @@ class ExpertView(View):
         s["full"][phase][layer] += np.bincount(full.reshape(-1), minlength=E)[:E]
         s["tokens_routed"][phase][layer] += ids.shape[0]
         s["distinct"].append((phase, layer, len(np.unique(ids)), len(np.unique(full))))
+        s["names"].update(part.get("names") or {})
         if phase != "preview":  # the routing of a committed token (prompt or response)
             for pos, i, w in zip(part["positions"].tolist(), ids, part["weights"]):
                 s["routes"].setdefault(pos, {})[layer] = (i, w)
-        if layer == 0:
+        if part.get("forward", layer == 0 and phase != "prefill"):  # parts kept before the flag: by layer 0
             s["forwards"] += 1
 
     # ---------------------------------------------------------------- reading
@@ -269,7 +297,7 @@ class ExpertView(View):
             self.fig_usage.data[0].z = z.tolist()
             self.fig_usage.data[0].x = list(range(E))
             self.fig_usage.data[0].y = list(range(L))
-            self.fig_usage.layout.title.text = f"expert usage: {metric}, {phase} ({routing})"
+            self.fig_usage.layout.title.text = f"expert usage: {metric}, {phase} ({ROUTINGS[routing][0]})"
         with self.fig_token.batch_update():
             self.fig_token.data[0].z = self.token_routing(pos, s).tolist() if pos >= 0 else [[0] * E] * L
             self.fig_token.data[0].x = list(range(E))
@@ -295,7 +323,7 @@ class ExpertView(View):
                        for r in rows)
         routed = int(sum(s["tokens_routed"][p].max() for p in (PHASES if phase == "all" else (phase,))))
         return (f"<div style='font-size:11px'><b>load per layer</b> ({phase}, {routed} token routings per layer, "
-                f"{s['forwards']} forwards)<table style='border-collapse:collapse;font-size:11px'>"
+                f"{s['forwards']} forwards after the prefill)<table style='border-collapse:collapse;font-size:11px'>"
                 f"<tr>{head}</tr>{body}</table></div>")
 
     def _html_parts(self, s, frame):

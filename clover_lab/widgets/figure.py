@@ -14,11 +14,30 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 from pathlib import Path
 
 import plotly
-import plotly.graph_objects as go
 import traitlets
+
+
+def _figure_widget_class():
+    """plotly's ``FigureWidget``, imported without the ~1.5 s (4.6 s on a busy machine) that its
+    import chain spends on nothing a figure uses: plotly.basewidget imports plotly.io._renderers,
+    which imports nbformat for its version, whose validator imports jsonschema, whose format
+    checkers import ``rfc3987_syntax``, which builds a Lark grammar on import. Blocking that one
+    module while the chain is imported makes jsonschema leave out its "iri" / "iri-reference"
+    format checks (it imports the module optionally); nothing in a notebook validates those.
+    Only when jsonschema is not imported yet: an already loaded one is left as it is."""
+    block = "jsonschema" not in sys.modules and "rfc3987_syntax" not in sys.modules
+    if block:
+        sys.modules["rfc3987_syntax"] = None  # an ImportError for whoever imports it meanwhile
+    try:
+        from plotly.graph_objs import FigureWidget
+    finally:
+        if block and sys.modules.get("rfc3987_syntax", 0) is None:
+            del sys.modules["rfc3987_syntax"]  # imported later, it loads as usual
+    return FigureWidget
 
 _LOADER = """
 const KEY = "__clover_plotly_widget_%s";
@@ -74,7 +93,7 @@ def _bundle() -> tuple[str, str]:
     return text, f"{plotly.__version__.replace('.', '_')}_{digest}"
 
 
-class Figure(go.FigureWidget):
+class Figure(_figure_widget_class()):
     """``go.FigureWidget`` with plotly.js imported once per page (see the module's docstring)."""
 
     _esm = _LOADER % _bundle()[1]

@@ -63,9 +63,10 @@ class MemoryView(View):
         for w in (self.layer_dd, self.head_dd):
             w.observe(weak_callback(self, "redraw"), names="value")
         self.fig_hist = Figure(go.Heatmap(z=[[0]], zmin=0, zmax=1, colorscale="Cividis",
-                                                   colorbar=dict(thickness=10, title="p_tH")))
+                                                   colorbar=dict(thickness=10, title=dict(text="p_tH", side="right"))))
         self.fig_hist.update_layout(title="history weight p_tH", height=400, width=540,
-                                    margin=dict(l=70, r=10, t=40, b=40), xaxis_title="block position")
+                                    margin=dict(l=70, r=10, t=40, b=40), xaxis_title="block position",
+                                    yaxis_title="GDN layer (L) · head (h)")
         self.fig_norm = Figure()
         self.fig_norm.update_layout(title="state norm ||S|| per head", height=400, width=430,
                                     margin=dict(l=50, r=10, t=40, b=40), xaxis_title="committed length",

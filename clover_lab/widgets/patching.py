@@ -3,7 +3,10 @@ metric with one site patched per cell, normalised so that 1 means "restores the 
 "changes nothing". One frame per row of the sweep, so a replay shows it fill in.
 
     sweep = patching.sweep_layers_positions(engine, clean, corrupt, metric, block=0, step=0)
-    PatchingView(sweep)
+    PatchingView(sweep, col_labels=patching_tokens)   # positions shown as their tokens
+
+``col_labels``: one label per column (a position's token text, say), drawn on the axis and in the
+hover instead of the bare column number.
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ BLANK_NOTE = ("blank: no reading (the metric's position was already unmasked at 
 class PatchingView(View):
     title = "Activation patching"
 
-    def __init__(self, sweep=None, *, normalized: bool = True, fps: float = 15.0):
+    def __init__(self, sweep=None, *, normalized: bool = True, col_labels=None, fps: float = 15.0):
         self.normalized = normalized
+        self.col_labels = None if col_labels is None else [str(label) for label in col_labels]
         self._axes = None
         super().__init__(None, fps=fps)
         if sweep is not None:
@@ -45,6 +49,9 @@ class PatchingView(View):
     def show_sweep(self, sweep) -> "PatchingView":
         """Show ``sweep`` (a ``patching.Sweep`` or its ``to_dict()``), one frame per row."""
         d = sweep.to_dict() if hasattr(sweep, "to_dict") else dict(sweep)
+        if self.col_labels is not None and len(self.col_labels) != len(d["cols"]):
+            raise ValueError(f"col_labels: {len(self.col_labels)} labels for the sweep's {len(d['cols'])} columns "
+                             f"({d['col_name']}s)")
         with self._lock:
             self.frames.clear()
             self.frame_labels.clear()
@@ -87,7 +94,9 @@ class PatchingView(View):
         with self.fig.batch_update():
             hm = self.fig.data[0]
             hm.z = finite_rows(z)
-            hm.x = [str(c) for c in d["cols"]]
+            # a label per column; plotly merges equal category names, so a label keeps its column's number
+            hm.x = ([f"{c} {label}" for c, label in zip(d["cols"], self.col_labels)] if self.col_labels
+                    else [str(c) for c in d["cols"]])
             hm.y = [str(r) for r in d["rows"]]
             hm.zmid = 0.5 if self.normalized else 0
             self.fig.layout.xaxis.title = d["col_name"]

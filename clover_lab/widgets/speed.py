@@ -36,6 +36,7 @@ class SpeedView(View):
     def __init__(self, engine=None, *, fps: float = 10.0, max_runs: int = 8):
         self.max_runs = max_runs
         self._trace_runs = None
+        self._compare_key = None  # what the comparison and the table show (redrawn when it changes)
         self._synthetic = 0
         super().__init__(engine, fps=fps)
 
@@ -78,8 +79,7 @@ class SpeedView(View):
         self.table = W.HTML()
         self.clear_button = W.Button(description="forget runs", layout=W.Layout(width="110px"))
         self.clear_button.on_click(weak_callback(self, "clear"))
-        return W.VBox([W.HBox([self.fig_rate, self.fig_blocks]), self.fig_compare,
-                       W.HBox([self.table, self.clear_button])])
+        return W.VBox([W.HBox([self.fig_rate, self.fig_blocks]), self.fig_compare, self.table, self.clear_button])
 
     # ---------------------------------------------------------------- events
     def _on_step(self, ev) -> None:
@@ -226,17 +226,18 @@ class SpeedView(View):
         ids = [r["id"] for r in runs]
         colour = {rid: series_colour(i) for i, rid in enumerate(ids)}
         with self.fig_rate.batch_update():
-            if self._trace_runs != (ids, names):
-                self.fig_rate.data = []
-                for r, name in zip(runs, names):
-                    self.fig_rate.add_trace(go.Scatter(name=name, mode="lines", line=dict(color=colour[r["id"]]),
-                                                       legendgroup=str(r["id"])), row=1, col=1)
-                    self.fig_rate.add_trace(go.Scatter(name=name, mode="lines", line=dict(color=colour[r["id"]]),
-                                                       legendgroup=str(r["id"]), showlegend=False), row=2, col=1)
-                self._trace_runs = (ids, names)
-            for i, r in enumerate(runs):
-                self.fig_rate.data[2 * i].x, self.fig_rate.data[2 * i].y = r["t"], r["rate"]
-                self.fig_rate.data[2 * i + 1].x, self.fig_rate.data[2 * i + 1].y = r["t"], r["tpf"]
+            drawn = self._trace_runs or []
+            if drawn != ids[:len(drawn)]:  # a run dropped (max_runs, clear): drawn again from scratch
+                self.fig_rate.data, drawn = [], []
+            for r in runs[len(drawn):]:  # a new run adds its two lines; the others stay as drawn
+                self.fig_rate.add_trace(go.Scatter(mode="lines", line=dict(color=colour[r["id"]]),
+                                                   legendgroup=str(r["id"])), row=1, col=1)
+                self.fig_rate.add_trace(go.Scatter(mode="lines", line=dict(color=colour[r["id"]]),
+                                                   legendgroup=str(r["id"]), showlegend=False), row=2, col=1)
+            self._trace_runs = list(ids)
+            for i, (r, name) in enumerate(zip(runs, names)):
+                for trace, y in ((self.fig_rate.data[2 * i], r["rate"]), (self.fig_rate.data[2 * i + 1], r["tpf"])):
+                    trace.name, trace.x, trace.y = name, r["t"], y  # unchanged values are not sent
         with self.fig_blocks.batch_update():
             bars = [(r, name) for r, name in zip(runs, names) if r["mode"] != "ar" and r["steps_per_block"]]
             if len(self.fig_blocks.data) != len(bars):
@@ -247,17 +248,29 @@ class SpeedView(View):
                 trace.marker.color = colour[r["id"]]
                 trace.x = list(r["steps_per_block"])
                 trace.y = list(r["steps_per_block"].values())
+        # the comparison's bars are named by run ("run 7"), what ran in the hover and the table: a
+        # label with its mode and policy was cut off under the bars
+        short = [f"run {r['id']}" if r["id"] >= 0 else f"result {-r['id']}" for r in runs]
+        # the comparison and the table move at commits and results, not at every step: a live run's bars
+        # are as of its last commit (the figures above follow every step)
+        key = [(r["id"], r["label"], r["stats"] is not None, r["committed"]) for r in runs]
+        if key == self._compare_key:
+            return
+        self._compare_key = key
+        cols = [colour[i] for i in ids]
+        bars = [("tokens/s", cols, None, 1), ("tokens/forward", cols, None, 2), ("prefill s", None, "#bbbbbb", 3),
+                ("preview s", None, "#4c78a8", 3), ("commit s", None, "#f58518", 3)]
         with self.fig_compare.batch_update():
-            self.fig_compare.data = []
-            short = [n if len(n) < 28 else n[:27] + "…" for n in names]
-            cols = [colour[i] for i in ids]
-            self.fig_compare.add_trace(go.Bar(x=short, y=[row["tokens/s"] for row in rows], marker_color=cols,
-                                              showlegend=False), row=1, col=1)
-            self.fig_compare.add_trace(go.Bar(x=short, y=[row["tokens/forward"] for row in rows], marker_color=cols,
-                                              showlegend=False), row=1, col=2)
-            for key, c in (("prefill s", "#bbbbbb"), ("preview s", "#4c78a8"), ("commit s", "#f58518")):
-                self.fig_compare.add_trace(go.Bar(name=key, x=short, y=[row[key] for row in rows], marker_color=c),
-                                           row=1, col=3)
+            if len(self.fig_compare.data) != len(bars):  # built once; later draws change values only
+                self.fig_compare.data = []
+                for key, _, c, col in bars:
+                    hover = "%{customdata}<br>%{y:.3g}<extra>" + key + "</extra>"
+                    bar = go.Bar(name=key, marker_color=c, showlegend=col == 3, hovertemplate=hover)
+                    self.fig_compare.add_trace(bar, row=1, col=col)
+            for trace, (key, per_run, _, _) in zip(self.fig_compare.data, bars):
+                trace.x, trace.y, trace.customdata = short, [row[key] for row in rows], names
+                if per_run is not None:
+                    trace.marker.color = per_run
         self.table.value = self.table_html(rows)
 
     @staticmethod

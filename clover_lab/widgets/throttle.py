@@ -33,6 +33,7 @@ class Throttle:
         self._last = -math.inf
         self._dirty = False
         self._timer: threading.Timer | None = None
+        self.pacer: Pacer | None = None  # set by Pacer.add: the pacer draws, one view at a time
         self.draws = 0
         self.requests = 0
 
@@ -45,6 +46,9 @@ class Throttle:
         with self.lock:
             self.requests += 1
             self._dirty = True
+            if self.pacer is not None:
+                self.pacer.wake()
+                return
             wait = self._last + self.interval - self.clock()
             if wait <= 0:
                 self._cancel_timer()
@@ -87,6 +91,71 @@ class Throttle:
         self._last = self.clock()
         self.draws += 1
         self._draw()
+
+
+class Pacer:
+    """Draws the pending redraws of a group of views (a dashboard's) one view at a time, at most one
+    every ``gap`` seconds (``gaps``: another gap after a given view's draw, a short one after a cheap
+    view), round robin in ``order`` (a name may come more than once: drawn more often). The browser
+    then gets one view's figures at a time: four views each redrawing at its own rate sent their
+    figures together, and the page took 1-2 s to answer (a Stop click waited behind them). The last
+    request of each view is always drawn (its turn comes)."""
+
+    def __init__(self, throttles: dict[str, Throttle], order: list[str] | None = None, gap: float = 0.25,
+                 gaps: dict[str, float] | None = None):
+        self.throttles = dict(throttles)
+        self.order = list(order or self.throttles)
+        unknown = set(self.order) - set(self.throttles)
+        if unknown:
+            raise ValueError(f"Pacer order names {sorted(unknown)}, not among {sorted(self.throttles)}")
+        self.gap = gap
+        self.gaps = dict(gaps or {})
+        self._wake = threading.Condition()
+        self._closed = False
+        for t in self.throttles.values():
+            t.cancel()  # a timer of its own would draw out of turn
+            t.pacer = self
+        self._thread = threading.Thread(target=Pacer._loop, args=(weakref.ref(self),), name="clover-pacer",
+                                        daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Stop pacing: every throttle draws on its own again (what is pending is drawn now)."""
+        self._closed = True
+        for t in self.throttles.values():
+            t.pacer = None
+            t.flush()
+        self.wake()
+
+    @staticmethod
+    def _loop(ref) -> None:
+        turn = 0
+        while True:
+            self = ref()
+            if self is None or self._closed:
+                return
+            with self._wake:
+                if not any(t.pending for t in self.throttles.values()):
+                    self._wake.wait(0.5)
+            gap = self.gap
+            for _ in range(len(self.order)):  # the next view in turn with something to draw
+                name = self.order[turn % len(self.order)]
+                turn += 1
+                throttle = self.throttles[name]
+                if throttle.pending:
+                    gap = self.gaps.get(name, self.gap)
+                    try:
+                        throttle.flush()
+                    except Exception as e:  # noqa: BLE001 - a pacer thread has nobody to raise to
+                        if throttle.on_error is not None:
+                            throttle.on_error(e)
+                    break
+            del self  # the loop holds the pacer only while it draws
+            time.sleep(gap)
 
 
 class Attachment:

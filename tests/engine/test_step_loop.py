@@ -66,17 +66,30 @@ def test_rows_join_at_any_step_and_give_their_own_tokens(engine, static):
     try:
         handles = [engine.submit(Request(PROMPTS[0], max_new_tokens=40))]
         joins = {1: [1], 3: [2, 3], 7: [4]}  # step -> prompts submitted before it
+        stepped = []
         for k in range(10_000):
             for p in joins.get(k, []):
                 handles.append(engine.submit(Request(PROMPTS[p], max_new_tokens=40)))
             if k > max(joins) and all(h.done for h in handles):
                 break
-            engine.step()
+            stepped += engine.step()
     finally:
         engine.step_graphs = None
     assert [h.result.token_ids for h in handles] == alone
     commits = [u for u in handles[4].updates() if u.kind == "commit"]
     assert [u.block for u in commits] == list(range(len(commits)))  # a late row counts its own blocks
+    assert [u for u in stepped if u.kind == "commit" and u.committed == commits[-1].committed]  # step() returns them
+
+
+def test_a_longer_row_joining_grows_the_cache(engine):
+    want = [engine.generate(PROMPTS[0], max_new_tokens=16).token_ids, engine.generate(PROMPTS[1],
+                                                                                      max_new_tokens=300).token_ids]
+    short = engine.submit(Request(PROMPTS[0], max_new_tokens=16))
+    engine.step()
+    length = engine.loop.runner.cache.max_len
+    long = engine.submit(Request(PROMPTS[1], max_new_tokens=300))  # more positions than the cache has
+    run_all(engine, [short, long])
+    assert length < 300 and [short.result.token_ids, long.result.token_ids] == want
 
 
 def test_cancel_ends_that_row_only_with_its_partial_result(engine):
@@ -117,15 +130,16 @@ def test_the_request_check_names_the_field(engine):
     cases = [(Request("x", mode="fast"), "mode"), (Request("x", n=0), "n"), (Request("x", max_new_tokens=0),
                                                                              "max_new_tokens"),
              (Request("x", stop=[""]), "stop"), (Request("x", block_size=-1), "block_size"),
-             (Request("x", policy="nope"), "policy"), (Request("x", coreset_size=1), "coreset_size"),
+             (Request("x", coreset_size=1), "coreset_size"),
              (Request("x", max_new_tokens=10**9), "max_new_tokens"), (Request([1, 10**9]), "prompt")]
     for request, field in cases:
         with pytest.raises(GenerationError) as e:
             engine.check(request)
         assert e.value.field == field, (request, e.value)
-    with pytest.raises(SettingsError) as e:
-        engine.check(Request("x", temperature=-1))
-    assert e.value.field == "temperature"
+    for request, field in [(Request("x", temperature=-1), "temperature"), (Request("x", policy="nope"), "policy")]:
+        with pytest.raises(SettingsError) as e:  # a setting's own error, naming the field too
+            engine.check(request)
+        assert e.value.field == field
     with pytest.raises(TypeError, match="Request carries its own settings"):
         engine.generate(Request("x"), max_new_tokens=3)
 
@@ -147,3 +161,41 @@ def test_one_diffusion_generate_passes_through_at_most_nine_engine_files(engine)
     finally:
         sys.setprofile(None)
     assert "step_loop.py" in seen and "diffusion.py" in seen and len(seen) <= 9, sorted(seen)
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar", "speculative"])
+def test_min_tokens_and_ignore_eos(engine, mode):
+    eos = engine.eos_token_ids[0]
+    pushed = {"logit_bias": {eos: 100}, "max_new_tokens": 24, "mode": mode}  # EOS all but forced
+    first = engine.generate(Request(PROMPTS[0], **pushed))
+    assert first.stop_reason == "eos" and len(first.token_ids) == 1
+    late = engine.generate(Request(PROMPTS[0], min_tokens=6, **pushed))
+    assert late.stop_reason == "eos" and len(late.token_ids) == 7 and eos not in late.token_ids[:6]
+    on = engine.generate(Request(PROMPTS[0], ignore_eos=True, **pushed))
+    assert on.stop_reason == "length" and len(on.token_ids) == 24 and eos in on.token_ids
+
+
+def test_prompt_logprobs_score_the_prompt_as_ar_scores_its_tokens(engine):
+    ids = engine.encode(PROMPTS[2] + "        self.items.append(x)\n")
+    scored = engine.generate(Request(ids, max_new_tokens=0, prompt_logprobs=3))
+    assert scored.token_ids == [] and scored.stop_reason == "length"
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(ids)
+    agreed = 0
+    for k in range(1, len(ids)):  # where AR's greedy token is the prompt's next one, its log-probability is the score
+        ar = engine.generate(Request(ids[:k], mode="ar", max_new_tokens=1, logprobs=3))
+        top = scored.prompt_top_logprobs[k]
+        assert [t for t, _ in top] == [t for t, _ in ar.top_logprobs[0]]
+        if ar.token_ids == [ids[k]]:
+            agreed += 1
+            assert abs(ar.logprobs[0] - scored.prompt_logprobs[k]) < 1e-4
+    assert agreed
+    with pytest.raises(GenerationError) as e:
+        engine.check(Request(ids, max_new_tokens=0))
+    assert e.value.field == "max_new_tokens"
+
+
+def test_streamed_updates_carry_the_committed_tokens_logprobs(engine):
+    updates = [u for u in engine.stream(Request(PROMPTS[1], mode="ar", max_new_tokens=6, logprobs=2))
+               if u.kind == "commit"]
+    assert [len(u.logprobs) for u in updates] == [1, 2, 3, 4, 5, 6]
+    assert updates[-1].logprobs == updates[-1].logprobs[:6] and len(updates[-1].top_logprobs[0]) >= 2

@@ -1,0 +1,44 @@
+"""ExpertView counts forwards as the engine does and names the tokens a person picks: its header
+said 29 forwards where the run's stats said 26 (it counted the prefill and both halves of every
+fused commit+preview), and its token picker listed the prompt as "0: (prompt)" ... instead of the
+prompt's tokens."""
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("plotly")
+
+from clover_lab.widgets import ExpertView  # noqa: E402
+from clover_lab.widgets.pieces import token_piece, visible  # noqa: E402
+
+PROMPT = [5, 17, 99, 3, 42, 8, 8, 123]
+
+
+@pytest.mark.parametrize("mode, kwargs", [("diffusion", dict(threshold=0.5)), ("ar", {}), ("speculative", {})])
+def test_forwards_are_the_engines(view_engine, mode, kwargs):
+    view = ExpertView(view_engine, fps=1000)
+    try:
+        result = view_engine.generate(PROMPT, mode=mode, max_new_tokens=24, **kwargs)
+        view.flush()
+    finally:
+        view.detach()
+    assert view.state["forwards"] == result.stats.forwards
+    assert f"{result.stats.forwards} forwards after the prefill" in view.stats_html.value
+
+
+def test_the_picker_names_the_prompts_tokens_for_the_run_it_was_told(view_engine):
+    tokenizer = view_engine.tokenizer
+    view = ExpertView(view_engine, fps=1000)
+    try:
+        view.expect_prompt(PROMPT)
+        view_engine.generate(PROMPT, max_new_tokens=8)
+        view.flush()
+        labels = dict((pos, label) for label, pos in view.token_dd.options)
+        assert [labels[p] for p in range(len(PROMPT))] == [f"{p}: {visible(token_piece(tokenizer, t, {}), 18)}"
+                                                           for p, t in enumerate(PROMPT)]
+        # the next run was not told its prompt: its positions are not named from the last one
+        view_engine.generate(PROMPT[:5], max_new_tokens=8)
+        view.flush()
+        labels = dict((pos, label) for label, pos in view.token_dd.options)
+        assert labels[2] == "2: (prompt)"
+    finally:
+        view.detach()
