@@ -126,7 +126,8 @@ class Scheduler:
         if self.engine.loop.rows:
             self.metrics.joined.inc()
         request = Request(job.prompt_ids, mode=job.mode, max_new_tokens=job.max_new_tokens, stop=job.stop or None,
-                          settings=job.settings, block_size=job.block_size, grammar=job.grammar, policy=job.policy)
+                          settings=job.settings, block_size=job.block_size, grammar=job.grammar, policy=job.policy,
+                          prompt_logprobs=job.prompt_logprobs)
         recorder = None if job.probe is None else job.probe.recorder
         try:
             if job.trace_points is None and recorder is None:

@@ -65,6 +65,9 @@ class Common(Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias in [-100, 100]
+    ignore_eos: bool | None = None  # as vLLM and SGLang take them (benchmark clients send both)
+    min_tokens: int | None = Field(default=None, ge=0)
     clover: CloverOptions = Field(default_factory=CloverOptions)
 
 
@@ -73,8 +76,9 @@ TokenIds = list[int]
 
 class CompletionRequest(Common):
     prompt: Union[str, TokenIds, list[str], list[TokenIds]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: the prompt scored alone (lm-eval's loglikelihood)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before the completion, in its text and (with logprobs) its log-probabilities
     best_of: Literal[1] | None = None
     response_format: Union[TextFormat, JSONObjectFormat, JSONSchemaResponseFormat] | None = Field(
         default=None, discriminator="type")  # as vLLM's completions take it
