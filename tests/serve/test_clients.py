@@ -81,3 +81,29 @@ def test_langchain_structured_output_and_bound_tools(base):
     jsonschema.validate(args, convert_to_openai_tool(get_weather)["function"]["parameters"])
     assert {"city", "unit"} <= set(args)
     assert get_weather.invoke(args)  # the call runs as LangChain would run it
+
+
+def test_lm_eval_loglikelihood_through_its_own_client(base):
+    """examples/lm_eval_loglikelihood.py: lm-eval's LocalCompletionsAPI scores each choice; its
+    log-likelihoods are the engine's scoring of the same tokens (Request(prompt_logprobs=0))."""
+    pytest.importorskip("lm_eval")
+    import importlib.util
+    from pathlib import Path
+
+    from clover_lab.checkpoint.loading import model_path
+    from clover_lab.engine.requests import Request
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "lm_eval_loglikelihood.py"
+    spec = importlib.util.spec_from_file_location("lm_eval_loglikelihood", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = example.run(base[:-len("/v1")] + "/v1", NAME, str(model_path()))
+    engine = clover_lab.load(dtype=torch.float32)
+    for row in rows:
+        for choice, value in zip(row["choices"], row["loglikelihood"]):
+            ctx = engine.encode(row["context"])
+            whole = engine.encode(row["context"] + choice)
+            ref = engine.generate(Request(whole, max_new_tokens=0, prompt_logprobs=0))
+            # lm-eval splits context and continuation at the context's tokens
+            assert value == pytest.approx(sum(ref.prompt_logprobs[len(ctx):]), abs=1e-3), (row, choice)
+    assert sum(r["pick"] == r["right"] for r in rows) >= len(rows) // 2
