@@ -137,3 +137,16 @@ def test_readme_client_example(client, refs):
     frames = [s.clover for s in oc.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, stream=True, extra_body={
         "clover": {"step_map": True, "stream_provisional": True}})]
     assert {f["kind"] for f in frames} == {"provisional", "committed", "done"}
+
+
+def test_experts_on_the_fast_path_are_the_eager_ones(client, engine, refs):
+    """The recorder's hook is an observer: on the fast path's static steps (CUDA graphs on a GPU; eager
+    static steps here) it reads what each step recorded, and the experts are the eager path's."""
+    r, experts = refs["diffusion"]
+    engine.step_graphs = True
+    try:
+        out = client.post("/v1/completions", json=body(experts=True)).json()
+    finally:
+        engine.step_graphs = None
+    assert out["clover"]["stats"][0]["path"].startswith("static (observers read after each step")
+    assert out["choices"][0]["text"] == r.text and torch.equal(unpack(out["clover"]["experts"][0]), experts)
