@@ -79,9 +79,9 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     updates: asyncio.Queue | None = None
     handle: object = None  # the engine's Handle, once submitted
-    capture: object = None  # a traced job's Capture, its expert recorder's hook scope, and the context they are open in
-    scope: object = None
-    context: object = None
+    capture: object = None  # a traced job's Capture
+    scope: object = None  # the hook scope of its expert recorder (clover.experts)
+    context: object = None  # the context the capture and the scope are open in
 
     @property
     def started(self) -> bool:
@@ -217,9 +217,8 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
             over = "context length" in str(e)
             param = {"prompt": where, "max_new_tokens": max_tokens_param, "mode": "clover.mode", "stop": "stop",
                      "block_size": "clover.block_size", "logprobs": logprobs[1], "policy": "clover.policy",
-                     "prompt_logprobs": logprobs[1]}.get(
-                field) or (
-                OPENAI_PARAMS.get(field) or (f"clover.{field}" if field else max_tokens_param))
+                     "prompt_logprobs": logprobs[1]}.get(field)
+            param = param or OPENAI_PARAMS.get(field) or (f"clover.{field}" if field else max_tokens_param)
             raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
         for k in range(n):  # n rows of one request: sampled with a seed, row k takes seed + k
             s = settings
