@@ -27,6 +27,7 @@ from clover_lab.engine.results import Thinking
 from clover_lab.hooks.trace import META_FILE, TENSOR_FILE
 from clover_lab.serve import responses as R
 from clover_lab.serve import schemas, tools
+from clover_lab.serve.call_stream import CallStream
 from clover_lab.serve.jobs import RequestError, make_jobs
 from clover_lab.serve.prometheus import Metrics
 from clover_lab.serve.scheduler import Scheduler, TraceStore
@@ -99,8 +100,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else p
         grammar = tools.format_grammar(engine, body.response_format)
         jobs = make_jobs(engine, body, prompts, "prompt", "cmpl", max_tokens=body.max_tokens,
-                         logprobs=(body.logprobs, "logprobs"),
-                         grammar=grammar)
+                         logprobs=(body.logprobs, "logprobs"), grammar=grammar, echo=body.echo)
         return await _answer(request, scheduler, metrics, jobs, body,
                              R.Shape(False, jobs[0].id, model_name, engine.tokenizer))
 
@@ -174,7 +174,8 @@ async def _answer(request, scheduler, metrics, jobs, body, shape: R.Shape):
     finally:
         for job in jobs:
             scheduler.cancel(job)  # a no-op for the finished; frees the rows of a client gone meanwhile
-    return shape.response(results, [r.text for r in results], jobs[0].trace_points is not None)
+    return shape.response(results, [r.text for r in results], jobs[0].trace_points is not None,
+                          [job.probe for job in jobs], [job.echo for job in jobs])
 
 
 async def _next(queue):
@@ -213,6 +214,9 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
     texts = {job.index: R.TextStream(tok, job.stop) for job in jobs}
     reasons = {job.index: R.TextStream(tok, job.stop) for job in jobs}  # a chat's reasoning, apart (thinking)
     lengths = {job.index: 0 for job in jobs}
+    streams = {job.index: CallStream() for job in jobs}  # a chat's tool calls, as deltas as they commit
+    offsets = {job.index: 0 for job in jobs}  # where a completion's next scored token's text begins
+    echoed: set[int] = set()
     results, open_, first = {}, {job.index for job in jobs}, None
     try:
         if shape.chat:
@@ -226,6 +230,14 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
                                        "type": "server_error", "param": None, "code": None}})
                 break
             i = job.index
+            if job.echo is not None and i not in echoed and update is not None:  # the prompt first, scored if asked
+                echoed.add(i)
+                scores = job.prompt_scores or (update.result is not None and (
+                    update.result.prompt_logprobs, update.result.prompt_top_logprobs)) or None
+                lp = None
+                if body.logprobs is not None and scores and scores[0] is not None:
+                    lp, offsets[i] = shape.scored(job.prompt_ids, scores[0], scores[1])
+                yield R.sse(shape.chunk(i, job.echo, logprobs=lp))
             if update is None:
                 open_.discard(i)
             elif update.kind == "step":
@@ -236,18 +248,31 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
                 reasoning, answer = (None, update.committed) if not shape.chat or update.thinking is None else \
                     update.thinking.split(update.committed)
                 thought = "" if reasoning is None else reasons[i].delta(reasoning, part=True)
+                calls = [] if not shape.parse_calls else streams[i].update(texts[i].visible(answer))
+                lp = None  # the log-probabilities of this chunk's tokens, with it
+                if update.logprobs is not None:
+                    lo, hi = len(update.committed) - len(tokens), len(update.committed)
+                    lp, offsets[i] = shape.scored(tokens, update.logprobs[lo:hi], update.top_logprobs and
+                                                  update.top_logprobs[lo:hi], offsets[i])
                 yield R.sse(shape.chunk(i, texts[i].delta(answer, hold_calls=shape.parse_calls,
-                                                          part=reasoning is not None),
-                                        clover=R.committed(update, tokens), reasoning=thought))
+                                                          part=reasoning is not None), calls=calls, logprobs=lp,
+                                        clover=R.committed(update, tokens, job.frames.pop(len(update.committed), None)),
+                                        reasoning=thought))
             elif update.kind == "done":
                 r = results[i] = update.result
                 done = {"kind": "done", "stop_reason": r.stop_reason, "stats": r.stats.to_dict()}
                 if job.trace_points is not None:
                     done["trace_id"] = job.id
-                content, calls = shape.split_calls(r.text if r.reasoning is None else r.answer)
+                text = r.text if r.reasoning is None else r.answer
+                content, calls = shape.split_calls(text)
+                deltas = streams[i].finish(text, calls) if calls else []
                 thought = "" if r.reasoning is None else reasons[i].final(r.reasoning)
+                lp = None  # every token's were sent with its chunk; any left (none, as the engine commits) here
+                if r.logprobs is not None and len(r.token_ids) > lengths[i]:
+                    lp, offsets[i] = shape.scored(r.token_ids[lengths[i]:], r.logprobs[lengths[i]:], r.top_logprobs
+                                                  and r.top_logprobs[lengths[i]:], offsets[i])
                 yield R.sse(shape.chunk(i, texts[i].final(content), "tool_calls" if calls else R.finish_reason(
-                    r.stop_reason), clover=done, result=r, calls=calls, reasoning=thought))
+                    r.stop_reason), clover=done, logprobs=lp, calls=deltas, reasoning=thought))
         if len(results) == len(jobs):
             _observe(metrics, started, first)
             if body.stream_options is not None and body.stream_options.include_usage:
@@ -345,6 +370,9 @@ def validation_error(errors: list[dict]) -> RequestError:
         return RequestError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                             code="invalid_json")
     locs = [_untagged(err) for err in errors]
+    if all(err["type"] == "extra_forbidden" for err in errors) and len(errors) > 1:  # several unknown fields
+        names = [".".join(loc) for loc in locs]
+        return RequestError(f"unknown fields {', '.join(map(repr, names))}", names[0], code="unknown_field")
     common = []
     for parts in zip(*locs):
         if len(set(parts)) > 1:

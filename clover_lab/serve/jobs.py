@@ -23,6 +23,7 @@ from clover_lab.engine.requests import (
 from clover_lab.engine.sampling import SamplerSettings, SettingsError
 from clover_lab.errors import CloverError
 from clover_lab.serve import schemas
+from clover_lab.serve.explore import NOT_ROUTED, ExpertRecorder, Probe
 
 
 class RequestError(CloverError, ValueError):
@@ -40,7 +41,8 @@ class RequestError(CloverError, ValueError):
 
 # request field -> SamplerSettings field, for the settings OpenAI's API names and Clover's own
 OPENAI_SAMPLER = {"temperature": "temperature", "top_p": "top_p", "seed": "seed",
-                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                  "logit_bias": "logit_bias", "ignore_eos": "ignore_eos", "min_tokens": "min_tokens"}
 OPENAI_PARAMS = {name: f for f, name in OPENAI_SAMPLER.items()}  # SamplerSettings field -> request field
 CLOVER_SAMPLER = ("threshold", "coreset_size", "confidence", "top_k", "max_tokens_per_step", "max_steps_per_block",
                   "repetition_penalty")
@@ -64,13 +66,22 @@ class Job:
     provisional: bool = False
     trace_points: list[str] | None = None
     grammar: object = None  # the Grammar the response follows (response_format, a required tool call), or None
+    policy: str | None = None  # the decoding policy's name (clover.policy), or None for the engine's
+    prompt_logprobs: int | None = None  # the prompt scored, with this many alternatives per token (echo), or None
+    echo: str | None = None  # the prompt's text a completion echoes before its own, or None
+    prompt_scores: tuple | None = None  # the prompt's scores, read as the job's first update comes (a stream's echo)
+    probe: Probe | None = None  # what it reports beside its tokens (clover.step_map, clover.experts), or None
+    streamed: bool = False  # the request streams: the probe frames each commit as it comes
+    frames: dict = field(default_factory=dict)  # the probe's frame per committed length (a streamed chunk's)
+    reported: int = 0  # response tokens the probe has framed
     created: float = field(default_factory=time.time)
     cancelled: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     updates: asyncio.Queue | None = None
     handle: object = None  # the engine's Handle, once submitted
-    capture: object = None  # a traced job's Capture, and the context its scope is open in
-    context: object = None
+    capture: object = None  # a traced job's Capture
+    scope: object = None  # the hook scope of its expert recorder (clover.experts)
+    context: object = None  # the context the capture and the scope are open in
 
     @property
     def started(self) -> bool:
@@ -81,6 +92,12 @@ class Job:
         """The engine's listener (in the worker thread): the updates the client asked for."""
         if self.cancelled.is_set() or (update.kind == "step" and not self.provisional):
             return
+        if self.prompt_logprobs is not None and self.streamed and self.prompt_scores is None:
+            self.prompt_scores = self.handle.rows[0].prompt_scores  # scored at its prefill, before any update
+        if self.probe is not None and self.streamed and update.kind == "commit":  # read now: the row goes on meanwhile
+            hi = len(update.committed)
+            self.frames[hi] = self.probe.frame(self.handle.rows[0].info.steps, self.reported, hi)
+            self.reported = hi
         self.send(update)
 
     def send(self, item) -> None:
@@ -137,17 +154,27 @@ def trace_points(engine, option) -> list[str] | None:
 def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str, prefix: str,
               thinking: bool | None = None, max_tokens_param: str = "max_tokens",
               max_tokens: int | None = None, logprobs: tuple[int | None, str] = (None, "logprobs"),
-              thinking_param: str = "clover.thinking", grammar=None, encode=None) -> list[Job]:
+              thinking_param: str = "clover.thinking", grammar=None, encode=None, echo: bool = False) -> list[Job]:
     """The jobs of one request: one per prompt, every check done. ``logprobs``: how many
     alternatives per token (None: no log-probabilities), and the field that asks. ``grammar``: the
     Grammar its responses follow, in any mode; ``encode(prompt, thinking)``: its prompts' token ids (default
-    ``engine.encode``; chat with tools renders them too)."""
+    ``engine.encode``; chat with tools renders them too); ``echo``: a completion's prompt comes back before its
+    text, scored (its log-probabilities) where ``logprobs`` asks, and ``max_tokens`` 0 scores it alone."""
     opts = request.clover
     mode = opts.mode or "diffusion"
     max_new = max_tokens if max_tokens is not None else engine.max_new_tokens
+    if max_new == 0 and not echo:
+        raise RequestError(f"{max_tokens_param}: 0 asks for no tokens, which scores the prompt: it needs echo: true "
+                           f"(with logprobs, the prompt's log-probabilities); else ask for at least 1",
+                           max_tokens_param)
+    if request.min_tokens is not None and request.min_tokens > max_new:
+        raise RequestError(f"min_tokens={request.min_tokens} is more than {max_tokens_param}={max_new}: the response "
+                           f"could never have them", "min_tokens")
+    # the prompt is scored where its log-probabilities come back (echo with logprobs), or is all there is to run
+    prompt_logprobs = logprobs[0] if echo and logprobs[0] is not None else (0 if max_new == 0 else None)
     settings = sampler_settings(engine, request)
     given = {name: getattr(opts, name) for name in CLOVER_SAMPLER if getattr(opts, name) is not None}
-    for names, why in ignored_settings(mode, given, block_size=opts.block_size):
+    for names, why in ignored_settings(mode, given, policy=opts.policy, block_size=opts.block_size):
         # the API and the command line warn; a response has no place for a warning a client would see
         raise RequestError(f"{why}; leave {'them' if len(names) > 1 else 'it'} out, or use mode diffusion",
                            f"clover.{names[0]}", code="ignored_setting")
@@ -165,6 +192,9 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
         raise RequestError("clover.stream_provisional: AR decoding has no denoising steps to stream; "
                            "use mode diffusion", "clover.stream_provisional")
     points = trace_points(engine, opts.trace)
+    if opts.experts and engine.model.config.num_experts > NOT_ROUTED:
+        raise RequestError(f"clover.experts: this model has {engine.model.config.num_experts} experts, more than "
+                           f"the wire's uint8 ids hold (at most {NOT_ROUTED})", "clover.experts")
     n = request.n
     if n > 1 and points is not None:
         raise RequestError("clover.trace records one generation; ask for it with n = 1", "n")
@@ -180,18 +210,25 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
             raise RequestError(str(e), where) from None
         try:  # the engine's one request check; its error names the field, which is the body's here
             engine.check(Request(ids, mode=mode, max_new_tokens=max_new, stop=stop or None, settings=settings,
-                                 block_size=opts.block_size, grammar=grammar))
+                                 block_size=opts.block_size, grammar=grammar, policy=opts.policy,
+                                 prompt_logprobs=prompt_logprobs))
         except (GenerationError, SettingsError) as e:
             field = getattr(e, "field", None)
             over = "context length" in str(e)
             param = {"prompt": where, "max_new_tokens": max_tokens_param, "mode": "clover.mode", "stop": "stop",
-                     "block_size": "clover.block_size", "logprobs": logprobs[1]}.get(field) or (
-                OPENAI_PARAMS.get(field) or (f"clover.{field}" if field else max_tokens_param))
+                     "block_size": "clover.block_size", "logprobs": logprobs[1], "policy": "clover.policy",
+                     "prompt_logprobs": logprobs[1]}.get(field)
+            param = param or OPENAI_PARAMS.get(field) or (f"clover.{field}" if field else max_tokens_param)
             raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
         for k in range(n):  # n rows of one request: sampled with a seed, row k takes seed + k
             s = settings
             if k and s.seed is not None and not s.greedy:
                 s = SamplerSettings.from_kwargs(s, seed=(s.seed + k) % 2**64)
+            probe = None if not (opts.step_map or opts.experts) else Probe(
+                opts.step_map, ExpertRecorder(engine.model.config, len(ids), max_new) if opts.experts else None)
             jobs.append(Job(rid, i * n + k, ids, mode, max_new, stop, s, opts.block_size or engine.block_size,
-                            provisional=opts.stream_provisional, trace_points=points, grammar=grammar))
+                            provisional=opts.stream_provisional, trace_points=points, grammar=grammar,
+                            policy=opts.policy, probe=probe, streamed=request.stream, prompt_logprobs=prompt_logprobs,
+                            echo=None if not echo else prompt if isinstance(prompt, str) else
+                            engine.tokenizer.decode(ids)))
     return jobs

@@ -72,17 +72,22 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, index: int, text: str, finish: str | None = None, clover: dict | None = None,
-              first: bool = False, result=None, calls: list[dict] | None = None, reasoning: str = "") -> dict:
-        """A stream chunk; ``result`` (the last chunk's) brings the response's log-probabilities, if asked;
-        ``calls``: the response's tool calls (OpenAI's message.tool_calls), as one delta; ``reasoning``:
+              first: bool = False, logprobs: dict | None = None, calls: list[dict] | None = None,
+              reasoning: str = "") -> dict:
+        """A stream chunk; ``logprobs``: its tokens' (:meth:`scored`), if asked;
+        ``calls``: tool-call deltas (``call_stream.py``: each with its call's ``index``); ``reasoning``:
         new text of the reasoning (``delta.reasoning_content``, as vLLM, SGLang and DeepSeek send it)."""
-        lp = None if result is None else self.logprobs(result)
+        lp = logprobs
         if self.chat:
-            delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+            # content is a string in every chunk (as vLLM and SGLang send it, and their tests read it) but one that
+            # carries only reasoning or tool calls
+            delta = {"role": "assistant"} if first else {}
+            if text or not (reasoning or calls):
+                delta["content"] = text
             if reasoning:
                 delta["reasoning_content"] = reasoning
             if calls:
-                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                delta["tool_calls"] = calls
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
@@ -95,19 +100,24 @@ class Shape:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                 "usage": usage(results)}
 
-    def response(self, results, texts: list[str], trace: bool) -> dict:
+    def response(self, results, texts: list[str], trace: bool, probes: list | None = None,
+                 echoes: list | None = None) -> dict:
+        """The whole response; ``probes``: each choice's :class:`~clover_lab.serve.explore.Probe` (or None);
+        ``echoes``: each completion's echoed prompt text (or None)."""
         choices = []
-        for i, (r, text) in enumerate(zip(results, texts)):
-            c = {"index": i, "logprobs": self.logprobs(r), "finish_reason": finish_reason(r.stop_reason)}
+        echoes = echoes or [None] * len(results)
+        for i, (r, text, echo) in enumerate(zip(results, texts, echoes)):
+            c = {"index": i, "logprobs": self.logprobs(r, echo is not None),
+                 "finish_reason": finish_reason(r.stop_reason)}
             if self.chat:
                 c["message"] = self.message(r, text)
                 if c["message"].get("tool_calls"):
                     c["finish_reason"] = "tool_calls"
             else:
-                c["text"] = text
+                c["text"] = (echo or "") + text
             choices.append(c)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
-                "usage": usage(results), "clover": clover_summary(self.id, results, trace)}
+                "usage": usage(results), "clover": clover_summary(self.id, results, trace, probes)}
 
 
     def message(self, result, text: str) -> dict:
@@ -131,30 +141,43 @@ class Shape:
         content, calls = tool_calls.parse(text)
         return (content, openai_calls(calls)) if calls else (text, [])
 
-    def logprobs(self, result) -> dict | None:
+    def logprobs(self, result, echo: bool = False) -> dict | None:
         """The response tokens' log-probabilities (``GenerationResult.logprobs``: under the
-        distribution each was chosen from) in OpenAI's shape for the endpoint; None unless asked."""
+        distribution each was chosen from) in OpenAI's shape for the endpoint; None unless asked.
+        ``echo`` (completions): the prompt's tokens first, as the prompt scored them (the first has
+        none: null)."""
         if result.logprobs is None:
             return None
+        ids, lps, tops = result.token_ids, result.logprobs, result.top_logprobs or [None] * len(result.token_ids)
+        if echo and result.prompt_logprobs is not None:
+            ids, lps = result.prompt_ids + ids, result.prompt_logprobs + lps
+            tops = (result.prompt_top_logprobs or [None] * len(result.prompt_ids)) + tops
+        return self.scored(ids, lps, tops)[0]
+
+    def scored(self, ids: list[int], lps: list, tops: list | None, at: int = 0) -> tuple[dict, int]:
+        """Tokens with their log-probabilities and alternatives ((token id, log-probability) pairs, or
+        None) in OpenAI's shape for the endpoint, and where the text after them begins (completions'
+        ``text_offset`` counts from ``at``: a stream's chunks continue their response's offsets)."""
         piece = lambda t: self.tokenizer.decode([t])  # noqa: E731
-        tokens = [piece(t) for t in result.token_ids]
+        tokens = [piece(t) for t in ids]
         # each token's alternatives hold the token itself (as vLLM's), also where it ranked below the k asked
-        # for; top_logprobs: 0 (chat) asks for none: []
-        tops = [[] if top is None and self.chat else list(top or []) + ([] if any(t == tid for t, _ in top or [])
-                                                                         else [(tid, lp)])
-                for top, tid, lp in zip(result.top_logprobs or [None] * len(result.logprobs), result.token_ids,
-                                        result.logprobs)]
+        # for; top_logprobs: 0 (chat) asks for none: []; a token with no log-probability (an echoed prompt's
+        # first) has no alternatives: null
+        tops = [None if lp is None else [] if top is None and self.chat else list(top or []) + (
+            [] if any(t == tid for t, _ in top or []) else [(tid, lp)])
+            for top, tid, lp in zip(tops or [None] * len(ids), ids, lps)]
         if self.chat:
             def entry(text, lp):
                 return {"token": text, "logprob": lp, "bytes": list(text.encode())}
             return {"content": [{**entry(text, lp), "top_logprobs": [entry(piece(t), v) for t, v in top]}
-                                for text, lp, top in zip(tokens, result.logprobs, tops)]}
-        offsets, at = [], 0
+                                for text, lp, top in zip(tokens, lps, tops)]}, at
+        offsets = []
         for text in tokens:
             offsets.append(at)
             at += len(text)
-        return {"tokens": tokens, "token_logprobs": list(result.logprobs),
-                "top_logprobs": [{piece(t): v for t, v in top} for top in tops], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": list(lps),
+                "top_logprobs": [None if top is None else {piece(t): v for t, v in top} for top in tops],
+                "text_offset": offsets}, at
 
 
 def usage(results) -> dict:
@@ -163,10 +186,14 @@ def usage(results) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def clover_summary(rid: str, results, trace: bool) -> dict:
+def clover_summary(rid: str, results, trace: bool, probes: list | None = None) -> dict:
+    """Per choice its stats and, where asked, its step map and experts (lists in the choices' order)."""
     out = {"stats": [r.stats.to_dict() for r in results]}
     if trace:
         out["trace_id"] = rid
+    if probes and probes[0] is not None:  # a request's choices all ask alike
+        frames = [p.summary(r) for p, r in zip(probes, results)]
+        out.update({key: [f[key] for f in frames] for key in frames[0]})
     return out
 
 
@@ -176,5 +203,6 @@ def provisional(update) -> dict:
             "pieces": update.block_pieces(), "unmasked": update.unmasked}
 
 
-def committed(update, tokens: list[int]) -> dict:
-    return {"kind": "committed", "block": update.block, "tokens": tokens}
+def committed(update, tokens: list[int], frame: dict | None = None) -> dict:
+    """A committed block: its tokens and, where asked, their step map and experts (``frame``)."""
+    return {"kind": "committed", "block": update.block, "tokens": tokens, **(frame or {})}

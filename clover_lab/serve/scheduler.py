@@ -119,29 +119,44 @@ class Scheduler:
 
     def _start(self, job: Job) -> None:
         """Hand a job to the engine as a request of its own (a traced one inside its capture's
-        scope, opened in a context of its own and closed when it ends)."""
+        scope, one reporting its experts with its recorder's hooks: opened in a context of its own and closed
+        when it ends)."""
         if job.cancelled.is_set():
             return
         if self.engine.loop.rows:
             self.metrics.joined.inc()
         request = Request(job.prompt_ids, mode=job.mode, max_new_tokens=job.max_new_tokens, stop=job.stop or None,
-                          settings=job.settings, block_size=job.block_size, grammar=job.grammar)
+                          settings=job.settings, block_size=job.block_size, grammar=job.grammar, policy=job.policy,
+                          prompt_logprobs=job.prompt_logprobs)
+        recorder = None if job.probe is None else job.probe.recorder
         try:
-            if job.trace_points is None:
+            if job.trace_points is None and recorder is None:
                 job.handle = self.engine.submit(request, listener=job.deliver)
             else:
                 job.context = contextvars.copy_context()
-                job.capture = self.engine.capture(job.trace_points, to="cpu")
-                job.handle = job.context.run(self._traced, job, request)
+                job.capture = None if job.trace_points is None else self.engine.capture(job.trace_points, to="cpu")
+                job.handle = job.context.run(self._scoped, job, request, recorder)
         except Exception as e:  # noqa: BLE001 - checked before it was queued; what is left is the request's
+            self._close_scopes(job)
             job.send(e)
             job.send(None)
             return
         self._jobs.append(job)
 
-    def _traced(self, job: Job, request: Request):
-        job.capture.__enter__()
+    def _scoped(self, job: Job, request: Request, recorder):
+        """Submit ``job`` with its capture and its expert recorder's hooks open in its own context."""
+        if job.capture is not None:
+            job.capture.__enter__()
+        if recorder is not None:
+            job.scope = self.engine.model.hooks.open_scope(recorder.hooks())
         return self.engine.submit(request, listener=job.deliver)
+
+    @staticmethod
+    def _close_scopes(job: Job) -> None:
+        if job.scope is not None:
+            job.context.run(job.scope.remove)
+        if job.capture is not None:
+            job.context.run(job.capture.__exit__, None, None, None)
 
     def _settle(self) -> None:
         """Jobs whose request ended leave: an error is their answer; a traced one's trace is saved."""
@@ -151,10 +166,9 @@ class Scheduler:
             if not h.done:
                 going.append(job)
                 continue
-            if job.capture is not None:
-                job.context.run(job.capture.__exit__, None, None, None)
-                if h.error is None and not job.cancelled.is_set():
-                    self.traces.add(job.id, job.capture, {"request": job.id})
+            self._close_scopes(job)
+            if job.capture is not None and h.error is None and not job.cancelled.is_set():
+                self.traces.add(job.id, job.capture, {"request": job.id})
             if h.error is not None:
                 job.send(h.error)
             else:

@@ -41,6 +41,9 @@ class CloverOptions(Strict):
     stream_provisional: bool = False  # stream each denoising step's canvas too, marked provisional
     trace: bool | list[str] = False  # record the request's trace (true: TRACE_POINTS), fetched by id
     thinking: bool | None = None  # the chat template's enable_thinking
+    policy: str | None = None  # the decoding policy by name ("eb:gamma=0.5", "topk:k=2"; engine/policies.py)
+    step_map: bool = False  # per committed token the denoising step that unmasked it (serve/explore.py)
+    experts: bool = False  # per committed token its routed experts, uint8 [tokens, layers, top_k] base64
 
 
 class StreamOptions(Strict):
@@ -62,6 +65,9 @@ class Common(Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias in [-100, 100]
+    ignore_eos: bool | None = None  # as vLLM and SGLang take them (benchmark clients send both)
+    min_tokens: int | None = Field(default=None, ge=0)
     clover: CloverOptions = Field(default_factory=CloverOptions)
 
 
@@ -70,8 +76,9 @@ TokenIds = list[int]
 
 class CompletionRequest(Common):
     prompt: Union[str, TokenIds, list[str], list[TokenIds]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: the prompt scored alone (lm-eval's loglikelihood)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before the completion, in its text and (with logprobs) its log-probabilities
     best_of: Literal[1] | None = None
     response_format: Union[TextFormat, JSONObjectFormat, JSONSchemaResponseFormat] | None = Field(
         default=None, discriminator="type")  # as vLLM's completions take it

@@ -144,8 +144,12 @@ def test_required_tool_calls_validate_and_stream_as_deltas(client):
                                                  tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                                  max_tokens=96, stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(deltas[0].function.arguments), WEATHER["function"]["parameters"])
+    # as the call's text commits (call_stream.py): its header once, then pieces of its arguments
+    assert {d.index for d in deltas} == {0} and len(deltas) > 1
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 

@@ -268,6 +268,8 @@ BAD = [
     ({"model": NAME, "prompt": "x", "clover": {"mode": "fast"}}, "clover.mode"),
     ({"model": NAME, "prompt": "x", "clover": {"block_size": 0}}, "clover.block_size"),
     ({"model": NAME, "prompt": "x", "clover": {"nope": 1}}, "clover.nope"),
+    ({"model": NAME, "prompt": "x", "truncate_prompt_tokens": 4, "return_token_ids": True},
+     "truncate_prompt_tokens"),  # several unknown fields: the first named, every one in the message
     ({"model": NAME, "prompt": "x", "clover": {"trace": ["no.such.point"]}}, "clover.trace"),
     ({"model": NAME, "prompt": "x", "clover": {"stream_provisional": True}}, "clover.stream_provisional"),
     ({"model": NAME, "prompt": "x", "logprobs": 99}, "logprobs"),
@@ -284,7 +286,7 @@ def test_bad_bodies_get_4xx_json_naming_the_field(server, body, param):
 
 
 def test_log_probabilities_are_the_engines_in_openais_shapes(server, client, engine):
-    """Completions (logprobs=K), chat (logprobs + top_logprobs) and a stream's last chunk carry
+    """Completions (logprobs=K), chat (logprobs + top_logprobs) and a stream's chunks carry
     engine.generate's log-probabilities of the response tokens, named by their text."""
     ref = engine.generate(PROMPTS[0], max_new_tokens=8, logprobs=2)
     r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2)
@@ -303,8 +305,9 @@ def test_log_probabilities_are_the_engines_in_openais_shapes(server, client, eng
     events = [json.loads(line[6:]) for line in httpx.post(server[0] + "/v1/completions", timeout=60, json={
         "model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "logprobs": 0, "stream": True}).text.splitlines()
         if line.startswith("data: {")]
-    last = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]
-    assert last["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(ref.logprobs)
+    streamed = [v for e in events if e["choices"] and e["choices"][0]["logprobs"]
+                for v in e["choices"][0]["logprobs"]["token_logprobs"]]  # with the chunks whose tokens they score
+    assert streamed == pytest.approx(ref.logprobs)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=chat, max_tokens=4, top_logprobs=2)
     assert e.value.body["param"] == "top_logprobs"
