@@ -259,6 +259,9 @@ class StreamUpdate:
     # with SamplerSettings.logprobs: the committed tokens' log-probabilities and alternatives so far
     logprobs: list[float] | None = None
     top_logprobs: list | None = None
+    unmask_steps: list = field(default_factory=list)  # the committed tokens' unmasking steps so far
+    prompt_logprobs: list | None = None  # Request(prompt_logprobs=k): the prompt's scores (as the result's)
+    prompt_top_logprobs: list | None = None
 
     @property
     def committed_text(self) -> str | None:

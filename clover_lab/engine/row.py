@@ -79,6 +79,11 @@ class Handle:
     def done(self) -> bool:
         return self.result is not None or self.error is not None
 
+    @property
+    def started(self) -> bool:
+        """The engine has admitted its rows (they run, or ran)."""
+        return any(row.key is not None for row in self.rows)
+
     def updates(self) -> list[StreamUpdate]:
         """The updates produced since the last call (none without ``emit``)."""
         out = []
@@ -239,11 +244,14 @@ class Row:
         """A StreamUpdate to the request, when it streams."""
         if self.handle.emit:
             info, n = self.info, len(self.committed)
+            prompt_lp, prompt_top = self.prompt_scores or (None, None)
             self.handle.put(StreamUpdate(kind, block, step, list(self.committed), list(block_tokens), list(unmasked),
                                          self.now(), self.result, tokenizer=self.engine.tokenizer, row=self.row,
                                          thinking=self.thinking,
                                          logprobs=None if info.logprobs is None else info.logprobs[:n],
-                                         top_logprobs=None if info.top is None else info.top[:n]))
+                                         top_logprobs=None if info.top is None else info.top[:n],
+                                         unmask_steps=info.steps[:n], prompt_logprobs=prompt_lp,
+                                         prompt_top_logprobs=prompt_top))
 
     # ---------------------------------------------------------------- the end
     def finish(self, reason: str) -> GenerationResult:

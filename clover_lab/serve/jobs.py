@@ -86,17 +86,17 @@ class Job:
     @property
     def started(self) -> bool:
         """The engine has admitted its row (it runs)."""
-        return self.handle is not None and self.handle.rows[0].key is not None
+        return self.handle is not None and self.handle.started
 
     def deliver(self, update) -> None:
         """The engine's listener (in the worker thread): the updates the client asked for."""
         if self.cancelled.is_set() or (update.kind == "step" and not self.provisional):
             return
         if self.prompt_logprobs is not None and self.streamed and self.prompt_scores is None:
-            self.prompt_scores = self.handle.rows[0].prompt_scores  # scored at its prefill, before any update
+            self.prompt_scores = (update.prompt_logprobs, update.prompt_top_logprobs)  # scored at its prefill
         if self.probe is not None and self.streamed and update.kind == "commit":  # read now: the row goes on meanwhile
             hi = len(update.committed)
-            self.frames[hi] = self.probe.frame(self.handle.rows[0].info.steps, self.reported, hi)
+            self.frames[hi] = self.probe.frame(update.unmask_steps, self.reported, hi)
             self.reported = hi
         self.send(update)
 
