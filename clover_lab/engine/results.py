@@ -217,7 +217,7 @@ class GenerationResult:
     unmask_steps: list[int | None] = field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    prompt_logprobs: list[float | None] | None = None  # Request(prompt_logprobs=k): each prompt token's (the first None)
+    prompt_logprobs: list[float | None] | None = None  # Request(prompt_logprobs=k): each prompt token's (first None)
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
