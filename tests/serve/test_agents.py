@@ -5,20 +5,15 @@ the prompt, history as OpenAI's client dumps it, tool calls streamed as deltas, 
 the 4xx cases of issue 39."""
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 
-import clover_lab
 from clover_lab.serve import create_app
 from clover_lab.serve.tools import written_out
 
@@ -40,28 +35,9 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server():
-    torch.set_num_threads(1)
-    engine = clover_lab.load(dtype=torch.float32)
-    app = create_app(engine, model_name=NAME, max_batch=8)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(30)
+def server(engine, live):
+    return live(create_app(engine, model_name=NAME, max_batch=8)), engine
 
 
 @pytest.fixture(scope="module")

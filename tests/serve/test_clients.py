@@ -3,9 +3,6 @@ model in float32): the openai client's ``chat.completions.parse`` with a pydanti
 ``ChatOpenAI(...).with_structured_output(schema)`` (OpenAI's json_schema, strict) and
 ``.bind_tools([...], tool_choice=...)``; whatever the model writes, the grammar makes it parse into
 the schema. LangChain's tests skip where ``langchain-openai`` is not installed."""
-import socket
-import threading
-import time
 
 import jsonschema
 import openai
@@ -26,27 +23,9 @@ class Person(BaseModel):
     age: int = Field(ge=0, le=150)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base():
-    torch.set_num_threads(1)
-    app = create_app(clover_lab.load(dtype=torch.float32), model_name=NAME, max_batch=8)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-    srv.should_exit = True
-    thread.join(30)
+def base(engine, live):
+    return live(create_app(engine, model_name=NAME, max_batch=8)) + "/v1"
 
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

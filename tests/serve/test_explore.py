@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-import clover_lab
 from clover_lab.serve import create_app
 from clover_lab.serve.explore import NOT_ROUTED, unpack
 
@@ -16,12 +15,6 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 NAME = "clover-stdlib"
 PROMPT = "def parse(line):\n"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    torch.set_num_threads(1)
-    return clover_lab.load(dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

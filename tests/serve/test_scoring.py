@@ -5,9 +5,7 @@ logit_bias; every value is the engine's own (engine.generate with the same Reque
 import json
 
 import pytest
-import torch
 
-import clover_lab
 from clover_lab.engine.requests import Request
 from clover_lab.serve import create_app
 
@@ -16,12 +14,6 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 NAME = "clover-stdlib"
 PROMPT = "def parse(line):\n"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    torch.set_num_threads(1)
-    return clover_lab.load(dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

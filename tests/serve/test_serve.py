@@ -15,7 +15,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 import clover_lab
 from clover_lab.serve import create_app
@@ -36,12 +35,6 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def engine():
-    torch.set_num_threads(1)
-    return clover_lab.load(dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
 def refs(engine):
     """Greedy texts from engine.generate, one prompt at a time, before the server owns the engine."""
     out = {(p, n): engine.generate(p, max_new_tokens=n).text for p in PROMPTS for n in (8, 20)}
@@ -52,19 +45,9 @@ def refs(engine):
 
 
 @pytest.fixture(scope="module")
-def server(engine, refs):
+def server(engine, refs, live):
     app = create_app(engine, model_name=NAME, max_batch=32)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app
-    srv.should_exit = True
-    thread.join(30)
+    return live(app), app
 
 
 @pytest.fixture(scope="module")
