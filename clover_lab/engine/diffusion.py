@@ -259,10 +259,7 @@ def abandon(loop, rows: list) -> None:
     """A model hook stopped a shared forward: these rows end; a finished block that was waiting
     for its fused commit is part of its row's response, but not in the cache."""
     for row in rows:
-        if row.pending is not None:
-            (tokens, steps), row.pending = row.pending, None
-            row.record_block(tokens, steps)
-            row.stats.cache_complete = False
+        row.keep_pending()
     loop.end(rows, "hook")
 
 

@@ -224,6 +224,14 @@ class Row:
         self.stats.blocks += 1
         self.stats.steps_per_block.append(steps)
 
+    def keep_pending(self) -> None:
+        """The row ends before its finished block's fused commit: the block is part of its response,
+        but not in the cache."""
+        if self.pending is not None:
+            (tokens, steps), self.pending = self.pending, None
+            self.record_block(tokens, steps)
+            self.stats.cache_complete = False
+
     def fire_commit(self, block: int, tokens: list[int], steps: int, start: int,
                     acceptance: dict | None = None) -> bool:
         """``block.commit`` after a commit (``acceptance``: a speculative block's drafted,

@@ -283,10 +283,7 @@ class StepLoop:
                 handle.row_ended()
         going = [row for row in self.rows if row.handle.cancelled and row.live]
         for row in going:
-            if row.pending is not None:
-                (tokens, steps), row.pending = row.pending, None
-                row.record_block(tokens, steps)
-                row.stats.cache_complete = False
+            row.keep_pending()
         self.end(going, "cancelled")
 
     def _release(self) -> None:
