@@ -286,7 +286,7 @@ class FastPath:
 
     def __init__(self):
         self.graphs: "StepGraphs | None" = None
-        self._holder = None  # weakref to the generation running on them
+        self._holder = None  # weakref to the step loop holding them
 
     def acquire(self, owner, model, length: int, use: bool, compile: bool) -> "StepGraphs | None":
         """The StepGraphs for ``owner`` (a step loop), rows of ``length`` positions, or None for the
