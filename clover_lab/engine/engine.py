@@ -253,6 +253,15 @@ class Engine:
         forward (grouped with the rows that can share it), its decision; returns the updates."""
         return self.loop.step()
 
+    def prompt_of(self, where) -> list[int] | None:
+        """The prompt's token ids of the running row that an event's ``where`` names (its request
+        ``run`` and, in a batch, its ``row``), so that an observer can name a prefill's positions by
+        their tokens; None when no such row runs in this engine's step loop."""
+        for row in self.loop.rows:
+            if row.handle.number == where.run and row.row == where.row:
+                return list(row.prompt_ids)
+        return None
+
     def wait(self, handle: Handle):
         """Step until ``handle``'s request has ended; its result (an error it ended with is raised).
         An interrupt meanwhile cancels it."""

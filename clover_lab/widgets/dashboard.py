@@ -175,8 +175,6 @@ class Dashboard:
         prompt = [{"role": "user", "content": text}] if self.chat.value else text
         # the engine's one request check: a bad name or setting is an error now, and nothing starts
         handle = self.engine.submit(Request(prompt, **kwargs), emit=False)
-        if "experts" in self.views:  # its token picker lists the prompt's tokens by their text
-            self.views["experts"].expect_prompt(handle.rows[0].prompt_ids)
         self._handle = handle
         self.result, self.error = None, None
         self.generate_button.disabled = True

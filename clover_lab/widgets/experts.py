@@ -43,10 +43,7 @@ class ExpertView(View):
         self._dims = (1, 1, 1)  # layers, experts, top-k
         self._phase, self._metric = phase, metric
         self._pieces: dict[int, str] = {}
-        # the prompt of the next run, to name its tokens in the picker: no hook event carries the
-        # prompt's ids, so whoever starts the run says them (the Dashboard does); used once
-        self._next_prompt: list[int] | None = None
-        self._prompt: list[int] | None = None
+        self._prompt: list[int] | None = None  # the run's prompt ids (Engine.prompt_of), to name its tokens
         super().__init__(engine, fps=fps)
 
     @classmethod
@@ -71,16 +68,9 @@ class ExpertView(View):
     def hook_methods(self):
         return {points.every_layer(points.MOE_ROUTE): "_on_route", points.BLOCK_COMMIT: "_on_commit"}
 
-    def expect_prompt(self, token_ids) -> None:
-        """The prompt of the next generation this view sees, as token ids (``engine.encode(prompt)``):
-        its tokens are listed by their text in the token picker. Applies to that run only, and only
-        when its prefill routes exactly that many tokens; other runs list prompt positions as
-        "(prompt)"."""
-        self._next_prompt = [int(t) for t in token_ids]
-
     def _new_run(self):
         super()._new_run()
-        self._prompt, self._next_prompt = self._next_prompt, None
+        self._prompt = None
 
     def _on_attach(self, engine):
         c = engine.model.config
@@ -149,10 +139,12 @@ class ExpertView(View):
         full = to_numpy(ev.router_probs.topk(k, dim=-1).indices).astype(np.int64)
         part = dict(kind="route", layer=ev.layer, phase=phase, ids=ids, weights=to_numpy(ev.weights),
                     mass=to_numpy(ev.router_probs.sum(0)), full=full, positions=to_numpy(ev.positions).astype(np.int64))
-        prompt = self._prompt
         positions = part["positions"]
+        if phase == "prefill" and self._prompt is None and self.engine is not None:
+            self._prompt = self.engine.prompt_of(w)  # the row this view watches (its event narrowed to it)
+        prompt = self._prompt
         if phase == "prefill" and prompt is not None and positions.size and int(positions.max()) < len(prompt):
-            part["names"] = {int(p): prompt[int(p)] for p in part["positions"].tolist()}  # the prompt's tokens
+            part["names"] = {int(p): prompt[int(p)] for p in positions.tolist()}  # the prompt's tokens, by text
         key, label = w, w.label()
         # one forward per frame (a fused commit+preview routes its commit rows and its preview rows in
         # one forward, two events under one key); the prefill is not counted, as the engine's stats

@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
+from clover_lab.hooks.events import Where  # noqa: E402
 from clover_lab.widgets import ExpertView  # noqa: E402
 from clover_lab.widgets.pieces import token_piece, visible  # noqa: E402
 
@@ -25,20 +26,26 @@ def test_forwards_are_the_engines(view_engine, mode, kwargs):
     assert f"{result.stats.forwards} forwards after the prefill" in view.stats_html.value
 
 
-def test_the_picker_names_the_prompts_tokens_for_the_run_it_was_told(view_engine):
+def test_the_picker_names_each_runs_prompt_tokens_by_their_text(view_engine):
     tokenizer = view_engine.tokenizer
     view = ExpertView(view_engine, fps=1000)
+
+    def names():
+        view.flush()
+        return dict((pos, label) for label, pos in view.token_dd.options)
+
+    def named(prompt):
+        return [f"{p}: {visible(token_piece(tokenizer, t, {}), 18)}" for p, t in enumerate(prompt)]
+
     try:
-        view.expect_prompt(PROMPT)
         view_engine.generate(PROMPT, max_new_tokens=8)
-        view.flush()
-        labels = dict((pos, label) for label, pos in view.token_dd.options)
-        assert [labels[p] for p in range(len(PROMPT))] == [f"{p}: {visible(token_piece(tokenizer, t, {}), 18)}"
-                                                           for p, t in enumerate(PROMPT)]
-        # the next run was not told its prompt: its positions are not named from the last one
-        view_engine.generate(PROMPT[:5], max_new_tokens=8)
-        view.flush()
-        labels = dict((pos, label) for label, pos in view.token_dd.options)
-        assert labels[2] == "2: (prompt)"
+        assert [names()[p] for p in range(len(PROMPT))] == named(PROMPT)
+        view_engine.generate(PROMPT[:5], max_new_tokens=8)  # the next run: its own prompt, nobody told the view
+        assert [names()[p] for p in range(5)] == named(PROMPT[:5])
+        other = [7, 8, 9, 10, 11, 12]
+        view.row = 1  # a batch: the row the view watches
+        view_engine.generate([PROMPT[:6], other], max_new_tokens=8)
+        assert [names()[p] for p in range(6)] == named(other)
     finally:
         view.detach()
+    assert view_engine.prompt_of(Where(run=10**6)) is None  # no such run going on
