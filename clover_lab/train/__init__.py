@@ -1,6 +1,7 @@
 """Training small Clover models: the corpus (``corpus.py``), the block-diffusion objective and
 held-out evaluation (``objective.py``), the training loop, export and command line (``loop.py``),
-self-distillation data (``distill.py``) and the model card (``card.py``).
+self-distillation data (``distill.py``), functions as (head, body) pairs for prompt following
+(``functions.py``) and the model card (``card.py``).
 
     python -m clover_lab.train --out runs/stdlib --minutes 90
 """

@@ -130,6 +130,7 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
         "distillation": ({"from_step": state["settings"]["schedule_start"], "share": state["settings"]["distill_share"],
                           "confidence_weight": state["settings"]["confidence_weight"]}
                          if state["settings"].get("distill_data") else None),
+        "functions_share": state["settings"].get("functions_share", 0.0),
         "init": state["settings"].get("init"),
         "rounds": round_rows(run),
         "heldout_modules": len(data["heldout_modules"]),
@@ -138,8 +139,9 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
     }
     figures["targets"] = measure(model_dir, held)
     figures["measure_seconds"] = time.time() - t0
-    if baseline is not None:
-        b = json.loads(Path(baseline).read_text())
+    b = json.loads(Path(baseline).read_text()) if baseline is not None else None
+    figures["stages"] = stages(b, figures)
+    if b is not None:
         figures["baseline"] = {k: b[k] for k in ("training_steps", "heldout", "speed_cpu", "speed_cpu_thresholds")
                                if k in b}
         if "targets" in b:  # without its samples
@@ -150,6 +152,29 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
     loss_curve(run, model_dir / "loss_curve.png", None if figures["init"] else figures["distillation"])
     write_text(model_dir / "README.md", render(figures, engine.model.config, command))
     return figures
+
+
+def stages(baseline: dict | None, f: dict) -> list[dict]:
+    """What made the model, oldest stage first: the baseline card's stages (a card written before
+    cards kept them, v2's: v1 trained from scratch, then v2's self-distillation), then this run's:
+    ``version``, ``steps``, ``kind`` ("scratch", "distillation", "functions": rows that start at a
+    function's head) and the kind's settings."""
+    if baseline is None:
+        earlier = []
+    elif "stages" in baseline:
+        earlier = baseline["stages"]
+    else:
+        earlier = stages(baseline.get("baseline"), baseline) if baseline.get("init") else [
+            {"version": 1, "steps": baseline["training_steps"], "kind": "scratch"}]
+    stage = {"version": len(earlier) + 1, "steps": f["training_steps"], "kind": "scratch"}
+    d = f.get("distillation")
+    if f.get("functions_share"):
+        stage.update(kind="functions", share=f["functions_share"], distill_share=d["share"] if d else 0.0,
+                     confidence_weight=d["confidence_weight"] if d else None)
+    elif d and f.get("init"):
+        stage.update(kind="distillation", share=d["share"], confidence_weight=d["confidence_weight"],
+                     rounds=len({r["round"] for r in f.get("rounds") or []}))
+    return earlier + [stage]
 
 
 def remeasure_generation(run: Path, model_dir: Path, command: str) -> dict:
@@ -184,23 +209,48 @@ def render_targets(f: dict) -> str:
     if not t:
         return ""
     defaults = {k: v for k, v in t["settings"].items() if k in GENERATION_SHOWN}
+    names = [name for name in ("written", "heldout", "functions") if name in t]
+    use = any(t[name].get("argument_use") is not None for name in names)
     rows = "\n".join(f"| {name} ({t[name]['prompts']} prompts) | {t[name]['tokens_per_forward']:.2f} | "
                      f"{t[name]['max_line_repeats']} | {t[name]['looping']} | {t[name]['distinct_first_lines']:.2f} | "
-                     f"{t[name]['mean_distance']:.2f} |" for name in ("written", "heldout"))
+                     f"{t[name]['mean_distance']:.2f} |" + (f" {render_use(t[name])} |" if use else "")
+                     for name in names)
     return f"""
 ## What a newcomer sees (measured by `python -m clover_lab.train.measure --model assets/clover-stdlib`)
 
 Block diffusion with the model's own generation_config.json defaults ({", ".join(f"{k}={v}" for k, v in defaults.items())}),
 {NEW_TOKENS} new tokens per prompt. `written`: code prompts of kinds the standard library does not hold
 (`def is_prime(n):`, `class RunningAverage: ...`; `clover_lab/train/measure.py`), `heldout`: windows of held-out modules
-(the interpreter's standard-library modules that training never saw, picked by a hash of their path).
+(the interpreter's standard-library modules that training never saw, picked by a hash of their path){
+", `functions`: the heads (signature and docstring) of held-out functions that take arguments" if "functions" in t
+else ""}.
 A completion loops when a non-blank line occurs more than {LOOP_REPEATS} times; distinctness compares the
-completions of different prompts (mean distance: 1 - difflib's similarity ratio, 0 = identical).
+completions of different prompts (mean distance: 1 - difflib's similarity ratio, 0 = identical){
+"; uses an argument: of the prompts that give arguments (`self` aside), the share of completions that name one"
+if use else ""}.
 
-| prompts | tokens per forward | most repeats of a line | looping completions | distinct first lines | mean distance |
-|---|---|---|---|---|---|
-{rows}{render_perplexity(t)}
+| prompts | tokens per forward | most repeats of a line | looping completions | distinct first lines | mean distance |{
+" uses an argument |" if use else ""}
+|---|---|---|---|---|---|{"---|" if use else ""}
+{rows}{render_prompt_use(t)}{render_perplexity(t)}
 """
+
+
+def render_use(s: dict) -> str:
+    if s.get("argument_use") is None:
+        return "-"
+    return f"{s['argument_use']:.2f} of {s['argument_prompts']}"
+
+
+def render_prompt_use(t: dict) -> str:
+    """Whether the model follows its prompt, without generating: the prompt gain."""
+    g = t.get("prompt_gain")
+    if not g:
+        return ""
+    return (f"\n\nFollowing the prompt, without generating: on {g['functions']} held-out functions, a body's first "
+            f"tokens cost {g['own']:.3f} nats each\nafter their own head (signature and docstring) and "
+            f"{g['other']:.3f} after another function's: the head is worth {g['gain']:.3f} nats a token\n"
+            f"(`clover_lab.train.functions.prompt_gain`; 0: the prompt is ignored).")
 
 
 def render_perplexity(t: dict) -> str:
@@ -228,31 +278,54 @@ that repeat a line more than {LOOP_REPEATS} times, of all; perplexity: 16 held-o
 GENERATION_SHOWN = ("threshold", "temperature", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
+def render_stage(stage: dict) -> str:
+    """One stage after v1, as a bullet of the card."""
+    v = stage["version"]
+    start = (f"\n- Specimen v{v}: it starts from v{v - 1} (the same architecture, tokenizer and held-out split) "
+             f"and adds {stage['steps']} steps")
+    if stage["kind"] == "distillation":
+        return (f"{start} in {stage['rounds']} rounds of self-distillation\n  (`assets/make_specimen_v2.sh`): each "
+                f"round the model's own greedy continuations of training prefixes\n  (`python -m "
+                f"clover_lab.train.distill`, continuations that loop dropped) were {stage['share']:.0%} of every "
+                f"batch, with the\n  confidence term at weight {stage['confidence_weight']}, so that it learns to be "
+                f"sure of whole blocks and unmasks several tokens per pass.")
+    if stage["kind"] == "functions":
+        distilled = (f"; {stage['distill_share']:.0%} were its own greedy bodies for such heads\n  (`python -m "
+                     f"clover_lab.train.distill --functions`: bodies that loop or name none of their head's "
+                     f"arguments dropped),\n  with the confidence term at weight {stage['confidence_weight']}, so "
+                     f"that it stays sure of whole blocks" if stage.get("distill_share") else "")
+        return (f"{start} (`assets/make_specimen_v3.sh`) to follow its prompt:\n  {stage['share']:.0%} of every "
+                f"batch were rows that start at a function's head, its signature and docstring\n  cut out of the "
+                f"training modules and dedented (`clover_lab.train.functions`), then its body{distilled}.")
+    return f"{start}."
+
+
 def render_distillation(f: dict) -> str:
     d = f.get("distillation")
+    if f.get("init"):  # a continuation: each stage after v1
+        return "".join(render_stage(stage) for stage in f.get("stages") or stages(f.get("baseline"), f)
+                       if stage["version"] > 1)
     if not d:
         return ""
-    if f.get("init"):
-        rounds = len({r["round"] for r in f.get("rounds") or []})
-        return (f"\n- Specimen v2: it starts from v1 (`{f['init']}` as it was: the same architecture, tokenizer and "
-                f"held-out split,\n  {(f.get('baseline') or {}).get('training_steps', '?')} steps trained from scratch) "
-                f"and adds {f['training_steps']} steps in {rounds} rounds of self-distillation\n  "
-                f"(`assets/make_specimen_v2.sh`): each round the model's own greedy continuations of training "
-                f"prefixes\n  (`python -m clover_lab.train.distill`, continuations that loop dropped) were "
-                f"{d['share']:.0%} of every batch, with the\n  confidence term at weight {d['confidence_weight']}, "
-                f"so that it learns to be sure of whole blocks and unmasks several tokens per pass.")
     return (f"\n- Self-distillation from step {d['from_step']} on: {d['share']:.0%} of every batch were the "
             f"model's own greedy continuations\n  of training prefixes (`python -m clover_lab.train.distill`), with "
             f"the confidence term at weight {d['confidence_weight']}, so that\n  it learns to be sure of "
             f"whole blocks and unmasks several tokens per pass.")
 
 
+def version(f: dict) -> int:
+    """The specimen's version: its stage's (v1 a run from scratch)."""
+    return (f.get("stages") or stages(f.get("baseline"), f))[-1]["version"]
+
+
 def render_steps(f: dict) -> str:
-    """The training steps: a run started from a model (--init) adds its own to the baseline's."""
-    start = (f.get("baseline") or {}).get("training_steps") if f.get("init") else None
-    if start is None:
+    """The training steps: a run started from a model (--init) adds its own to the stages before."""
+    done = f.get("stages") or stages(f.get("baseline"), f)
+    if not f.get("init") or len(done) < 2:
         return f"{f['training_steps']} training steps"
-    return f"{start} + {f['training_steps']} = {start + f['training_steps']} training steps (v1 + v2)"
+    steps = " + ".join(str(s["steps"]) for s in done)
+    versions = " + ".join(f"v{s['version']}" for s in done)
+    return f"{steps} = {sum(s['steps'] for s in done)} training steps ({versions})"
 
 
 def render_baseline(f: dict) -> str:
@@ -272,13 +345,21 @@ def render_baseline(f: dict) -> str:
         for name, key, fmt in (("tokens per forward", "tokens_per_forward", ".2f"), ("looping completions", "looping", "d"),
                                ("most repeats of a line", "max_line_repeats", "d"),
                                ("distinct first lines", "distinct_first_lines", ".2f")):
-            for prompts in ("heldout", "written"):
-                rows.append((f"{prompts} prompts, {name} (its own defaults)",
-                             lambda x, p=prompts, k=key: x["targets"][p][k], fmt))
+            for prompts in ("heldout", "written", "functions"):
+                if all(prompts in x["targets"] for x in (b, f)):
+                    rows.append((f"{prompts} prompts, {name} (its own defaults)",
+                                 lambda x, p=prompts, k=key: x["targets"][p][k], fmt))
+        for prompts in ("written", "functions"):
+            if all(x["targets"].get(prompts, {}).get("argument_use") is not None for x in (b, f)):
+                rows.append((f"{prompts} prompts, completions that use an argument (its own defaults)",
+                             lambda x, p=prompts: x["targets"][p]["argument_use"], ".2f"))
+        if all("prompt_gain" in x["targets"] for x in (b, f)):
+            rows.append(("prompt gain, nats per body token", lambda x: x["targets"]["prompt_gain"]["gain"], ".3f"))
     body = "\n".join(f"| {name} | {get(b):{fmt}} | {get(f):{fmt}} |" for name, get, fmt in rows)
     if f.get("init"):
-        return (f"\nv1 (the model this one started from, its card's figures) and v2 (the same measurements):\n\n"
-                f"| figure | v1 | v2 |\n|---|---|---|\n{body}\n")
+        v = version(f)
+        return (f"\nv{v - 1} (the model this one started from, its card's figures) and v{v} (the same "
+                f"measurements):\n\n| figure | v{v - 1} | v{v} |\n|---|---|---|\n{body}\n")
     return (f"\nBefore and after the last training stage (the same measurements; before: step "
             f"{b['training_steps']}):\n\n| figure | step {b['training_steps']} | step {f['training_steps']} |\n"
             f"|---|---|---|\n{body}\n")
@@ -294,7 +375,7 @@ def render(f: dict, config, command: str) -> str:
                       f"{x['ar']['tokens_per_second']:.1f} |" for t, x in f.get("speed_cpu_thresholds", {}).items())
     samples_md = "\n\n".join(f"Prompt:\n```python\n{s['prompt']}```\nCompletion (tokens per forward "
                              f"{s['tokens_per_forward']:.2f}):\n```python\n{s['completion']}\n```" for s in f["samples"])
-    return f"""# clover-stdlib: the embedded default model of clover_lab{" (specimen v2)" if f.get("init") else ""}
+    return f"""# clover-stdlib: the embedded default model of clover_lab{f" (specimen v{version(f)})" if f.get("init") else ""}
 
 A {f['parameters'] / 1e6:.1f}M-parameter Clover (block-diffusion Qwen3.5-MoE architecture) trained from scratch
 on 2 CPU cores on the Python standard library's own source (the interpreter's stdlib `.py` files, no test
@@ -315,7 +396,7 @@ Reproduce (from the repository root):
 
 ## Held-out figures (measured by `python -m clover_lab.train.card --run RUN --model assets/clover-stdlib{" --baseline RUN/init_card.json" if f.get("baseline") else ""}`)
 
-RUN: the training run the command above makes ({"`runs/specimen2`, v2's" if f.get("init") else "`runs/stdlib`"}); every figure is measured on its held-out split.
+RUN: the training run the command above makes ({f"`runs/specimen{version(f)}`, v{version(f)}'s" if f.get("init") else "`runs/stdlib`"}); every figure is measured on its held-out split.
 
 Masked-token accuracy, each block of 16 masked at exactly the given ratio, previewed against the clean prefix:
 

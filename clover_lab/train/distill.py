@@ -31,6 +31,7 @@ from clover_lab.engine.requests import Request
 from clover_lab.engine.sampling import SamplerSettings
 from clover_lab.errors import CheckpointError
 from clover_lab.model.decoder import CloverModel
+from clover_lab.train.functions import head_prompts, uses_arguments
 from clover_lab.writes import OutputError, atomic_path, check_writable, refuse_inputs
 
 
@@ -64,7 +65,8 @@ def distinct_ngrams(ids: torch.Tensor, n: int = 4) -> float:
 def make_corpus(model: CloverModel, tokens: torch.Tensor, sequences: int, seq_len: int = 256,
                 prompt_lens: tuple[int, ...] = (32, 48, 64, 96, 128), batch_size: int = 256,
                 repetition_penalty: float = 1.2, min_distinct: float = 0.6, seed: int = 0,
-                progress: bool = True, partial: str | Path | None = None) -> dict:
+                progress: bool = True, partial: str | Path | None = None, functions: list | None = None,
+                tokenizer=None) -> dict:
     """``sequences`` rows of ``seq_len`` tokens: a real prefix from ``tokens`` (its length one of
     ``prompt_lens``, each a multiple of the block size so that the continuation starts a block)
     followed by the model's greedy continuation. Continuations whose share of distinct 4-grams is
@@ -74,14 +76,23 @@ def make_corpus(model: CloverModel, tokens: torch.Tensor, sequences: int, seq_le
 
     ``partial``: a file the rows made so far are saved to after every batch, and resumed from
     when it exists (made by the same model with the same settings, else a CheckpointError): a
-    stopped distillation loses at most its batch in progress, and a larger ``sequences`` extends it."""
+    stopped distillation loses at most its batch in progress, and a larger ``sequences`` extends it.
+
+    ``functions`` (``train.functions``: (tokens, head length) pairs): each prefix ends where a
+    function's head ends instead (``head_prompts``), so that the continuations are the model's
+    own bodies for those heads: the corpus that keeps a prompt-following model confident. With a
+    ``tokenizer`` to read the heads, a body that names none of its head's arguments (``self`` and
+    ``cls`` aside; ``uses_arguments``) is dropped too, as a loop is: the corpus keeps the bodies
+    that follow their prompt."""
     from tqdm.auto import tqdm
 
     bs = model.config.block_size
     if any(p % bs or p >= seq_len for p in prompt_lens):
         raise ValueError(f"prompt lengths {prompt_lens} must be multiples of the block size {bs} below {seq_len}")
     settings = {"seq_len": seq_len, "prompt_lens": list(prompt_lens), "min_distinct": min_distinct,
-                "repetition_penalty": repetition_penalty, "seed": seed}
+                "repetition_penalty": repetition_penalty, "seed": seed,
+                "prefixes": ("function heads" + (", bodies that use their arguments" if tokenizer else "")
+                             if functions else "windows")}
     gen = torch.Generator().manual_seed(seed)
     rows, prompt_of, dropped = [], [], 0
     if partial is not None:
@@ -95,14 +106,22 @@ def make_corpus(model: CloverModel, tokens: torch.Tensor, sequences: int, seq_le
     while len(rows) < sequences:
         n = batch_size
         P = prompt_lens[int(torch.randint(len(prompt_lens), (1,), generator=gen))]
-        starts = torch.randint(0, len(tokens) - P, (n,), generator=gen)
-        prompts = torch.stack([tokens[s:s + P] for s in starts.tolist()]).long()
+        heads = None
+        if functions:
+            prompts, heads = head_prompts(functions, n, P, model.config.eos_token_id, gen)
+        else:
+            starts = torch.randint(0, len(tokens) - P, (n,), generator=gen)
+            prompts = torch.stack([tokens[s:s + P] for s in starts.tolist()]).long()
         cont = greedy_continuations(model, prompts, seq_len - P, repetition_penalty).cpu()
         keep = [i for i in range(n) if distinct_ngrams(cont[i]) >= min_distinct]
+        if heads is not None and tokenizer is not None:
+            keep = [i for i in keep if uses_arguments(tokenizer.decode(prompts[i, P - heads[i]:].tolist()),
+                                                      tokenizer.decode(cont[i].tolist())) is not False]
         dropped += n - len(keep)
         if dropped > 4 * sequences + batch_size:
-            raise RuntimeError(f"self-distillation: {dropped} of {dropped + len(rows)} continuations loop "
-                               f"(distinct 4-grams < {min_distinct}); lower min_distinct or train the model further")
+            raise RuntimeError(f"self-distillation: {dropped} of {dropped + len(rows)} continuations dropped "
+                               f"(loops: distinct 4-grams < {min_distinct}, or bodies that ignore their head); "
+                               f"lower min_distinct or train the model further")
         rows.extend(torch.cat([prompts[keep], cont[keep]], dim=1).to(torch.int32).unbind(0))
         prompt_of.extend([P] * len(keep))
         bar.update(len(keep))
@@ -156,6 +175,9 @@ def main(argv=None):
                          "at nice 19 on a busy 2-core machine the embedded model made 3.6 sequences/s with one "
                          "thread and under 0.3 with two)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--functions", action="store_true",
+                    help="prefixes that end at a function's head (the run's functions.pt, train.functions) "
+                         "instead of windows: the model's own bodies for them")
     args = ap.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be a positive integer, got {args.threads}")
@@ -168,18 +190,29 @@ def main(argv=None):
     model = CloverModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     set_threads(model, args.threads, respect_user=False)  # a process of its own, as the CLI
     tokens = torch.load(tokens_file)["train"]
+    functions = tokenizer = None
+    if args.functions:
+        if not (tokens_file.parent / "functions.pt").is_file():
+            ap.error(f"--functions: {tokens_file.parent / 'functions.pt'} is missing (a run trained with "
+                     f"--functions-share makes it)")
+        functions = torch.load(tokens_file.parent / "functions.pt")["train"]
+        from clover_lab.checkpoint.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir) or load_tokenizer(tokens_file.parent / "tokenizer")  # a run's
     t0 = time.monotonic()
     partial = partial_path(out)
     try:
         corpus = make_corpus(model, tokens, args.sequences, args.seq_len, batch_size=args.batch_size,
-                             repetition_penalty=args.repetition_penalty, seed=args.seed, partial=partial)
+                             repetition_penalty=args.repetition_penalty, seed=args.seed, partial=partial,
+                             functions=functions, tokenizer=tokenizer)
     except CheckpointError as e:
         ap.error(str(e))
     with atomic_path(out) as tmp:
         torch.save(corpus, tmp)
     partial.unlink(missing_ok=True)
     print(f"{out}: {len(corpus['sequences'])} sequences of {args.seq_len} tokens in {time.monotonic() - t0:.0f} s "
-          f"({corpus['dropped']} looping continuations dropped)")
+          f"({corpus['dropped']} continuations dropped: loops" + (", bodies that ignore their head" if functions else "")
+          + ")")
 
 
 def partial_path(out: Path) -> Path:

@@ -22,21 +22,29 @@ from clover_lab.config import PRESETS, CloverConfig, ConfigError
 from clover_lab.errors import CheckpointError, CloverError, OutputError
 from clover_lab.model.decoder import CloverModel
 from clover_lab.signals import NotedSignals
+from clover_lab.train.functions import function_corpus, function_rows
 from clover_lab.train.objective import TrainSettings, block_diffusion_loss
 from clover_lab.train.stdlib_corpus import encode_files, split_corpus, train_tokenizer
 from clover_lab.writes import FileSet, atomic_path, check_writable, refuse_inputs, refuse_same, write_text
 
 
 def training_batch(tokens: torch.Tensor, distilled: torch.Tensor | None, s: TrainSettings,
-                   gen: torch.Generator) -> torch.Tensor:
-    """[batch_size, seq_len] rows: random windows of the corpus, and with a self-distillation
-    corpus, ``distill_share`` of the rows drawn from it instead."""
+                   gen: torch.Generator, functions: list | None = None, eos: int = 0) -> torch.Tensor:
+    """[batch_size, seq_len] rows: random windows of the corpus; with a self-distillation corpus,
+    ``distill_share`` of the rows drawn from it instead, and with ``functions`` (``train.functions``),
+    ``functions_share`` of them rows that start at a function's head."""
     n_distill = 0 if distilled is None else round(s.distill_share * s.batch_size)
-    starts = torch.randint(0, len(tokens) - s.seq_len, (s.batch_size - n_distill,), generator=gen)
-    rows = [tokens[i:i + s.seq_len] for i in starts.tolist()]
+    n_functions = 0 if not functions else round(s.functions_share * s.batch_size)
+    n_windows = s.batch_size - n_distill - n_functions
+    if n_windows < 0:
+        raise ValueError(f"distill_share {s.distill_share} + functions_share {s.functions_share} exceed the batch")
+    starts = torch.randint(0, len(tokens) - s.seq_len, (n_windows,), generator=gen)
+    rows = [tokens[i:i + s.seq_len].long() for i in starts.tolist()]
     if n_distill:
         picks = torch.randint(0, len(distilled), (n_distill,), generator=gen)
-        rows += [distilled[i, :s.seq_len] for i in picks.tolist()]
+        rows += [distilled[i, :s.seq_len].long() for i in picks.tolist()]
+    if n_functions:
+        rows += list(function_rows(functions, n_functions, s.seq_len, eos, gen))
     return torch.stack(rows).long()
 
 
@@ -195,6 +203,10 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
         gen.set_state(state["generator"])
     tokens = data["train"]
     distilled = distill_corpus(settings)
+    functions = function_corpus(out, tok)["train"] if settings.functions_share else None
+    if functions:
+        print(f"{settings.functions_share:.0%} of each batch: rows starting at one of {len(functions)} functions' "
+              f"heads", flush=True)
     log = open(out / "loss_log.jsonl", "a")
     saved = step if state is not None else None
 
@@ -217,7 +229,7 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     try:
         with NotedSignals(second_raises=True) as stops:
             while time.monotonic() < deadline and step < settings.max_steps and not stops:
-                clean = training_batch(tokens, distilled, settings, gen).to(device)
+                clean = training_batch(tokens, distilled, settings, gen, functions, tok.eos_token_id).to(device)
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step, settings)
                 loss, parts = block_diffusion_loss(model, clean, settings, gen)
@@ -413,6 +425,10 @@ def main(argv=None):
     ap.add_argument("--distill", metavar="FILE", help="mix this self-distillation corpus (python -m "
                     "clover_lab.distill) into each batch; with --extend-steps, from the continuation on")
     ap.add_argument("--distill-share", type=float, default=TrainSettings.distill_share)
+    ap.add_argument("--functions-share", type=float, default=None,
+                    help="the share of each batch's rows that start at a function's head (signature and "
+                         "docstring, then its body: train.functions), to teach the model to follow a prompt "
+                         f"(default {TrainSettings.functions_share}; with --extend-steps, the run's own unless given)")
     ap.add_argument("--export", metavar="DIR", help="after training, write a model directory here")
     ap.add_argument("--generation", action="append", default=[], metavar="SETTING=VALUE",
                     help="with --export: a sampler default for its generation_config.json, e.g. "
@@ -436,6 +452,9 @@ def main(argv=None):
         ap.error("--generation sets the defaults of an --export: give --export DIR")
     if not 0 <= args.distill_share <= 1:
         ap.error("--distill-share must be in [0, 1]")
+    if args.functions_share is not None and not 0 <= args.functions_share <= 1 - (args.distill_share if args.distill
+                                                                                  else 0):
+        ap.error("--functions-share must be in [0, 1], and with --distill at most 1 - --distill-share")
     if args.distill and not Path(args.distill).is_file():
         ap.error(f"--distill: {args.distill} is not a file")
     settings = TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
@@ -446,6 +465,8 @@ def main(argv=None):
         settings.confidence_weight = extend_overrides["confidence_weight"] = args.confidence_weight
     if args.distill:
         extend_overrides.update(distill_data=args.distill, distill_share=args.distill_share)
+    if args.functions_share is not None:
+        settings.functions_share = extend_overrides["functions_share"] = args.functions_share
     run = train(args.out, args.minutes, args.preset, args.vocab_size, args.block_size, settings, overrides,
                 threads=args.threads, extend_steps=args.extend_steps,
                 extend_lr=args.lr if args.extend_steps else None, extend_overrides=extend_overrides,

@@ -9,16 +9,24 @@ The held-out split is the run's ``data.pt``, or without ``--run`` the interprete
 standard-library modules encoded with the model's tokenizer (``heldout_tokens``: the same tokens
 as the data.pt of a run that trained that tokenizer on this interpreter).
 
-On two prompt sets, ``NEW_TOKENS`` new tokens each, block diffusion: ``written``, code prompts
-of kinds the standard library does not hold (small exercises a newcomer types), and ``heldout``,
-windows of the run's held-out modules (never trained on). Per set:
+On three prompt sets, ``NEW_TOKENS`` new tokens each, block diffusion: ``written``, code prompts
+of kinds the standard library does not hold (small exercises a newcomer types), ``heldout``,
+windows of the run's held-out modules (never trained on), and ``functions``, the heads (signature
+and docstring, dedented: ``train.functions``) of held-out functions that take arguments. Per set:
 
 - ``tokens_per_forward``: new tokens over the forwards after the prefill, summed over the set;
 - ``max_line_repeats``: the most times any non-blank line (stripped) occurs in one completion, and
   ``looping``: how many completions repeat a line more than ``LOOP_REPEATS`` times;
 - ``distinct_first_lines``: the share of distinct first non-blank completion lines across the
   set's prompts, and ``mean_distance``: the mean pairwise distance of the completions
-  (1 - difflib's similarity ratio; 0 = identical, 1 = nothing in common).
+  (1 - difflib's similarity ratio; 0 = identical, 1 = nothing in common);
+- ``argument_use`` (``written`` and ``functions``): the share of the prompts whose function takes
+  arguments (``self`` and ``cls`` aside) whose completion names one of them: a completion that
+  follows its prompt uses what the prompt gave it.
+
+And whether the model reads its prompt at all, without generating: ``prompt_gain``
+(``train.functions``) on held-out functions, the next-token loss of each body after another
+function's head minus after its own (nats per token; 0: the head is ignored).
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from pathlib import Path
 import torch
 
 from clover_lab.engine import load
+from clover_lab.train.functions import arguments, prompt_gain, uses_arguments
 from clover_lab.train.objective import evaluate
 
 NEW_TOKENS = 96
@@ -104,36 +113,74 @@ def measure_set(engine, prompts: list, new_tokens: int = NEW_TOKENS, **sampler) 
         rows.append({"prompt": prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt),
                      "completion": r.text, "line_repeats": line_repeats(r.text)})
     completions = [row["completion"] for row in rows]
+    used = [u for row in rows if (u := uses_arguments(row["prompt"], row["completion"])) is not None]
     return {"tokens_per_forward": made / max(1, forwards),
+            "argument_use": sum(used) / len(used) if used else None, "argument_prompts": len(used),
             "max_line_repeats": max(row["line_repeats"] for row in rows),
             "looping": sum(row["line_repeats"] > LOOP_REPEATS for row in rows),
             **distinctness(completions), "prompts": len(rows), "samples": rows}
 
 
 def measure(model_dir: str | Path, heldout: torch.Tensor, sampler: dict | None = None,
-            perplexity: bool = True) -> dict:
-    """Both prompt sets (and the held-out next-token perplexity) for the model in ``model_dir``."""
+            perplexity: bool = True, functions: list | None = None) -> dict:
+    """Both prompt sets (and the held-out next-token perplexity and prompt gain, on ``functions``:
+    by default ``heldout_functions(model_dir)``) for the model in ``model_dir``."""
     engine = load(model_dir)
     sampler = sampler or {}
+    functions = functions if functions is not None else heldout_functions(model_dir)
     figures = {"settings": {**engine.settings.__dict__, **sampler, "new_tokens": NEW_TOKENS},
                "written": measure_set(engine, WRITTEN_PROMPTS, **sampler),
                "heldout": measure_set(engine, heldout_prompts(heldout), **sampler)}
+    heads = head_prompts(engine.tokenizer, functions)
+    if heads:  # none when the tokenizer cannot read the stdlib's functions as Python (a test's word tokenizer)
+        figures["functions"] = measure_set(engine, heads, **sampler)
     if perplexity:
         torch.manual_seed(0)
         figures["ar_perplexity"] = evaluate(engine.model, heldout, windows=16)["ar_perplexity"]
+        figures["prompt_gain"] = prompt_gain(engine.model, functions)
     return figures
+
+
+def head_prompts(tokenizer, functions: list, count: int = 12, seed: int = 13) -> list[list[int]]:
+    """The heads of ``count`` held-out functions that take arguments (besides ``self``), seeded picks."""
+    taking = [(ids, h) for ids, h in functions if arguments(tokenizer.decode(ids[:h].tolist()))]
+    order = torch.randperm(len(taking), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [taking[i][0][:taking[i][1]].tolist() for i in order[:count]]
+
+
+def heldout_functions(model_dir: str | Path, run: str | Path | None = None) -> list:
+    """The held-out functions (``train.functions``): ``run``'s functions.pt when it has one, else the
+    interpreter's held-out stdlib modules' functions encoded with the tokenizer in ``model_dir``."""
+    from clover_lab.checkpoint.loading import load_tokenizer
+    from clover_lab.errors import CheckpointError
+    from clover_lab.train.functions import encode_functions, read_functions
+    from clover_lab.train.stdlib_corpus import split_corpus
+
+    if run is not None and (Path(run) / "functions.pt").is_file():
+        return torch.load(Path(run) / "functions.pt")["heldout"]
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:
+        raise CheckpointError(f"{model_dir}: no tokenizer files to encode the held-out functions with")
+    return encode_functions(tokenizer, read_functions(split_corpus()[1]))
 
 
 def summary(figures: dict) -> str:
     """One line per prompt set."""
     lines = []
-    for name in ("written", "heldout"):
+    for name in ("written", "heldout", "functions"):
+        if name not in figures:  # a measure made before the functions set
+            continue
         s = figures[name]
         lines.append(f"{name}: tokens/forward {s['tokens_per_forward']:.2f}, max line repeats "
                      f"{s['max_line_repeats']} ({s['looping']}/{s['prompts']} looping), distinct first lines "
-                     f"{s['distinct_first_lines']:.2f}, mean distance {s['mean_distance']:.2f}")
+                     f"{s['distinct_first_lines']:.2f}, mean distance {s['mean_distance']:.2f}"
+                     + (f", argument use {s['argument_use']:.2f}" if s.get("argument_use") is not None else ""))
     if "ar_perplexity" in figures:
         lines.append(f"next-token perplexity {figures['ar_perplexity']:.1f}")
+    if "prompt_gain" in figures:
+        g = figures["prompt_gain"]
+        lines.append(f"prompt gain {g['gain']:.3f} nats/token ({g['functions']} held-out functions: body loss "
+                     f"{g['own']:.3f} after its own head, {g['other']:.3f} after another's)")
     return "\n".join(lines)
 
 
@@ -167,9 +214,10 @@ def main(argv=None):
             ap.error(str(e))
     torch.set_num_threads(args.threads)
     heldout = heldout_tokens(args.model, args.run)
+    functions = heldout_functions(args.model, args.run)
     results = []
     for sampler in _sweep(args.sweep):
-        figures = measure(args.model, heldout, sampler, perplexity=not results)
+        figures = measure(args.model, heldout, sampler, perplexity=not results, functions=functions)
         results.append(figures)
         print(f"== {json.dumps(sampler) if sampler else 'generation_config.json defaults'}\n{summary(figures)}",
               flush=True)

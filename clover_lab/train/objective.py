@@ -33,6 +33,7 @@ class TrainSettings:
     schedule_start: int = 0  # the step a (re)started warmup + cosine schedule begins at
     distill_data: str | None = None  # a self-distillation corpus (clover_lab.distill) mixed into each batch
     distill_share: float = 0.5  # the share of each batch's rows drawn from it
+    functions_share: float = 0.0  # the share of each batch's rows that start at a function's head (train.functions)
     init: str | None = None  # the model directory the run started from (``--init``), if not from scratch
 
 

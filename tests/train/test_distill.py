@@ -67,6 +67,40 @@ def test_corpus_rows_are_real_prefix_then_continuation(tiny_model):
         make_corpus(tiny_model, tokens, 2, seq_len=64, prompt_lens=(16,), min_distinct=1.01, progress=False)
 
 
+def test_a_corpus_of_function_heads_keeps_the_bodies_that_use_their_arguments(tiny_model, monkeypatch):
+    """With functions, each prefix ends where a head ends; with a tokenizer to read the heads, a body
+    that names none of its head's arguments is dropped, as a loop is."""
+    from clover_lab.train import distill
+
+    g = torch.Generator().manual_seed(5)
+    functions = [(torch.randint(3, 500, (int(n),), generator=g, dtype=torch.int32), int(h))
+                 for n, h in ((30, 5), (20, 9), (12, 3))]
+    heads = {tuple(ids[:h].tolist()) for ids, h in functions}
+
+    class Words:  # decodes ids as words; here a body "uses its head's arguments" when its first id is odd
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    judged = []
+
+    def odd(head, body):
+        judged.append(head)
+        return int(body.split()[0]) % 2 == 1
+
+    monkeypatch.setattr(distill, "uses_arguments", odd)
+    tiny_model.config.eos_token_id = 2  # ends the functions before a head (clover-tiny has no EOS of its own)
+    kw = dict(seq_len=48, prompt_lens=(16,), batch_size=6, min_distinct=0.0, progress=False, functions=functions)
+    corpus = make_corpus(tiny_model, torch.zeros(0, dtype=torch.int32), 6, tokenizer=Words(), **kw)
+    for row in corpus["sequences"].tolist():
+        assert any(tuple(row[16 - len(h):16]) == h for h in heads)  # the prefix ends at a whole head
+        assert row[16] % 2 == 1
+    assert {tuple(map(int, h.split())) for h in judged} <= heads  # the filter read each prompt's head
+    assert corpus["dropped"] > 0
+    assert corpus["settings"]["prefixes"] == "function heads, bodies that use their arguments"
+    assert make_corpus(tiny_model, torch.zeros(0, dtype=torch.int32), 2, **kw)["settings"]["prefixes"] == \
+        "function heads"
+
+
 def test_corpus_batches_are_whole(tiny_model, monkeypatch):
     """Every generation batch has batch_size rows, the last one too (its surplus dropped): a cache-path
     step costs about as much for a few rows as for a whole batch."""

@@ -136,7 +136,8 @@ def test_card_of_a_run_started_from_a_model_says_v2_and_sets_v1_beside_it():
     from clover_lab.train import card
 
     v1 = json.loads((Path(card.__file__).parents[2] / "assets/clover-stdlib/card.json").read_text())
-    v1.pop("init", None), v1.pop("rounds", None), v1.pop("baseline", None)
+    for key in ("init", "rounds", "baseline", "stages", "functions_share"):
+        v1.pop(key, None)
     v1["targets"] = _measured(1.61, 0, {"repetition_penalty": 1.3, "frequency_penalty": 0.5})
     v2 = {**v1, "init": "assets/clover-stdlib", "training_steps": 1250, "baseline": v1,
           "distillation": {"from_step": 750, "share": 0.75, "confidence_weight": 1.0},
@@ -157,3 +158,28 @@ def test_card_of_a_run_started_from_a_model_says_v2_and_sets_v1_beside_it():
     v1_readme = card.render(v1, config, "bash make.sh")  # a card of a run from scratch reads as before
     assert "(specimen v2)" not in v1_readme and f"- {steps} training steps over" in v1_readme
     assert "## The rounds" not in v1_readme
+    # v3 continues v2 (whose card kept no stages) on function heads, then on its own bodies for them
+    v2_targets = {**v2["targets"], "prompt_gain": {"own": 3.45, "other": 3.50, "gain": 0.05, "functions": 64}}
+    v2_targets["written"] = {**v2_targets["written"], "argument_use": 0.4, "argument_prompts": 10}
+    v2 = {**v2, "targets": v2_targets}
+    v3_targets = {**v2_targets, "prompt_gain": {"own": 3.0, "other": 3.2, "gain": 0.2, "functions": 64}}
+    v3_targets["written"] = {**v2_targets["written"], "argument_use": 0.7}
+    v3 = {**v2, "training_steps": 1800, "functions_share": 0.2, "rounds": [], "targets": v3_targets,
+          "distillation": {"from_step": 1200, "share": 0.6, "confidence_weight": 1.0},
+          "baseline": {k: v2[k] for k in ("training_steps", "heldout", "speed_cpu", "speed_cpu_thresholds", "targets")}}
+    v3["stages"] = card.stages(v2, v3)
+    assert [(s["version"], s["kind"], s["steps"]) for s in v3["stages"]] == [
+        (1, "scratch", steps), (2, "distillation", 1250), (3, "functions", 1800)]
+    readme = card.render(v3, config, "bash make.sh")
+    assert readme.startswith("# clover-stdlib: the embedded default model of clover_lab (specimen v3)")
+    assert f"{steps} + 1250 + 1800 = {steps + 3050} training steps (v1 + v2 + v3)" in readme
+    assert "Specimen v2: it starts from v1" in readme and "in 3 rounds of self-distillation" in readme
+    assert "Specimen v3: it starts from v2" in readme and "adds 1800 steps (`assets/make_specimen_v3.sh`)" in readme
+    assert "20% of every batch were rows that start at a function's head" in " ".join(readme.split())
+    assert "60% were its own greedy bodies" in readme
+    assert "| figure | v2 | v3 |" in readme
+    assert "| written prompts, completions that use an argument (its own defaults) | 0.40 | 0.70 |" in readme
+    assert "| prompt gain, nats per body token | 0.050 | 0.200 |" in readme
+    assert "| written (12 prompts) | 2.54 | 2 | 0 | 0.75 | 0.80 | 0.70 of 10 |" in readme
+    assert "| heldout (12 prompts) | 2.04 | 2 | 0 | 0.75 | 0.80 | - |" in readme
+    assert "worth 0.200 nats a token" in readme

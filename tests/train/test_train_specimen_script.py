@@ -75,4 +75,29 @@ def test_the_default_model_script_continues_with_specimen_v2():
     for setting in ('ROUNDS=3', 'SEQUENCES=2048', 'STEPS="250 500 500"', 'LR=6e-4', 'CONFIDENCE=1.0', 'SHARE=0.75',
                     'GENERATION="repetition_penalty=1.3"', 'EXPORT=assets/clover-stdlib', 'THREADS=1'):
         assert setting in v2, setting
-    assert text.rstrip().endswith("bash assets/make_specimen_v2.sh")
+    assert text.rstrip().endswith("bash assets/make_specimen_v2.sh")  # v3 (make_specimen_v3.sh) is not shipped
+
+
+V3 = SCRIPT.parent / "make_specimen_v3.sh"
+
+
+@pytest.mark.slow  # bash runs the script
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_specimen_v3_trains_on_function_heads_then_on_its_own_bodies_for_them(tmp_path):
+    run, calls, py = tmp_path / "run", tmp_path / "calls.txt", tmp_path / "py"
+    run.mkdir()
+    (run / "train_state.pt").touch()
+    py.write_text(FAKE_PY)
+    py.chmod(0o755)
+    env = {**os.environ, "RUN": str(run), "PY": str(py), "CALLS": str(calls), "EXPORT": str(tmp_path / "model"),
+           "STEPS_A": "7", "FUNCTIONS_A": "0.4", "STEPS_B": "9", "DISTILL_B": "0.5", "FUNCTIONS_B": "0.25"}
+    subprocess.run(["bash", str(V3)], env=env, check=True, capture_output=True, text=True)
+    a, distill, b, export, measure, export2, card = [c for c in calls.read_text().splitlines() if c[:2] != "-c"]
+    assert "--extend-steps 7" in a and a.endswith("--functions-share 0.4") and "--distill" not in a
+    heads = str(run / "distill-heads.pt")
+    assert f"-m clover_lab.train.distill --run {run} --out {heads} --functions" in distill
+    assert "--extend-steps 9" in b and f"--distill {heads} --distill-share 0.5 --functions-share 0.25" in b
+    assert export.endswith(f"--export {run / 'v3'} --generation repetition_penalty=1.3")
+    assert measure.endswith(f"--out {run / 'v3' / 'measure.json'}")
+    assert export2.endswith(f"--export {tmp_path / 'model'} --generation repetition_penalty=1.3")
+    assert card.endswith(f"--baseline {run / 'init_card.json'} --threads 2")
