@@ -210,7 +210,8 @@ class Engine:
         """``with engine.capture(["layers.*.moe.route", "denoise.step"]) as cap:`` records those
         points over the generations started inside the block in this thread or context, tagged
         with block and step."""
-        return Capture(self.model.hooks, points, to=to, config=self.model.config, tokenizer=self.tokenizer)
+        return Capture(self.model.hooks, points, to=to, config=self.model.config, tokenizer=self.tokenizer,
+                       prompt_of=self.prompt_of)
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt, thinking: bool | None = None) -> list[int]:

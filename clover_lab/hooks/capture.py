@@ -17,6 +17,7 @@ The hooks are removed when the ``with`` block ends, also on an exception.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable
 
 import torch
@@ -33,7 +34,7 @@ class Capture(RecordSet):
     generations started in this thread or context while entered."""
 
     def __init__(self, hooks: HookRegistry, points: str | Iterable[str], to: str | torch.device | None = None,
-                 config=None, tokenizer=None):
+                 config=None, tokenizer=None, prompt_of=None):
         self.hooks = hooks
         self.patterns = [points] if isinstance(points, str) else list(points)
         if not self.patterns:
@@ -50,6 +51,10 @@ class Capture(RecordSet):
         self.records: list[Record] = []
         self.config = config  # the model's CloverConfig: saved with a trace, so views replay without the model
         self.tokenizer = tokenizer  # the text of the recorded token ids is saved with a trace (token_text)
+        # each recorded row's prompt ids, asked of the engine at its prefill (Engine.prompt_of) and saved
+        # with a trace: a replayed view names the prompt's tokens as the live one did
+        self._prompt_of = prompt_of
+        self.prompts: list[dict] = []
         self._handle = None
         self._names = sorted({name for p in self.patterns for name in hooks.resolve(p)}, key=hooks.points.index)
 
@@ -79,6 +84,8 @@ class Capture(RecordSet):
         def record(ev):
             data = self._fields(ev, fields)
             self.records.append(Record(name, ev.where.run, ev.where.phase, ev.block, ev.step, data, ev.where))
+            if ev.where.phase == "prefill" and self._prompt_of is not None:
+                self._note_prompts(ev.where)
 
         return record
 
@@ -94,6 +101,15 @@ class Capture(RecordSet):
                 value = type(value)(value)
             out[key] = value
         return out
+
+    def _note_prompts(self, where) -> None:
+        """The prompt ids of the rows a prefill event holds, once per row."""
+        for row in where.rows or (None,):
+            if any(p["run"] == where.run and p["row"] == row for p in self.prompts):
+                continue
+            ids = self._prompt_of(replace(where, rows=None if row is None else (row,)))
+            if ids is not None:
+                self.prompts.append({"run": where.run, "row": row, "ids": list(ids)})
 
     @property
     def points(self) -> list[str]:
@@ -112,6 +128,8 @@ class Capture(RecordSet):
         check_meta(meta)
         config = {} if self.config is None else {"config": self.config.to_dict()}
         vocab = None if self.config is None else self.config.vocab_size
-        text = {} if self.tokenizer is None else {"token_text": token_table(self.records, self.tokenizer, vocab)}
-        save_trace(path, self.records, self.points, {**config, **text, **(meta or {})})
+        text = {} if self.tokenizer is None else {
+            "token_text": token_table(self.records, self.tokenizer, vocab, self.prompts)}
+        prompts = {"prompts": self.prompts} if self.prompts else {}
+        save_trace(path, self.records, self.points, {**config, **text, **prompts, **(meta or {})})
 

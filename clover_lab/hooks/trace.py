@@ -253,6 +253,14 @@ class Trace(RecordSet):
         table = self.meta.get("token_text")
         return None if not isinstance(table, dict) else TokenText(table)
 
+    def prompt_of(self, where) -> list[int] | None:
+        """The prompt's token ids of the row an event's ``where`` names (its ``run`` and, in a batch,
+        its ``row``), as the capture saw it at that row's prefill; None for a trace saved without it."""
+        for p in self.meta.get("prompts") or []:
+            if isinstance(p, dict) and p.get("run") == where.run and p.get("row") == where.row:
+                return [int(i) for i in p.get("ids") or []]
+        return None
+
     @property
     def config(self):
         """The recorded model's CloverConfig (None when the trace was saved without one)."""
@@ -340,10 +348,11 @@ class TokenText:
         return "".join(self.table.get(int(i), f"<{int(i)}>") for i in ids)
 
 
-def token_table(records, tokenizer, vocab_size: int | None) -> dict[str, str]:
-    """The text of every integer the records hold that can be a token id (below ``vocab_size``):
-    enough for a view to show text without the tokenizer, far smaller than the vocabulary."""
-    ids: set[int] = set()
+def token_table(records, tokenizer, vocab_size: int | None, prompts=()) -> dict[str, str]:
+    """The text of every integer the records (and the ``prompts``' ids) hold that can be a token id
+    (below ``vocab_size``): enough for a view to show text without the tokenizer, far smaller than
+    the vocabulary."""
+    ids: set[int] = {int(i) for p in prompts for i in p["ids"]}
 
     def collect(value):
         if isinstance(value, torch.Tensor):

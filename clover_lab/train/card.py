@@ -294,9 +294,10 @@ def render_stage(stage: dict) -> str:
                      f"clover_lab.train.distill --functions`: bodies that loop or name none of their head's "
                      f"arguments dropped),\n  with the confidence term at weight {stage['confidence_weight']}, so "
                      f"that it stays sure of whole blocks" if stage.get("distill_share") else "")
-        return (f"{start} (`assets/make_specimen_v3.sh`) to follow its prompt:\n  {stage['share']:.0%} of every "
-                f"batch were rows that start at a function's head, its signature and docstring\n  cut out of the "
-                f"training modules and dedented (`clover_lab.train.functions`), then its body{distilled}.")
+        return (f"{start} (`assets/make_specimen_v3.sh`) to follow its prompt; in its last schedule\n  "
+                f"{stage['share']:.0%} of every batch were rows that start at a function's head, its signature and "
+                f"docstring\n  cut out of the training modules and dedented (`clover_lab.train.functions`), then its "
+                f"body{distilled}.")
     return f"{start}."
 
 

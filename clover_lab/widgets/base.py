@@ -55,6 +55,7 @@ class View:
         self.row = 0  # of a batched generation, the request row shown (its events, narrowed to it)
         self.errors: list[BaseException] = []
         self.replayed_tokenizer = None  # a replayed trace's token text (Trace.tokenizer), without an engine
+        self.replayed_prompt_of = None  # a replayed trace's prompts (Trace.prompt_of), without an engine
         self._live = self._empty()
         self._follow = True  # the slider sits at the newest frame and follows it
         self._setting_slider = False
@@ -121,6 +122,13 @@ class View:
         else None (ids are shown)."""
         tokenizer = getattr(self.engine, "tokenizer", None) if self.engine is not None else None
         return tokenizer if tokenizer is not None else self.replayed_tokenizer
+
+    def prompt_of(self, where) -> list[int] | None:
+        """The prompt ids of the row an event's ``where`` names: the engine's running row, else the
+        replayed trace's record of it (None when neither knows)."""
+        if self.engine is not None:
+            return self.engine.prompt_of(where)
+        return None if self.replayed_prompt_of is None else self.replayed_prompt_of(where)
 
     @property
     def attached(self) -> bool:

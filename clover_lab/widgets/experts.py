@@ -140,8 +140,8 @@ class ExpertView(View):
         part = dict(kind="route", layer=ev.layer, phase=phase, ids=ids, weights=to_numpy(ev.weights),
                     mass=to_numpy(ev.router_probs.sum(0)), full=full, positions=to_numpy(ev.positions).astype(np.int64))
         positions = part["positions"]
-        if phase == "prefill" and self._prompt is None and self.engine is not None:
-            self._prompt = self.engine.prompt_of(w)  # the row this view watches (its event narrowed to it)
+        if phase == "prefill" and self._prompt is None:
+            self._prompt = self.prompt_of(w)  # the row this view watches (its event narrowed to it)
         prompt = self._prompt
         if phase == "prefill" and prompt is not None and positions.size and int(positions.max()) < len(prompt):
             part["names"] = {int(p): prompt[int(p)] for p in positions.tolist()}  # the prompt's tokens, by text

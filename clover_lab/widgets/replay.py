@@ -86,6 +86,7 @@ def replay(view, trace, engine=None) -> int:
                          f"{rows[-1]}; set view.row to one of them")
     config = getattr(trace, "config", None)
     view.replayed_tokenizer = getattr(trace, "tokenizer", None)  # token text saved with the trace, if any
+    view.replayed_prompt_of = getattr(trace, "prompt_of", None)  # the prompts a capture saved, if any
     if engine is not None:
         same_model(type(view).__name__, config, [rec for _, rec in chosen], engine.model.config)
         view._on_attach(engine)

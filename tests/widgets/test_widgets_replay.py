@@ -8,6 +8,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 import clover_lab  # noqa: E402
+from clover_lab.hooks.events import Where  # noqa: E402
 from clover_lab.widgets import DenoiseView, ExpertView, LensView, MemoryView, SpeedView  # noqa: E402
 from test_denoise import PENALISED, tops_by_step  # noqa: E402
 
@@ -49,6 +50,9 @@ def test_a_saved_trace_replays_as_the_live_run(view_engine, tmp_path, cls):
     assert all(same(a, b) for a, b in zip(live.frames, replayed.frames))
     if cls is DenoiseView:
         assert replayed.tokens() == live.tokens()
+    if cls is ExpertView:  # the prompt's tokens named by their text in the picker, from the trace's prompts
+        assert replayed.token_dd.options == live.token_dd.options
+        assert [label for label, pos in replayed.token_dd.options if pos < len(PROMPT)][0] != "0: (prompt)"
     with pytest.raises(ValueError, match="nothing to replay"):
         cls(fps=1000).replay(clover_lab.Trace([], ["layers.0.output"]))
     live.close()
@@ -66,6 +70,10 @@ def test_a_batched_trace_replays_one_row(view_engine, tmp_path, cls):
     replayed.replay(clover_lab.load_trace(tmp_path / "batch"))
     assert len(replayed.frames) == len(live.frames) > 0 and replayed.frame_labels == live.frame_labels
     assert all(same(a, b) for a, b in zip(live.frames, replayed.frames))
+    if cls is ExpertView:  # row 1's prompt, not row 0's
+        trace = clover_lab.load_trace(tmp_path / "batch")
+        assert trace.prompt_of(Where(trace.runs[0], rows=(1,))) == [7, 7, 300]
+        assert replayed.token_dd.options == live.token_dd.options
     live.close()
     replayed.close()
 
