@@ -11,6 +11,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from clover_lab.signals import check_interrupted
+
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
 
 
@@ -19,6 +21,9 @@ class UsageError(Exception):
 
 
 def fail(message: str) -> int:
+    # an error after a Ctrl-C a library swallowed (a tensor read of the load cut short, reported as a
+    # damaged checkpoint) is the Ctrl-C's consequence: "interrupted" and exit 130, not a false error
+    check_interrupted()
     message = " ".join(message.split())  # one line, however the message was wrapped
     print(f"clover-lab: error: {message}", file=sys.stderr)
     return EXIT_ERROR
@@ -111,7 +116,6 @@ def load_engine(args):
     """The engine for ``args``. A seam for tests: ``generate`` calls ``clover_lab.cli.main.load_engine``,
     which a test may replace."""
     from clover_lab.engine import load
-    from clover_lab.signals import check_interrupted
 
     check_interrupted()  # one swallowed by the imports: before a load that may take minutes
     placed = {name: getattr(args, name, None) for name in ("device_map", "max_memory", "keep_fp8", "coreset_size",
