@@ -131,7 +131,7 @@ def measure(model_dir: str | Path, heldout: torch.Tensor, sampler: dict | None =
     figures = {"settings": {**engine.settings.__dict__, **sampler, "new_tokens": NEW_TOKENS},
                "written": measure_set(engine, WRITTEN_PROMPTS, **sampler),
                "heldout": measure_set(engine, heldout_prompts(heldout), **sampler)}
-    heads = head_prompts(engine.tokenizer, functions)
+    heads = function_prompts(engine.tokenizer, functions)
     if heads:  # none when the tokenizer cannot read the stdlib's functions as Python (a test's word tokenizer)
         figures["functions"] = measure_set(engine, heads, **sampler)
     if perplexity:
@@ -141,7 +141,7 @@ def measure(model_dir: str | Path, heldout: torch.Tensor, sampler: dict | None =
     return figures
 
 
-def head_prompts(tokenizer, functions: list, count: int = 12, seed: int = 13) -> list[list[int]]:
+def function_prompts(tokenizer, functions: list, count: int = 12, seed: int = 13) -> list[list[int]]:
     """The heads of ``count`` held-out functions that take arguments (besides ``self``), seeded picks."""
     taking = [(ids, h) for ids, h in functions if arguments(tokenizer.decode(ids[:h].tolist()))]
     order = torch.randperm(len(taking), generator=torch.Generator().manual_seed(seed)).tolist()

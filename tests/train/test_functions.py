@@ -132,10 +132,10 @@ def test_head_prompts_end_where_a_head_ends_after_an_eos():
 
 def test_the_measures_function_prompts_are_heads_that_take_arguments():
     from clover_lab.checkpoint.loading import default_model_dir, load_tokenizer
-    from clover_lab.train.measure import head_prompts
+    from clover_lab.train.measure import function_prompts
 
     tok = load_tokenizer(default_model_dir())
     encoded = fn.encode_functions(tok, fn.functions_of(SOURCE))
-    heads = sorted(tok.decode(p) for p in head_prompts(tok, encoded))
+    heads = sorted(tok.decode(p) for p in function_prompts(tok, encoded))
     assert heads == ["def add(self, key,\n        value):", "def walk(root):"]  # not size(self)
-    assert len(head_prompts(tok, encoded, count=1)) == 1
+    assert len(function_prompts(tok, encoded, count=1)) == 1
