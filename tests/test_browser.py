@@ -28,10 +28,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from browser_runs import CHROMIUM, why_no_browser
 
-from clover_lab.checkpoint.loading import default_model_dir
-
-CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
          "--disable-sync", "--no-first-run"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,18 +43,13 @@ README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
 # figures' drawn marks, grids and tables, polled every 150 ms); 01: its dashboard test
 LIVE = {"02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed"}
 
+# where this skips, tests/test_notebooks.py runs every notebook headless instead (browser_runs.py)
 pytestmark = [
     pytest.mark.slow,  # a JupyterLab server and a browser
-    pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                       reason=f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium); "
-                              ".ci/run does so when it can"),
-    pytest.mark.skipif(not (os.environ.get("CLOVER_LAB_MODEL") or default_model_dir()),
-                       reason="no model: the embedded default (assets/clover-stdlib) is missing and "
-                              "CLOVER_LAB_MODEL is not set"),
+    pytest.mark.skipif(why_no_browser() is not None, reason=why_no_browser() or ""),
 ]
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-pytest.importorskip("jupyterlab")
 
 
 def _free_port() -> int:
