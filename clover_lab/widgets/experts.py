@@ -93,7 +93,7 @@ class ExpertView(View):
                                     layout=W.Layout(width="220px"))
         self.routing_tb = W.ToggleButtons(options=[(label, key) for key, (label, _) in ROUTINGS.items()],
                                           tooltips=[why for _, why in ROUTINGS.values()], value="actual",
-                                          description="routing", style={"button_width": "140px"})
+                                          style={"button_width": "140px"})
         self.token_dd = W.Dropdown(options=[("(none yet)", -1)], value=-1, description="token",
                                    layout=W.Layout(width="300px"))
         self.layer_dd = W.Dropdown(options=[0], value=0, description="co-act layer", layout=W.Layout(width="200px"))
@@ -114,7 +114,9 @@ class ExpertView(View):
                                      xaxis_title="expert", yaxis_title="expert")
         self.stats_html = W.HTML(layout=W.Layout(width="520px"))
         return W.VBox([
-            W.HBox([self.phase_dd, self.metric_dd, self.routing_tb]),
+            # the toggle's label beside it (a ToggleButtons' own description wrapped above its buttons in a row)
+            W.HBox([self.phase_dd, self.metric_dd, W.Label("routing", layout=W.Layout(margin="0 4px 0 16px")),
+                    self.routing_tb], layout=W.Layout(align_items="center")),
             # each row fits ~960 px (a figure squeezed by its row lost its colorbar's labels); narrower, it wraps
             W.HBox([self.fig_usage, W.VBox([self.token_dd, self.fig_token])], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([W.VBox([self.layer_dd, self.fig_coact]), self.stats_html], layout=W.Layout(flex_flow="row wrap")),

@@ -73,7 +73,7 @@ class SpeedView(View):
                                       legend=LEGEND_BELOW)
         self.fig_compare = Figure(make_subplots(rows=1, cols=3, horizontal_spacing=0.12,
                                                          subplot_titles=("tokens/s", "tokens per forward",
-                                                                         "seconds: prefill / preview / commit")))
+                                                                         "seconds per phase")))
         self.fig_compare.update_layout(height=360, width=960, barmode="stack", showlegend=True,
                                        margin=dict(l=40, r=10, t=50, b=40), legend=dict(LEGEND_BELOW, y=-0.45))
         self.table = W.HTML()
