@@ -23,16 +23,20 @@ from clover_lab.errors import CheckpointError, CloverError, OutputError
 from clover_lab.model.decoder import CloverModel
 from clover_lab.signals import NotedSignals
 from clover_lab.train.functions import function_corpus, function_rows
+from clover_lab.train.newlines import newline_splits, split_newlines
 from clover_lab.train.objective import TrainSettings, block_diffusion_loss
 from clover_lab.train.stdlib_corpus import encode_files, split_corpus, train_tokenizer
 from clover_lab.writes import FileSet, atomic_path, check_writable, refuse_inputs, refuse_same, write_text
 
 
 def training_batch(tokens: torch.Tensor, distilled: torch.Tensor | None, s: TrainSettings,
-                   gen: torch.Generator, functions: list | None = None, eos: int = 0) -> torch.Tensor:
+                   gen: torch.Generator, functions: list | None = None, eos: int = 0,
+                   newlines: tuple | None = None) -> torch.Tensor:
     """[batch_size, seq_len] rows: random windows of the corpus; with a self-distillation corpus,
     ``distill_share`` of the rows drawn from it instead, and with ``functions`` (``train.functions``),
-    ``functions_share`` of them rows that start at a function's head."""
+    ``functions_share`` of them rows that start at a function's head. With ``newlines``
+    (``train.newlines.newline_splits``), ``split_newlines`` of every row's newline+indent tokens
+    written as the newline and the indent apart."""
     n_distill = 0 if distilled is None else round(s.distill_share * s.batch_size)
     n_functions = 0 if not functions else round(s.functions_share * s.batch_size)
     n_windows = s.batch_size - n_distill - n_functions
@@ -45,7 +49,10 @@ def training_batch(tokens: torch.Tensor, distilled: torch.Tensor | None, s: Trai
         rows += [distilled[i, :s.seq_len].long() for i in picks.tolist()]
     if n_functions:
         rows += list(function_rows(functions, n_functions, s.seq_len, eos, gen))
-    return torch.stack(rows).long()
+    batch = torch.stack(rows).long()
+    if newlines is not None and s.split_newlines:
+        batch = split_newlines(batch, newlines, s.split_newlines, gen)
+    return batch
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -207,6 +214,12 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     if functions:
         print(f"{settings.functions_share:.0%} of each batch: rows starting at one of {len(functions)} functions' "
               f"heads", flush=True)
+    newlines = newline_splits(tok) if settings.split_newlines else None
+    if settings.split_newlines:
+        if newlines is None:
+            raise ValueError("--split-newlines: the run's tokenizer has no newline+indent tokens to split")
+        print(f"{settings.split_newlines:.0%} of the newline+indent tokens ({int((newlines[1] >= 0).sum())} kinds) "
+              f"written as the newline and the indent apart", flush=True)
     log = open(out / "loss_log.jsonl", "a")
     saved = step if state is not None else None
 
@@ -229,7 +242,8 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     try:
         with NotedSignals(second_raises=True) as stops:
             while time.monotonic() < deadline and step < settings.max_steps and not stops:
-                clean = training_batch(tokens, distilled, settings, gen, functions, tok.eos_token_id).to(device)
+                clean = training_batch(tokens, distilled, settings, gen, functions, tok.eos_token_id,
+                                       newlines).to(device)
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step, settings)
                 loss, parts = block_diffusion_loss(model, clean, settings, gen)
@@ -429,6 +443,11 @@ def main(argv=None):
                     help="the share of each batch's rows that start at a function's head (signature and "
                          "docstring, then its body: train.functions), to teach the model to follow a prompt "
                          f"(default {TrainSettings.functions_share}; with --extend-steps, the run's own unless given)")
+    ap.add_argument("--split-newlines", type=float, default=None,
+                    help="the share of newline+indent tokens written as the newline and the indent apart, as a "
+                         "prompt that ends on a newline tokenizes them (train.newlines), so that such a prompt is "
+                         f"continued, not ended (default {TrainSettings.split_newlines}; with --extend-steps, the "
+                         "run's own unless given)")
     ap.add_argument("--export", metavar="DIR", help="after training, write a model directory here")
     ap.add_argument("--generation", action="append", default=[], metavar="SETTING=VALUE",
                     help="with --export: a sampler default for its generation_config.json, e.g. "
@@ -455,6 +474,8 @@ def main(argv=None):
     if args.functions_share is not None and not 0 <= args.functions_share <= 1 - (args.distill_share if args.distill
                                                                                   else 0):
         ap.error("--functions-share must be in [0, 1], and with --distill at most 1 - --distill-share")
+    if args.split_newlines is not None and not 0 <= args.split_newlines <= 1:
+        ap.error("--split-newlines must be in [0, 1]")
     if args.distill and not Path(args.distill).is_file():
         ap.error(f"--distill: {args.distill} is not a file")
     settings = TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
@@ -467,6 +488,8 @@ def main(argv=None):
         extend_overrides.update(distill_data=args.distill, distill_share=args.distill_share)
     if args.functions_share is not None:
         settings.functions_share = extend_overrides["functions_share"] = args.functions_share
+    if args.split_newlines is not None:
+        settings.split_newlines = extend_overrides["split_newlines"] = args.split_newlines
     run = train(args.out, args.minutes, args.preset, args.vocab_size, args.block_size, settings, overrides,
                 threads=args.threads, extend_steps=args.extend_steps,
                 extend_lr=args.lr if args.extend_steps else None, extend_overrides=extend_overrides,

@@ -34,6 +34,7 @@ class TrainSettings:
     distill_data: str | None = None  # a self-distillation corpus (clover_lab.distill) mixed into each batch
     distill_share: float = 0.5  # the share of each batch's rows drawn from it
     functions_share: float = 0.0  # the share of each batch's rows that start at a function's head (train.functions)
+    split_newlines: float = 0.0  # the share of newline+indent tokens written as the two apart (train.newlines)
     init: str | None = None  # the model directory the run started from (``--init``), if not from scratch
 
 
