@@ -24,6 +24,10 @@ and docstring, dedented: ``train.functions``) of held-out functions that take ar
   arguments (``self`` and ``cls`` aside) whose completion names one of them: a completion that
   follows its prompt uses what the prompt gave it.
 
+And ``empty_after_newline`` (``functions``): the share of the same heads that, given with a newline
+after them (a prompt typed with Enter at its end), get no text before EOS: a bare newline token
+the encoded corpus holds only before column 0 or at a function's end (``train.newlines``).
+
 And whether the model reads its prompt at all, without generating: ``prompt_gain``
 (``train.functions``) on held-out functions, the next-token loss of each body after another
 function's head minus after its own (nats per token; 0: the head is ignored).
@@ -134,11 +138,22 @@ def measure(model_dir: str | Path, heldout: torch.Tensor, sampler: dict | None =
     heads = function_prompts(engine.tokenizer, functions)
     if heads:  # none when the tokenizer cannot read the stdlib's functions as Python (a test's word tokenizer)
         figures["functions"] = measure_set(engine, heads, **sampler)
+        figures["functions"]["empty_after_newline"] = empty_after_newline(engine, heads, **sampler)
     if perplexity:
         torch.manual_seed(0)
         figures["ar_perplexity"] = evaluate(engine.model, heldout, windows=16)["ar_perplexity"]
         figures["prompt_gain"] = prompt_gain(engine.model, functions)
     return figures
+
+
+def empty_after_newline(engine, heads: list[list[int]], **sampler) -> float | None:
+    """The share of ``heads`` whose completion, with a newline token after the head, holds nothing
+    but whitespace (block diffusion, 16 new tokens); None when the tokenizer has no newline token."""
+    newline = engine.tokenizer("\n", add_special_tokens=False)["input_ids"]
+    if len(newline) != 1 or engine.tokenizer.decode(newline) != "\n":
+        return None
+    results = engine.generate([list(h) + newline for h in heads], mode="diffusion", max_new_tokens=16, **sampler)
+    return sum(not r.text.strip() for r in results) / len(heads)
 
 
 def function_prompts(tokenizer, functions: list, count: int = 12, seed: int = 13) -> list[list[int]]:
@@ -174,7 +189,9 @@ def summary(figures: dict) -> str:
         lines.append(f"{name}: tokens/forward {s['tokens_per_forward']:.2f}, max line repeats "
                      f"{s['max_line_repeats']} ({s['looping']}/{s['prompts']} looping), distinct first lines "
                      f"{s['distinct_first_lines']:.2f}, mean distance {s['mean_distance']:.2f}"
-                     + (f", argument use {s['argument_use']:.2f}" if s.get("argument_use") is not None else ""))
+                     + (f", argument use {s['argument_use']:.2f}" if s.get("argument_use") is not None else "")
+                     + (f", empty after a trailing newline {s['empty_after_newline']:.2f}"
+                        if s.get("empty_after_newline") is not None else ""))
     if "ar_perplexity" in figures:
         lines.append(f"next-token perplexity {figures['ar_perplexity']:.1f}")
     if "prompt_gain" in figures:

@@ -183,3 +183,27 @@ def test_card_of_a_run_started_from_a_model_says_v2_and_sets_v1_beside_it():
     assert "| written (12 prompts) | 2.54 | 2 | 0 | 0.75 | 0.80 | 0.70 of 10 |" in readme
     assert "| heldout (12 prompts) | 2.04 | 2 | 0 | 0.75 | 0.80 | - |" in readme
     assert "worth 0.200 nats a token" in readme
+
+
+def test_empty_after_newline_gives_each_head_a_newline_and_counts_the_blank_completions():
+    from types import SimpleNamespace
+
+    from clover_lab.checkpoint.loading import default_model_dir, load_tokenizer
+
+    tok = load_tokenizer(default_model_dir())  # the specimen's byte-level BPE: "\n" is a token of its own
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    heads = [tok("def f(x):")["input_ids"], tok("def g(y):")["input_ids"], tok("def h(z):")["input_ids"]]
+    seen = []
+
+    def generate(prompts, **settings):
+        seen.append((prompts, settings))
+        return [SimpleNamespace(text=t) for t in ("", "\n  \n", "    return x")]
+
+    engine = SimpleNamespace(tokenizer=tok, generate=generate)
+    assert measure.empty_after_newline(engine, heads, threshold=0.8) == pytest.approx(2 / 3)
+    prompts, settings = seen[0]
+    assert prompts == [h + newline for h in heads] and settings["threshold"] == 0.8
+
+
+def test_empty_after_newline_is_none_without_a_newline_token(tiny_text_engine):
+    assert measure.empty_after_newline(tiny_text_engine, [[3, 4]]) is None
