@@ -131,6 +131,7 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
                           "confidence_weight": state["settings"]["confidence_weight"]}
                          if state["settings"].get("distill_data") else None),
         "functions_share": state["settings"].get("functions_share", 0.0),
+        "split_newlines": state["settings"].get("split_newlines", 0.0),
         "init": state["settings"].get("init"),
         "rounds": round_rows(run),
         "heldout_modules": len(data["heldout_modules"]),
@@ -170,7 +171,8 @@ def stages(baseline: dict | None, f: dict) -> list[dict]:
     d = f.get("distillation")
     if f.get("functions_share"):
         stage.update(kind="functions", share=f["functions_share"], distill_share=d["share"] if d else 0.0,
-                     confidence_weight=d["confidence_weight"] if d else None)
+                     confidence_weight=d["confidence_weight"] if d else None,
+                     split_newlines=f.get("split_newlines", 0.0))
     elif d and f.get("init"):
         stage.update(kind="distillation", share=d["share"], confidence_weight=d["confidence_weight"],
                      rounds=len({r["round"] for r in f.get("rounds") or []}))
@@ -245,9 +247,15 @@ def render_use(s: dict) -> str:
 def render_prompt_use(t: dict) -> str:
     """Whether the model follows its prompt, without generating: the prompt gain."""
     g = t.get("prompt_gain")
+    empty = (t.get("functions") or {}).get("empty_after_newline")
+    newline = ("" if empty is None else
+               f"\n\nThe `functions` heads given with a newline after them (as typed with Enter at the end): "
+               f"{empty:.0%} get no text\n(`empty_after_newline`: the tokenizer writes a newline and the next "
+               f"line's indent as one token, so a\nprompt that ends on a bare newline ends on a token the "
+               f"corpus holds only before column 0 or a function's end).")
     if not g:
-        return ""
-    return (f"\n\nFollowing the prompt, without generating: on {g['functions']} held-out functions, a body's first "
+        return newline
+    return newline + (f"\n\nFollowing the prompt, without generating: on {g['functions']} held-out functions, a body's first "
             f"tokens cost {g['own']:.3f} nats each\nafter their own head (signature and docstring) and "
             f"{g['other']:.3f} after another function's: the head is worth {g['gain']:.3f} nats a token\n"
             f"(`clover_lab.train.functions.prompt_gain`; 0: the prompt is ignored).")
@@ -294,10 +302,14 @@ def render_stage(stage: dict) -> str:
                      f"clover_lab.train.distill --functions`: bodies that loop or name none of their head's "
                      f"arguments dropped),\n  with the confidence term at weight {stage['confidence_weight']}, so "
                      f"that it stays sure of whole blocks" if stage.get("distill_share") else "")
+        newlines = (f"; and {stage['split_newlines']:.0%} of the newline+indent tokens were written as the "
+                    f"newline and the indent\n  apart (`clover_lab.train.newlines`), as a prompt that ends on a "
+                    f"newline tokenizes them, so that such\n  a prompt is continued, not ended"
+                    if stage.get("split_newlines") else "")
         return (f"{start} (`assets/make_specimen_v3.sh`) to follow its prompt; in its last schedule\n  "
                 f"{stage['share']:.0%} of every batch were rows that start at a function's head, its signature and "
                 f"docstring\n  cut out of the training modules and dedented (`clover_lab.train.functions`), then its "
-                f"body{distilled}.")
+                f"body{distilled}{newlines}.")
     return f"{start}."
 
 

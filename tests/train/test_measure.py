@@ -183,6 +183,15 @@ def test_card_of_a_run_started_from_a_model_says_v2_and_sets_v1_beside_it():
     assert "| written (12 prompts) | 2.54 | 2 | 0 | 0.75 | 0.80 | 0.70 of 10 |" in readme
     assert "| heldout (12 prompts) | 2.04 | 2 | 0 | 0.75 | 0.80 | - |" in readme
     assert "worth 0.200 nats a token" in readme
+    assert "newline+indent tokens" not in readme and "get no text" not in readme  # neither was measured nor trained
+    # its last stage also wrote newline+indent tokens apart, and the measure gave heads a trailing newline
+    v3["split_newlines"] = 0.1
+    v3["targets"] = {**v3_targets, "functions": {**v3_targets["written"], "prompts": 12, "empty_after_newline": 0.25}}
+    v3["stages"] = card.stages(v2, v3)
+    assert v3["stages"][-1]["split_newlines"] == 0.1
+    readme = " ".join(card.render(v3, config, "bash make.sh").split())
+    assert "10% of the newline+indent tokens were written as the newline and the indent apart" in readme
+    assert "with a newline after them (as typed with Enter at the end): 25% get no text" in readme
 
 
 def test_empty_after_newline_gives_each_head_a_newline_and_counts_the_blank_completions():
