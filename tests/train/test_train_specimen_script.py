@@ -81,23 +81,78 @@ def test_the_default_model_script_continues_with_specimen_v2():
 V3 = SCRIPT.parent / "make_specimen_v3.sh"
 
 
+# records each call's arguments; `-c` (the script's question: the run's schedule) answers $STATE; a
+# distillation makes its --out file
+FAKE_PY_V3 = """#!/usr/bin/env bash
+printf '%s\\n' "$*" >> "$CALLS"
+if [ "$1" = "-c" ]; then echo "$STATE"; fi
+if [ "$2" = "clover_lab.train.distill" ]; then  # the corpus file is made
+    while [ $# -gt 0 ]; do if [ "$1" = "--out" ]; then touch "$2"; fi; shift; done
+fi
+"""
+
+
+def v3_calls(tmp_path, **env) -> list[str]:
+    run, calls, py = tmp_path / "run", tmp_path / "calls.txt", tmp_path / "py"
+    run.mkdir(exist_ok=True)
+    (run / "train_state.pt").touch()
+    py.write_text(FAKE_PY_V3)
+    py.chmod(0o755)
+    full = {**os.environ, "RUN": str(run), "PY": str(py), "CALLS": str(calls), "STATE": "0 0 0", **env}
+    proc = subprocess.run(["bash", str(V3)], env=full, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return [call for call in calls.read_text().splitlines() if call[:2] != "-c"]
+
+
 @pytest.mark.slow  # bash runs the script
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_specimen_v3_trains_on_function_heads_then_on_its_own_bodies_for_them(tmp_path):
-    run, calls, py = tmp_path / "run", tmp_path / "calls.txt", tmp_path / "py"
-    run.mkdir()
-    (run / "train_state.pt").touch()
-    py.write_text(FAKE_PY)
-    py.chmod(0o755)
-    env = {**os.environ, "RUN": str(run), "PY": str(py), "CALLS": str(calls), "EXPORT": str(tmp_path / "model"),
-           "STEPS_A": "7", "FUNCTIONS_A": "0.4", "STEPS_B": "9", "DISTILL_B": "0.5", "FUNCTIONS_B": "0.25"}
-    subprocess.run(["bash", str(V3)], env=env, check=True, capture_output=True, text=True)
-    a, distill, b, export, measure, export2, card = [c for c in calls.read_text().splitlines() if c[:2] != "-c"]
+def test_specimen_v3_trains_on_function_heads_then_rounds_of_its_own_bodies(tmp_path):
+    run = tmp_path / "run"
+    a, d1, r1, r2, d3, r3, export, measure, export2, card = v3_calls(
+        tmp_path, EXPORT=str(tmp_path / "model"), STEPS_A="7", FUNCTIONS_A="0.4",
+        ROUNDS="9 0.5 0.25 0 1\n11 0.6 0.1 0.2 1\n5 0.7 0.05 0.03 2")
     assert "--extend-steps 7" in a and a.endswith("--functions-share 0.4") and "--distill" not in a
-    heads = str(run / "distill-heads.pt")
-    assert f"-m clover_lab.train.distill --run {run} --out {heads} --functions" in distill
-    assert "--extend-steps 9" in b and f"--distill {heads} --distill-share 0.5 --functions-share 0.25" in b
+    for n, distill in ((1, d1), (2, d3)):  # a corpus is made once, from the model as it is then
+        assert f"-m clover_lab.train.distill --run {run} --out {run / f'distill-heads-{n}.pt'} --functions" in distill
+        assert f"--seed {n} " in distill
+    heads1, heads2 = run / "distill-heads-1.pt", run / "distill-heads-2.pt"
+    assert "--extend-steps 9" in r1 and r1.endswith(
+        f"--distill {heads1} --distill-share 0.5 --functions-share 0.25 --split-newlines 0")
+    assert "--extend-steps 11" in r2 and r2.endswith(
+        f"--distill {heads1} --distill-share 0.6 --functions-share 0.1 --split-newlines 0.2")  # round 1's corpus
+    assert "--extend-steps 5" in r3 and r3.endswith(f"--distill {heads2} --distill-share 0.7 --functions-share 0.05 "
+                                                    "--split-newlines 0.03")
     assert export.endswith(f"--export {run / 'v3'} --generation repetition_penalty=1.3")
     assert measure.endswith(f"--out {run / 'v3' / 'measure.json'}")
     assert export2.endswith(f"--export {tmp_path / 'model'} --generation repetition_penalty=1.3")
     assert card.endswith(f"--baseline {run / 'init_card.json'} --threads 2")
+    assert (run / "rounds-done.txt").read_text().split("\n")[:5] == ["init 0", "A 0", "1 0", "2 0", "3 0"]
+
+
+@pytest.mark.slow  # bash runs the script
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_specimen_v3_resumes_the_stage_whose_schedule_began_and_skips_the_done(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "rounds-done.txt").write_text("init 0\nA 0\n1 1200\n")
+    (run / "distill-heads-2.pt").touch()  # round 2's corpus, made when it began
+    # the run's schedule began at step 1800, after round 1's: round 2 is under way; it ends at 2600
+    calls = v3_calls(tmp_path, STATE="1800 2600 2600", ROUNDS="600 0.6 0.2 0 1\n800 0.75 0.1 0 2\n5 0.8 0 0 2")
+    resume, r3 = calls[:2]
+    assert resume.endswith("--threads 2") and "--extend-steps" not in resume  # round 2 resumed, corpus 2 kept
+    assert not any("train.distill" in c for c in calls) and "--extend-steps 5" in r3
+    assert (run / "rounds-done.txt").read_text().splitlines()[3:] == ["2 1800", "3 1800"]
+
+
+@pytest.mark.slow  # bash runs the script
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_specimen_v3_stops_when_a_stages_schedule_did_not_finish(tmp_path):
+    run, calls, py = tmp_path / "run", tmp_path / "calls.txt", tmp_path / "py"
+    run.mkdir()
+    (run / "train_state.pt").touch()
+    py.write_text(FAKE_PY_V3)
+    py.chmod(0o755)
+    env = {**os.environ, "RUN": str(run), "PY": str(py), "CALLS": str(calls), "STATE": "0 300 1200", "MINUTES": "5"}
+    proc = subprocess.run(["bash", str(V3)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and "stage A stopped at step 300 of 1200 (MINUTES=5): run again to resume" in proc.stderr
+    assert (run / "rounds-done.txt").read_text() == "init 0\n"
