@@ -13,7 +13,8 @@ from clover_lab import Request
 from clover_lab.engine.requests import GenerationError
 from clover_lab.engine.sampling import SettingsError
 
-PROMPTS = ["def parse(line):\n", "import os\n", "class Stack:\n    def push(self, x):\n", "x = [", "# read\n"]
+PROMPTS = ["def parse(line):\n", "import os\n", "class Stack:\n    def push(self, x):\n", "import os\nimport sys\n",
+           "# read\n"]
 STOP = "\n\n"
 
 

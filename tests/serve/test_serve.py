@@ -316,13 +316,14 @@ def test_bad_chat_bodies_and_invalid_json(server, client):
 
 def test_provisional_stream_and_trace_by_id(server, refs, tmp_path):
     base = server[0]
-    body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 20, "stream": True,
+    prompt = PROMPTS[5]  # a continuation of two blocks (20 tokens, no EOS before them)
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 20, "stream": True,
             "clover": {"stream_provisional": True, "trace": True}}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
         events = sse_events(r)
     kinds = [e["clover"]["kind"] for e in events]
     assert kinds.count("provisional") > 0 and kinds.count("committed") == 2 and kinds[-1] == "done"
-    assert "".join(e["choices"][0]["text"] for e in events) == refs[(PROMPTS[3], 20)]
+    assert "".join(e["choices"][0]["text"] for e in events) == refs[(prompt, 20)]
     blocks = {e["clover"]["block"]: e["clover"]["tokens"] for e in events if e["clover"]["kind"] == "committed"}
     for e in events:
         c = e["clover"]

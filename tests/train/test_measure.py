@@ -136,7 +136,7 @@ def test_card_of_a_run_started_from_a_model_says_v2_and_sets_v1_beside_it():
     from clover_lab.train import card
 
     v1 = json.loads((Path(card.__file__).parents[2] / "assets/clover-stdlib/card.json").read_text())
-    for key in ("init", "rounds", "baseline", "stages", "functions_share"):
+    for key in ("init", "rounds", "baseline", "stages", "functions_share", "split_newlines"):
         v1.pop(key, None)
     v1["targets"] = _measured(1.61, 0, {"repetition_penalty": 1.3, "frequency_penalty": 0.5})
     v2 = {**v1, "init": "assets/clover-stdlib", "training_steps": 1250, "baseline": v1,
