@@ -417,8 +417,10 @@ def test_ctrl_c_at_any_moment_of_the_start_exits_130():
     exe = os.path.join(os.path.dirname(sys.executable), "clover-lab")
     interrupted = []
     for delay in (0.3, 0.6, 0.9, 1.5, 3.0, 6.0):
-        # long enough to outlast every delay on a quiet machine (400 tokens took under 6 s here)
-        p = subprocess.Popen([exe, "generate", "--prompt", "def f():", "--max-new-tokens", "3000", "--no-live"],
+        # long enough to outlast every delay on a quiet machine (400 tokens took under 6 s here); EOS
+        # ignored: specimen v3 ends `def f():` after about 50 tokens
+        p = subprocess.Popen([exe, "generate", "--prompt", "def f():", "--max-new-tokens", "3000", "--ignore-eos",
+                              "--no-live"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(delay)
         if p.poll() is not None:  # it ended (an EOS) before this moment: nothing to interrupt, nothing lost
