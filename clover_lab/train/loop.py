@@ -214,8 +214,9 @@ def train(out: str | Path, minutes: float, preset: str = "clover-stdlib", vocab_
     if functions:
         print(f"{settings.functions_share:.0%} of each batch: rows starting at one of {len(functions)} functions' "
               f"heads", flush=True)
-    newlines = newline_splits(tok) if settings.split_newlines else None
+    newlines = None
     if settings.split_newlines:
+        newlines = newline_splits(tok)
         if newlines is None:
             raise ValueError("--split-newlines: the run's tokenizer has no newline+indent tokens to split")
         print(f"{settings.split_newlines:.0%} of the newline+indent tokens ({int((newlines[1] >= 0).sum())} kinds) "

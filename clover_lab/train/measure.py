@@ -45,6 +45,7 @@ import torch
 
 from clover_lab.engine import load
 from clover_lab.train.functions import arguments, prompt_gain, uses_arguments
+from clover_lab.train.newlines import one_token
 from clover_lab.train.objective import evaluate
 
 NEW_TOKENS = 96
@@ -149,10 +150,10 @@ def measure(model_dir: str | Path, heldout: torch.Tensor, sampler: dict | None =
 def empty_after_newline(engine, heads: list[list[int]], **sampler) -> float | None:
     """The share of ``heads`` whose completion, with a newline token after the head, holds nothing
     but whitespace (block diffusion, 16 new tokens); None when the tokenizer has no newline token."""
-    newline = engine.tokenizer("\n", add_special_tokens=False)["input_ids"]
-    if len(newline) != 1 or engine.tokenizer.decode(newline) != "\n":
+    newline = one_token(engine.tokenizer, "\n")
+    if newline is None:
         return None
-    results = engine.generate([list(h) + newline for h in heads], mode="diffusion", max_new_tokens=16, **sampler)
+    results = engine.generate([list(h) + [newline] for h in heads], mode="diffusion", max_new_tokens=16, **sampler)
     return sum(not r.text.strip() for r in results) / len(heads)
 
 

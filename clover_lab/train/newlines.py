@@ -16,14 +16,16 @@ from __future__ import annotations
 import torch
 
 
+def one_token(tokenizer, text: str) -> int | None:
+    """The id of the one token ``text`` encodes to (and decodes back from), or None."""
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    return ids[0] if len(ids) == 1 and tokenizer.decode(ids) == text else None
+
+
 def newline_splits(tokenizer) -> tuple[int, torch.Tensor] | None:
     """(the bare newline's id, a [vocab] table of each newline+indent token's indent as one token,
     -1 for every other token), or None when the vocabulary has no bare newline or no such pair."""
-    def one_token(text: str) -> int | None:
-        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-        return ids[0] if len(ids) == 1 and tokenizer.decode(ids) == text else None
-
-    newline = one_token("\n")
+    newline = one_token(tokenizer, "\n")
     if newline is None:
         return None
     size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
@@ -31,7 +33,7 @@ def newline_splits(tokenizer) -> tuple[int, torch.Tensor] | None:
     for i in range(size):
         text = tokenizer.decode([i])
         if len(text) > 1 and text[0] == "\n" and text[1:].strip(" ") == "":
-            indent = one_token(text[1:])
+            indent = one_token(tokenizer, text[1:])
             if indent is not None:
                 table[i] = indent
     return (newline, table) if bool((table >= 0).any()) else None
