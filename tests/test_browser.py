@@ -44,9 +44,10 @@ README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
 LIVE = {"02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed"}
 
 # where this skips, tests/test_notebooks.py runs every notebook headless instead (browser_runs.py)
+NO_BROWSER = why_no_browser()
 pytestmark = [
     pytest.mark.slow,  # a JupyterLab server and a browser
-    pytest.mark.skipif(why_no_browser() is not None, reason=why_no_browser() or ""),
+    pytest.mark.skipif(NO_BROWSER is not None, reason=NO_BROWSER or ""),
 ]
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")

@@ -14,8 +14,10 @@ pytest.importorskip("ipykernel")
 from browser_runs import EVERY_NOTEBOOK_HEADLESS, why_no_browser, why_no_model  # noqa: E402
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
-needs_model = pytest.mark.skipif(why_no_model() is not None, reason=why_no_model() or "")
+NO_MODEL = why_no_model()
+needs_model = pytest.mark.skipif(NO_MODEL is not None, reason=NO_MODEL or "")
 ALWAYS_HEADLESS = {"01_quickstart"}
+IN_THE_BROWSER = not EVERY_NOTEBOOK_HEADLESS and why_no_browser() is None  # test_browser.py runs the others
 
 
 def test_notebooks_exist_with_a_kernelspec():
@@ -37,7 +39,7 @@ def test_notebooks_exist_with_a_kernelspec():
 @pytest.mark.slow  # a notebook kernel
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path):
-    if path.stem not in ALWAYS_HEADLESS and not EVERY_NOTEBOOK_HEADLESS and why_no_browser() is None:
+    if path.stem not in ALWAYS_HEADLESS and IN_THE_BROWSER:
         pytest.skip("run in JupyterLab by tests/test_browser.py (CLOVER_LAB_HEADLESS_NOTEBOOKS=1 runs it here too)")
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",

@@ -13,19 +13,24 @@ def tok():
     return load_tokenizer(default_model_dir())  # the specimen's byte-level BPE
 
 
+@pytest.fixture(scope="module")
+def splits(tok):
+    return newline_splits(tok)
+
+
 def ids(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_a_prompt_that_ends_on_a_newline_ends_on_a_token_the_whole_text_never_holds(tok):
-    newline, table = newline_splits(tok)
+def test_a_prompt_that_ends_on_a_newline_ends_on_a_token_the_whole_text_never_holds(tok, splits):
+    newline, table = splits
     assert ids(tok, "def f(x):\n") == ids(tok, "def f(x):") + [newline]
     whole = ids(tok, "def f(x):\n    return x\n")
     assert newline not in whole[:-1] and table[whole[len(ids(tok, "def f(x):"))]] >= 0  # "\n   " is one token
 
 
-def test_every_split_is_the_same_text(tok):
-    newline, table = newline_splits(tok)
+def test_every_split_is_the_same_text(tok, splits):
+    newline, table = splits
     assert tok.decode([newline]) == "\n"
     kinds = (table >= 0).nonzero().flatten().tolist()
     assert len(kinds) >= 8  # newline + 1, 2, 3, ... spaces
@@ -34,8 +39,7 @@ def test_every_split_is_the_same_text(tok):
     assert table[newline] == -1 and table[ids(tok, "def")[0]] == -1
 
 
-def test_rows_split_at_the_share_keep_their_length_and_text(tok):
-    splits = newline_splits(tok)
+def test_rows_split_at_the_share_keep_their_length_and_text(tok, splits):
     text = "class A:\n    def f(self, x):\n        if x:\n            return 1\n        return 2\n"
     row = torch.tensor([ids(tok, text)] * 3)
     merged = int((splits[1][row[0]] >= 0).sum())
@@ -51,8 +55,7 @@ def test_rows_split_at_the_share_keep_their_length_and_text(tok):
     assert all(text.startswith(tok.decode(r.tolist())) for r in some)
 
 
-def test_a_training_batch_splits_its_rows_newlines_at_the_settings_share(tok):
-    splits = newline_splits(tok)
+def test_a_training_batch_splits_its_rows_newlines_at_the_settings_share(tok, splits):
     text = "def f(x):\n    y = x\n    return y\n" * 20
     tokens = torch.tensor(ids(tok, text), dtype=torch.int32)
     s = TrainSettings(seq_len=32, batch_size=4)

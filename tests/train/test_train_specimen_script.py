@@ -92,16 +92,20 @@ fi
 """
 
 
-def v3_calls(tmp_path, **env) -> list[str]:
+def v3_run(tmp_path, **env) -> subprocess.CompletedProcess:
     run, calls, py = tmp_path / "run", tmp_path / "calls.txt", tmp_path / "py"
     run.mkdir(exist_ok=True)
     (run / "train_state.pt").touch()
     py.write_text(FAKE_PY_V3)
     py.chmod(0o755)
     full = {**os.environ, "RUN": str(run), "PY": str(py), "CALLS": str(calls), "STATE": "0 0 0", **env}
-    proc = subprocess.run(["bash", str(V3)], env=full, capture_output=True, text=True)
+    return subprocess.run(["bash", str(V3)], env=full, capture_output=True, text=True)
+
+
+def v3_calls(tmp_path, **env) -> list[str]:
+    proc = v3_run(tmp_path, **env)
     assert proc.returncode == 0, proc.stderr
-    return [call for call in calls.read_text().splitlines() if call[:2] != "-c"]
+    return [call for call in (tmp_path / "calls.txt").read_text().splitlines() if call[:2] != "-c"]
 
 
 @pytest.mark.slow  # bash runs the script
@@ -147,12 +151,7 @@ def test_specimen_v3_resumes_the_stage_whose_schedule_began_and_skips_the_done(t
 @pytest.mark.slow  # bash runs the script
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_specimen_v3_stops_when_a_stages_schedule_did_not_finish(tmp_path):
-    run, calls, py = tmp_path / "run", tmp_path / "calls.txt", tmp_path / "py"
-    run.mkdir()
-    (run / "train_state.pt").touch()
-    py.write_text(FAKE_PY_V3)
-    py.chmod(0o755)
-    env = {**os.environ, "RUN": str(run), "PY": str(py), "CALLS": str(calls), "STATE": "0 300 1200", "MINUTES": "5"}
-    proc = subprocess.run(["bash", str(V3)], env=env, capture_output=True, text=True)
+    run = tmp_path / "run"
+    proc = v3_run(tmp_path, STATE="0 300 1200", MINUTES="5")
     assert proc.returncode == 1 and "stage A stopped at step 300 of 1200 (MINUTES=5): run again to resume" in proc.stderr
     assert (run / "rounds-done.txt").read_text() == "init 0\n"
