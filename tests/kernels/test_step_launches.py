@@ -30,6 +30,11 @@ BUDGET = {"AR": 16.75, "preview": 15.0, "fused": 18.25, "preview, coreset record
 
 OUTPUTS = {}  # shape -> the counted step's (commit logits, preview logits, coreset), through the kernels
 
+# slow tier: ten whole static steps of the embedded model through the Triton interpreter take about
+# a minute on 2 cores (a tenth of the fast tier's 10-minute budget); the kernels one by one against
+# their torch references stay in the fast tier (test_kernel_*.py)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def model():
