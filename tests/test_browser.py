@@ -319,12 +319,8 @@ def test_dashboard_in_jupyterlab(lab, page, tmp_path):
     # ends in about 0.3 s, often before the grid's first turn to redraw.)
     table = "() => document.querySelector('.clover-dashboard .clover-speedview table').textContent"
     before = page.evaluate(table)  # its rows are named "run N" (the last 8 runs)
-    page.evaluate(WATCH_RUN)
-    dash.locator(".clover-generate button, button.clover-generate").first.click()
-    deadline = time.time() + 120
-    while not page.evaluate(RUN_SPAN):
-        assert time.time() < deadline, f"the dashboard's run did not finish: {page.evaluate(STATUSES)}"
-        page.wait_for_timeout(100)
+    generate(page, dash)
+    run_span(page, 120)
     assert status.inner_text().startswith("done"), status.inner_text()
     page.wait_for_function(f"(before) => ({table})() !== before", arg=before, timeout=60_000)
     page.wait_for_timeout(1000)
@@ -365,6 +361,24 @@ RUN_SPAN = """() => { const seen = window.__statuses; const i = seen.findIndex(s
     const end = i < 0 ? undefined : seen.slice(i + 1).find(s => s.text.startsWith('done') || s.text.startsWith('failed'));
     return end === undefined ? null : [seen[i].t, end.t]; }"""
 STATUSES = "() => window.__statuses.map(s => s.text)"
+
+
+def generate(page, dash) -> None:
+    """Click the dashboard's Generate button, its grid and status watched from then on (WATCH_RUN)."""
+    page.evaluate(WATCH_RUN)
+    dash.locator(".clover-generate button, button.clover-generate").first.click()
+
+
+def run_span(page, seconds: float) -> tuple[float, float]:
+    """Wait up to ``seconds`` for the run started by :func:`generate` to end; its [began, ended] in
+    the page's time (the failure lists every status the page showed). Polled every 100 ms, not at
+    every frame: the 160-token run measures how late the page runs its tasks."""
+    try:
+        return page.wait_for_function(RUN_SPAN, polling=100, timeout=seconds * 1000).json_value()
+    except sync_api.TimeoutError:
+        pytest.fail(f"the dashboard's run did not end in {seconds} s: {page.evaluate(STATUSES)}")
+
+
 # runs code in the notebook's kernel without a cell (the dashboard's controls set from Python)
 KERNEL_EXECUTE = """(code) => new Promise((resolve, reject) => {
   const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
@@ -392,15 +406,10 @@ def answers_during_a_run(page, dash) -> None:
     a run within a second of the click. The figures are printed (the README quotes them)."""
     status = dash.locator(".clover-status")
     page.evaluate(KERNEL_EXECUTE, "dash.max_new_tokens.value = 160")
-    page.evaluate(WATCH_RUN)
     page.evaluate(WATCH_LATENESS)
-    dash.locator(".clover-generate button, button.clover-generate").first.click()
-    deadline = time.time() + 180
-    while not page.evaluate(RUN_SPAN):
-        assert time.time() < deadline, f"the 160-token run did not finish: {page.evaluate(STATUSES)}"
-        page.wait_for_timeout(100)
+    generate(page, dash)
+    began, ended = run_span(page, 180)
     page.evaluate("() => { window.__lateStop = true; }")
-    began, ended = page.evaluate(RUN_SPAN)
     # every tick due during the run: how long a click at that moment would have waited for the page
     late = [(lateness / 1000, (t - began) / 1000) for t, lateness in page.evaluate("() => window.__late")
             if began <= t - lateness <= ended]
@@ -421,13 +430,12 @@ def answers_during_a_run(page, dash) -> None:
     # Stop: clicked a moment into a run of 1024 tokens (~8 s here; a 160-token run had sometimes
     # ended by its length before the click landed), it ends (its status says so) within a second
     page.evaluate(KERNEL_EXECUTE, "dash.max_new_tokens.value = 1024")
-    page.evaluate(WATCH_RUN)
-    dash.locator(".clover-generate button, button.clover-generate").first.click()
+    generate(page, dash)
     page.wait_for_function("() => window.__statuses.some(s => s.text.startsWith('generating'))", timeout=30_000)
     page.wait_for_timeout(300)
     dash.locator(".clover-stop button, button.clover-stop").first.click()
     clicked = time.perf_counter()
-    page.wait_for_function(RUN_SPAN, timeout=30_000)
+    run_span(page, 30)
     stopped = time.perf_counter() - clicked
     print(f"Stop: the run ended {stopped:.2f} s after the click ({status.inner_text()})")
     assert "cancelled" in status.inner_text(), status.inner_text()  # ended by Stop, not by its length
