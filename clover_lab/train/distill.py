@@ -11,7 +11,10 @@ into the block-diffusion objective (with the confidence term) alongside real tex
     python -m clover_lab.train.distill --run runs/stdlib --sequences 2048
 
 A stopped distillation resumes where it stopped when run again (the rows made so far are kept in
-OUT's ``.partial.pt`` beside it, after every batch).
+OUT's ``.partial.pt`` beside it, after every batch). Corpora of different prefixes (windows, and
+``--functions``' bodies) are mixed into one, rows in the order given, for a stage that trains on both:
+
+    python -m clover_lab.train.distill --merge runs/s/bodies.pt runs/s/windows.pt --out runs/s/both.pt
 
 Continuations are greedy causal decoding (the model's strongest predictor) with a repetition
 penalty over the continuation so far, so that the corpus does not teach the model to loop.
@@ -135,6 +138,24 @@ def make_corpus(model: CloverModel, tokens: torch.Tensor, sequences: int, seq_le
             "dropped": dropped, "settings": settings}
 
 
+def merge_corpora(corpora: list[dict], names: list[str] | None = None) -> dict:
+    """One corpus of the rows of ``corpora`` (``make_corpus``'s), in the order given: its
+    ``settings`` keep each part's (under ``parts``, with its row count), ``dropped`` their sum.
+    The rows must be as long as each other (a ValueError names the part that is not)."""
+    if not corpora:
+        raise ValueError("nothing to merge")
+    names = names or [f"corpus {i}" for i in range(len(corpora))]
+    length = corpora[0]["sequences"].shape[1]
+    for name, c in zip(names, corpora):
+        if c["sequences"].shape[1] != length:
+            raise ValueError(f"{name}: rows of {c['sequences'].shape[1]} tokens, {names[0]}'s are {length}")
+    return {"sequences": torch.cat([c["sequences"] for c in corpora]),
+            "prompt_lens": torch.cat([c["prompt_lens"] for c in corpora]),
+            "dropped": sum(c["dropped"] for c in corpora),
+            "settings": {"seq_len": length, "parts": [{**c["settings"], "rows": len(c["sequences"]), "file": name}
+                                                      for name, c in zip(names, corpora)]}}
+
+
 def model_fingerprint(model: CloverModel) -> str:
     """A hash of the model's weights: a partial corpus resumes only with the model that began it."""
     h = hashlib.sha1()
@@ -178,7 +199,11 @@ def main(argv=None):
     ap.add_argument("--functions", action="store_true",
                     help="prefixes that end at a function's head (the run's functions.pt, train.functions) "
                          "instead of windows: the model's own bodies for them")
+    ap.add_argument("--merge", nargs="+", metavar="CORPUS",
+                    help="instead of distilling: write the rows of these corpora, in this order, as one (--out)")
     args = ap.parse_args(argv)
+    if args.merge:
+        return _merge(ap, args)
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be a positive integer, got {args.threads}")
     model_dir, tokens_file, out = _sources(ap, args)
@@ -213,6 +238,25 @@ def main(argv=None):
     print(f"{out}: {len(corpus['sequences'])} sequences of {args.seq_len} tokens in {time.monotonic() - t0:.0f} s "
           f"({corpus['dropped']} continuations dropped: loops" + (", bodies that ignore their head" if functions else "")
           + ")")
+
+
+def _merge(ap, args) -> None:
+    if not args.out:
+        ap.error("--merge needs --out")
+    out, parts = Path(args.out), [Path(p) for p in args.merge]
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        ap.error(f"--merge: no such corpus: {', '.join(missing)}")
+    try:
+        refuse_inputs(out, [("--merge", p) for p in parts], "--out")
+        check_writable(out.parent, what="--out")
+        corpus = merge_corpora([torch.load(p, weights_only=False) for p in parts], [str(p) for p in parts])
+    except (OutputError, ValueError, KeyError) as e:
+        ap.error(f"--merge: {e}" if not isinstance(e, KeyError) else f"--merge: not a distillation corpus (no {e})")
+    with atomic_path(out) as tmp:
+        torch.save(corpus, tmp)
+    print(f"{out}: {len(corpus['sequences'])} sequences of {corpus['settings']['seq_len']} tokens from "
+          + ", ".join(f"{p['rows']} of {p['file']}" for p in corpus["settings"]["parts"]))
 
 
 def partial_path(out: Path) -> Path:

@@ -1,5 +1,6 @@
 """Self-distillation corpus: the model's own greedy continuations, and training that mixes them in."""
 import copy
+import re
 
 import pytest
 import torch
@@ -180,3 +181,32 @@ def test_training_batch_mixes_the_corpus():
     plain = training.training_batch(tokens, None, s, torch.Generator().manual_seed(0))
     starts = torch.randint(0, 1000 - 32, (8,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(plain[:, 0], starts.long())
+
+
+def test_corpora_merge_in_order_and_refuse_rows_of_other_lengths(tiny_model, tmp_path, capsys):
+    """--merge: the rows of both corpora in the order given, each part's settings kept; rows of
+    another length, a missing part and --out naming a part are refused, and nothing is written."""
+    from clover_lab.train import distill
+
+    tokens = torch.randint(3, 500, (2000,), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    kw = dict(prompt_lens=(16,), batch_size=2, min_distinct=0.0, progress=False)
+    a, b = make_corpus(tiny_model, tokens, 2, seq_len=48, **kw), make_corpus(tiny_model, tokens, 3, seq_len=48,
+                                                                             seed=1, **kw)
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    distill.main(["--merge", str(tmp_path / "b.pt"), str(tmp_path / "a.pt"), "--out", str(tmp_path / "ab.pt")])
+    merged = torch.load(tmp_path / "ab.pt")
+    assert torch.equal(merged["sequences"], torch.cat([b["sequences"], a["sequences"]]))
+    assert merged["prompt_lens"].tolist() == b["prompt_lens"].tolist() + a["prompt_lens"].tolist()
+    assert [(p["rows"], p["seed"], p["file"]) for p in merged["settings"]["parts"]] == [
+        (3, 1, str(tmp_path / "b.pt")), (2, 0, str(tmp_path / "a.pt"))]
+    assert merged["dropped"] == a["dropped"] + b["dropped"] and "5 sequences of 48 tokens" in capsys.readouterr().out
+    torch.save(make_corpus(tiny_model, tokens, 2, seq_len=64, **kw), tmp_path / "long.pt")
+    for argv, match in ((["--merge", "a.pt", "long.pt", "--out", "x.pt"], "long.pt: rows of 64 tokens"),
+                        (["--merge", "a.pt", "none.pt", "--out", "x.pt"], "no such corpus: .*none.pt"),
+                        (["--merge", "a.pt", "b.pt", "--out", "a.pt"], "--out"),
+                        (["--merge", "a.pt", "b.pt"], "needs --out")):
+        with pytest.raises(SystemExit):
+            distill.main([x if x.startswith("--") else str(tmp_path / x) for x in argv])
+        assert re.search(match, capsys.readouterr().err), argv
+    assert not (tmp_path / "x.pt").exists() and torch.equal(torch.load(tmp_path / "a.pt")["sequences"], a["sequences"])
