@@ -68,7 +68,8 @@ def test_card_remeasures_generation_figures_and_keeps_the_models(gen_text_model_
     assert f"perplexity there (16 held-out windows of 256 tokens): {shipped['targets']['ar_perplexity']:.1f}" in readme
     t = written["targets"]["heldout"]
     assert "repetition_penalty=1.3" in readme and "bash make.sh" in readme
-    assert (f"| heldout (12 prompts) | {t['tokens_per_forward']:.2f} | {t['max_line_repeats']} | {t['looping']} |"
+    assert (f"| heldout ({measure.HELDOUT_WINDOWS} prompts) | {t['tokens_per_forward']:.2f} | "
+            f"{t['max_line_repeats']} | {t['looping']} |"
             in readme)
 
 
