@@ -144,7 +144,7 @@ def main(argv=None):
                              per_token_p90=quantile([r["per_token"] for r in results], 0.9),
                              same_text_as_alone=all(r["text"] == alone[r["prompt"]] for r in results)))
             print(f"concurrency {c}: {rows[-1]['tokens_per_second']:.1f} tokens/s", flush=True)
-        lengths = compare_lengths(base, args)
+        lengths = compare_lengths(engine, base, args)
     finally:
         server.should_exit = True
         thread.join(60)
@@ -157,37 +157,50 @@ def main(argv=None):
               f"{r['tokens_per_second'] / base1:.2f}x | {r['ttft_median']:.2f} / {r['ttft_p90']:.2f} | {pt} | "
               f"{'yes' if r['same_text_as_alone'] else 'NO'} |")
     print(f"\n8 clients x {len(args.lengths)} requests, {args.rounds} alternate rounds each:\n"
-          f"| requests | max_tokens | tokens/s (median of rounds) | p99 request seconds |\n|---|---|---|---|")
+          f"| requests | max_tokens | tokens/s (median of rounds) | forwards | tokens per forward | ms per forward "
+          f"| p99 request seconds |\n|---|---|---|---|---|---|---|")
     for name in ("identical", "differing"):
         r = lengths[name]
-        print(f"| {name} | {r['max_tokens']} | {r['tokens_per_second']:.1f} | {r['request_p99']:.2f} |")
+        print(f"| {name} | {r['max_tokens']} | {r['tokens_per_second']:.1f} | {r['forwards']:.0f} | "
+              f"{r['tokens_per_forward']:.2f} | {r['seconds_per_forward'] * 1000:.0f} | {r['request_p99']:.2f} |")
     print(f"differing / identical: {lengths['ratio']:.2f}x\n")
     write_result(args.out, f"serve-{'default-model' if args.model is None else Path(args.model).name}-cpu",
                  dict(args=vars(args), host=platform.node(), torch=torch.__version__, threads=args.threads, rows=rows,
                       lengths=lengths))
 
 
-def compare_lengths(base, args, clients: int = 8) -> dict:
+def compare_lengths(engine, base, args, clients: int = 8) -> dict:
     """Tokens per second of ``clients`` clients whose requests differ in max_tokens (client k's i-th
     request asks for ``lengths[(k + i) % n]``: each client asks for every length once) against as
-    many whose requests are identical (the mean length), alternately, ``args.rounds`` rounds each."""
+    many whose requests are identical (the mean length), alternately, ``args.rounds`` rounds each.
+    Each run also counts the engine's forwards after the prefills (``engine.loop.forwards``), which
+    splits the ratio in two: tokens per forward (how many rows each forward served: scheduling) and
+    seconds per forward (what a forward cost: the per-row settings' overhead)."""
     n = len(args.lengths)
     same = sum(args.lengths) // n
     plans = {"identical": (lambda k, i: same), "differing": (lambda k, i: args.lengths[(k + i) % n])}
     runs = {"identical": [], "differing": []}
     for _ in range(args.rounds):
         for name, length in plans.items():
-            t0 = time.perf_counter()
+            t0, before = time.perf_counter(), engine.loop.forwards
             results, wall = asyncio.run(level(base, clients, n, length))
             seconds = time.perf_counter() - t0  # with the event loop's start and end
-            runs[name].append(dict(tokens=sum(r["tokens"] for r in results), wall_seconds=wall, seconds=seconds,
-                                   tokens_per_second=sum(r["tokens"] for r in results) / wall,
+            tokens, forwards = sum(r["tokens"] for r in results), engine.loop.forwards - before
+            runs[name].append(dict(tokens=tokens, wall_seconds=wall, seconds=seconds, forwards=forwards,
+                                   tokens_per_second=tokens / wall, tokens_per_forward=tokens / forwards,
+                                   seconds_per_forward=wall / forwards,
                                    request_seconds=[r["seconds"] for r in results]))
-            print(f"{name}: {runs[name][-1]['tokens_per_second']:.1f} tokens/s", flush=True)
+            r = runs[name][-1]
+            print(f"{name}: {r['tokens_per_second']:.1f} tokens/s, {forwards} forwards, "
+                  f"{r['tokens_per_forward']:.2f} tokens and {r['seconds_per_forward'] * 1000:.0f} ms per forward",
+                  flush=True)
     out = {}
     for name, lengths in (("identical", [same]), ("differing", sorted(args.lengths))):
         tps = statistics.median(r["tokens_per_second"] for r in runs[name])
         out[name] = dict(max_tokens=lengths, tokens_per_second=tps, runs=runs[name],
+                         forwards=statistics.median(r["forwards"] for r in runs[name]),
+                         tokens_per_forward=statistics.median(r["tokens_per_forward"] for r in runs[name]),
+                         seconds_per_forward=statistics.median(r["seconds_per_forward"] for r in runs[name]),
                          request_p99=quantile([x for r in runs[name] for x in r["request_seconds"]], 0.99))
     out["ratio"] = out["differing"]["tokens_per_second"] / out["identical"]["tokens_per_second"]
     return out
