@@ -82,19 +82,30 @@ class Block:
 
 
 # --------------------------------------------------------------------------- the decoder
+JOIN_STEPS = 2  # a row that arrives joins a wave that began at most this many steps before
+
+
 def advance(loop, rows: list) -> None:
     """One step of a cohort's block-diffusion rows (``step_loop.py``). Rows resolve their blocks
     in waves: the rows that began their blocks at one step. When no row of a wave is resolving a
     block any more, its finished blocks wait (``row.pending``) and the wave begins its next blocks
-    together at the next step, each committed fused with its block's first preview; a row that
-    arrives begins its first block at once, in a wave of its own, so it never waits for the others'
-    blocks (waves that begin at one step are one). Then the rows still resolving preview, one
-    forward per group of rows that agree in block length, whether a finished block is committed in
-    the same forward and whether the next block is previewed too, whatever their wave; each row
-    decides its own unmasking from its own logits, so rows finish their blocks at different steps,
-    and a row whose block is done sits out the others' previews. A row that ends (EOS, a stop
-    string, its length, a hook) commits its last block on its own and leaves. Each row gives the
-    tokens it gives alone."""
+    together at the next step, each committed fused with its block's first preview (waves that
+    begin at one step are one). A row that arrives joins the wave that begins now, or at once
+    when none is going, or the youngest wave when that began at most ``JOIN_STEPS`` steps before
+    (that wave's blocks then end when its first block does too); else it waits for the next wave
+    that begins. Then the rows still resolving preview, one forward per group of rows
+    that agree in block length, whether a finished block is committed in the same forward and
+    whether the next block is previewed too, whatever their wave; each row decides its own
+    unmasking from its own logits, so rows finish their blocks at different steps, and a row whose
+    block is done sits out the others' previews. A row that ends (EOS, a stop string, its length,
+    a hook) commits its last block on its own and leaves. Each row gives the tokens it gives alone.
+
+    Why arrivals join young waves: requests sent together reach a server a step or two apart, and
+    a client's next request arrives a step or two into the wave that began when its last one
+    ended. Waiting for that wave's next boundary kept such a row idle for most of a block: in
+    ``bench/bench_serve.py`` 8 clients of identical requests took 183 forwards and 8 whose requests
+    differ in max_tokens 242-253; joining young waves, 128 and 205 (the same text for every
+    request). A wave of its own for each arrival cost a forward more per step instead."""
     waves: dict[int | None, list] = {}
     for row in rows:
         waves.setdefault(row.wave, []).append(row)
@@ -102,6 +113,11 @@ def advance(loop, rows: list) -> None:
     at_boundary = [wave for wave in waves.values() if not any(resolving(row) for row in wave)]
     if arrived and (at_boundary or not waves):  # rows that arrived join the wave that begins now, or begin one
         at_boundary.append(arrived)
+    elif arrived and loop.runner.coreset is None and loop.steps - max(waves) <= JOIN_STEPS:
+        youngest = max(waves)  # a wave's key: the step it began at
+        for row in arrived:
+            begin_block(row)
+            row.wave = youngest
     began = False
     for wave in at_boundary:  # a boundary: the wave begins its next blocks, one wave with every other beginning
         for row in wave:

@@ -82,6 +82,35 @@ def test_rows_join_at_any_step_and_give_their_own_tokens(engine, static):
     assert [u for u in stepped if u.kind == "commit" and u.committed == commits[-1].committed]  # step() returns them
 
 
+def test_a_row_that_arrives_joins_a_young_wave_and_a_later_one_waits(engine):
+    """A diffusion row that arrives within JOIN_STEPS steps of a wave's beginning begins its first
+    block at once in that wave (sharing its previews); one that arrives later waits for the next
+    boundary. Every row still gives its alone tokens."""
+    from clover_lab.engine.diffusion import JOIN_STEPS
+
+    one = dict(max_new_tokens=32, max_tokens_per_step=1)  # a block of 16 takes 16 steps
+    alone = [engine.generate(p, **one).token_ids for p in PROMPTS[:3]]
+
+    def row(handle):
+        return next(r for r in engine.loop.rows if r.handle is handle)
+
+    first = engine.submit(Request(PROMPTS[0], **one))
+    engine.step()
+    wave = row(first).wave
+    assert wave == engine.loop.steps
+    young = engine.submit(Request(PROMPTS[1], **one))
+    for _ in range(JOIN_STEPS - 1):
+        engine.step()
+    before = engine.loop.forwards
+    engine.step()  # young arrives JOIN_STEPS steps into the wave: it joins, one preview serves both
+    assert row(young).wave == wave and row(young).block is not None and engine.loop.forwards - before == 1
+    late = engine.submit(Request(PROMPTS[2], **one))
+    engine.step()  # JOIN_STEPS + 1 steps in: it waits for the wave's next boundary
+    assert row(late).wave is None and row(late).block is None
+    run_all(engine, [first, young, late])
+    assert [h.result.token_ids for h in (first, young, late)] == alone
+
+
 def test_a_longer_row_joining_grows_the_cache(engine):
     want = [engine.generate(PROMPTS[0], max_new_tokens=16).token_ids, engine.generate(PROMPTS[1],
                                                                                       max_new_tokens=300).token_ids]
