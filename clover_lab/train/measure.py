@@ -11,8 +11,9 @@ as the data.pt of a run that trained that tokenizer on this interpreter).
 
 On three prompt sets, ``NEW_TOKENS`` new tokens each, block diffusion: ``written``, code prompts
 of kinds the standard library does not hold (small exercises a newcomer types), ``heldout``,
-``HELDOUT_WINDOWS`` windows of the run's held-out modules (never trained on), and ``functions``, the heads (signature
-and docstring, dedented: ``train.functions``) of held-out functions that take arguments. Per set:
+``HELDOUT_WINDOWS`` windows of the run's held-out modules (never trained on), and ``functions``,
+the heads (signature and docstring, dedented: ``train.functions``) of held-out functions that take
+arguments. Per set:
 
 - ``tokens_per_forward``: new tokens over the forwards after the prefill, summed over the set;
 - ``max_line_repeats``: the most times any non-blank line (stripped) occurs in one completion, and
@@ -51,8 +52,8 @@ from clover_lab.train.objective import evaluate
 NEW_TOKENS = 96
 LOOP_REPEATS = 3
 # 48 held-out windows, not 12: 12 were too few to rank two models. Specimen v3 made 1.98 tokens per
-# forward on the first 12 (seed 11) and 1.33, 1.56 and 1.46 on the next three sets of 12, where v2
-# made 2.01, 2.04, 1.94 and 1.90: the first 12 had ranked v3 beside v2.
+# forward on the 12 of seed 11 and 1.33, 1.56 and 1.46 on the 12 of seeds 21, 31 and 41, where v2
+# made 2.01, 2.04, 1.94 and 1.90: seed 11's 12 had ranked v3 beside v2.
 HELDOUT_WINDOWS = 48
 WRITTEN_PROMPTS = [  # as typed, without a trailing newline: "\n" and the next line's indent are one BPE token
     "def is_prime(n):",
