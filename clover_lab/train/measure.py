@@ -107,9 +107,11 @@ def heldout_tokens(model_dir: str | Path, run: str | Path | None = None) -> torc
     return encode_files(tokenizer, split_corpus()[1])
 
 
-def heldout_prompts(tokens: torch.Tensor, count: int = HELDOUT_WINDOWS, length: int = 48,
+def heldout_prompts(tokens: torch.Tensor, count: int | None = None, length: int = 48,
                     seed: int = 11) -> list[list[int]]:
-    """``count`` windows of ``length`` held-out tokens at seeded random starts."""
+    """``count`` (by default ``HELDOUT_WINDOWS``) windows of ``length`` held-out tokens at seeded
+    random starts."""
+    count = HELDOUT_WINDOWS if count is None else count
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(tokens) - length, (count,), generator=gen).tolist()
     return [tokens[s:s + length].tolist() for s in starts]

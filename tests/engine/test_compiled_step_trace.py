@@ -8,6 +8,7 @@ from clover_lab.engine.graphs import StepGraphs, static_body
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64, 8, 400, 23]
 
 
+@pytest.mark.slow  # dynamo traces a step three times (11 s of a fast tier at its 10-minute budget)
 def test_a_static_step_traces_without_graph_breaks(gen_model):
     """A graph break inside the layer loop makes dynamo skip the loop and compile each layer's
     pieces apart (a step then pays dozens of guard checks): a fused projection's data-pointer

@@ -55,6 +55,7 @@ def test_card_remeasures_generation_figures_and_keeps_the_models(gen_text_model_
     run.mkdir()
     torch.save({"heldout": torch.randint(0, 500, (400,), dtype=torch.int32)}, run / "data.pt")
     monkeypatch.setattr(measure, "WRITTEN_PROMPTS", ["w1 w2", "w5"])
+    monkeypatch.setattr(measure, "HELDOUT_WINDOWS", 3)
     monkeypatch.setattr(card, "SWEEP_THRESHOLDS", (0.5,))
     monkeypatch.setattr(card, "SAMPLE_PROMPTS", ["w3"])
     figures = card.remeasure_generation(run, model, "bash make.sh")
@@ -68,7 +69,7 @@ def test_card_remeasures_generation_figures_and_keeps_the_models(gen_text_model_
     assert f"perplexity there (16 held-out windows of 256 tokens): {shipped['targets']['ar_perplexity']:.1f}" in readme
     t = written["targets"]["heldout"]
     assert "repetition_penalty=1.3" in readme and "bash make.sh" in readme
-    assert (f"| heldout ({measure.HELDOUT_WINDOWS} prompts) | {t['tokens_per_forward']:.2f} | "
+    assert (f"| heldout (3 prompts) | {t['tokens_per_forward']:.2f} | "
             f"{t['max_line_repeats']} | {t['looping']} |"
             in readme)
 
