@@ -3,7 +3,7 @@ count wins, the user's own count is left alone; glibc's malloc tuned for an engi
 from __future__ import annotations
 
 import platform
-import resource
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,20 +67,30 @@ def test_bad_thread_counts_are_refused_before_loading(bad, torch_threads):
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 
 
-def faults_of_a_fresh_block(mb: int = 64) -> int:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    block = torch.empty(mb << 18, dtype=torch.float32)  # mb MB
-    block.fill_(1.0)
-    del block
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+def heap() -> tuple[int, int]:
+    """The process's brk heap, [start, end), from /proc/self/maps."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith("[heap]"):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            return start, end
+    raise AssertionError("no [heap] mapping")
 
 
 @glibc
-def test_a_large_block_is_reused_without_page_faults(monkeypatch):
+def test_a_large_block_comes_from_the_heap_and_stays_there_when_freed(monkeypatch):
+    """Tuned, a 64 MB block is carved from the heap (untuned glibc maps it afresh and unmaps it on
+    free, a page fault per 4 KB page every time), and freeing it does not shrink the heap.
+    Whether the next block reuses those very pages depends on what else was allocated beside it
+    (a fault count checked that, and failed whenever a small allocation pinned the freed block:
+    every other block in a fresh process), so it is not asserted here."""
     monkeypatch.delenv("CLOVER_MALLOC", raising=False)
     assert cpu.tune_malloc()
-    faults_of_a_fresh_block()  # the first one may grow the heap
-    assert faults_of_a_fresh_block() < 1000  # 64 MB is 16384 pages: none faulted again
+    block = torch.empty(64 << 18, dtype=torch.float32)
+    block.fill_(1.0)
+    start, end = heap()
+    assert start <= block.data_ptr() < end
+    del block
+    assert heap()[1] >= end
 
 
 def test_system_malloc_is_left_alone_when_asked(monkeypatch):
