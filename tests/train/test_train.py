@@ -59,7 +59,7 @@ def test_tiny_run_learns_and_resumes(tmp_path, monkeypatch):
     files = training.stdlib_files()
     small = [f for f in files if f.name in ("bisect.py", "heapq.py", "colorsys.py", "keyword.py", "abc.py")]
     assert len(small) >= 4
-    monkeypatch.setattr(training, "split_corpus", lambda root=None: (small[:-1], small[-1:]))
+    monkeypatch.setattr(training.loop, "split_corpus", lambda root=None: (small[:-1], small[-1:]))
     settings = training.TrainSettings(seq_len=64, batch_size=4, lr=3e-3, warmup_steps=5, max_steps=40)
     overrides = dict(hidden_size=64, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
                      moe_intermediate_size=64, shared_expert_intermediate_size=64, head_dim=32,
@@ -103,7 +103,7 @@ def test_tiny_run_learns_and_resumes(tmp_path, monkeypatch):
 def test_a_run_starts_from_an_init_model_and_resumes_from_its_own_checkpoint(gen_text_model_dir, tmp_path,
                                                                              monkeypatch):
     files = [f for f in training.stdlib_files() if f.name in ("bisect.py", "heapq.py", "colorsys.py")]
-    monkeypatch.setattr(training, "split_corpus", lambda root=None: (files[:-1], files[-1:]))
+    monkeypatch.setattr(training.loop, "split_corpus", lambda root=None: (files[:-1], files[-1:]))
     (gen_text_model_dir / "card.json").write_text('{"training_steps": 7}')
     run = tmp_path / "run"
     settings = training.TrainSettings(seq_len=64, batch_size=2, warmup_steps=2, max_steps=10)
@@ -201,7 +201,7 @@ def test_a_train_resume_from_a_damaged_file_names_it(gen_text_model_dir, tmp_pat
     from clover_lab.errors import CheckpointError
 
     files = [f for f in training.stdlib_files() if f.name in ("bisect.py", "heapq.py", "colorsys.py")]
-    monkeypatch.setattr(training, "split_corpus", lambda root=None: (files[:-1], files[-1:]))
+    monkeypatch.setattr(training.loop, "split_corpus", lambda root=None: (files[:-1], files[-1:]))
     run = tmp_path / "run"
     settings = training.TrainSettings(seq_len=64, batch_size=2, warmup_steps=2, max_steps=10)
     training.train(run, minutes=0, settings=settings, init=gen_text_model_dir)
