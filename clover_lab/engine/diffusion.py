@@ -111,10 +111,10 @@ def advance(loop, rows: list) -> None:
         waves.setdefault(row.wave, []).append(row)
     arrived = waves.pop(None, [])
     at_boundary = [wave for wave in waves.values() if not any(resolving(row) for row in wave)]
+    youngest = max(waves, default=None)  # a wave's key: the step it began at
     if arrived and (at_boundary or not waves):  # rows that arrived join the wave that begins now, or begin one
         at_boundary.append(arrived)
-    elif arrived and loop.runner.coreset is None and loop.steps - max(waves) <= JOIN_STEPS:
-        youngest = max(waves)  # a wave's key: the step it began at
+    elif arrived and loop.runner.coreset is None and loop.steps - youngest <= JOIN_STEPS:
         for row in arrived:
             begin_block(row)
             row.wave = youngest

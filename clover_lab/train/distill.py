@@ -251,8 +251,10 @@ def _merge(ap, args) -> None:
         refuse_inputs(out, [("--merge", p) for p in parts], "--out")
         check_writable(out.parent, what="--out")
         corpus = merge_corpora([torch.load(p, weights_only=False) for p in parts], [str(p) for p in parts])
-    except (OutputError, ValueError, KeyError) as e:
-        ap.error(f"--merge: {e}" if not isinstance(e, KeyError) else f"--merge: not a distillation corpus (no {e})")
+    except KeyError as e:
+        ap.error(f"--merge: not a distillation corpus (no {e})")
+    except (OutputError, ValueError) as e:
+        ap.error(f"--merge: {e}")
     with atomic_path(out) as tmp:
         torch.save(corpus, tmp)
     print(f"{out}: {len(corpus['sequences'])} sequences of {corpus['settings']['seq_len']} tokens from "
