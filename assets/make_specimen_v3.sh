@@ -17,12 +17,17 @@
 #   clover_lab/train/newlines.py): after round 3 a head given with a newline after it (as typed
 #   with Enter) got no text at all, 34 of 40 held-out heads; round 4 taught it to go on (1 of 40)
 #   at the cost of sure blocks (held-out windows 1.80), which round 5's fresh corpus won back.
+#   A line may go on with WINDOWS and CONFIDENCE (make_specimen_v4.sh's rounds): WINDOWS N ("-":
+#   none) is the model's own greedy continuations of SEQUENCES training windows (distill without
+#   --functions, seed N; continuations that loop dropped), made like CORPUS N and merged after it
+#   (distill --merge) into the corpus DISTILL is drawn from; CONFIDENCE that round's confidence weight.
 # RUN/rounds-done.txt lists the finished stages, each with the step its schedule began at: a stage
 # whose schedule began after the last finished one is resumed, the others start theirs.
-# Then the run is exported to RUN/v3 with GENERATION as its defaults and measured there
+# Then the run is exported to RUN/NAME (v3) with GENERATION as its defaults and measured there
 # (python -m clover_lab.train.measure: tokens per forward, loops, distinctness, argument use, empty
 # completions after a trailing newline, prompt gain); with EXPORT (a model directory), exported there
-# too with its model card (v2's card, RUN/init_card.json, beside it). About 3 h 10 min on 2 CPU
+# too with its model card (BASELINE's card beside it: v2's, RUN/init_card.json; CARD_ARGS more
+# arguments of python -m clover_lab.train.card). About 3 h 10 min on 2 CPU
 # cores (A 36 min, each distillation 8 min, the rounds 15, 21, 17, 12 and 15 min, export and
 # measure 4 min).
 set -euo pipefail
@@ -43,6 +48,10 @@ ROUNDS=${ROUNDS:-"600 0.6 0.2 0 1
 600 0.85 0.05 0.03 4"}
 GENERATION=${GENERATION-"repetition_penalty=1.3"}  # the exported sampler defaults (GENERATION= for none)
 EXPORT=${EXPORT:-}
+NAME=${NAME:-v3}                # the run's export (RUN/NAME) that is measured
+BASELINE=${BASELINE:-$RUN/init_card.json}  # with EXPORT: the card its figures are set beside
+read -r -a CARD_ARGS <<< "${CARD_ARGS:-}"  # with EXPORT: more arguments of the card (e.g. --continues)
+COMMAND=${COMMAND:-bash assets/make_specimen_v3.sh}  # with EXPORT: the card's "Reproduce" command
 PY=${PY:-python}
 GENERATION_ARGS=()
 for G in $GENERATION; do GENERATION_ARGS+=(--generation "$G"); done
@@ -73,20 +82,35 @@ stage() {
 [ -f "$DONE" ] || echo "init $(state | cut -d' ' -f1)" > "$DONE"
 stage A "$STEPS_A" --lr "$LR" --confidence-weight "$CONFIDENCE" --functions-share "$FUNCTIONS_A"
 N=0
-while read -r -u 3 STEPS DISTILL FUNCTIONS SPLIT CORPUS; do
-    N=$((N + 1))
-    HEADS="$RUN/distill-heads-$CORPUS.pt"
-    if ! grep -q "^$N " "$DONE" && [ ! -f "$HEADS" ]; then
-        $PY -m clover_lab.train.distill --run "$RUN" --out "$HEADS" --functions --sequences "$SEQUENCES" \
-            --seed "$CORPUS" --threads "$THREADS"
+# a corpus of the model's own continuations, made once (when a round first needs it, from the model
+# as it is then): corpus SEED FILE [--functions]
+corpus() {
+    local seed=$1 file=$2
+    shift 2
+    if ! grep -q "^$N " "$DONE" && [ ! -f "$file" ]; then
+        $PY -m clover_lab.train.distill --run "$RUN" --out "$file" "$@" --sequences "$SEQUENCES" --seed "$seed" \
+            --threads "$THREADS"
     fi
-    stage "$N" "$STEPS" --lr "$LR" --confidence-weight "$CONFIDENCE" --distill "$HEADS" --distill-share "$DISTILL" \
-        --functions-share "$FUNCTIONS" --split-newlines "$SPLIT"
+}
+while read -r -u 3 STEPS DISTILL FUNCTIONS SPLIT CORPUS WINDOWS ROUND_CONFIDENCE; do
+    N=$((N + 1))
+    DATA="$RUN/distill-heads-$CORPUS.pt"
+    corpus "$CORPUS" "$DATA" --functions
+    if [ -n "$WINDOWS" ] && [ "$WINDOWS" != - ]; then  # the bodies, then continuations of training windows
+        corpus "$WINDOWS" "$RUN/distill-windows-$WINDOWS.pt"
+        MIX="$RUN/distill-mix-$CORPUS-$WINDOWS.pt"
+        if ! grep -q "^$N " "$DONE" && [ ! -f "$MIX" ]; then
+            $PY -m clover_lab.train.distill --merge "$DATA" "$RUN/distill-windows-$WINDOWS.pt" --out "$MIX"
+        fi
+        DATA=$MIX
+    fi
+    stage "$N" "$STEPS" --lr "$LR" --confidence-weight "${ROUND_CONFIDENCE:-$CONFIDENCE}" --distill "$DATA" \
+        --distill-share "$DISTILL" --functions-share "$FUNCTIONS" --split-newlines "$SPLIT"
 done 3<<< "$ROUNDS"
-train --export "$RUN/v3" "${GENERATION_ARGS[@]}"
-$PY -m clover_lab.train.measure --model "$RUN/v3" --run "$RUN" --threads "$THREADS" --out "$RUN/v3/measure.json"
+train --export "$RUN/$NAME" "${GENERATION_ARGS[@]}"
+$PY -m clover_lab.train.measure --model "$RUN/$NAME" --run "$RUN" --threads "$THREADS" --out "$RUN/$NAME/measure.json"
 if [ -n "$EXPORT" ]; then  # the run's last step: nothing is trained here
     train --export "$EXPORT" "${GENERATION_ARGS[@]}"
-    $PY -m clover_lab.train.card --run "$RUN" --model "$EXPORT" --baseline "$RUN/init_card.json" \
-        --threads "$THREADS"
+    $PY -m clover_lab.train.card --run "$RUN" --model "$EXPORT" --baseline "$BASELINE" "${CARD_ARGS[@]}" \
+        --command "$COMMAND" --threads "$THREADS"
 fi

@@ -109,9 +109,11 @@ SAMPLE_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n
 SWEEP_THRESHOLDS = (0.7, 0.5)
 
 
-def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None = None) -> dict:
+def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None = None,
+               continues: bool = False) -> dict:
     """Measure the model in ``model_dir`` (trained in ``run``) and write card.json, the loss curve
-    and README.md there. ``baseline``: an earlier card.json to set the figures beside."""
+    and README.md there. ``baseline``: an earlier card.json to set the figures beside; ``continues``:
+    that card is of an earlier export of this same run (this version is the steps since)."""
     engine = load(model_dir)
     torch.manual_seed(0)
     data = torch.load(run / "data.pt")
@@ -133,6 +135,7 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
         "functions_share": state["settings"].get("functions_share", 0.0),
         "split_newlines": state["settings"].get("split_newlines", 0.0),
         "init": state["settings"].get("init"),
+        "distill_parts": distill_parts(state["settings"].get("distill_data")),
         "rounds": round_rows(run),
         "heldout_modules": len(data["heldout_modules"]),
         "heldout_tokens": len(held),
@@ -141,10 +144,11 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
     figures["targets"] = measure(model_dir, held)
     figures["measure_seconds"] = time.time() - t0
     b = json.loads(Path(baseline).read_text()) if baseline is not None else None
-    figures["stages"] = stages(b, figures)
+    figures["stages"] = stages(b, figures, continues)
     if b is not None:
         figures["baseline"] = {k: b[k] for k in ("training_steps", "heldout", "speed_cpu", "speed_cpu_thresholds")
                                if k in b}
+        figures["baseline"]["card"] = str(baseline)
         if "targets" in b:  # without its samples
             figures["baseline"]["targets"] = {k: ({n: x for n, x in v.items() if n != "samples"}
                                                   if isinstance(v, dict) else v) for k, v in b["targets"].items()}
@@ -155,11 +159,22 @@ def write_card(run: Path, model_dir: Path, command: str, baseline: Path | None =
     return figures
 
 
-def stages(baseline: dict | None, f: dict) -> list[dict]:
+def distill_parts(corpus: str | None) -> list[dict] | None:
+    """What the run's last self-distillation corpus continued, per merged part: ``prefixes``
+    ("windows", or "function heads, ...") and ``rows``; None without a corpus, or when its file is gone."""
+    if not corpus or not Path(corpus).is_file():
+        return None
+    c = torch.load(corpus, weights_only=False)
+    parts = c["settings"].get("parts") or [{**c["settings"], "rows": len(c["sequences"])}]
+    return [{"prefixes": part.get("prefixes", "windows"), "rows": part["rows"]} for part in parts]
+
+
+def stages(baseline: dict | None, f: dict, continues: bool = False) -> list[dict]:
     """What made the model, oldest stage first: the baseline card's stages (a card written before
     cards kept them, v2's: v1 trained from scratch, then v2's self-distillation), then this run's:
     ``version``, ``steps``, ``kind`` ("scratch", "distillation", "functions": rows that start at a
-    function's head) and the kind's settings."""
+    function's head) and the kind's settings. ``continues``: the baseline is an earlier export of
+    this run, and this stage the steps since."""
     if baseline is None:
         earlier = []
     elif "stages" in baseline:
@@ -167,12 +182,15 @@ def stages(baseline: dict | None, f: dict) -> list[dict]:
     else:
         earlier = stages(baseline.get("baseline"), baseline) if baseline.get("init") else [
             {"version": 1, "steps": baseline["training_steps"], "kind": "scratch"}]
-    stage = {"version": len(earlier) + 1, "steps": f["training_steps"], "kind": "scratch"}
+    steps = f["training_steps"] - (baseline["training_steps"] if continues else 0)
+    stage = {"version": len(earlier) + 1, "steps": steps, "kind": "scratch"}
+    if continues:
+        stage["continues"] = True
     d = f.get("distillation")
     if f.get("functions_share"):
         stage.update(kind="functions", share=f["functions_share"], distill_share=d["share"] if d else 0.0,
                      confidence_weight=d["confidence_weight"] if d else None,
-                     split_newlines=f.get("split_newlines", 0.0))
+                     split_newlines=f.get("split_newlines", 0.0), distill_parts=f.get("distill_parts"))
     elif d and f.get("init"):
         stage.update(kind="distillation", share=d["share"], confidence_weight=d["confidence_weight"],
                      rounds=len({r["round"] for r in f.get("rounds") or []}))
@@ -297,16 +315,28 @@ def render_stage(stage: dict) -> str:
                 f"clover_lab.train.distill`, continuations that loop dropped) were {stage['share']:.0%} of every "
                 f"batch, with the\n  confidence term at weight {stage['confidence_weight']}, so that it learns to be "
                 f"sure of whole blocks and unmasks several tokens per pass.")
+    if stage.get("continues"):
+        start = (f"\n- Specimen v{v}: it continues v{v - 1}'s training run (the same optimizer state, tokenizer and "
+                 f"held-out split) for {stage['steps']} more steps")
     if stage["kind"] == "functions":
-        distilled = (f"; {stage['distill_share']:.0%} were its own greedy bodies for such heads\n  (`python -m "
-                     f"clover_lab.train.distill --functions`: bodies that loop or name none of their head's "
-                     f"arguments dropped),\n  with the confidence term at weight {stage['confidence_weight']}, so "
-                     f"that it stays sure of whole blocks" if stage.get("distill_share") else "")
+        heads = ("greedy bodies for such heads\n  (`python -m clover_lab.train.distill --functions`: bodies that loop "
+                 "or name none of their head's arguments dropped)")
+        bodies, purpose = f"its own {heads}", "to follow its prompt"
+        parts = stage.get("distill_parts") or []
+        windows = sum(p["rows"] for p in parts if p["prefixes"] == "windows")
+        if windows and windows < sum(p["rows"] for p in parts):
+            bodies = (f"its own greedy continuations of {windows:,} training windows (`python -m\n  "
+                      f"clover_lab.train.distill`: those that loop dropped) and its {sum(p['rows'] for p in parts) - windows:,}"
+                      f" {heads},\n  merged (`distill --merge`)")
+            purpose = "to be surer of whole blocks of code it has not seen while it follows its prompt"
+        distilled = (f"; {stage['distill_share']:.0%} were {bodies},\n  with the confidence term at weight "
+                     f"{stage['confidence_weight']}, so that it stays sure of whole blocks"
+                     if stage.get("distill_share") else "")
         newlines = (f"; and {stage['split_newlines']:.0%} of the newline+indent tokens were written as the "
                     f"newline and the indent\n  apart (`clover_lab.train.newlines`), as a prompt that ends on a "
                     f"newline tokenizes them, so that such\n  a prompt is continued, not ended"
                     if stage.get("split_newlines") else "")
-        return (f"{start} (`assets/make_specimen_v3.sh`) to follow its prompt; in its last schedule\n  "
+        return (f"{start} (`assets/make_specimen_v{v}.sh`) {purpose}; in its last schedule\n  "
                 f"{stage['share']:.0%} of every batch were rows that start at a function's head, its signature and "
                 f"docstring\n  cut out of the training modules and dedented (`clover_lab.train.functions`), then its "
                 f"body{distilled}{newlines}.")
@@ -329,6 +359,25 @@ def render_distillation(f: dict) -> str:
 def version(f: dict) -> int:
     """The specimen's version: its stage's (v1 a run from scratch)."""
     return (f.get("stages") or stages(f.get("baseline"), f))[-1]["version"]
+
+
+def run_version(f: dict) -> int:
+    """The version whose training run made this model: its own, or the one it continues."""
+    done = f.get("stages") or stages(f.get("baseline"), f)
+    v = len(done)
+    while v > 1 and done[v - 1].get("continues"):
+        v -= 1
+    return done[v - 1]["version"]
+
+
+def card_command(f: dict) -> str:
+    """The card's command line, as the recipe runs it."""
+    if not f.get("baseline"):
+        return "python -m clover_lab.train.card --run RUN --model assets/clover-stdlib"
+    if (f.get("stages") or [{}])[-1].get("continues"):
+        return (f"python -m clover_lab.train.card --run RUN --model assets/clover-stdlib --baseline "
+                f"RUN/v{version(f) - 1}/card.json --continues")
+    return "python -m clover_lab.train.card --run RUN --model assets/clover-stdlib --baseline RUN/init_card.json"
 
 
 def render_steps(f: dict) -> str:
@@ -358,8 +407,9 @@ def render_baseline(f: dict) -> str:
         for name, key, fmt in (("tokens per forward", "tokens_per_forward", ".2f"), ("looping completions", "looping", "d"),
                                ("most repeats of a line", "max_line_repeats", "d"),
                                ("distinct first lines", "distinct_first_lines", ".2f")):
-            for prompts in ("heldout", "written", "functions"):
-                if all(prompts in x["targets"] for x in (b, f)):
+            for prompts in ("heldout", "written", "functions"):  # only sets of as many prompts compare
+                if (all(prompts in x["targets"] for x in (b, f))
+                        and b["targets"][prompts].get("prompts") == f["targets"][prompts].get("prompts")):
                     rows.append((f"{prompts} prompts, {name} (its own defaults)",
                                  lambda x, p=prompts, k=key: x["targets"][p][k], fmt))
         for prompts in ("written", "functions"):
@@ -369,10 +419,13 @@ def render_baseline(f: dict) -> str:
         if all("prompt_gain" in x["targets"] for x in (b, f)):
             rows.append(("prompt gain, nats per body token", lambda x: x["targets"]["prompt_gain"]["gain"], ".3f"))
     body = "\n".join(f"| {name} | {get(b):{fmt}} | {get(f):{fmt}} |" for name, get, fmt in rows)
+    # a baseline set measured again after its card (e.g. on more prompts) says so under the table
+    later = "".join(f"\nIts {name} prompts: {t['remeasured']}." for name, t in (b.get("targets") or {}).items()
+                    if isinstance(t, dict) and t.get("remeasured"))
     if f.get("init"):
         v = version(f)
         return (f"\nv{v - 1} (the model this one started from, its card's figures) and v{v} (the same "
-                f"measurements):\n\n| figure | v{v - 1} | v{v} |\n|---|---|---|\n{body}\n")
+                f"measurements):\n\n| figure | v{v - 1} | v{v} |\n|---|---|---|\n{body}\n{later}\n")
     return (f"\nBefore and after the last training stage (the same measurements; before: step "
             f"{b['training_steps']}):\n\n| figure | step {b['training_steps']} | step {f['training_steps']} |\n"
             f"|---|---|---|\n{body}\n")
@@ -407,9 +460,9 @@ Reproduce (from the repository root):
 {command}
 ```
 
-## Held-out figures (measured by `python -m clover_lab.train.card --run RUN --model assets/clover-stdlib{" --baseline RUN/init_card.json" if f.get("baseline") else ""}`)
+## Held-out figures (measured by `{card_command(f)}`)
 
-RUN: the training run the command above makes ({f"`runs/specimen{version(f)}`, v{version(f)}'s" if f.get("init") else "`runs/stdlib`"}); every figure is measured on its held-out split.
+RUN: the training run the command above makes ({f"`runs/specimen{run_version(f)}`, v{version(f)}'s" if f.get("init") else "`runs/stdlib`"}); every figure is measured on its held-out split.
 
 Masked-token accuracy, each block of 16 masked at exactly the given ratio, previewed against the clean prefix:
 
@@ -457,6 +510,9 @@ def main(argv=None):
     ap.add_argument("--command", default="bash assets/make_default_model.sh", help="the command that reproduces it")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--baseline", help="an earlier card.json to set the figures beside")
+    ap.add_argument("--continues", action="store_true",
+                    help="the baseline is the card of an earlier export of this same run: this version is the "
+                         "steps since (a recipe that continues the run, e.g. make_specimen_v4.sh)")
     ap.add_argument("--generation-only", action="store_true",
                     help="re-measure only what depends on generation_config.json (speed, samples, targets), "
                          "keeping the model's other figures from its card.json")
@@ -467,8 +523,10 @@ def main(argv=None):
         figures = remeasure_generation(Path(args.run), Path(args.model), args.command)
         print(json.dumps({k: figures[k] for k in ("speed_cpu", "generation_seconds")}, indent=2))
         return
+    if args.continues and not args.baseline:
+        ap.error("--continues: give --baseline, the card of the earlier export of this run")
     figures = write_card(Path(args.run), Path(args.model), args.command,
-                         Path(args.baseline) if args.baseline else None)
+                         Path(args.baseline) if args.baseline else None, args.continues)
     print(json.dumps({k: v for k, v in figures.items() if k not in ("samples", "baseline")}, indent=2))
 
 

@@ -1,5 +1,6 @@
 """The specimen's targets (clover_lab.train.measure): repeated lines, distinctness, tokens per forward."""
 import pytest
+import torch
 
 from clover_lab.train import measure
 
@@ -138,7 +139,7 @@ def test_card_of_a_run_started_from_a_model_says_v2_and_sets_v1_beside_it():
     from clover_lab.train import card
 
     v1 = json.loads((Path(card.__file__).parents[2] / "assets/clover-stdlib/card.json").read_text())
-    for key in ("init", "rounds", "baseline", "stages", "functions_share", "split_newlines"):
+    for key in ("init", "rounds", "baseline", "stages", "functions_share", "split_newlines", "distill_parts"):
         v1.pop(key, None)
     v1["targets"] = _measured(1.61, 0, {"repetition_penalty": 1.3, "frequency_penalty": 0.5})
     v2 = {**v1, "init": "assets/clover-stdlib", "training_steps": 1250, "baseline": v1,
@@ -194,6 +195,49 @@ def test_card_of_a_run_started_from_a_model_says_v2_and_sets_v1_beside_it():
     readme = " ".join(card.render(v3, config, "bash make.sh").split())
     assert "10% of the newline+indent tokens were written as the newline and the indent apart" in readme
     assert "with a newline after them (as typed with Enter at the end): 25% get no text" in readme
+    # v4 continues v3's training run: its stage is the steps since v3's export, on its own bodies and
+    # its own continuations of training windows, merged
+    v4 = {**v3, "training_steps": 3000, "functions_share": 0.15, "split_newlines": 0.03,
+          "distillation": {"from_step": 2400, "share": 0.75, "confidence_weight": 2.0},
+          "distill_parts": [{"prefixes": "function heads, bodies that use their arguments", "rows": 1536},
+                            {"prefixes": "windows", "rows": 1536}],
+          "baseline": {**v3["baseline"], "card": "runs/specimen3/v3/card.json"}}
+    v4["stages"] = card.stages(v3, v4, continues=True)
+    assert [(s["version"], s["steps"], s.get("continues", False)) for s in v4["stages"]] == [
+        (1, steps, False), (2, 1250, False), (3, 1800, False), (4, 1200, True)]
+    readme = " ".join(card.render(v4, config, "bash assets/make_specimen_v4.sh").split())
+    assert f"{steps} + 1250 + 1800 + 1200 = {steps + 4250} training steps (v1 + v2 + v3 + v4)" in readme
+    assert ("Specimen v4: it continues v3's training run (the same optimizer state, tokenizer and held-out split) "
+            "for 1200 more steps (`assets/make_specimen_v4.sh`)") in readme
+    assert "75% were its own greedy continuations of 1,536 training windows" in readme
+    assert "and its 1,536 greedy bodies for such heads" in readme and "confidence term at weight 2.0" in readme
+    assert "--baseline RUN/v3/card.json --continues`)" in readme and "(`runs/specimen3`, v4's)" in readme
+    assert "Specimen v3: it starts from v2" in readme and "| figure | v3 | v4 |" in readme
+    # a set measured on other prompts than the baseline's is not set beside it, unless measured again
+    v4["targets"] = {**v4["targets"], "heldout": {**v4["targets"]["heldout"], "prompts": 48}}
+    readme = " ".join(card.render(v4, config, "bash assets/make_specimen_v4.sh").split())
+    assert "| heldout prompts, tokens per forward" not in readme and "| written prompts, tokens per forward" in readme
+    v4["baseline"]["targets"] = {**v4["baseline"]["targets"], "heldout": {
+        **v4["baseline"]["targets"]["heldout"], "prompts": 48, "remeasured": "its 48 windows, measured later"}}
+    readme = " ".join(card.render(v4, config, "bash assets/make_specimen_v4.sh").split())
+    assert "| heldout prompts, tokens per forward" in readme and "Its heldout prompts: its 48 windows" in readme
+
+
+def test_distill_parts_reads_what_the_runs_corpus_continued(tmp_path):
+    from clover_lab.train import card
+    from clover_lab.train.distill import merge_corpora
+
+    def corpus(rows, prefixes):
+        return {"sequences": torch.zeros(rows, 8, dtype=torch.long), "prompt_lens": torch.zeros(rows),
+                "dropped": 0, "settings": {"seq_len": 8, "prefixes": prefixes}}
+
+    bodies, windows = corpus(3, "function heads, bodies that use their arguments"), corpus(2, "windows")
+    torch.save(bodies, tmp_path / "heads.pt")
+    torch.save(merge_corpora([bodies, windows]), tmp_path / "mix.pt")
+    assert card.distill_parts(str(tmp_path / "heads.pt")) == [
+        {"prefixes": "function heads, bodies that use their arguments", "rows": 3}]
+    assert [p["rows"] for p in card.distill_parts(str(tmp_path / "mix.pt"))] == [3, 2]
+    assert card.distill_parts(str(tmp_path / "gone.pt")) is None and card.distill_parts(None) is None
 
 
 def test_empty_after_newline_gives_each_head_a_newline_and_counts_the_blank_completions():
@@ -218,3 +262,11 @@ def test_empty_after_newline_gives_each_head_a_newline_and_counts_the_blank_comp
 
 def test_empty_after_newline_is_none_without_a_newline_token(tiny_text_engine):
     assert measure.empty_after_newline(tiny_text_engine, [[3, 4]]) is None
+
+
+def test_card_continues_needs_the_earlier_card(tmp_path, capsys):
+    from clover_lab.train import card
+
+    with pytest.raises(SystemExit) as e:
+        card.main(["--run", str(tmp_path), "--model", str(tmp_path), "--continues"])
+    assert e.value.code == 2 and "--continues: give --baseline" in capsys.readouterr().err

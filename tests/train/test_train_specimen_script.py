@@ -129,7 +129,7 @@ def test_specimen_v3_trains_on_function_heads_then_rounds_of_its_own_bodies(tmp_
     assert export.endswith(f"--export {run / 'v3'} --generation repetition_penalty=1.3")
     assert measure.endswith(f"--out {run / 'v3' / 'measure.json'}")
     assert export2.endswith(f"--export {tmp_path / 'model'} --generation repetition_penalty=1.3")
-    assert card.endswith(f"--baseline {run / 'init_card.json'} --threads 2")
+    assert card.endswith(f"--baseline {run / 'init_card.json'} --command bash assets/make_specimen_v3.sh --threads 2")
     assert (run / "rounds-done.txt").read_text().split("\n")[:5] == ["init 0", "A 0", "1 0", "2 0", "3 0"]
 
 
@@ -155,3 +155,70 @@ def test_specimen_v3_stops_when_a_stages_schedule_did_not_finish(tmp_path):
     proc = v3_run(tmp_path, STATE="0 300 1200", MINUTES="5")
     assert proc.returncode == 1 and "stage A stopped at step 300 of 1200 (MINUTES=5): run again to resume" in proc.stderr
     assert (run / "rounds-done.txt").read_text() == "init 0\n"
+
+
+V4 = SCRIPT.parent / "make_specimen_v4.sh"
+
+
+def v4_run(tmp_path, **env) -> subprocess.CompletedProcess:
+    run, calls, py = tmp_path / "run", tmp_path / "calls.txt", tmp_path / "py"
+    py.write_text(FAKE_PY_V3)
+    py.chmod(0o755)
+    full = {**os.environ, "RUN": str(run), "PY": str(py), "CALLS": str(calls), "STATE": "0 0 0", **env}
+    return subprocess.run(["bash", str(V4)], env=full, capture_output=True, text=True)
+
+
+def v4_calls(tmp_path) -> list[str]:
+    return [call for call in (tmp_path / "calls.txt").read_text().splitlines() if call[:2] != "-c"]
+
+
+@pytest.mark.slow  # bash runs the script
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_specimen_v4_continues_v3s_run_on_its_bodies_and_its_window_continuations(tmp_path):
+    run = tmp_path / "run"
+    (run / "v3").mkdir(parents=True)
+    (run / "train_state.pt").touch()
+    (run / "v3" / "measure.json").touch()  # v3 finished: its rounds are done, its corpus 4 made
+    (run / "v3" / "card.json").touch()
+    (run / "distill-heads-4.pt").touch()
+    (run / "rounds-done.txt").write_text("init 0\nA 0\n1 0\n2 0\n3 0\n4 0\n5 0\n")
+    proc = v4_run(tmp_path, EXPORT=str(tmp_path / "model"))
+    assert proc.returncode == 0, proc.stderr
+    (windows5, merge45, r6, heads6, windows6, merge66, r7, r8, heads8, windows8, merge88, r9, export, measure, export2,
+     card) = v4_calls(tmp_path)
+    assert windows5.startswith(f"-m clover_lab.train.distill --run {run} --out {run / 'distill-windows-5.pt'} "
+                               "--sequences 1536 --seed 5") and "--functions" not in windows5  # v3's continuations
+    mix45, mix66 = run / "distill-mix-4-5.pt", run / "distill-mix-6-6.pt"
+    assert merge45 == (f"-m clover_lab.train.distill --merge {run / 'distill-heads-4.pt'} "
+                       f"{run / 'distill-windows-5.pt'} --out {mix45}")
+    assert "--extend-steps 600" in r6 and r6.endswith(
+        f"--confidence-weight 1.0 --distill {mix45} --distill-share 0.85 --functions-share 0.05 --split-newlines 0.03")
+    assert "--seed 6" in windows6 and "--functions" in heads6 and "--seed 6" in heads6  # round 6's model's corpora
+    assert merge66.endswith(f"--out {mix66}") and f"--distill {mix66} --distill-share 0.75" in r7
+    assert "--confidence-weight 1.0" in r7 and r8.endswith(  # round 8: round 7's corpora, a surer model
+        f"--confidence-weight 2.0 --distill {mix66} --distill-share 0.75 --functions-share 0.15 --split-newlines 0.03")
+    assert "--seed 8" in heads8 and "--functions" in heads8 and "--seed 8" in windows8  # round 8's model's
+    assert r9.endswith(f"--confidence-weight 1.5 --distill {run / 'distill-mix-8-8.pt'} --distill-share 0.75 "
+                       "--functions-share 0.15 --split-newlines 0.03") and merge88.endswith("distill-mix-8-8.pt")
+    assert export.endswith(f"--export {run / 'v4'} --generation repetition_penalty=1.5")  # v4's: no loops there
+    assert measure.endswith(f"--out {run / 'v4' / 'measure.json'}")
+    assert export2.endswith(f"--export {tmp_path / 'model'} --generation repetition_penalty=1.5")
+    assert card.endswith(f"--baseline {run / 'v3' / 'card.json'} --continues --command bash assets/make_specimen_v4.sh "
+                         "--threads 2")
+    assert (run / "rounds-done.txt").read_text().splitlines()[7:] == ["6 0", "7 0", "8 0", "9 0"]
+
+
+@pytest.mark.slow  # bash runs the script
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_specimen_v4_runs_v3_first_and_needs_v3s_card_to_export(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train_state.pt").touch()  # as the fake's --init made it
+    proc = v4_run(tmp_path, EXPORT=str(tmp_path / "model"))
+    # v3's recipe ran to its export in RUN/v3 with its card there; the fake made no card, so v4 stops
+    assert proc.returncode == 1 and f"no card of v3 at {run / 'v3' / 'card.json'}" in proc.stderr
+    calls = v4_calls(tmp_path)
+    assert f"--export {run / 'v3'} --generation repetition_penalty=1.3" in calls[-2]  # v3's own defaults
+    assert calls[-1].endswith(f"--baseline {run / 'init_card.json'} --command bash assets/make_specimen_v3.sh "
+                              "--threads 2") and f"--model {run / 'v3'}" in calls[-1]
+    assert (run / "rounds-done.txt").read_text().splitlines() == ["init 0", "A 0", "1 0", "2 0", "3 0", "4 0", "5 0"]
