@@ -316,7 +316,7 @@ def test_bad_chat_bodies_and_invalid_json(server, client):
 
 def test_provisional_stream_and_trace_by_id(server, refs, tmp_path):
     base = server[0]
-    prompt = PROMPTS[5]  # a continuation of two blocks (20 tokens, no EOS before them)
+    prompt = PROMPTS[0]  # a continuation of two blocks (20 tokens, no EOS before them)
     body = {"model": NAME, "prompt": prompt, "max_tokens": 20, "stream": True,
             "clover": {"stream_provisional": True, "trace": True}}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
