@@ -309,15 +309,15 @@ def render_stage(stage: dict) -> str:
     v = stage["version"]
     start = (f"\n- Specimen v{v}: it starts from v{v - 1} (the same architecture, tokenizer and held-out split) "
              f"and adds {stage['steps']} steps")
+    if stage.get("continues"):
+        start = (f"\n- Specimen v{v}: it continues v{v - 1}'s training run (the same optimizer state, tokenizer and "
+                 f"held-out split) for {stage['steps']} more steps")
     if stage["kind"] == "distillation":
         return (f"{start} in {stage['rounds']} rounds of self-distillation\n  (`assets/make_specimen_v2.sh`): each "
                 f"round the model's own greedy continuations of training prefixes\n  (`python -m "
                 f"clover_lab.train.distill`, continuations that loop dropped) were {stage['share']:.0%} of every "
                 f"batch, with the\n  confidence term at weight {stage['confidence_weight']}, so that it learns to be "
                 f"sure of whole blocks and unmasks several tokens per pass.")
-    if stage.get("continues"):
-        start = (f"\n- Specimen v{v}: it continues v{v - 1}'s training run (the same optimizer state, tokenizer and "
-                 f"held-out split) for {stage['steps']} more steps")
     if stage["kind"] == "functions":
         heads = ("greedy bodies for such heads\n  (`python -m clover_lab.train.distill --functions`: bodies that loop "
                  "or name none of their head's arguments dropped)")
@@ -364,10 +364,7 @@ def version(f: dict) -> int:
 def run_version(f: dict) -> int:
     """The version whose training run made this model: its own, or the one it continues."""
     done = f.get("stages") or stages(f.get("baseline"), f)
-    v = len(done)
-    while v > 1 and done[v - 1].get("continues"):
-        v -= 1
-    return done[v - 1]["version"]
+    return next(s["version"] for s in reversed(done) if not s.get("continues"))
 
 
 def card_command(f: dict) -> str:
