@@ -1,0 +1,191 @@
+"""Benchmark tables rendered from their results files (bench/results/*.json), so that a figure the
+documentation shows has one source: the JSON a benchmark script wrote. The documentation site's build
+(docs/hooks/site.py) puts ``render(file)`` where a page says ``{{ bench_table("FILE") }}``, and
+``index()`` lists every results file with its rows; the scripts that print a table the site shows
+print it through the same function (bench/placement_table.py: ``placement``).
+
+Standard library only: the site builds without torch."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class TableError(ValueError):
+    """A table asked for that no results file or renderer gives: the site's build stops on it."""
+
+
+def load(name: str) -> dict:
+    path = RESULTS / name
+    if path.suffix != ".json" or path.parent != RESULTS:
+        raise TableError(f"{name!r}: name a results file of bench/results/, such as 'serve-...-cpu-20261203-072555.json'")
+    if not path.is_file():
+        raise TableError(f"bench/results/{name}: no such results file")
+    return json.loads(path.read_text())
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def yes(flag) -> str:
+    return "yes" if flag else "no"
+
+
+def batch(doc: dict) -> str:
+    """bench_batch.py: eager batches against batch 1, or (``--compiled``) compiled against eager."""
+    mode = {"diffusion": "diffusion", "ar": "AR"}
+    rows = doc["rows"]
+    if "compiled_tokens_per_second" in rows[0]:
+        return table(["mode", "batch", "eager tokens/s", "compiled tokens/s", "compiled vs eager",
+                      "compiled gives the eager batch's tokens"],
+                     [[mode[r["mode"]], r["batch_size"], f"{r['tokens_per_second']:.1f}",
+                       f"{r['compiled_tokens_per_second']:.1f}", f"{r['compiled_ratio']:.2f}x",
+                       yes(r["compiled_same_tokens"])] for r in rows])
+    return table(["mode", "batch", "tokens/s", "vs batch 1", "forwards", "same tokens as batch 1"],
+                 [[mode[r["mode"]], r["batch_size"], f"{r['tokens_per_second']:.1f}", f"{r['ratio']:.2f}x",
+                   r["forwards"], yes(r["same_tokens"])] for r in rows])
+
+
+def policies(doc: dict) -> str:
+    """bench_policies.py: each decoding rule against AR greedy."""
+    ar = next(r for r in doc["rows"] if r["policy"] == "ar")["tokens_per_second"]
+    return table(["policy", "tokens per forward", "tokens/s", "vs AR", "continuations equal to AR",
+                  "edits per token vs AR", "accepted drafted tokens per block"],
+                 [[r["policy"], f"{r['tokens_per_forward']:.2f}", f"{r['tokens_per_second']:.1f}",
+                   f"{r['tokens_per_second'] / ar:.2f}x", f"{r['exact_match']:.2f}", f"{r['edit_distance']:.3f}",
+                   f"{r['mean_accepted']:.2f}" if "mean_accepted" in r else ""] for r in doc["rows"]])
+
+
+def serve(doc: dict) -> str:
+    """bench_serve.py's first table: throughput and latency by concurrency (its format)."""
+    rows = doc["rows"]
+    base = rows[0]["tokens_per_second"]
+    out = []
+    for r in rows:
+        per_token = " / ".join("-" if x is None else f"{x * 1000:.0f}" for x in (r["per_token_median"], r["per_token_p90"]))
+        out.append([r["concurrency"], r["requests"], f"{r['tokens_per_second']:.1f}",
+                    f"{r['tokens_per_second'] / base:.2f}x", f"{r['ttft_median']:.2f} / {r['ttft_p90']:.2f}",
+                    per_token, yes(r["same_text_as_alone"])])
+    return table(["concurrency", "requests", "tokens/s", "vs 1", "first token median / p90 (s)",
+                  "per token median / p90 (ms)", "same text as alone"], out)
+
+
+def serve_lengths(doc: dict) -> str:
+    """bench_serve.py's second table: requests that differ in max_tokens against identical ones."""
+    out = []
+    for name in ("identical", "differing"):
+        r = doc["lengths"][name]
+        rounds = ", ".join(f"{run['tokens_per_second']:.1f}" for run in r["runs"])
+        forwards = sorted({run["forwards"] for run in r["runs"]})
+        out.append([name, ", ".join(str(t) for t in r["max_tokens"]), f"{r['tokens_per_second']:.1f} (rounds {rounds})",
+                    "-".join(str(f) for f in (forwards[0], forwards[-1]) if f is not None) if len(forwards) > 1
+                    else forwards[0], f"{r['tokens_per_forward']:.2f}", f"{r['seconds_per_forward'] * 1000:.0f}",
+                    f"{r['request_p99']:.2f}"])
+    return table(["requests", "max_tokens", f"tokens/s (median of {len(doc['lengths']['identical']['runs'])} rounds)",
+                  "forwards (each round)", "tokens per forward", "ms per forward", "p99 request seconds"], out)
+
+
+def grammar(doc: dict) -> str:
+    """bench_grammar.py: tokens per forward under each grammar, and how many outputs validate."""
+    out = []
+    for r in doc["rows"]:
+        valid = "" if r.get("valid") is None else f"{r['valid']}/{r['outputs']}"
+        out.append([r["grammar"], f"{r['tokens_per_forward']:.2f}", f"{r.get('ratio_to_unconstrained', 1.0):.2f}x", valid])
+    return table(["grammar", "tokens per forward", "vs unconstrained", "valid"], out)
+
+
+def coreset(doc: dict) -> str:
+    """bench_coreset.py: a coreset's size against the tokens it keeps and its tokens per forward."""
+    return table(["coreset", "tokens equal to no coreset", "tokens per forward", "ms per step"],
+                 [["none" if r["coreset_size"] is None else r["coreset_size"], f"{r['tokens_equal']:.3f}",
+                   f"{r['tokens_per_forward']:.2f}", f"{r['seconds_per_step'] * 1000:.1f}"] for r in doc["rows"]])
+
+
+def placement_row(r: dict) -> str:
+    host = f"{r['offloaded_layers']} layers, {r['host_gib']:.1f} GiB" if r["offloaded_layers"] else "none"
+    per = " + ".join(f"{v:.1f}" for v in r["per_gpu_gib"].values())
+    return (f"| {r['gpus']} | {r['dtype']} ({r['weights_gib']:.1f} GiB) | {yes(r['fits'])} | {per} | "
+            f"{host} | `{r['command']}` |")
+
+
+def placement(doc: dict) -> str:
+    """placement_table.py: which GPU sets hold the 35B model, and the command for each."""
+    return ("| GPUs | weights | fits on the GPUs | on the GPUs (GiB) | experts in host memory | command |\n"
+            "|---|---|---|---|---|---|\n" + "".join(placement_row(r) + "\n" for r in doc["rows"]))
+
+
+# results file name prefix -> renderer (the longest prefix that matches wins)
+RENDERERS = {"batch-default-model-": batch, "policies-": policies, "serve-": serve, "serve-lengths": serve_lengths,
+             "grammar-": grammar, "coreset-": coreset, "placement-35b-": placement}
+PARTS = {("serve-", "lengths"): serve_lengths}
+
+
+def render(name: str, part: str | None = None) -> str:
+    """The table of results file ``name`` (a file name in bench/results/); ``part`` picks one of a
+    file's several tables (serve: ``"lengths"``)."""
+    doc = load(name)
+    if part is not None:
+        for (prefix, p), fn in PARTS.items():
+            if name.startswith(prefix) and p == part:
+                return fn(doc)
+        raise TableError(f"bench/results/{name}: no table part {part!r}")
+    prefixes = sorted((p for p in RENDERERS if name.startswith(p)), key=len, reverse=True)
+    if not prefixes:
+        raise TableError(f"bench/results/{name}: no renderer for it in bench/tables.py (RENDERERS)")
+    return RENDERERS[prefixes[0]](doc)
+
+
+def latest(prefix: str) -> str:
+    """The newest results file whose name starts with ``prefix`` (names end in their date)."""
+    names = sorted(p.name for p in RESULTS.glob(prefix + "*.json"))
+    if not names:
+        raise TableError(f"bench/results/: no results file named {prefix}*.json")
+    return names[-1]
+
+
+def cell(value) -> str:
+    if isinstance(value, bool):
+        return yes(value)
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:.4g}"
+    if value is None:
+        return "-"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def rows_table(rows: list[dict]) -> str:
+    columns = []
+    for r in rows:
+        columns += [k for k, v in r.items() if k not in columns and not isinstance(v, (list, dict))]
+    return table(columns, [[cell(r.get(c)) for c in columns] for r in rows])
+
+
+def index() -> str:
+    """Every results file, newest first within each benchmark: what ran where, and its rows (each
+    top-level list of records, its scalar fields as columns)."""
+    out = []
+    for path in sorted(RESULTS.glob("*.json"), key=lambda p: p.name):
+        doc = json.loads(path.read_text())
+        where = ", ".join(f"{k} {doc[k]}" for k in ("date", "device_name", "torch", "threads") if k in doc)
+        settings = doc.get("args") or doc.get("settings") or {}
+        said = ", ".join(f"{k}={v}" for k, v in settings.items() if k not in ("out",) and not isinstance(v, dict))
+        out.append(f"### {path.stem}\n")
+        out.append(f"`bench/results/{path.name}`" + (f": {where}" if where else "") + "\n")
+        if said:
+            out.append(f"Settings: `{said}`\n")
+        tables = [(k, v) for k, v in doc.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)]
+        for key, rows in tables:
+            out.append(f"{key}:\n\n" + rows_table(rows))
+        if not tables:
+            scalars = {k: v for k, v in doc.items() if not isinstance(v, (list, dict))}
+            if scalars:
+                out.append(table(["field", "value"], [[k, cell(v)] for k, v in scalars.items()]))
+    return "\n".join(out)
