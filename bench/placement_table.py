@@ -23,6 +23,7 @@ from clover_lab.placement import meta_model, plan_placement
 
 sys.path.append(str(Path(__file__).resolve().parent))  # result_file.py, when a test imports this (last: shadows nothing)
 from result_file import DATE, RESULTS, write_result  # noqa: E402
+from result_tables import placement  # noqa: E402
 
 GiB = 1 << 30
 # (label, GiB per GPU as the driver reports it, count)
@@ -72,13 +73,7 @@ def main(argv=None) -> None:
     headroom = cache_bytes(config, args.context, dtype=torch.bfloat16) + int(args.activations * GiB)
     rows = [row(label, per_gpu, n, fp8, headroom, args.coreset) for label, per_gpu, n in GPU_SETS for fp8 in (False, True)]
     print(f"headroom per GPU: {headroom / GiB:.2f} GiB ({args.context}-token cache + {args.activations} GiB)\n")
-    print("| GPUs | weights | fits on the GPUs | on the GPUs (GiB) | experts in host memory | command |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        host = f"{r['offloaded_layers']} layers, {r['host_gib']:.1f} GiB" if r["offloaded_layers"] else "none"
-        per = " + ".join(f"{v:.1f}" for v in r["per_gpu_gib"].values())
-        print(f"| {r['gpus']} | {r['dtype']} ({r['weights_gib']:.1f} GiB) | {'yes' if r['fits'] else 'no'} | {per} | "
-              f"{host} | `{r['command']}` |")
+    print(placement({"rows": rows}), end="")  # the table the documentation renders from the JSON
     print()
     write_result(args.out, "placement-35b", {"context": args.context, "activations_gib": args.activations,
                                              "coreset": args.coreset, "headroom_gib": headroom / GiB, "rows": rows},

@@ -5,7 +5,7 @@ repository as it is, rather than from copies under docs/.
   notebooks/ become site files at ``assets/NAME`` and ``notebooks/NAME``, so a page links them and
   mkdocs-jupyter renders each notebook with the outputs it was saved with (never executed here).
 - A line ``{{ bench_table("FILE") }}`` (or ``{{ bench_table("FILE", "PART") }}``) becomes the table
-  bench/tables.py renders from bench/results/FILE, and ``{{ bench_results_index() }}`` every results
+  bench/result_tables.py renders from bench/results/FILE, and ``{{ bench_results_index() }}`` every results
   file's rows: a benchmark figure has one source, its JSON. A file or table that does not exist
   stops the build, naming the page.
 """
@@ -20,7 +20,7 @@ from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "bench" / "tables.py")
+spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "bench" / "result_tables.py")
 tables = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tables)
 

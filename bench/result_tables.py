@@ -137,7 +137,7 @@ def render(name: str, part: str | None = None) -> str:
         raise TableError(f"bench/results/{name}: no table part {part!r}")
     prefixes = sorted((p for p in RENDERERS if name.startswith(p)), key=len, reverse=True)
     if not prefixes:
-        raise TableError(f"bench/results/{name}: no renderer for it in bench/tables.py (RENDERERS)")
+        raise TableError(f"bench/results/{name}: no renderer for it in bench/result_tables.py (RENDERERS)")
     return RENDERERS[prefixes[0]](doc)
 
 

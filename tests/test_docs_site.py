@@ -1,0 +1,64 @@
+"""The documentation site builds strictly (mkdocs.yml: warnings are errors, internal links and
+anchors checked, every page in the navigation), into a temporary folder, by the one command the
+site's about page gives; and its benchmark tables come from bench/results (bench/result_tables.py)."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("bench_tables", REPO / "bench" / "result_tables.py")
+tables = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tables)
+
+
+def test_a_table_is_rendered_from_its_results_file():
+    text = tables.render("coreset-default-cpu-20261203-030554.json")
+    assert text.splitlines()[0] == "| coreset | tokens equal to no coreset | tokens per forward | ms per step |"
+    assert "| none | 1.000 | 2.08 | 12.0 |" in text and "| 8 | 0.664 | 1.98 | 14.7 |" in text
+    lengths = tables.render("serve-default-model-cpu-20261203-072555.json", "lengths")
+    assert "| differing | 16, 32, 64, 80 | 116.9 (rounds 118.2, 116.9, 112.1) | 204-205 | 7.49 | 64 | 6.30 |" in lengths
+
+
+@pytest.mark.parametrize("name,part,said", [
+    ("nope-20261203.json", None, "no such results file"),
+    ("../README.md", None, "name a results file"),
+    ("memory-cpu-2026-11-30.json", None, "no renderer for it"),
+    ("serve-default-model-cpu-20261203-072555.json", "nope", "no table part 'nope'"),
+])
+def test_a_table_that_does_not_exist_is_named(name, part, said):
+    with pytest.raises(tables.TableError, match=said):
+        tables.render(name, part)
+
+
+def test_every_results_file_is_listed():
+    index = tables.index()
+    for path in (REPO / "bench" / "results").glob("*.json"):
+        assert f"`bench/results/{path.name}`" in index
+
+
+@pytest.mark.slow  # a subprocess that renders every page, the notebooks and the API reference
+def test_the_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
+    pytest.importorskip("material", reason="the docs extra is not installed: pip install -e '.[docs]'")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    if sys.prefix != sys.base_prefix:  # a venv over the system's packages: nbconvert's templates lie there
+        env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [env.get("JUPYTER_PATH"),
+                                                          str(Path(sys.base_prefix) / "share" / "jupyter")]))
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "WARNING" not in out.stderr, out.stderr[-4000:]
+    site = tmp_path / "site"
+    pages = [p for p in site.rglob("index.html") if p.parent != site / "search"]
+    assert len(pages) >= 10
+    for notebook in (REPO / "notebooks").glob("*.ipynb"):  # each notebook a page
+        assert (site / "notebooks" / notebook.stem / "index.html").is_file(), notebook.name
+    assert (site / "assets" / "dashboard.png").is_file()
+    engine_api = (site / "api" / "engine" / "index.html").read_text()
+    assert "clover_lab.engine.engine.Engine" in engine_api and "clover_lab.engine.requests.Request" in engine_api
+    batch = (site / "guides" / "generation" / "index.html").read_text()
+    assert "{{ bench_table" not in batch and "<td>272.8</td>" in batch  # the eager batch table, from its JSON
