@@ -120,9 +120,28 @@ def placement(doc: dict) -> str:
             "|---|---|---|---|---|---|\n" + "".join(placement_row(r) + "\n" for r in doc["rows"]))
 
 
+def roofline(doc: dict) -> str:
+    """roofline.py: the 35B model's step shapes against the H200's roofline and the launch floor;
+    tokens/s from the longer of the two (a preview of 32 rows at 1 / 2 / 3.5 tokens per forward)."""
+    out = []
+    for s in doc["steps"]:
+        if s["commit_rows"] and not s["preview_rows"] and s["committed_length"] == 0:  # a prefill
+            rate = f"{s['commit_rows'] / s['step_ms'] * 1000:,.0f} prefill"
+        elif s["preview_rows"]:
+            rate = " / ".join(f"{tpf / s['step_ms'] * 1000:.0f}" for tpf in (1, 2, 3.5))
+        else:
+            rate = f"{1000 / s['step_ms']:.0f} / - / -"
+        out.append([s["step"], f"{s['experts_per_layer']:.1f}", f"{s['weight_bytes'] / 1e9:.2f}",
+                    f"{s['cache_bytes'] / 1e9:.3f}", f"{s['flops'] / 1e9:,.0f}", f"{s['roofline_ms']:.2f}",
+                    f"{s['launch_ms']:.2f}" if s["kernels_per_layer"] else "-", s["bound"], rate])
+    return table(["step", "experts/layer", "weights GB", "cache GB", "GFLOP", "roofline ms", "launch ms", "bound",
+                  "tok/s at 1 / 2 / 3.5 tokens per forward"], out)
+
+
 # results file name prefix -> renderer (the longest prefix that matches wins)
 RENDERERS = {"batch-default-model-": batch, "policies-": policies, "serve-": serve, "serve-lengths": serve_lengths,
-             "grammar-": grammar, "coreset-": coreset, "placement-35b-": placement}
+             "grammar-": grammar, "coreset-": coreset, "placement-35b-": placement,
+             "roofline-": roofline}
 PARTS = {("serve-", "lengths"): serve_lengths}
 
 

@@ -113,7 +113,7 @@ def test_bad_exploration_fields_name_themselves(client, clover, param):
 
 
 def test_readme_client_example(client, refs):
-    """The README's example, with the openai client (its extra fields are attributes)."""
+    """The example of docs/guides/serving.md (Exploration), with the openai client (its extra fields are attributes)."""
     import base64
 
     import numpy as np

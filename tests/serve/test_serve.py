@@ -456,7 +456,7 @@ WORDS = st.lists(st.integers(0, 508).map(lambda i: f"w{i}"), max_size=4).map(" "
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(before=WORDS, lone=SURROGATES, after=WORDS, where=st.sampled_from(["prompt", "messages", "stop"]))
 def test_a_lone_surrogate_is_a_400_naming_the_field(tiny_app, before, lone, after, where):
-    """A prompt holding a lone surrogate (JSON's "\\ud800") was a 500: the README promises never a 500."""
+    """A prompt holding a lone surrogate (JSON's "\\ud800") was a 500: docs/guides/bad-input.md promises never a 500."""
     client, _ = tiny_app
     text = f"{before} {lone} {after}"
     body = {"model": "tiny", "max_tokens": 2}
