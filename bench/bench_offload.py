@@ -11,7 +11,7 @@ times are not measured.
 
     python bench/bench_offload.py [--model DIR] [--tokens N] [--json FILE]
 
-Figures: bench/results/offload-default-model-cpu-2026-12-01.json (the README's table).
+Figures: bench/results/offload-default-model-cpu-2026-12-01.json (the table of docs/guides/real-model.md).
 """
 from __future__ import annotations
 

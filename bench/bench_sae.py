@@ -1,5 +1,5 @@
 """A TopK sparse autoencoder on the embedded model's residual stream, trained on the CPU and
-measured on held-out generations (issue 42): the README's figures.
+measured on held-out generations (issue 42): the figures of docs/guides/steering-and-features.md.
 
     python bench/bench_sae.py                    # 256 training and 32 held-out prompts, 64 new tokens
     python bench/bench_sae.py --seconds 60 --d-sae 1024 --save runs/sae

@@ -1,7 +1,7 @@
 """The documentation site's build hook (mkdocs.yml: ``hooks``): what the site takes from the
 repository as it is, rather than from copies under docs/.
 
-- The pictures in assets/ (*.png: the README's and the notebooks' screenshots) and the notebooks in
+- The pictures in assets/ (*.png: the screenshots the pages and the README show) and the notebooks in
   notebooks/ become site files at ``assets/NAME`` and ``notebooks/NAME``, so a page links them and
   mkdocs-jupyter renders each notebook with the outputs it was saved with (never executed here).
 - A line ``{{ bench_table("FILE") }}`` (or ``{{ bench_table("FILE", "PART") }}``) becomes the table

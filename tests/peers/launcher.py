@@ -1,5 +1,5 @@
 """The server launcher that replaces vLLM's and SGLang's in their own OpenAI-server tests (the
-tests are theirs and not committed here; README, "Peers' tests"): ``clover-lab serve``'s app over
+tests are theirs and not committed here; docs/guides/serving.md, "Peers' tests"): ``clover-lab serve``'s app over
 the embedded model in float32, in this process on 127.0.0.1, served under the model name the test
 asks for. ``RemoteOpenAIServer`` has the interface of vLLM's ``tests.utils.RemoteOpenAIServer``
 that their tests use; ``start(model)`` returns the base URL and a stop function for SGLang's
