@@ -138,18 +138,66 @@ def roofline(doc: dict) -> str:
                   "tok/s at 1 / 2 / 3.5 tokens per forward"], out)
 
 
+def offload(doc: dict) -> str:
+    """bench_offload.py: experts staged from host memory, per layer and forward, with the prefetch
+    (and, in brackets, without it where that differs)."""
+    out = []
+    pairs = {}
+    for r in doc["rows"]:
+        pairs.setdefault((r["mode"], r["coreset"]), {})[r["prefetch"]] = r
+    for (mode, coreset), by in pairs.items():
+        on, off = by[True], by.get(False)
+        differs = off is not None and (round(off["experts_per_layer_forward"], 2) != round(on["experts_per_layer_forward"], 2))
+
+        def without(key, fmt):
+            return f" ({fmt.format(off[key])} without{' prefetch' if key == 'experts_per_layer_forward' else ''})" if differs else ""
+        name = {"diffusion": "block diffusion", "ar": "AR"}[mode] + (
+            "" if mode == "ar" else (", no coreset" if coreset is None else f", coreset {coreset}"))
+        experts = f"{on['experts_per_layer_forward']:.2f}" if on["experts_per_layer_forward"] < 1 or mode == "ar" \
+            else f"{on['experts_per_layer_forward']:.1f} of {doc['experts']}"
+        experts += without("experts_per_layer_forward", "{:.2f}" if mode == "ar" else "{:.1f}")
+        used = "none prefetched" if not on["prefetched_experts"] else f"{on['prefetch_used_share']:.0%}"
+        out.append([name, experts, f"{on['copies_per_layer_forward']:.2f} ({on['former_copies_per_layer_forward']:.1f})",
+                    f"{on['kib_per_layer_forward']:,.0f}" + without("kib_per_layer_forward", "{:,.0f}"), used])
+    return table(["mode", "experts copied per layer and forward",
+                  "copies per layer and forward (before: one per expert and tensor)", "KiB per layer and forward",
+                  "prefetched experts used"], out)
+
+
+def sae(*docs: dict) -> str:
+    """bench_sae.py: the autoencoder's training and held-out figures, one column per results file."""
+    def column(f):
+        return [f"{f['training rows']:,}, {f['masked share']:.1%} masked; collected in {f['collect s']:.0f} s",
+                f"{f['train steps']} steps ({f['rows seen'] / 1e6:.2f}M rows seen); {f['dead features']:.0f} dead features",
+                f"**{f['FVU']:.3f}** of {f['held-out rows']:,} (masked rows {f['FVU masked']:.3f}, "
+                f"unmasked {f['FVU unmasked']:.3f})",
+                f"{f['loss clean']:.3f} ({f['masked positions']:,} (step, position) pairs)",
+                f"{f['loss spliced']:.3f} (**{f['loss delta']:+.3f}**)",
+                f"{f['loss mean-ablated']:.3f}: the reconstruction avoids {f['recovered']:.1%} of that increase"]
+    names = ["training rows (preview rows of the training generations)", "training",
+             "FVU on the held-out generations' preview rows", "masked-token loss, clean (nats per masked position)",
+             "... with the reconstruction in place of every preview row", "... with the rows' mean in place (layer ablated)"]
+    # the figures rounded to 4 places, but the loss change at full precision (0.0775 is 0.07754...)
+    columns = [column({**d["figures"], "loss delta": d["report"]["delta"]}) for d in docs]
+    return table(["figure"] + [d["run"]["date"][:10] for d in docs], [[n] + [c[i] for c in columns] for i, n in enumerate(names)])
+
+
 # results file name prefix -> renderer (the longest prefix that matches wins)
 RENDERERS = {"batch-default-model-": batch, "policies-": policies, "serve-": serve, "serve-lengths": serve_lengths,
              "grammar-": grammar, "coreset-": coreset, "placement-35b-": placement,
-             "roofline-": roofline}
+             "roofline-": roofline, "offload-": offload, "sae-": sae}
+# renderers that set several results files side by side, one column each
+SIDE_BY_SIDE = {"sae-"}
 PARTS = {("serve-", "lengths"): serve_lengths}
 
 
-def render(name: str, part: str | None = None) -> str:
-    """The table of results file ``name`` (a file name in bench/results/); ``part`` picks one of a
-    file's several tables (serve: ``"lengths"``)."""
+def render(name: str, *more: str) -> str:
+    """The table of results file ``name`` (a file name in bench/results/). ``more``: either the part
+    to render of a file that holds several tables (serve: ``"lengths"``), or, for a benchmark in
+    ``SIDE_BY_SIDE``, more results files to set beside it as columns."""
     doc = load(name)
-    if part is not None:
+    if more and not more[0].endswith(".json"):
+        (part,) = more
         for (prefix, p), fn in PARTS.items():
             if name.startswith(prefix) and p == part:
                 return fn(doc)
@@ -157,6 +205,10 @@ def render(name: str, part: str | None = None) -> str:
     prefixes = sorted((p for p in RENDERERS if name.startswith(p)), key=len, reverse=True)
     if not prefixes:
         raise TableError(f"bench/results/{name}: no renderer for it in bench/result_tables.py (RENDERERS)")
+    if more:
+        if prefixes[0] not in SIDE_BY_SIDE or not all(m.startswith(prefixes[0]) for m in more):
+            raise TableError(f"bench/results/{name}: its table sets no other results file beside it ({', '.join(more)})")
+        return RENDERERS[prefixes[0]](doc, *(load(m) for m in more))
     return RENDERERS[prefixes[0]](doc)
 
 

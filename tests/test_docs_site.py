@@ -28,10 +28,19 @@ def test_a_table_is_rendered_from_its_results_file():
     ("../README.md", None, "name a results file"),
     ("memory-cpu-2026-11-30.json", None, "no renderer for it"),
     ("serve-default-model-cpu-20261203-072555.json", "nope", "no table part 'nope'"),
+    ("coreset-default-cpu-20261203-030554.json", "coreset-default-cpu-20261130-171247.json", "sets no other results file"),
+    ("sae-default-model-cpu-20261203-024652.json", "serve-default-model-cpu-20261203-072555.json", "sets no other"),
 ])
 def test_a_table_that_does_not_exist_is_named(name, part, said):
     with pytest.raises(tables.TableError, match=said):
-        tables.render(name, part)
+        tables.render(name, *[part] if part else [])
+
+
+def test_side_by_side_results_are_columns():
+    text = tables.render("sae-default-model-cpu-20261203-024652.json", "sae-default-model-cpu-20261202-065219.json")
+    assert text.splitlines()[0] == "| figure | 2026-12-03 | 2026-12-02 |"
+    assert "| **0.099** of 15,952 (masked rows 0.132, unmasked 0.098) | **0.074** of 16,160" in text
+    assert "2.376 (**+0.077**)" in text  # the loss change at full precision (0.07747), not the rounded 0.0775
 
 
 def test_every_results_file_is_listed():

@@ -4,7 +4,8 @@ repository as it is, rather than from copies under docs/.
 - The pictures in assets/ (*.png: the screenshots the pages and the README show) and the notebooks in
   notebooks/ become site files at ``assets/NAME`` and ``notebooks/NAME``, so a page links them and
   mkdocs-jupyter renders each notebook with the outputs it was saved with (never executed here).
-- A line ``{{ bench_table("FILE") }}`` (or ``{{ bench_table("FILE", "PART") }}``) becomes the table
+- A line ``{{ bench_table("FILE") }}`` (or ``{{ bench_table("FILE", "PART") }}`` or more files side by side),
+  indented as far as the line is (a table inside a list item) becomes the table
   bench/result_tables.py renders from bench/results/FILE, and ``{{ bench_results_index() }}`` every results
   file's rows: a benchmark figure has one source, its JSON. A file or table that does not exist
   stops the build, naming the page.
@@ -26,7 +27,7 @@ spec.loader.exec_module(tables)
 
 # folder of the repository -> the files of it the site serves (under the same folder name)
 FROM_REPOSITORY = {"assets": "*.png", "notebooks": "*.ipynb"}
-MARKER = re.compile(r'^\{\{ *(bench_table|bench_results_index)\((.*?)\) *\}\}$', re.MULTILINE)
+MARKER = re.compile(r'^( *)\{\{ *(bench_table|bench_results_index)\((.*?)\) *\}\}$', re.MULTILINE)
 ARGUMENT = re.compile(r'\s*"([^"]*)"\s*(?:,|$)')
 
 
@@ -53,8 +54,9 @@ def arguments(text: str) -> list[str]:
 def on_page_markdown(markdown, page, config, files):
     def replace(m):
         try:
-            args = arguments(m.group(2))
-            return tables.index() if m.group(1) == "bench_results_index" else tables.render(*args)
+            args = arguments(m.group(3))
+            text = tables.index() if m.group(2) == "bench_results_index" else tables.render(*args)
+            return "\n".join(m.group(1) + line if line else line for line in text.splitlines())  # inside a list item too
         except (ValueError, TypeError, tables.TableError) as e:
             raise PluginError(f"{page.file.src_path}: {m.group(0)}: {e}") from e
     return MARKER.sub(replace, markdown)
