@@ -182,12 +182,37 @@ def sae(*docs: dict) -> str:
     return table(["figure"] + [d["run"]["date"][:10] for d in docs], [[n] + [c[i] for c in columns] for i, n in enumerate(names)])
 
 
+def compare_transformers(*docs: dict) -> str:
+    """compare_transformers.py: clover_lab against transformers on one random checkpoint, the rows of
+    every results file given, in order; the GEMM bound is transformers' time over the bare matrix
+    products alone (plain / packed weights)."""
+    def rate(v):
+        return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+    out, named = [], set()
+    for doc in docs:
+        for r in doc["rows"]:
+            pre, dec = r["prefill_tok_s"], r["ar_decode_tok_s"]
+            size = r["size"] if r["size"] in named else f"{r['size']} ({r['params'] / 1e6:.0f}M)"
+            named.add(r["size"])
+            dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(r["dtype"], r["dtype"])
+            bound = (f"{r['prefill_floor_tok_s'] / pre['transformers']:.2f} / "
+                     f"{r['prefill_floor_packed_tok_s'] / pre['transformers']:.2f}") if "prefill_floor_tok_s" in r else "-"
+            out.append([f"{size}, {dtype}, {r['prompt']}", f"{pre['transformers']:.0f}", f"{pre['clover_lab']:.0f}",
+                        f"{pre['clover_lab'] / pre['transformers']:.2f}",
+                        f"{pre['clover_lab_packed'] / pre['transformers']:.2f}", bound, rate(dec["transformers"]),
+                        rate(dec["clover_lab"]), f"{dec['clover_lab'] / dec['transformers']:.2f}",
+                        rate(dec["clover_lab_compiled"]), f"**{dec['clover_lab_compiled'] / dec['transformers']:.2f}**"])
+    return table(["size, dtype, prompt", "prefill tok/s transformers", "clover_lab", "ratio", "packed", "GEMM bound",
+                  "AR decode tok/s transformers", "clover_lab", "ratio", "compiled", "ratio"], out)
+
+
 # results file name prefix -> renderer (the longest prefix that matches wins)
 RENDERERS = {"batch-default-model-": batch, "policies-": policies, "serve-": serve, "serve-lengths": serve_lengths,
              "grammar-": grammar, "coreset-": coreset, "placement-35b-": placement,
-             "roofline-": roofline, "offload-": offload, "sae-": sae}
+             "roofline-": roofline, "offload-": offload, "sae-": sae,
+             "compare_transformers-": compare_transformers}
 # renderers that set several results files side by side, one column each
-SIDE_BY_SIDE = {"sae-"}
+SIDE_BY_SIDE = {"sae-", "compare_transformers-"}
 PARTS = {("serve-", "lengths"): serve_lengths}
 
 
