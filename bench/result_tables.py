@@ -206,13 +206,36 @@ def compare_transformers(*docs: dict) -> str:
                   "AR decode tok/s transformers", "clover_lab", "ratio", "compiled", "ratio"], out)
 
 
+def adapt(*docs: dict) -> str:
+    """adapt_figures.py: held-out figures of the AR-only start, of each run given after its steps,
+    and of the shipped embedded model the runs set out to match (the reference)."""
+    def speed(m, threshold):
+        s = m["speed"].get(threshold)
+        return f"{s['diffusion']['tokens_per_forward']:.2f}" if s else "-"
+
+    def figures(m):
+        h = m["heldout"]
+        return ([speed(m, "0.9"), speed(m, "0.5")] + [f"{h[f'mask_acc@{r}']:.3f}" for r in ("0.25", "0.5", "0.75", "1.0")]
+                + [f"{h['ar_perplexity']:.2f}"])
+    reference = next((d["models"]["reference"] for d in docs if "reference" in d["models"]), None)
+    columns = [("AR-only start", figures(docs[0]["models"]["before"]))]
+    for d in docs:
+        # no time in the label: train_seconds counts the last resumed stretch of a run only
+        columns.append((f"`{d['run']['adapt']['train']}`, {d['run']['steps']} steps", figures(d["models"]["after"])))
+    if reference is not None:
+        columns.append((f"{reference['model']}, as shipped then", figures(reference)))
+    names = ["tokens per forward, threshold 0.9", "tokens per forward, threshold 0.5"] + [
+        f"masked-token accuracy, ratio {r}" for r in ("0.25", "0.5", "0.75", "1.0")] + ["AR perplexity (256-token windows)"]
+    return table(["held-out figure"] + [c[0] for c in columns], [[n] + [c[1][i] for c in columns] for i, n in enumerate(names)])
+
+
 # results file name prefix -> renderer (the longest prefix that matches wins)
 RENDERERS = {"batch-default-model-": batch, "policies-": policies, "serve-": serve, "serve-lengths": serve_lengths,
              "grammar-": grammar, "coreset-": coreset, "placement-35b-": placement,
              "roofline-": roofline, "offload-": offload, "sae-": sae,
-             "compare_transformers-": compare_transformers}
+             "compare_transformers-": compare_transformers, "adapt-small-": adapt}
 # renderers that set several results files side by side, one column each
-SIDE_BY_SIDE = {"sae-", "compare_transformers-"}
+SIDE_BY_SIDE = {"sae-", "compare_transformers-", "adapt-small-"}
 PARTS = {("serve-", "lengths"): serve_lengths}
 
 
