@@ -229,11 +229,47 @@ def adapt(*docs: dict) -> str:
     return table(["held-out figure"] + [c[0] for c in columns], [[n] + [c[1][i] for c in columns] for i, n in enumerate(names)])
 
 
+def measured(columns: list[tuple[str, dict]]) -> list[list[str]]:
+    """Rows of ``python -m clover_lab.train.measure``'s figures, one column per (label, figures)."""
+    sets = ("written", "heldout", "functions")
+
+    def per_set(f, key, fmt, which=sets):
+        return " / ".join("-" if f[s].get(key) is None else fmt.format(f[s][key]) for s in which)
+    rows = [("tokens per forward at 0.9: written / held-out windows / held-out function heads",
+             lambda f: per_set(f, "tokens_per_forward", "{:.2f}")),
+            ("looping completions: written / windows / heads", lambda f: per_set(f, "looping", "{}")),
+            ("distinct first lines: written / windows / heads", lambda f: per_set(f, "distinct_first_lines", "{:.2f}")),
+            ("completions that name an argument: written / heads",
+             lambda f: per_set(f, "argument_use", "{:.2f}", ("written", "functions"))),
+            ("prompt gain (nats per body token, 128 held-out functions)", lambda f: f"{f['prompt_gain']['gain']:.3f}"),
+            ("next-token perplexity (16 held-out windows)", lambda f: f"{f['ar_perplexity']:.1f}")]
+    return [[name] + [fn(f) for _, f in columns] for name, fn in rows]
+
+
+def specimen(doc: dict) -> str:
+    """The specimen's training rounds, each measured by clover_lab.train.measure: v2 and the rounds of
+    v3 (specimen-prompt-following-*), or the rounds of v4 (specimen-v4-rounds-*)."""
+    if "rounds" in doc:  # v4: rounds 6-9 at repetition_penalty 1.3, and round 9 at its exported 1.5 (v4)
+        rounds = doc["rounds"]
+        columns = [(f"round {r['round']}", r["figures_rp1.3"]) for r in rounds]
+        columns.append((f"v4 (round {rounds[-1]['round']} at 1.5)", rounds[-1]["figures_rp1.5"]))
+        setup = [["starts from"] + [r["from"] for r in rounds] + [""],
+                 ["corpus (bodies + window continuations)"] + [r["corpus"] for r in rounds] + [""],
+                 ["corpus share / head rows / confidence weight"] + [
+                     f"{r['distill_share']:.0%} / {r['functions_share']:.0%} / {r['confidence_weight']:.1f}" for r in rounds] + [""]]
+        return table(["figure"] + [c[0] for c in columns], setup + measured(columns))
+    labels = {"v2": "v2", "v3_attempt": "round 1", "v3_attempt_round2": "round 2", "v3_attempt_round3": "round 3",
+              "v3_attempt_round4": "round 4", "v3": "v3 (round 5)"}
+    columns = [(label, doc[key]) for key, label in labels.items()]
+    return table(["figure"] + [c[0] for c in columns], measured(columns))
+
+
 # results file name prefix -> renderer (the longest prefix that matches wins)
 RENDERERS = {"batch-default-model-": batch, "policies-": policies, "serve-": serve, "serve-lengths": serve_lengths,
              "grammar-": grammar, "coreset-": coreset, "placement-35b-": placement,
              "roofline-": roofline, "offload-": offload, "sae-": sae,
-             "compare_transformers-": compare_transformers, "adapt-small-": adapt}
+             "compare_transformers-": compare_transformers, "adapt-small-": adapt,
+             "specimen-prompt-following-": specimen, "specimen-v4-rounds-": specimen}
 # renderers that set several results files side by side, one column each
 SIDE_BY_SIDE = {"sae-", "compare_transformers-", "adapt-small-"}
 PARTS = {("serve-", "lengths"): serve_lengths}
