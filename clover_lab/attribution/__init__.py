@@ -8,8 +8,9 @@ linear probes over (layer, step).
     a.logit, a.top(5)
 """
 from clover_lab.attribution.attention import AttentionPattern, attention_patterns, history_weights
+from clover_lab.attribution.gradient import attribution_patching, correlation
 from clover_lab.attribution.logit import (LogitAttribution, ablated_logit, attribution_over_steps, component_names,
                                           decision_attributions, logit_attribution)
 
-__all__ = ["AttentionPattern", "attention_patterns", "history_weights", "LogitAttribution", "ablated_logit", "attribution_over_steps", "component_names", "decision_attributions",
+__all__ = ["AttentionPattern", "attention_patterns", "history_weights", "attribution_patching", "correlation", "LogitAttribution", "ablated_logit", "attribution_over_steps", "component_names", "decision_attributions",
            "logit_attribution"]
