@@ -11,6 +11,10 @@ from clover_lab.attribution.attention import AttentionPattern, attention_pattern
 from clover_lab.attribution.gradient import attribution_patching, correlation
 from clover_lab.attribution.logit import (LogitAttribution, ablated_logit, attribution_over_steps, component_names,
                                           decision_attributions, logit_attribution)
+from clover_lab.attribution.probes import (ProbeMap, ProbeRow, ProbeRows, probe_map, probe_rows, unmasks_next_step,
+                                           unmasks_this_step)
 
-__all__ = ["AttentionPattern", "attention_patterns", "history_weights", "attribution_patching", "correlation", "LogitAttribution", "ablated_logit", "attribution_over_steps", "component_names", "decision_attributions",
-           "logit_attribution"]
+__all__ = ["AttentionPattern", "LogitAttribution", "ProbeMap", "ProbeRow", "ProbeRows", "ablated_logit",
+           "attention_patterns", "attribution_over_steps", "attribution_patching", "component_names", "correlation",
+           "decision_attributions", "history_weights", "logit_attribution", "probe_map", "probe_rows",
+           "unmasks_next_step", "unmasks_this_step"]
