@@ -31,6 +31,7 @@ from clover_kernels.moe.naive import moe_experts
 from clover_lab.attribution.rows import Decision, Row, RowRecorder
 from clover_lab.errors import InputError
 from clover_lab.hooks import points as P
+from clover_lab.hooks.registry import StopGeneration
 
 EMBED = "embed"
 
@@ -307,6 +308,7 @@ def ablated_logit(engine, prompt, attribution: LogitAttribution, name: str, **ge
             return
         state["done"] = True  # the first forward holding the row: later commits of it are not ours
         out.append(float(engine.model.lm_head(engine.model.model.norm(ev.value[:, i]))[0, attribution.token]))
+        raise StopGeneration  # read: the rest of the run changes nothing
 
     with torch.no_grad(), engine.hooks({point: remove, P.every_layer(P.OUTPUT): read}):
         engine.generate(prompt, **generate)
