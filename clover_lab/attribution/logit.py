@@ -236,7 +236,10 @@ def attribution_over_steps(engine, prompt, block: int, position: int, token: int
     rec = RowRecorder(engine.model, wanted)
     rec.run(engine, prompt, **generate)
     t = _token(engine, token, rec, position, f"block {block}")
-    steps = sorted(s for (m, b, s), p in rec.order if m == "preview" and b == block and p == position)
+    start = {b: st for b, st, _tokens in rec.commits}.get(block)
+    masked = {s for b, s, _canvas, still, _chosen in rec.steps  # the steps that read it still masked
+              if b == block and start is not None and position - start in still}
+    steps = sorted(s for (m, b, s), p in rec.order if m == "preview" and b == block and p == position and s in masked)
     out = [split_row(engine.model, rec.rows[(("preview", block, s), position)], t) for s in steps]
     causal = rec.find(block, None, position)
     if causal is not None and rec.committed().get(position, (None,))[0] == block and (

@@ -6,15 +6,16 @@ of its block) a label is asked of a user function, given a :class:`ProbeRow` (it
 position, the step that unmasked it, the token it became); a logistic-regression probe per
 (layer, step) is trained on the rows of some prompts and scored on the rows of the others
 (held out by prompt, so no generation is in both). The control trains the same probe on the
-same rows with their labels shuffled: it must score no better than chance (the held-out share
-of the most common label), or the probe is reading something other than the label.
+same rows with their labels shuffled: it must score no better than chance, or the probe is
+reading something other than the label. Scores are balanced accuracies (the mean of each label's
+recall: chance is 1 / the number of labels however rare one is).
 
     rows = attribution.probe_rows(engine, prompts, **generate)    # one generation per prompt
     pm = attribution.probe_map(rows, attribution.unmasks_next_step)
     pm.accuracy[layer, step], pm.control[layer, step], pm.chance[step]
 
-Plain torch logistic regression (full-batch L-BFGS on standardised features, L2 penalty): no
-scikit-learn needed.
+Plain torch logistic regression (full-batch L-BFGS on standardised features, an L2 penalty
+``l2 * |w|^2`` summed over rows, as scikit-learn's ``C = 1 / l2``): no scikit-learn needed.
 """
 from __future__ import annotations
 
@@ -114,9 +115,10 @@ def probe_rows(engine, prompts, kind: str = P.OUTPUT, **generate) -> ProbeRows:
 
 @dataclass
 class ProbeMap:
-    """Held-out accuracy per (layer, step): ``accuracy`` and ``control`` (shuffled labels)
-    [layers, steps] (NaN where a step has too few rows or one label), ``chance`` [steps] the
-    held-out share of the most common label, ``counts`` [steps] the held-out rows."""
+    """Held-out balanced accuracy per (layer, step) (:func:`balanced_accuracy`): ``accuracy`` and
+    ``control`` (shuffled labels) [layers, steps] (NaN where a step has too few rows or one label),
+    ``chance`` [steps] a constant guess's (1 / the labels present in the held-out rows),
+    ``counts`` [steps] the held-out rows."""
 
     layers: list[int]
     steps: list[int]
@@ -139,29 +141,37 @@ class ProbeMap:
                     control=self.control.tolist(), chance=self.chance.tolist(), counts=self.counts, label=self.label)
 
 
-def fit_logistic(x: torch.Tensor, y: torch.Tensor, classes: int, l2: float = 1e-2, iterations: int = 100):
+def fit_logistic(x: torch.Tensor, y: torch.Tensor, classes: int, l2: float = 1.0, iterations: int = 50):
     """Multinomial logistic regression on standardised features: returns a predict function."""
     mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
     xs = (x - mean) / std
-    w = torch.zeros(x.shape[1], classes, dtype=torch.float64, requires_grad=True)
-    b = torch.zeros(classes, dtype=torch.float64, requires_grad=True)
+    w = torch.zeros(x.shape[1], classes, requires_grad=True)
+    b = torch.zeros(classes, requires_grad=True)
     opt = torch.optim.LBFGS([w, b], max_iter=iterations, line_search_fn="strong_wolfe")
-    xs64 = xs.double()
+    xs, y = xs.float(), y.long()
+    penalty = l2 / len(y)  # the L2 penalty of a sum over rows, per row: stronger on fewer rows
 
     def loss():
         opt.zero_grad()
-        out = torch.nn.functional.cross_entropy(xs64 @ w + b, y) + l2 * w.pow(2).sum()
+        out = torch.nn.functional.cross_entropy(xs @ w + b, y) + penalty * w.pow(2).sum()
         out.backward()
         return out
 
     with torch.enable_grad():
         opt.step(loss)
     w, b = w.detach(), b.detach()
-    return lambda z: (((z - mean) / std).double() @ w + b).argmax(-1)
+    return lambda z: (((z - mean) / std).float() @ w + b).argmax(-1)
+
+
+def balanced_accuracy(predicted: torch.Tensor, truth: torch.Tensor) -> float:
+    """The mean over the true labels present of the share of their rows predicted right: 1 / (labels
+    present) for a constant guess, however rare a label is (plain accuracy rewards guessing the
+    common label: 0.9 where nine rows in ten are 0)."""
+    return float(torch.stack([(predicted[truth == k] == k).float().mean() for k in truth.unique()]).mean())
 
 
 def probe_map(data: ProbeRows, label: Callable[[ProbeRow], int | None], train_fraction: float = 0.5,
-              min_rows: int = 8, seed: int = 0, l2: float = 1e-2) -> ProbeMap:
+              min_rows: int = 8, seed: int = 0, l2: float = 1.0) -> ProbeMap:
     """Train a probe per (layer, step) on ``label`` (a function of a :class:`ProbeRow` returning
     a class, an int >= 0, or None to leave the row out) over the first ``train_fraction`` of the
     prompts (shuffled by ``seed``), score it on the rest; the control the same with the training
@@ -196,13 +206,11 @@ def probe_map(data: ProbeRows, label: Callable[[ProbeRow], int | None], train_fr
         if len(tr) < min_rows or len(te) < min_rows or len(set(ytr.tolist())) < 2:
             continue
         classes = int(y.max()) + 1
-        chance[c] = float(torch.bincount(yte, minlength=classes).max()) / len(te)
+        chance[c] = 1.0 / len(set(yte.tolist()))
         shuffled = ytr[torch.randperm(len(tr), generator=g)]
         for r, layer in enumerate(layers):
             x = data.values[layer]
-            predict = fit_logistic(x[tr], ytr, classes, l2)
-            acc[r, c] = float((predict(x[te]) == yte).float().mean())
-            predict = fit_logistic(x[tr], shuffled, classes, l2)
-            ctl[r, c] = float((predict(x[te]) == yte).float().mean())
+            acc[r, c] = balanced_accuracy(fit_logistic(x[tr], ytr, classes, l2)(x[te]), yte)
+            ctl[r, c] = balanced_accuracy(fit_logistic(x[tr], shuffled, classes, l2)(x[te]), yte)
     return ProbeMap(layers, steps, acc, ctl, chance, counts, getattr(label, "__name__", "label"),
                     sorted(train_prompts))

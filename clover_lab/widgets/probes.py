@@ -1,7 +1,6 @@
 """ProbeView: a probe map (``attribution.probe_map``) as two heatmaps over layer x step, the
-held-out accuracy of the probes and of their shuffled-label control, each as its gain over
-chance (the held-out share of the most common label at that step): 0 = no better than
-guessing the most common label."""
+held-out balanced accuracy of the probes and of their shuffled-label control, each as its gain
+over chance (a constant guess's, 1 / the labels present): 0 = no better than guessing."""
 from __future__ import annotations
 
 import html
@@ -69,7 +68,7 @@ class ProbeView(View):
                 hm.y = [str(i) for i in d["layers"]]
                 fig.layout.xaxis.title = "denoising step"
                 fig.layout.yaxis.title = "layer"
-                fig.layout.title = f"{what}: held-out accuracy over chance · {d.get('label', '')}"
+                fig.layout.title = f"{what}: held-out balanced accuracy over chance · {d.get('label', '')}"
         acc, ctl = np.asarray(d["accuracy"], dtype=float), np.asarray(d["control"], dtype=float)
         gain, cgain = acc - chance, ctl - chance
         if np.isfinite(gain).any():
