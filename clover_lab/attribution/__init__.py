@@ -7,9 +7,9 @@ linear probes over (layer, step).
     a = attribution.logit_attribution(engine, prompt, block=0, step=2, position=17)
     a.logit, a.top(5)
 """
-from clover_lab.attribution.attention import AttentionPattern, attention_patterns, history_weights
+from clover_lab.attribution.patterns import AttentionPattern, attention_patterns, history_weights
 from clover_lab.attribution.gradient import attribution_patching, correlation
-from clover_lab.attribution.logit import (LogitAttribution, ablated_logit, attribution_over_steps, component_names,
+from clover_lab.attribution.decomposition import (LogitAttribution, ablated_logit, attribution_over_steps, component_names,
                                           decision_attributions, logit_attribution)
 from clover_lab.attribution.probes import (ProbeMap, ProbeRow, ProbeRows, probe_map, probe_rows, unmasks_next_step,
                                            unmasks_this_step)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from clover_lab.errors import InputError
 from clover_lab.hooks import points as P
 from clover_lab.patching.patch import one_prompt
 
@@ -104,6 +105,9 @@ class RowRecorder:
         if not take:
             return
         heads = self._heads.get(ev.layer)
+        if heads is None:
+            raise InputError(f"attribution: layer {ev.layer}'s out projection was not called as a module in this "
+                             f"forward (a compiled or fused step?), so its per-head input could not be read")
         T = ev.value.shape[1]
         lo = 0 if ev.mode == "commit" else heads.shape[1] - T  # a forward's preview rows come last
         for i, p in take:

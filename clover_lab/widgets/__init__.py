@@ -19,7 +19,7 @@ view removes its hooks; an engine with no view attached pays nothing.
 
 Needs the notebook extra: ``pip install 'clover-lab[notebook]'``.
 """
-from clover_lab.widgets.attention import AttentionView
+from clover_lab.widgets.attention_patterns import AttentionView
 from clover_lab.widgets.base import View
 from clover_lab.widgets.dashboard import Dashboard
 from clover_lab.widgets.denoise import DenoiseView
@@ -29,7 +29,7 @@ from clover_lab.widgets.lens import LensView
 from clover_lab.widgets.memory import MemoryView
 from clover_lab.widgets.patching import PatchingView
 from clover_lab.widgets.pieces import export_html
-from clover_lab.widgets.probes import ProbeView
+from clover_lab.widgets.probe_map import ProbeView
 from clover_lab.widgets.speed import SpeedView
 from clover_lab.widgets.throttle import Attachment, Throttle
 

@@ -32,6 +32,7 @@ from clover_lab.attribution.rows import Decision, Row, RowRecorder
 from clover_lab.errors import InputError
 from clover_lab.hooks import points as P
 from clover_lab.hooks.registry import StopGeneration
+from clover_lab.model.layers.moe import Experts
 
 EMBED = "embed"
 
@@ -133,7 +134,7 @@ def split_row(model, row: Row, token: int, block: int | None = None) -> LogitAtt
             names.append(f"layers.{i}.{mixer}.bias")
             vectors.append(proj.bias.float())
         moe = layer.mlp
-        if type(moe.experts).__name__ != "Experts" or moe.experts.store is not None:
+        if type(moe.experts) is not Experts or moe.experts.store is not None:
             raise InputError(f"attribution: layer {i}'s experts are {type(moe.experts).__name__}"
                              f"{' (offloaded)' if moe.experts.store is not None else ''}; the per-expert split "
                              f"reads plain expert weights (load without keep_fp8 or offload)")
