@@ -109,7 +109,9 @@ class AttentionView(View):
         share = p.prefix_share().mean().item()
         self.caption.value = html.escape(
             f"block {p.block}, step {p.step}: {m} block rows read {K} keys; on average "
-            f"{share:.0%} of layer {p.layer}'s attention goes to the committed prefix")
+            f"{share:.0%} of layer {p.layer}'s attention goes to the committed prefix"
+            + ("; positions are labelled with their final tokens (still masked at this step where not yet "
+               "unmasked)" if self.labels is not None else ""))
 
     def _html_parts(self, state, frame):
         self._render(state, frame)

@@ -32,7 +32,7 @@ class ProbeView(View):
         for _ in ("probe", "control"):
             fig = Figure(go.Heatmap(z=[[0.0]], colorscale="RdBu", zmid=0, zmin=-0.5, zmax=0.5,
                                     colorbar=dict(title="over chance")))
-            fig.update_layout(height=300, width=640, margin=dict(l=60, r=10, t=40, b=50))
+            fig.update_layout(height=300, width=760, margin=dict(l=60, r=10, t=40, b=50))
             self.figs.append(fig)
         self.caption = W.HTML()
         return W.VBox([*self.figs, self.caption])
@@ -59,7 +59,7 @@ class ProbeView(View):
             self.caption.value = "<span style='color:#888'>no probe map yet</span>"
             return
         chance = np.asarray(d["chance"], dtype=float)[None]
-        for fig, key, what in zip(self.figs, ("accuracy", "control"), ("probe", "shuffled-label control")):
+        for fig, key, what in zip(self.figs, ("accuracy", "control"), ("probes", "control (shuffled labels)")):
             z = np.asarray(d[key], dtype=float) - chance
             with fig.batch_update():
                 hm = fig.data[0]
@@ -68,7 +68,7 @@ class ProbeView(View):
                 hm.y = [str(i) for i in d["layers"]]
                 fig.layout.xaxis.title = "denoising step"
                 fig.layout.yaxis.title = "layer"
-                fig.layout.title = f"{what}: held-out balanced accuracy over chance · {d.get('label', '')}"
+                fig.layout.title = f"{what}: balanced accuracy over chance, held out · {d.get('label', '')}"
         acc, ctl = np.asarray(d["accuracy"], dtype=float), np.asarray(d["control"], dtype=float)
         gain, cgain = acc - chance, ctl - chance
         if np.isfinite(gain).any():
