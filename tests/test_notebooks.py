@@ -23,7 +23,8 @@ IN_THE_BROWSER = not EVERY_NOTEBOOK_HEADLESS and why_no_browser() is None  # tes
 def test_notebooks_exist_with_a_kernelspec():
     names = [p.name for p in NOTEBOOKS]
     for want in ("01_quickstart", "02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed",
-                 "06_patching_and_lens", "07_routing_lens_and_coreset", "08_steering_and_features"):
+                 "06_patching_and_lens", "07_routing_lens_and_coreset", "08_steering_and_features",
+                 "09_why_this_token"):
         assert f"{want}.ipynb" in names
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)

@@ -3,6 +3,7 @@
     from clover_lab.widgets import Dashboard, DenoiseView, ExpertView, MemoryView, SpeedView
     from clover_lab.widgets import LensView, PatchingView        # the logit lens, a patching sweep
     from clover_lab.widgets import FeatureView                   # an autoencoder's features per step
+    from clover_lab.widgets import AttentionView, ProbeView      # attention patterns, GDN history, probes
 
     view = DenoiseView(engine)            # attached until view.close()
     view                                  # display it, then generate in this or a later cell
@@ -18,6 +19,7 @@ view removes its hooks; an engine with no view attached pays nothing.
 
 Needs the notebook extra: ``pip install 'clover-lab[notebook]'``.
 """
+from clover_lab.widgets.attention_patterns import AttentionView
 from clover_lab.widgets.base import View
 from clover_lab.widgets.dashboard import Dashboard
 from clover_lab.widgets.denoise import DenoiseView
@@ -27,8 +29,9 @@ from clover_lab.widgets.lens import LensView
 from clover_lab.widgets.memory import MemoryView
 from clover_lab.widgets.patching import PatchingView
 from clover_lab.widgets.pieces import export_html
+from clover_lab.widgets.probe_map import ProbeView
 from clover_lab.widgets.speed import SpeedView
 from clover_lab.widgets.throttle import Attachment, Throttle
 
-__all__ = ["Attachment", "Dashboard", "DenoiseView", "ExpertView", "FeatureView", "LensView", "MemoryView", "PatchingView",
-           "SpeedView", "Throttle", "View", "export_html"]
+__all__ = ["Attachment", "AttentionView", "Dashboard", "DenoiseView", "ExpertView", "FeatureView", "LensView", "MemoryView", "PatchingView",
+           "ProbeView", "SpeedView", "Throttle", "View", "export_html"]
