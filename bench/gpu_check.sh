@@ -4,7 +4,7 @@
 #   0. no CUDA: one line, exit 2, nothing else runs;
 #   1. install the project (editable, no deps, no network) and any wheels carried in .whl/
 #      (flash-linear-attention for the comparison); if the project does not import after that,
-#      a fall-back import path (PYTHONPATH: the checkout, and kernels/ as clover_kernels);
+#      a fall-back import path (PYTHONPATH: the checkout);
 #   2. the CUDA-graph test first, alone in its own process (a failed capture fails it);
 #   3. the kernel tests on CUDA (real Triton compilation, CLOVER_KERNELS unset; the FP8 model test
 #      on the GPU), one pytest process per file and dtype, beside the other fast-path tests
@@ -125,9 +125,8 @@ run_step install "$LIMIT_INSTALL" bash -c '"$0" -m pip install --no-build-isolat
     if ls .whl/*.whl >/dev/null 2>&1; then "$0" -m pip install --no-deps --no-index .whl/*.whl; fi' "$PY"
 IMPORTS="import clover_lab, clover_kernels, clover_kernels.triton_ops"
 if [ -z "$REHEARSE" ] && ! "$PY" -c "$IMPORTS" >> "$WORK/install.log" 2>&1; then
-    # the fall-back: the checkout itself, with kernels/ under its installed name
-    mkdir -p "$WORK/pypath" && ln -sfn "$HERE/kernels" "$WORK/pypath/clover_kernels"
-    export PYTHONPATH="$HERE:$WORK/pypath${PYTHONPATH:+:$PYTHONPATH}"
+    # the fall-back: the checkout itself (clover_lab/ and clover_kernels/ at its root)
+    export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
     if "$PY" -c "$IMPORTS" >> "$WORK/install.log" 2>&1; then note "import_path PYTHONPATH"; else note "import_path broken"; fi
 else
     note "import_path installed"

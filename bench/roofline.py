@@ -56,7 +56,7 @@ BF16_FLOPS_PER_S = 790e12  # H200, dense bf16 tensor cores (what the issue plans
 H200_GIB = 139  # usable HBM of one H200 as torch reports it
 GIB = 1 << 30
 TPFS = (1.0, 2.0, 3.5)
-CHUNK = 32  # rows per chunk of the GDN commit kernels (kernels/gdn/commit.py, bf16)
+CHUNK = 32  # rows per chunk of the GDN commit kernels (clover_kernels/gdn/commit.py, bf16)
 
 
 def expected_distinct(pool: int, k: int, tokens: int) -> float:
@@ -210,7 +210,7 @@ def attention_reads(cfg: CloverConfig, n: int, c: int, m: int, es: int = 2) -> d
     """HBM bytes of one attention layer's static-step attention for a step of c commit and m block
     rows after n committed tokens, batch 1, bf16.
 
-    split_kv: what kernels/attention/split_kv.py reads and writes: q and gate once, K,V of the live
+    split_kv: what clover_kernels/attention/split_kv.py reads and writes: q and gate once, K,V of the live
     keys [0, n + c + m) once per tile of folded query rows (its tile sizes), the fp32 partials
     written and read back once per split (its split count), the output once.
     whole_buffer: the torch path it replaces (SDPA's math backend, as a mask with GQA forces): the

@@ -12,7 +12,7 @@ from clover_lab.hooks import points as P
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "clover_lab"
-KERNELS = ROOT / "kernels"  # imported as clover_kernels
+KERNELS = ROOT / "clover_kernels"
 MAX_LOOSE_MODULES = 8  # config, errors, writes, cpu ...: what every part shares
 LONG_MODULE_LINES = 600
 

@@ -29,7 +29,7 @@ def wheel(tmp_path_factory):
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(REPO / name, src / name)
-    for name in ("clover_lab", "kernels"):
+    for name in ("clover_lab", "clover_kernels"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copytree(MODEL, src / "assets" / MODEL.name)
     out = tmp_path_factory.mktemp("wheels")
