@@ -244,10 +244,18 @@ class Engine:
                                   f"{MAX_NESTED_GENERATIONS} nested generations)")
         checked = self.check(request)
         handle = Handle(self, checked, next(self._runs), self.model.hooks.view(), emit, listener)
-        # a generation started inside a hook, while this thread steps the engine, runs on a loop of its own
-        handle.loop = StepLoop(self) if self.loop.stepping_here() else self.loop
+        handle.loop = self.loop  # from a listener or a hook too: the next step admits it
         handle.loop.submit(handle)
         return handle
+
+    def _waited(self, handle: Handle) -> None:
+        """A request waited for from inside a hook or listener, while this thread steps the engine
+        (whose step cannot go on until the wait ends), moves to a step loop of its own."""
+        loop = self.loop
+        if handle.loop is loop and loop.stepping_here() and not handle.started:
+            loop.queue = type(loop.queue)(row for row in loop.queue if row.handle is not handle)
+            handle.loop = StepLoop(self)
+            handle.loop.submit(handle)
 
     def step(self) -> list[StreamUpdate]:
         """One step of every request submitted: rows admitted and prefilled, each row's next
@@ -266,6 +274,7 @@ class Engine:
     def wait(self, handle: Handle):
         """Step until ``handle``'s request has ended; its result (an error it ended with is raised).
         An interrupt meanwhile cancels it."""
+        self._waited(handle)
         try:
             while not handle.done:
                 handle.loop.step()
@@ -278,6 +287,7 @@ class Engine:
 
     def _follow(self, handle: Handle) -> Iterator[StreamUpdate]:
         # no inference_mode around the yields: it would leak into the consumer's code between updates
+        self._waited(handle)
         try:
             while True:
                 updates = handle.updates()  # other streams' steps may have produced some meanwhile
