@@ -120,7 +120,7 @@ class Scheduler:
     def _serve(self) -> None:
         try:
             self._work()
-        except BaseException as e:  # noqa: BLE001 - kept for /health, which then says why it cannot serve
+        except BaseException as e:  # noqa: BLE001 - the thread ends; /health and new requests say why
             self._fault = e
             with self._cv:
                 jobs, self._inbox = self._jobs + self._inbox, []
@@ -130,7 +130,6 @@ class Scheduler:
             for job in jobs:  # nobody waits forever on a worker that is gone
                 job.send(gone)
                 job.send(None)
-            raise
 
     def _work(self) -> None:
         while True:
