@@ -323,18 +323,20 @@ def test_routes_out_never_overwrites_the_model_or_the_corpus(capsys, gen_text_mo
 
 
 # --------------------------------------------------------------------------- settings the mode ignores
-def test_settings_the_mode_ignores_are_one_line_warnings(capsys, gen_model_dir):
+def test_settings_the_mode_ignores_are_refused_naming_both(capsys, gen_model_dir):
+    """A top-k policy with --mode ar and --draft-passes with --mode diffusion were accepted (a warning)
+    and ignored: options typed on a command line are refused, naming the option and the mode."""
     code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6,7", "--mode", "ar",
                              "--threshold", 0.5, "--block-size", 8, "--policy", "topk:k=2", "--max-new-tokens", 3,
                              "--json")
-    assert code == 0 and len(json.loads(out)["token_ids"]) == 3
-    lines = err.strip().splitlines()
-    assert len(lines) == 2 and all(line.startswith("clover-lab: warning: mode='ar'") for line in lines), err
-    assert "threshold, policy" in err and "block_size" in err
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "mode='ar'" in err and "--threshold, --policy, --block-size" in err
     code, _, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6,7",
                            "--draft-passes", 2, "--max-new-tokens", 3, "--json")
-    assert code == 0 and err.strip() == ("clover-lab: warning: draft_passes drafts blocks in mode='speculative'; "
-                                         "mode='diffusion' ignores it: it has no effect on this run")
+    assert code == 2 and "mode='diffusion' ignores it" in err and "--draft-passes" in err, err
+    code, _, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6,7", "--thinking",
+                           "--max-new-tokens", 3, "--json")
+    assert code == 2 and "--thinking" in err and "--chat" in err and "thinking=True" not in err, err
 
 
 def test_thinking_on_a_tokenizer_without_a_thinking_mode_is_an_error(capsys, gen_text_model_dir, tmp_path):
