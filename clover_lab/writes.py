@@ -196,7 +196,7 @@ class FileSet:
                     for written, final in self._moves:
                         kept.append((final, _keep_aside(final)))
                         os.replace(written, final)
-                except BaseException:
+                except Exception:  # an I/O error (a crash, which cannot get here, leaves the marker)
                     _put_back(kept)  # the previous set whole again (or the marker stays: it is not)
                     marker.unlink()
                     _fsync(self.directory)
