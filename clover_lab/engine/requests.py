@@ -114,6 +114,11 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
                 if isinstance(value, str):
                     check_text(value, f"chat message {i}'s {key}")
         ids = chat_ids(tokenizer, prompt, thinking)
+        if thinking is True and not has_think_tokens(tokenizer) and chat_ids(tokenizer, prompt, False) != ids:
+            raise IgnoredSettingError("thinking", "thinking=True: this tokenizer has no <think> / </think> tokens of "
+                                      "its own, so a reasoning could not be told apart from the answer (the response "
+                                      "would come back as one plain text, as a plain chat); leave thinking out, or "
+                                      "thinking=False")
         if thinking is not None and not has_think_tokens(tokenizer) and chat_ids(tokenizer, prompt,
                                                                                   not thinking) == ids:
             raise IgnoredSettingError("thinking", f"thinking={thinking}: this tokenizer has no thinking mode: it has "

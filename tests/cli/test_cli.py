@@ -51,9 +51,12 @@ def test_text_prompt_chat_and_live_view(capsys, gen_text_model_dir):
     assert code == 0, err
     assert "statistics" in out and "tokens per forward" in out and "w" in out
     code, out, _ = run_cli(capsys, "generate", "--model", gen_text_model_dir, "--prompt", "w8 w9", "--chat",
-                           "--thinking", "--max-new-tokens", 4, "--json")
+                           "--no-thinking", "--max-new-tokens", 4, "--json")
     data = json.loads(out)
-    assert code == 0 and data["prompt_ids"] == [1, 8, 9, 3, 4] and isinstance(data["text"], str)
+    assert code == 0 and data["prompt_ids"] == [1, 8, 9, 3, 5] and isinstance(data["text"], str)
+    code, _, err = run_cli(capsys, "generate", "--model", gen_text_model_dir, "--prompt", "w8 w9", "--chat",
+                           "--thinking", "--max-new-tokens", 4, "--json")
+    assert code == 2 and "no <think> / </think> tokens" in err
     code, out, _ = run_cli(capsys, "generate", "--model", gen_text_model_dir, "--prompt", "w8 w9",
                            "--max-new-tokens", 30, "--json", "--stop", "w314", "--threshold", 0.3)
     assert code == 0 and "w314" not in json.loads(out)["text"]
