@@ -298,6 +298,7 @@ def test_a_request_submitted_from_a_listener_or_hook_runs_on_the_engines_loop(en
     assert all(h.loop is engine.loop for h in later)
 
 
+@pytest.mark.slow  # 3 s: two hook points, two requests each
 def test_a_hooks_error_on_one_row_ends_that_request_only(engine):
     """Rows sharing a forward share their hooks; a hook raising for one request failed them all."""
     from clover_lab.hooks.registry import HookError

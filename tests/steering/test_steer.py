@@ -194,6 +194,7 @@ def test_a_steering_that_stays_attached_forgets_old_generations(tiny_engine):
     assert len({k[0] for k in s._masked}) <= KEPT_RUNS and len(s._runs) == KEPT_RUNS
 
 
+@pytest.mark.slow  # 1.6 s: two steered generations of 32-position blocks
 def test_a_request_with_its_own_block_size_is_steered_at_its_blocks(tiny_engine):
     """Steering a request with its own block_size used the engine's: block 0 of a 32-position
     request was steered at 16 of its 32 positions."""
