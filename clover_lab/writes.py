@@ -12,11 +12,14 @@ A file is written to a hidden temporary name beside where it goes (same director
 is atomic) and renamed onto it only once complete; on an error or an interrupt the temporary is
 removed and what was there stays as it was. A set is renamed into place under a marker file that
 loaders refuse (``refuse_unfinished``): a save stopped in the middle of its renames (a crash: the
-renames themselves hold off Ctrl-C and SIGTERM) never loads as a mix of two saves.
+renames themselves hold off Ctrl-C and SIGTERM) never loads as a mix of two saves. An error in the
+middle of the renames (an I/O error) puts the previous files back (each kept aside, as a hard
+link, until the set is in): the set is replaced in one step, or not at all.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -100,6 +103,23 @@ def atomic_path(final):
         tmp.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def naming(final):
+    """A write's failure as an OSError that names ``final`` (the file the user asked for, not a
+    temporary): a full disk's OSError comes without a file name, and safetensors reports one as
+    its own SafetensorError ("Error while serializing: IoError ...") naming nothing."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None and str(final) in str(e.filename):
+            raise
+        raise OSError(e.errno, f"cannot write {final}: {e.strerror or e}", str(final)) from e
+    except SafetensorError as e:
+        raise OSError(errno.EIO, f"cannot write {final}: {e}", str(final)) from e
+
+
 def write_text(final, text: str, encoding: str = "utf-8") -> Path:
     """``text`` in the file ``final``, whole or not at all."""
     with atomic_path(final) as tmp:
@@ -164,6 +184,7 @@ class FileSet:
     def commit(self) -> None:
         finals = {final for _, final in self._moves}
         marker = self.directory / MARKER
+        kept: list[tuple[Path, Path | None]] = []  # (final, its previous file kept aside; None: it had none)
         try:
             for written, _ in self._moves:
                 _as_created(written)
@@ -171,8 +192,15 @@ class FileSet:
             with NotedSignals(redeliver=True):  # the renames are not cut in two by Ctrl-C or SIGTERM
                 write_text(marker, json.dumps({"writing": [_rel(f, self.directory) for _, f in self._moves],
                                                "removing": [_rel(f, self.directory) for f in self._stale]}) + "\n")
-                for written, final in self._moves:
-                    os.replace(written, final)
+                try:
+                    for written, final in self._moves:
+                        kept.append((final, _keep_aside(final)))
+                        os.replace(written, final)
+                except Exception:  # an I/O error (a crash, which cannot get here, leaves the marker)
+                    _put_back(kept)  # the previous set whole again (or the marker stays: it is not)
+                    marker.unlink()
+                    _fsync(self.directory)
+                    raise
                 for stale in self._stale:
                     if stale not in finals:
                         stale.unlink(missing_ok=True)
@@ -180,6 +208,10 @@ class FileSet:
                 marker.unlink()  # a failure before this leaves the marker: the set is incomplete
                 _fsync(self.directory)
         finally:
+            if not marker.exists():  # in place, or put back: what was kept aside is no longer needed
+                for _, aside in kept:
+                    if aside is not None:
+                        aside.unlink(missing_ok=True)
             self.discard()  # the temporaries not moved, temporary directories with the rest
         self._remove_killed_saves_temps()
 
@@ -194,6 +226,26 @@ class FileSet:
         for tmp in self._temps:
             _remove(tmp)
         self._temps, self._moves, self._stale = [], [], []
+
+
+def _keep_aside(final: Path) -> Path | None:
+    """A second name (a hard link, no copy) for the file ``final`` before a set replaces it, so
+    that a failed set can put it back; None when there is no file there. A file system without
+    hard links raises: the set is then not replaced at all."""
+    if not final.is_file():
+        return None
+    aside = temp_beside(final)
+    os.link(final, aside)
+    return aside
+
+
+def _put_back(kept: list[tuple[Path, Path | None]]) -> None:
+    """Undo a set's renames, last first: each final gets its previous file back (or none)."""
+    for final, aside in reversed(kept):
+        if aside is None:
+            final.unlink(missing_ok=True)
+        else:
+            os.replace(aside, final)
 
 
 def _remove(path: Path) -> None:

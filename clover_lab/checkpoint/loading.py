@@ -184,6 +184,7 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
         refuse_unreadable_scales(model, files, plan)
     if placed is not None:
         placed.apply(model)
+    model.preview_untrained = bool(untrained)  # no preview weights stored: what ``check`` refuses to rank
     if untrained:
         model.reset_preview_parameters()
         warnings.warn(f"{path}: the checkpoint has no Clover preview weights ({len(untrained)} tensors); "

@@ -24,7 +24,6 @@ import argparse
 import json
 import sys
 import time
-import warnings
 
 from clover_lab.cli import check as cli_check
 from clover_lab.cli import routes as cli_routes
@@ -149,11 +148,18 @@ def _main(argv: list[str]) -> int:
 
 # --------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
-    from clover_lab.engine.requests import IgnoredSettingWarning, ignored_settings, is_batch
+    from clover_lab.engine.requests import ignored_settings, is_batch
     from clover_lab.errors import CloverError
 
     try:  # what can be checked without the model, before it loads
         check_options(args)
+        if args.thinking is not None and not args.chat:
+            raise UsageError(f"--{'' if args.thinking else 'no-'}thinking is the chat template's enable_thinking "
+                             f"switch: it applies with --chat; add --chat or leave it out")
+        for names, why in ignored_settings(args.mode, sampler_kwargs(args), policy=args.policy,
+                                           block_size=args.block_size):  # typed, then ignored: refused
+            raise UsageError(f"{why}; leave out {', '.join('--' + n.replace('_', '-') for n in names)}, or use "
+                             f"another --mode")
     except (UsageError, CloverError, ValueError, TypeError) as e:
         return fail(str(e))
     try:
@@ -166,8 +172,6 @@ def cmd_generate(args) -> int:
         prompt = _prompt(engine, args)
         if args.block_size is not None:
             set_block_size(engine, args.block_size)
-        for _, why in ignored_settings(args.mode, {}, block_size=args.block_size):  # the rest: engine.stream's
-            warnings.warn(why, IgnoredSettingWarning)
         stream = engine.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                policy=args.policy, thinking=args.thinking, **sampler_kwargs(args))
     except (UsageError, CloverError, ValueError, TypeError) as e:

@@ -380,6 +380,9 @@ def fire_step(run, block: Block, cand, conf, unmask: list[int], logits) -> tuple
         run.hooks.fire(points.DENOISE_STEP, event)
     except StopGeneration:
         event.stopped = True
+    except Exception as e:  # noqa: BLE001 - a HookError ends this row's request only, not its forward's others
+        run.handle.fail(e)
+        event.stopped = True
     unmask, overrides = checked_decision(event, block.masked, run.model.config.vocab_size, run.engine.mask_token_id)
     bound = len(block)  # the block's real length, not engine.block_size: a short block is bounded as tightly
     if block.step + 1 > block.limit + bound and unmask != block.masked:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,6 +43,10 @@ from clover_lab.placement import plan_placement
 from clover_lab.placement.plan import check_usable
 
 DEFAULT_MAX_NEW_TOKENS = 256
+
+
+class HooksClosedWarning(UserWarning):
+    """A ``with engine.hooks(...)`` block closed while a request submitted inside it still runs."""
 
 
 # --------------------------------------------------------------------------- checked settings
@@ -197,10 +203,28 @@ class Engine:
     mask_token_id = Checked(token_id_or_none, "The mask token a preview's masked positions hold, or None.")
 
     # ---------------------------------------------------------------- hooks
+    @contextmanager
     def hooks(self, hooks: dict[str, Callable | list[Callable]]):
         """``with engine.hooks({"denoise.step": fn, "layers.*.moe.route": fn2}):`` - for the
-        generations started inside the block in this thread or context; removed on exit."""
-        return self.model.hooks.scoped(hooks)
+        generations started inside the block in this thread or context; removed on exit (a
+        request submitted inside that still runs then is said: a HooksClosedWarning)."""
+        with self.model.hooks.scoped(hooks) as handle:
+            try:
+                yield handle
+            finally:
+                self._outlived(handle)
+
+    def _outlived(self, handle) -> None:
+        """Requests still queued or running with the scope ``handle`` is about to close: its hooks
+        stop applying to them from their next step, which a user should hear of."""
+        scope = getattr(handle, "_scope", None)
+        going = sorted({row.handle.number for row in itertools.chain(self.loop.queue, self.loop.rows)
+                        if not row.handle.done and not row.handle.cancelled and scope in row.hooks.scopes})
+        if going:
+            warnings.warn(f"the hooks of this `with engine.hooks(...)` block stop applying to request(s) "
+                          f"{', '.join(map(str, going))}, submitted inside it and still running: their later steps "
+                          f"run without them. Wait for them inside the block (engine.wait(handle)), or use "
+                          f"engine.add_hook for hooks that outlive it", HooksClosedWarning, stacklevel=3)
 
     def add_hook(self, name: str, fn: Callable):
         """A permanent hook, for every generation in every thread; ``handle.remove()`` takes it off."""
@@ -244,10 +268,18 @@ class Engine:
                                   f"{MAX_NESTED_GENERATIONS} nested generations)")
         checked = self.check(request)
         handle = Handle(self, checked, next(self._runs), self.model.hooks.view(), emit, listener)
-        # a generation started inside a hook, while this thread steps the engine, runs on a loop of its own
-        handle.loop = StepLoop(self) if self.loop.stepping_here() else self.loop
+        handle.loop = self.loop  # from a listener or a hook too: the next step admits it
         handle.loop.submit(handle)
         return handle
+
+    def _waited(self, handle: Handle) -> None:
+        """A request waited for from inside a hook or listener, while this thread steps the engine
+        (whose step cannot go on until the wait ends), moves to a step loop of its own."""
+        loop = self.loop
+        if handle.loop is loop and loop.stepping_here() and not handle.started:
+            loop.queue = type(loop.queue)(row for row in loop.queue if row.handle is not handle)
+            handle.loop = StepLoop(self)
+            handle.loop.submit(handle)
 
     def step(self) -> list[StreamUpdate]:
         """One step of every request submitted: rows admitted and prefilled, each row's next
@@ -266,6 +298,7 @@ class Engine:
     def wait(self, handle: Handle):
         """Step until ``handle``'s request has ended; its result (an error it ended with is raised).
         An interrupt meanwhile cancels it."""
+        self._waited(handle)
         try:
             while not handle.done:
                 handle.loop.step()
@@ -278,6 +311,7 @@ class Engine:
 
     def _follow(self, handle: Handle) -> Iterator[StreamUpdate]:
         # no inference_mode around the yields: it would leak into the consumer's code between updates
+        self._waited(handle)
         try:
             while True:
                 updates = handle.updates()  # other streams' steps may have produced some meanwhile

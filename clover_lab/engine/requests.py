@@ -114,6 +114,11 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = No
                 if isinstance(value, str):
                     check_text(value, f"chat message {i}'s {key}")
         ids = chat_ids(tokenizer, prompt, thinking)
+        if thinking is True and not has_think_tokens(tokenizer) and chat_ids(tokenizer, prompt, False) != ids:
+            raise IgnoredSettingError("thinking", "thinking=True: this tokenizer has no <think> / </think> tokens of "
+                                      "its own, so a reasoning could not be told apart from the answer (the response "
+                                      "would come back as one plain text, as a plain chat); leave thinking out, or "
+                                      "thinking=False")
         if thinking is not None and not has_think_tokens(tokenizer) and chat_ids(tokenizer, prompt,
                                                                                   not thinking) == ids:
             raise IgnoredSettingError("thinking", f"thinking={thinking}: this tokenizer has no thinking mode: it has "
@@ -365,6 +370,42 @@ class StopStrings:
         return text[:min(hits)] if hits else text
 
 
+def check_combination(engine, grammar, s: SamplerSettings, stop: list[str]) -> None:
+    """Whether settings that are each fine can run together: the one place a request's
+    combination is judged before it is queued (for the API, the command line and the server). A
+    grammar (``response_format``, a required tool call) ends the response where it is complete,
+    with EOS, and allows only its own tokens: EOS ignored (``ignore_eos``), held back
+    (``min_tokens``) or banned (``logit_bias`` -100), another token banned (perhaps the only one the
+    grammar allows next) or a stop string (which cuts its text short, leaving it unparsable) could
+    only make it fail or break its promise mid-run. The error names the setting and the grammar."""
+    if grammar is None:
+        return
+    vocab = getattr(grammar, "vocabulary", None)
+    V = engine.model.config.vocab_size
+    if vocab is not None and (vocab.size != V or vocab.eos not in engine.eos_token_ids or engine.tokenizer is None
+                              or len(vocab.tokenizer) != len(engine.tokenizer)):
+        raise GenerationError(f"grammar ({grammar.what}): made for another vocabulary ({vocab.size} tokens, EOS "
+                              f"{vocab.eos}) than this engine's ({V} tokens, EOS {engine.eos_token_ids}, its "
+                              f"tokenizer's); make it with this engine: Grammar.json_schema(schema, engine)", "grammar")
+    what = f"the response follows a grammar ({grammar.what})"
+    if s.ignore_eos:
+        raise GenerationError(f"ignore_eos: {what}, which ends the response with EOS where it is complete; with EOS "
+                              f"ignored it would have to go on past its end. Leave out ignore_eos or the grammar",
+                              "ignore_eos")
+    if s.min_tokens:
+        raise GenerationError(f"min_tokens={s.min_tokens}: {what}, which decides where the response ends (a complete "
+                              f"value may be shorter); leave out min_tokens or the grammar", "min_tokens")
+    banned = sorted(t for t, b in (s.logit_bias or {}).items() if b <= -100)
+    if banned:
+        raise GenerationError(f"logit_bias bans token(s) {banned[:5]} (-100), and {what}: a ban can leave it no "
+                              f"token to choose (a token it requires next, or EOS once it is complete); give a bias "
+                              f"above -100 (such as -30), which the grammar can still overrule, or leave out one",
+                              "logit_bias")
+    if stop:
+        raise GenerationError(f"stop: {what}; a stop string would cut its text short of the end the grammar "
+                              f"promises (unparsable); leave out stop or the grammar", "stop")
+
+
 def plan(engine, request: Request) -> Plan:
     """``request`` checked against ``engine`` (``Engine.check``): every refusal before anything
     runs, a GenerationError naming the field (a sampler setting's SettingsError names it too)."""
@@ -420,6 +461,10 @@ def plan(engine, request: Request) -> Plan:
     if request.grammar is not None and not callable(getattr(request.grammar, "matcher", None)):
         raise GenerationError(f"grammar={request.grammar!r:.80}: expected a clover_lab.grammar.Grammar "
                               f"(Grammar.json_schema(schema, engine), ...)", "grammar")
+    if s.min_tokens and s.min_tokens > max_new:
+        raise GenerationError(f"min_tokens={s.min_tokens} is more than max_new_tokens={max_new}: the response could "
+                              f"never have them; lower min_tokens or raise max_new_tokens", "min_tokens")
+    check_combination(engine, request.grammar, s, stop)
     batched = is_batch(request.prompt)
     prompts = request.prompt if batched else [request.prompt]
     ids = []

@@ -38,7 +38,8 @@ class Handle:
     GenerationResult (a BatchResult for a batch or ``n`` > 1) once every row has ended, ``error``
     what ended it instead. :meth:`cancel` ends its rows at the next step boundary (thread-safe);
     :meth:`updates` hands over the StreamUpdates produced so far (``listener``, when given, gets
-    each one as it is produced, in the thread that steps the engine)."""
+    each one as it is produced, in the thread that steps the engine; an exception it raises ends
+    this request with it, and the step goes on with the others)."""
 
     def __init__(self, engine, plan: Plan, number: int, hooks, emit: bool, listener=None):
         self.engine, self.plan, self.number, self.hooks = engine, plan, number, hooks
@@ -96,7 +97,10 @@ class Handle:
         if self.loop is not None and self.loop.produced is not None:  # what Engine.step returns
             self.loop.produced.append(update)
         if self.listener is not None:
-            self.listener(update)
+            try:
+                self.listener(update)
+            except Exception as e:  # noqa: BLE001 - this request ends with it; the step and other rows go on
+                self.fail(e)
         else:
             self._updates.append(update)
 
@@ -245,6 +249,9 @@ class Row:
         try:
             self.hooks.fire(points.BLOCK_COMMIT, event)
         except StopGeneration:
+            return True
+        except Exception as e:  # noqa: BLE001 - a HookError ends this row's request only, not its forward's others
+            self.handle.fail(e)
             return True
         return event.stopped
 

@@ -173,7 +173,8 @@ class SamplerSettings:
             if not isinstance(bias, dict):
                 bad("logit_bias", "must be a dict of token id -> bias")
             for k, v in bias.items():
-                key = int(k) if isinstance(k, str) and k.strip().isdigit() else k  # JSON's keys are strings
+                # JSON's keys are strings; only ASCII digits are a number ("³" is a digit to str.isdigit)
+                key = int(k) if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit() else k
                 if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
                     bad("logit_bias", f"{k!r} is no token id (a non-negative integer)")
                 if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -100 <= float(v) <= 100:

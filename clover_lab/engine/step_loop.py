@@ -14,10 +14,11 @@ Rows join and leave at any step; rows with different settings (mode, sampler, po
 stop strings) share forwards wherever their forward kind and shape agree, and each row's tokens
 are the ones it gives alone. A request with an expert coreset runs alone (its coreset's experts
 are shared by the rows of a block). An error ends the requests whose rows it concerns, and the
-loop goes on with the others; the runner's cache is dropped when the last row has left.
+loop goes on with the others (a listener's or a row's hook's error ends its own request only,
+even among rows that shared its forward); the runner's cache is dropped when the last row has left.
 
-One loop per engine (``engine.loop``); a generation started inside a hook (a nested one) gets
-a loop of its own.
+One loop per engine (``engine.loop``): a request submitted from a listener or a hook joins it at
+the next step; one *waited for* inside a hook (a nested ``generate``) gets a loop of its own.
 """
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ class StepLoop:
                         rows = [row for row in cohort if row.mode == mode and row.live]
                         if rows:
                             self._advance(decoder, rows)
+                self._leave_failed()
                 self._release()
                 return self.produced
             finally:
@@ -261,6 +263,13 @@ class StepLoop:
             handle.fail(error)
         self.queue = deque(row for row in self.queue if row.handle not in handles)
         self._drop([row for row in self.rows if row.handle in handles])
+
+    def _leave_failed(self) -> None:
+        """Requests that failed on their own during the step (a listener or a row's hook raised)
+        leave the loop, queued rows and running ones: the others went on."""
+        failed = {row.handle for row in itertools.chain(self.queue, self.rows) if row.handle.error is not None}
+        if failed:
+            self.fail(failed, None)
 
     def _drop(self, rows: list[Row]) -> None:
         gone = {row.key for row in rows}

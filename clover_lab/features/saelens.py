@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from clover_lab.errors import CheckpointError
-from clover_lab.writes import FileSet, refuse_foreign, refuse_unfinished
+from clover_lab.writes import FileSet, naming, refuse_foreign, refuse_unfinished
 
 CFG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"
 LAYOUT_VERSION = "6.0.0"  # metadata.sae_lens_version: the first SAELens release with this layout
@@ -60,7 +60,7 @@ def write(path, cfg: dict, tensors: dict[str, torch.Tensor]) -> Path:
     path = Path(path)
     text = json.dumps(cfg, indent=1)  # fails here, before anything is written, on what JSON cannot hold
     refuse_foreign(path, {CFG_FILE, WEIGHTS_FILE, "README.md"}, "a sparse autoencoder")
-    with FileSet(path) as files:
+    with naming(path), FileSet(path) as files:
         save_file({k: tensors[k].detach().to("cpu", torch.float32).contiguous() for k in TENSORS},
                   str(files.path(path / WEIGHTS_FILE)))
         files.path(path / CFG_FILE).write_text(text)
@@ -88,6 +88,9 @@ def read(path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise AutoencoderFileError(f"{cfg_file}: not JSON ({e})") from None
     if not isinstance(raw, dict):
         raise AutoencoderFileError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
+    if raw.get("metadata") is not None and not isinstance(raw["metadata"], dict):
+        raise AutoencoderFileError(f"{cfg_file}: 'metadata' must be a JSON object (hook_name, model_name, ...), got "
+                                   f"{type(raw['metadata']).__name__} {raw['metadata']!r:.60}")
     cfg = _normalized(raw, cfg_file)
     try:
         tensors = load_file(str(weights_file))

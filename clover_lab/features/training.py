@@ -39,6 +39,11 @@ class TrainingLog:
     settings: dict = field(default_factory=dict)
 
 
+def _finite(value) -> bool:
+    """A real number (no bool), finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _rows(acts) -> torch.Tensor:
     x = acts.values if isinstance(acts, Activations) else acts
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
@@ -70,10 +75,14 @@ def train(acts, d_sae: int | None = None, k: int = 32, *, steps: int | None = No
         steps = 1000
     if steps is not None:
         steps = count("steps", steps)
-    if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0):
-        raise InputError(f"train: seconds={seconds!r}: expected a positive number")
-    if not (isinstance(lr, (int, float)) and lr > 0):
-        raise InputError(f"train: lr={lr!r}: expected a positive number")
+    if seconds is not None and (not _finite(seconds) or seconds <= 0):
+        raise InputError(f"train: seconds={seconds!r}: expected a positive finite number (no limit: leave it out "
+                         f"and give steps)")
+    if not (_finite(lr) and lr > 0):  # lr=inf trained NaN weights without a word
+        raise InputError(f"train: lr={lr!r}: expected a positive finite number")
+    if not (_finite(aux_coef) and aux_coef >= 0):
+        raise InputError(f"train: aux_coef={aux_coef!r}: expected a finite number >= 0 (0: no AuxK term)")
+    every = count("every", every)
     aux_k = min(d_in // 2, d_sae) if aux_k is None else count("aux_k", aux_k)
     dead_rows = min(10 * n, 200_000) if dead_rows is None else count("dead_rows", dead_rows)
     point = acts.point if isinstance(acts, Activations) else None

@@ -40,7 +40,8 @@ class Constraint:
                     break
                 if not self._m.consume_token(path[i]):
                     raise GrammarError(f"{self.grammar.what}: the grammar engine refused token {path[i]} that it "
-                                       f"had accepted in validation ({self._m.get_error()})")
+                                       f"had accepted in validation, past its limits ({self._m.get_error()})",
+                                       self.grammar.what)
                 walked += 1
         finally:
             if walked:
@@ -65,7 +66,7 @@ class Constraint:
                                f"{decode(self.accepted + tokens[:n])[-60:]!r}", self.grammar.what)
         if tokens and not self._m.consume_tokens(tokens):
             raise GrammarError(f"{self.grammar.what}: the grammar engine refused tokens it had accepted in "
-                               f"validation ({self._m.get_error()})")
+                               f"validation, past its limits ({self._m.get_error()})", self.grammar.what)
         self.accepted += tokens
 
     @property

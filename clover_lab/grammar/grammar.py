@@ -5,7 +5,12 @@ function). Each row follows it with its own :class:`~clover_lab.grammar.constrai
 (:meth:`Grammar.matcher`).
 
 A grammar the engine cannot compile is a :class:`GrammarError` naming what it was made from
-(``what``: the server passes the request field, and answers 400; ``clover_lab.errors``).
+(``what``: the server passes the request field, and answers 400; ``clover_lab.errors``). So is
+one that compiles but could not run: over :data:`MAX_SOURCE_CHARS` (its compile time grows
+faster than its size: a 10,000-property schema took 20 s), past the grammar engine's run-time
+limits in its first tokens (hundreds of optional properties, a tool whose parameters are only
+``{"$ref": "#"}``: :meth:`Grammar._probe` walks them), or allowing only an empty response
+(``{"$ref": "#"}`` alone).
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ from clover_lab.grammar import tool_calls
 from clover_lab.grammar.constraint import Constraint
 from clover_lab.grammar.vocabulary import Vocabulary
 
+MAX_SOURCE_CHARS = 100_000  # a grammar's text (a JSON schema's, as the grammar engine reads it) at most
+PROBE_DEPTH, PROBE_BRANCH = 3, 4  # the first tokens a new grammar is walked through, and tokens tried per position
+
 
 class Grammar:
     """A compiled grammar over a model's vocabulary; ``source``: llguidance's grammar text,
@@ -26,6 +34,10 @@ class Grammar:
     def __init__(self, source: str, vocabulary, what: str = "grammar"):
         self.vocabulary = Vocabulary.of(vocabulary)
         self.what = what
+        if len(source) > MAX_SOURCE_CHARS:
+            raise GrammarError(f"{what}: the grammar is {len(source):,} characters, over the {MAX_SOURCE_CHARS:,} the "
+                               f"engine compiles (its compile time grows faster than its size); make it smaller",
+                               what)
         error = llguidance.LLMatcher.validate_grammar(source, self.vocabulary.ll)
         if error:
             raise GrammarError(f"{what}: the grammar engine cannot compile it: {error}", what)
@@ -34,6 +46,36 @@ class Grammar:
         if self._template.is_error():
             raise GrammarError(f"{what}: the grammar engine cannot compile it: {self._template.get_error()}", what)
         self.source = source
+        self._probe()
+
+    def _probe(self) -> None:
+        """Walk the grammar's first :data:`PROBE_DEPTH` tokens (a few of those allowed at each
+        position): a grammar the engine compiles but cannot run, or that allows only an empty
+        response, is refused now (a GrammarError naming ``what``), not at a request's first token."""
+        c, eos, what = self.matcher(), self.vocabulary.eos, self.what
+        start = c.masks([])[0]
+        if not bool(start.any()):
+            raise GrammarError(f"{what}: the grammar allows no token at all", what)
+        if int(start.sum()) == 1 and bool(start[eos]):
+            raise GrammarError(f"{what}: the grammar allows only an empty response (no value matches it: a schema "
+                               f"that is only a reference to itself, {{\"$ref\": \"#\"}}, has no base case); give "
+                               f"it a value a response can write", what)
+        paths = [[]]
+        try:
+            for _ in range(PROBE_DEPTH):
+                walked = []
+                for path in paths:
+                    allowed = [t for t in c.masks(path)[-1].nonzero().flatten().tolist() if t != eos]
+                    picks = allowed[:PROBE_BRANCH // 2] + allowed[len(allowed) - PROBE_BRANCH // 2:]
+                    walked += [path + [t] for t in dict.fromkeys(picks)]
+                paths = walked
+            for path in paths:
+                c.masks(path)
+        except GrammarError as e:
+            raise GrammarError(f"{what}: the grammar compiles but passes the grammar engine's limits in its first "
+                               f"tokens (too many alternatives at one point: hundreds of optional properties, or a "
+                               f"schema that refers to itself without a base case); simplify it. The engine said: "
+                               f"{str(e).split('(', 1)[-1][:300]}", what) from None
 
     @classmethod
     def json_schema(cls, schema, vocabulary, what: str = "schema") -> Grammar:

@@ -194,6 +194,11 @@ def check_preview(engine, data=None, windows_count: int = 8, seq_len: int | None
     model = engine.model
     if engine.mask_token_id is None:
         raise CheckError("check needs a mask token (config.json's mask_token_id or the tokenizer's)")
+    if getattr(model, "preview_untrained", False):  # every reading would read the same defaults
+        raise CheckError(f"{getattr(model, 'checkpoint_dir', 'the checkpoint')}: the checkpoint has no Clover preview "
+                         f"weights (a converter dropped them, or it is a causal-only model), so its preview runs on "
+                         f"the spec's untrained defaults and there is no reading of stored weights to rank; give a "
+                         f"checkpoint that holds them")
     bs = engine.block_size
     clean = sample_windows(engine, data, windows_count, seq_len or 8 * bs)
     clean = clean[:, :clean.shape[1] // bs * bs]

@@ -5,7 +5,8 @@
     POST /v1/completions          text completion, streamed (server-sent events) or not
     POST /v1/chat/completions     chat, through the model's chat template (thinking switch)
     GET  /v1/traces/{id}          a traced request's trace.json; .../tensors.safetensors its tensors
-    GET  /health                  200 while serving, 503 while shutting down
+    GET  /health                  200 while serving, 503 while shutting down or when the engine's
+                                  worker is gone (``error`` says why)
     GET  /metrics                 Prometheus text format
 
 Bad requests are answered 4xx with OpenAI's error body naming the field, never 500.
@@ -76,9 +77,10 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
 
     @app.get("/health")
     async def health():
-        body = {"status": "shutting_down" if scheduler.closing else "ok", "waiting": scheduler.waiting,
-                "running": scheduler.running}
-        return JSONResponse(body, status_code=503 if scheduler.closing else 200)
+        stopped = scheduler.stopped  # the worker thread is gone: nothing queued would ever run
+        body = {"status": "shutting_down" if scheduler.closing else "engine_stopped" if stopped else "ok",
+                "waiting": scheduler.waiting, "running": scheduler.running, **({"error": stopped} if stopped else {})}
+        return JSONResponse(body, status_code=503 if scheduler.closing or stopped else 200)
 
     @app.get("/metrics")
     async def prometheus():
@@ -98,7 +100,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
         _stream_options(body)
         p = body.prompt
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else p
-        grammar = tools.format_grammar(engine, body.response_format)
+        grammar = await tools.off_loop(lambda: tools.format_grammar(engine, body.response_format), "response_format")
         jobs = make_jobs(engine, body, prompts, "prompt", "cmpl", max_tokens=body.max_tokens,
                          logprobs=(body.logprobs, "logprobs"), grammar=grammar, echo=body.echo)
         return await _answer(request, scheduler, metrics, jobs, body,
@@ -112,7 +114,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         limit, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
                         is not None else (body.max_tokens, "max_tokens"))
-        plan = tools.plan(engine, body)
+        plan = await tools.off_loop(lambda: tools.plan(engine, body), "tools" if body.tools else "response_format")
         jobs = make_jobs(engine, body, [schemas.chat_messages(body)], "messages", "chatcmpl",
                          thinking=schemas.thinking(body), thinking_param=schemas.thinking_param(body),
                          max_tokens_param=param, max_tokens=limit,

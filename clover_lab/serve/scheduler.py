@@ -9,6 +9,11 @@ any step and leave as they end; what else runs never changes a row's tokens. A j
 went away (streamed or not, running or still queued) is cancelled (``Handle.cancel``): its row
 leaves at the next step, and with no row left the worker sleeps. A full queue refuses new jobs
 (HTTP 429); a closing scheduler refuses them too (503) and finishes what it holds.
+
+Nothing a request does stops the worker: an error while a job is handed to the engine, stepped
+or settled (its trace saved) ends that job with it, and the worker goes on. Should the worker
+thread end all the same, :attr:`Scheduler.stopped` says why, ``/health`` answers 503 with it and
+new jobs are refused (503) instead of waiting for a worker that is gone.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from clover_lab.engine.requests import Request
+from clover_lab.engine.requests import GenerationError, Request
+from clover_lab.errors import GrammarError
 from clover_lab.serve.jobs import Job, RequestError
 from clover_lab.serve.prometheus import Metrics
 
@@ -40,7 +46,8 @@ class Scheduler:
         self._inbox: list[Job] = []  # submitted, not yet handed to the engine
         self._jobs: list[Job] = []  # handed to the engine, not yet ended
         self._closing = False
-        self._thread = threading.Thread(target=self._work, name="clover-serve-engine", daemon=True)
+        self._fault: BaseException | None = None  # what ended the worker thread, when it ended otherwise
+        self._thread = threading.Thread(target=self._serve, name="clover-serve-engine", daemon=True)
 
     # ---------------------------------------------------------------- the request side
     def start(self) -> None:
@@ -59,6 +66,16 @@ class Scheduler:
     def closing(self) -> bool:
         return self._closing
 
+    @property
+    def stopped(self) -> str | None:
+        """Why the worker can no longer serve (its thread ended while the server was not closing),
+        or None while it serves: what ``/health`` answers with a 503."""
+        if self._closing or self._thread.ident is None or self._thread.is_alive():
+            return None  # closing on purpose, not started yet, or serving
+        e = self._fault
+        return ("the engine's worker thread has ended" + (f": {type(e).__name__}: {e}" if e is not None else "")
+                + "; restart the server")
+
     def submit(self, jobs: list[Job]) -> None:
         """Queue a request's jobs (all or none). A request with more jobs than the queue holds can
         never be taken: a 400, not a 429 to retry."""
@@ -69,6 +86,9 @@ class Scheduler:
             if self._closing:
                 raise RequestError("the server is shutting down", status=503, type="service_unavailable",
                                    code="shutting_down")
+            if self.stopped is not None:
+                raise RequestError(f"the server cannot serve: {self.stopped}", status=503,
+                                   type="service_unavailable", code="engine_stopped")
             if self.waiting + len(jobs) > self.max_queue:
                 raise RequestError(f"the queue is full ({self.max_queue} waiting prompts); retry later", status=429,
                                    type="rate_limit_error", code="queue_full")
@@ -97,6 +117,20 @@ class Scheduler:
         self.traces.close()
 
     # ---------------------------------------------------------------- the worker
+    def _serve(self) -> None:
+        try:
+            self._work()
+        except BaseException as e:  # noqa: BLE001 - the thread ends; /health and new requests say why
+            self._fault = e
+            with self._cv:
+                jobs, self._inbox = self._jobs + self._inbox, []
+            gone = RequestError(f"the server cannot serve: its engine's worker thread ended ({type(e).__name__}: "
+                                f"{e}); restart the server", status=503, type="service_unavailable",
+                                code="engine_stopped")
+            for job in jobs:  # nobody waits forever on a worker that is gone
+                job.send(gone)
+                job.send(None)
+
     def _work(self) -> None:
         while True:
             with self._cv:
@@ -106,7 +140,10 @@ class Scheduler:
                     return
                 jobs, self._inbox = self._inbox, []
             for job in jobs:
-                self._start(job)
+                try:
+                    self._start(job)
+                except Exception as e:  # noqa: BLE001 - this job's own failure ends it, not the worker
+                    self._end(job, e)
             if not self.engine.loop.idle:
                 before = self.engine.loop.forwards
                 try:
@@ -114,8 +151,27 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - the engine failed outside any request: every job hears it
                     for job in self._jobs:
                         job.handle.fail(e)
+                    self._drop_failed()
                 self.metrics.stepped(self.engine.loop.forwards - before)
             self._settle()
+
+    def _drop_failed(self) -> None:
+        """The rows of requests that failed outside the step loop's own handling leave the engine."""
+        loop = self.engine.loop
+        failed = {job.handle for job in self._jobs if job.handle is not None and job.handle.error is not None}
+        if failed:
+            loop.fail(failed, next(iter(failed)).error)
+
+    def _end(self, job: Job, error: BaseException) -> None:
+        """``job`` ends with ``error`` (its request's answer); its scopes close, its rows leave."""
+        try:
+            self._close_scopes(job)
+        except Exception:  # noqa: BLE001 - the job's error is what its client hears
+            pass
+        if job.handle is not None and not job.handle.done:
+            job.handle.cancel()
+        job.send(error)
+        job.send(None)
 
     def _start(self, job: Job) -> None:
         """Hand a job to the engine as a request of its own (a traced one inside its capture's
@@ -166,11 +222,18 @@ class Scheduler:
             if not h.done:
                 going.append(job)
                 continue
-            self._close_scopes(job)
-            if job.capture is not None and h.error is None and not job.cancelled.is_set():
-                self.traces.add(job.id, job.capture, {"request": job.id})
+            try:
+                self._close_scopes(job)
+                if job.capture is not None and h.error is None and not job.cancelled.is_set():
+                    self.traces.add(job.id, job.capture, {"request": job.id})
+            except Exception as e:  # noqa: BLE001 - e.g. a full disk under the trace: this job's answer
+                self._end(job, RequestError(
+                    f"the generation ran, but its trace could not be saved ({type(e).__name__}: {e}); free space "
+                    f"in the server's trace directory ({self.traces.root}) or ask without clover.trace",
+                    "clover.trace", status=507, type="server_error", code="trace_not_saved"))
+                continue
             if h.error is not None:
-                job.send(h.error)
+                job.send(run_error(h.error))
             else:
                 self.metrics.finished(h.result)
             job.send(None)
@@ -178,6 +241,17 @@ class Scheduler:
             self._jobs = going
             self.metrics.queue.set(self.waiting)
             self.metrics.running.set(self.running)
+
+
+def run_error(error: BaseException) -> BaseException:
+    """What a request that failed in its run is answered: what only a run could show wrong with
+    the request (a grammar past the grammar engine's limits, a setting that left no token to
+    choose) a 400 naming its field, never a 500; anything else as it is (the server's fault)."""
+    if isinstance(error, GrammarError):
+        return RequestError(str(error), error.what, code="grammar_failed")
+    if isinstance(error, GenerationError) and error.field is not None:
+        return RequestError(str(error), error.field, code="generation_failed")
+    return error
 
 
 class TraceStore:

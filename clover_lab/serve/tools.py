@@ -15,6 +15,8 @@ the tools out of the prompt; ``required`` and a named function, like ``response_
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -83,6 +85,22 @@ def format_grammar(engine, fmt) -> Grammar | None:
         raise RequestError("response_format.json_schema.schema: a JSON schema is required",
                            "response_format.json_schema.schema")
     return _grammar(lambda: Grammar.json_schema(schema, engine, what="response_format.json_schema.schema"))
+
+
+GRAMMAR_SECONDS = 10.0  # the most a request's grammars may take to compile before it is refused
+_compiling = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="clover-serve-grammar")
+
+
+async def off_loop(make, what: str):
+    """``make()`` (a request's grammar compiles: ``plan``, ``format_grammar``) in a thread of its
+    own, never on the event loop: a large schema froze ``/health`` and every stream while it
+    compiled. Over :data:`GRAMMAR_SECONDS` the request is refused (400 naming ``what``)."""
+    future = asyncio.get_running_loop().run_in_executor(_compiling, make)
+    try:
+        return await asyncio.wait_for(future, GRAMMAR_SECONDS)
+    except asyncio.TimeoutError:
+        raise RequestError(f"{what}: its grammar took over {GRAMMAR_SECONDS:g} s to compile; simplify the schema "
+                           f"(fewer properties, alternatives or nesting)", what, code="invalid_schema") from None
 
 
 def _choice_name(choice) -> str:

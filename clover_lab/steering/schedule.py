@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from clover_lab.errors import InputError
 from clover_lab.hooks import points as P
-from clover_lab.writes import FileSet, refuse_foreign, refuse_unfinished
+from clover_lab.writes import FileSet, naming, refuse_foreign, refuse_unfinished
 
 FORMAT = "clover_lab.steering_schedule"
 VERSION = 1
@@ -319,7 +319,7 @@ class Schedule:
         text = json.dumps(doc, indent=1)
         refuse_foreign(path, {META_FILE, TENSOR_FILE}, "a steering schedule")
         tensors = {f"steer.{i}": s.direction.contiguous() for i, s in enumerate(self.steers)}
-        with FileSet(path) as files:
+        with naming(path), FileSet(path) as files:
             save_file(tensors, str(files.path(path / TENSOR_FILE)))
             files.path(path / META_FILE).write_text(text)  # last: the file that makes it a schedule
         return path
@@ -346,6 +346,8 @@ class Schedule:
         except (OSError, SafetensorError) as e:
             raise ScheduleError(f"{tensors}: cannot read the directions ({e})") from None
         steers = []
+        if not isinstance(doc.get("steers") or [], list):
+            raise ScheduleError(f"{meta}: 'steers' must be a list of steers, got {type(doc['steers']).__name__}")
         for i, d in enumerate(doc.get("steers") or []):
             where = f"{meta}: steers[{i}]"
             if not isinstance(d, dict):
@@ -362,6 +364,6 @@ class Schedule:
                                     tuple(d["parts"]), d["name"]))
             except KeyError as e:
                 raise ScheduleError(f"{where}: no field {e}") from None
-            except InputError as e:
+            except (InputError, TypeError, ValueError) as e:  # a number where a list goes, ...
                 raise ScheduleError(f"{where}: {e}") from None
         return cls(steers, doc.get("name", ""))

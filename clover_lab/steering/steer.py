@@ -49,9 +49,10 @@ class Steering:
     """A schedule checked against an engine's model, as hooks (:meth:`hooks`), with a log of where
     it added (``applied``, when ``log`` is on)."""
 
-    def __init__(self, engine, schedule, log: bool = True):
+    def __init__(self, engine, schedule, log: bool = True, block_size: int | None = None):
         self.engine, self.schedule, self.log = engine, Schedule.of(schedule), log
         config = engine.model.config
+        bs = block_size or engine.block_size  # the request's, when it sets its own
         self.by_point: dict[str, list[tuple[int, Steer]]] = {}
         for i, s in enumerate(self.schedule):
             if s.direction.numel() != config.hidden_size:
@@ -66,9 +67,14 @@ class Steering:
                     raise InputError(f"steer {i} ({s.name!r}): layer {layer} ({config.layer_types[layer]}) has no "
                                      f"{s.kind} point")
                 self.by_point.setdefault(name, []).append((i, s))
-            if isinstance(s.positions, tuple) and s.positions[-1] >= engine.block_size:
+            if isinstance(s.positions, tuple) and s.positions[-1] >= bs:
                 raise InputError(f"steer {i} ({s.name!r}): block position {s.positions[-1]} is past the block "
-                                 f"(block_size {engine.block_size})")
+                                 f"(block_size {bs})")
+            first = s.steps.start if s.steps.only is None else s.steps.only[0]
+            if "preview" in s.parts and first >= bs:  # each denoising step unmasks a position at least
+                raise InputError(f"steer {i} ({s.name!r}): steps {s.steps} start at step {first}, which a block of "
+                                 f"{bs} positions never reaches (it takes at most {bs} denoising steps); it would "
+                                 f"never apply")
         self.tracks = any(s.positions in ("masked", "unmasked") and "preview" in s.parts for s in self.schedule)
         self.applied: list[Applied] = []
         self._vectors: dict[tuple, torch.Tensor] = {}
@@ -118,7 +124,7 @@ class Steering:
             part = "preview" if ev.mode == "preview" else "prompt" if where.phase == "prefill" else "commit"
             block, step = ev.block, ev.step
             B, T = ev.value.shape[0], ev.value.shape[1]
-            bs = self.engine.block_size
+            bs = self._block_size(where.run)
             # a look-ahead forward previews the next block after this one: its rows have their own coordinates
             ahead = part == "preview" and T > bs
             active = [(i, s) for i, s in entries if s.at(part, block, step)
@@ -147,6 +153,13 @@ class Steering:
                 ev.value = new
 
         return add
+
+    def _block_size(self, run: int) -> int:
+        """The block size of the generation ``run`` (a request may set its own), else the engine's."""
+        for row in self.engine.loop.rows:
+            if row.handle.number == run:
+                return row.block_size
+        return self.engine.block_size
 
     def _spans(self, part: str, block, step, T: int, bs: int, run: int, row: int):
         """(lo, hi, block, step) of the part's rows: a look-ahead preview's rows past the block are
@@ -198,7 +211,8 @@ class SteeredRun:
 def steer(engine, prompt, schedule, **generate) -> SteeredRun:
     """Generate ``prompt`` (one prompt or a batch; ``generate``: the request's settings, ``mode``
     included) with ``schedule`` applied, for this request only."""
-    steering = Steering(engine, schedule)
+    block_size = getattr(prompt, "block_size", None) or generate.get("block_size")  # a Request's own
+    steering = Steering(engine, schedule, block_size=block_size)
     with engine.hooks(steering.hooks()):
         result = engine.generate(prompt, **generate)
     return SteeredRun(result, steering.applied)

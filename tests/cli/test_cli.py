@@ -51,9 +51,12 @@ def test_text_prompt_chat_and_live_view(capsys, gen_text_model_dir):
     assert code == 0, err
     assert "statistics" in out and "tokens per forward" in out and "w" in out
     code, out, _ = run_cli(capsys, "generate", "--model", gen_text_model_dir, "--prompt", "w8 w9", "--chat",
-                           "--thinking", "--max-new-tokens", 4, "--json")
+                           "--no-thinking", "--max-new-tokens", 4, "--json")
     data = json.loads(out)
-    assert code == 0 and data["prompt_ids"] == [1, 8, 9, 3, 4] and isinstance(data["text"], str)
+    assert code == 0 and data["prompt_ids"] == [1, 8, 9, 3, 5] and isinstance(data["text"], str)
+    code, _, err = run_cli(capsys, "generate", "--model", gen_text_model_dir, "--prompt", "w8 w9", "--chat",
+                           "--thinking", "--max-new-tokens", 4, "--json")
+    assert code == 2 and "no <think> / </think> tokens" in err
     code, out, _ = run_cli(capsys, "generate", "--model", gen_text_model_dir, "--prompt", "w8 w9",
                            "--max-new-tokens", 30, "--json", "--stop", "w314", "--threshold", 0.3)
     assert code == 0 and "w314" not in json.loads(out)["text"]
@@ -323,18 +326,20 @@ def test_routes_out_never_overwrites_the_model_or_the_corpus(capsys, gen_text_mo
 
 
 # --------------------------------------------------------------------------- settings the mode ignores
-def test_settings_the_mode_ignores_are_one_line_warnings(capsys, gen_model_dir):
+def test_settings_the_mode_ignores_are_refused_naming_both(capsys, gen_model_dir):
+    """A top-k policy with --mode ar and --draft-passes with --mode diffusion were accepted (a warning)
+    and ignored: options typed on a command line are refused, naming the option and the mode."""
     code, out, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6,7", "--mode", "ar",
                              "--threshold", 0.5, "--block-size", 8, "--policy", "topk:k=2", "--max-new-tokens", 3,
                              "--json")
-    assert code == 0 and len(json.loads(out)["token_ids"]) == 3
-    lines = err.strip().splitlines()
-    assert len(lines) == 2 and all(line.startswith("clover-lab: warning: mode='ar'") for line in lines), err
-    assert "threshold, policy" in err and "block_size" in err
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "mode='ar'" in err and "--threshold, --policy, --block-size" in err
     code, _, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6,7",
                            "--draft-passes", 2, "--max-new-tokens", 3, "--json")
-    assert code == 0 and err.strip() == ("clover-lab: warning: draft_passes drafts blocks in mode='speculative'; "
-                                         "mode='diffusion' ignores it: it has no effect on this run")
+    assert code == 2 and "mode='diffusion' ignores it" in err and "--draft-passes" in err, err
+    code, _, err = run_cli(capsys, "generate", "--model", gen_model_dir, "--prompt-ids", "5,6,7", "--thinking",
+                           "--max-new-tokens", 3, "--json")
+    assert code == 2 and "--thinking" in err and "--chat" in err and "thinking=True" not in err, err
 
 
 def test_thinking_on_a_tokenizer_without_a_thinking_mode_is_an_error(capsys, gen_text_model_dir, tmp_path):

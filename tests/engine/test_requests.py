@@ -147,14 +147,19 @@ def no_thinking_tokenizer(gen_tokenizer, template_reads_it: bool):
 @pytest.mark.parametrize("thinking", [True, False])
 def test_thinking_on_a_tokenizer_without_a_thinking_mode_is_refused(gen_model, gen_tokenizer, thinking):
     """thinking=True on a tokenizer without <think> whose template does not read enable_thinking changed
-    nothing, silently. A template that reads it (the fixture's: w4 / w5) still takes it."""
+    nothing, silently. A template that reads it (the fixture's: w4 / w5) takes thinking=False; thinking=True
+    is refused all the same: without <think> tokens the reasoning could not be told apart from the answer."""
     deaf = Engine(gen_model, no_thinking_tokenizer(gen_tokenizer, False))
     msgs = [{"role": "user", "content": "w8 w9"}]
     with pytest.raises(IgnoredSettingError, match=f"thinking={thinking}: this tokenizer has no thinking mode"):
         deaf.generate(msgs, thinking=thinking, max_new_tokens=4)
     assert deaf.generate(msgs, max_new_tokens=4).prompt_ids == [1, 8, 9, 3]  # the engine as it was
     listening = Engine(gen_model, no_thinking_tokenizer(gen_tokenizer, True))
-    assert listening.generate(msgs, thinking=thinking, max_new_tokens=4).prompt_ids[-1] == (4 if thinking else 5)
+    if thinking:
+        with pytest.raises(IgnoredSettingError, match="no <think> / </think> tokens of its own"):
+            listening.generate(msgs, thinking=thinking, max_new_tokens=4)
+    else:
+        assert listening.generate(msgs, thinking=thinking, max_new_tokens=4).prompt_ids[-1] == 5
 
 
 def test_a_policy_naming_a_setting_twice_is_refused():

@@ -229,3 +229,95 @@ def test_streamed_updates_carry_the_committed_tokens_logprobs(engine):
                if u.kind == "commit"]
     assert [len(u.logprobs) for u in updates] == [1, 2, 3, 4, 5, 6]
     assert updates[-1].logprobs == updates[-1].logprobs[:6] and len(updates[-1].top_logprobs[0]) >= 2
+
+
+# --------------------------------------------------------------------------- errors inside a step
+class Refused(Exception):
+    pass
+
+
+def test_a_listeners_error_ends_its_own_request_and_no_other(engine):
+    """A listener raising on a commit failed every request that only shared its forward."""
+    alone = engine.generate(PROMPTS[1], max_new_tokens=8).token_ids
+
+    def refuse(update):
+        if update.kind == "commit":
+            raise Refused("the listener refused a commit")
+
+    bad = engine.submit(Request(PROMPTS[0], max_new_tokens=8), listener=refuse)
+    good = engine.submit(Request(PROMPTS[1], max_new_tokens=8))
+    run_all(engine, [bad, good])
+    assert isinstance(bad.error, Refused) and good.error is None and good.result.token_ids == alone
+    assert engine.loop.idle and engine.loop.runner is None  # the failed request's rows left too
+
+
+@pytest.mark.parametrize("case", ["cancelled", "scored"])
+def test_a_listener_raising_on_done_does_not_escape_the_step(engine, case):
+    """A listener raising on the "done" of a cancelled request or of a prompt-only scoring escaped
+    engine.step(): the handle never ended and its row stayed in the loop."""
+    def refuse(update):
+        if update.kind == "done":
+            raise Refused("the listener refused done")
+
+    request = (Request(PROMPTS[0], max_new_tokens=8) if case == "cancelled"
+               else Request(PROMPTS[0], max_new_tokens=0, prompt_logprobs=0))
+    handle = engine.submit(request, listener=refuse)
+    if case == "cancelled":
+        engine.step()
+        handle.cancel()
+    run_all(engine, [handle])  # engine.step() raised here before
+    assert isinstance(handle.error, Refused) and engine.loop.idle
+    with pytest.raises(Refused):
+        engine.wait(handle)
+
+
+def test_a_request_submitted_from_a_listener_or_hook_runs_on_the_engines_loop(engine):
+    """It went on a private loop that engine.step() never ran: its handle never ended."""
+    want = engine.generate(PROMPTS[1], max_new_tokens=8).token_ids
+    later = []
+
+    def listener(update):
+        if update.kind == "commit" and not later:
+            later.append(engine.submit(Request(PROMPTS[1], max_new_tokens=8)))
+
+    first = engine.submit(Request(PROMPTS[0], max_new_tokens=8), listener=listener)
+    hooked = []
+
+    def hook(event):
+        if not hooked:
+            hooked.append(engine.submit(Request(PROMPTS[1], max_new_tokens=8)))
+
+    handle = engine.add_hook("block.commit", hook)
+    try:
+        run_all(engine, [first])
+    finally:
+        handle.remove()
+    later += hooked
+    run_all(engine, later)
+    assert len(later) == 2 and [h.result.token_ids for h in later] == [want, want]
+    assert all(h.loop is engine.loop for h in later)
+
+
+@pytest.mark.slow  # 3 s: two hook points, two requests each
+def test_a_hooks_error_on_one_row_ends_that_request_only(engine):
+    """Rows sharing a forward share their hooks; a hook raising for one request failed them all."""
+    from clover_lab.hooks.registry import HookError
+
+    alone = engine.generate(PROMPTS[1], max_new_tokens=8).token_ids
+    bad = good = None
+
+    def hook(event):
+        if event.where.run == bad.number:
+            raise Refused("not this request")
+
+    for point in ("block.commit", "denoise.step"):
+        handle = engine.add_hook(point, hook)
+        try:
+            bad = engine.submit(Request(PROMPTS[0], max_new_tokens=8))
+            good = engine.submit(Request(PROMPTS[1], max_new_tokens=8))
+            run_all(engine, [bad, good])
+        finally:
+            handle.remove()
+        assert isinstance(bad.error, HookError) and point in str(bad.error), point
+        assert good.error is None and good.result.token_ids == alone, point
+        assert engine.loop.idle

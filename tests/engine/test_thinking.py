@@ -136,6 +136,9 @@ def test_thinking_is_for_chat_messages_and_a_boolean(tiny_text_engine):
             tiny_text_engine.generate(prompt, thinking=True, max_new_tokens=4)
     with pytest.raises(InputError, match="thinking='false'"):
         tiny_text_engine.generate([{"role": "user", "content": "w1"}], thinking="false", max_new_tokens=4)
-    on = tiny_text_engine.encode([{"role": "user", "content": "w1"}], thinking=True)
+    # thinking=True on a tokenizer without <think> tokens answered as a plain chat, without a word
+    with pytest.raises(GenerationError, match="no <think> / </think> tokens of its own") as e:
+        tiny_text_engine.encode([{"role": "user", "content": "w1"}], thinking=True)
+    assert e.value.field == "thinking"
     off = tiny_text_engine.encode([{"role": "user", "content": "w1"}], thinking=False)
-    assert on != off
+    assert off[-1] == 5  # the template's "thinking off" (w5)

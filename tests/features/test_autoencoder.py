@@ -177,3 +177,40 @@ def test_a_failed_save_leaves_the_old_autoencoder(tmp_path, monkeypatch, fail_at
     back = TopKAutoencoder.load(tmp_path / "sae")
     assert torch.equal(back.W_enc, old.W_enc)
     assert not leftovers(tmp_path)
+
+
+def test_an_io_error_between_the_renames_leaves_the_old_autoencoder(tmp_path, monkeypatch):
+    """The set's renames were not one step: an I/O error after the weights were renamed left new
+    weights beside the old cfg.json under the marker, and the previous autoencoder would not load."""
+    import os
+
+    from clover_lab import writes
+
+    old = _sae(seed=1)
+    old.save(tmp_path / "sae")
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the first file of the set is in, the second fails
+            raise OSError(5, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(writes.os, "replace", replace)
+    with pytest.raises(OSError, match="sae"):
+        _sae(seed=2).save(tmp_path / "sae")
+    monkeypatch.undo()
+    back = TopKAutoencoder.load(tmp_path / "sae")
+    assert torch.equal(back.W_enc, old.W_enc) and not leftovers(tmp_path)
+
+
+def test_a_full_disk_names_the_autoencoder_and_a_string_metadata_is_named(tmp_path, monkeypatch):
+    Writes(monkeypatch, fail_at=1, error=FULL)
+    with pytest.raises(OSError, match=f"cannot write {tmp_path / 'sae'}"):
+        _sae().save(tmp_path / "sae")
+    monkeypatch.undo()
+    _sae().save(tmp_path / "sae")
+    cfg = json.loads((tmp_path / "sae" / "cfg.json").read_text())
+    (tmp_path / "sae" / "cfg.json").write_text(json.dumps(cfg | {"metadata": "layers.2.output"}))
+    with pytest.raises(AutoencoderFileError, match="'metadata' must be a JSON object"):
+        TopKAutoencoder.load(tmp_path / "sae")

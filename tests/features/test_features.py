@@ -76,7 +76,9 @@ def test_training_reaches_a_low_fvu_on_held_out_rows():
     timed = features.train(x, d_sae=32, k=4, seconds=0.5, batch_size=256)
     assert 0 < timed.log.steps and timed.log.seconds < 5
     for kwargs, match in [(dict(k=0), "k=0"), (dict(k=40, d_sae=32), "k=40 is more than d_sae=32"),
-                          (dict(seconds=-1), "seconds"), (dict(lr=0), "lr"), (dict(steps=0), "steps")]:
+                          (dict(seconds=-1), "seconds"), (dict(lr=0), "lr"), (dict(steps=0), "steps"),
+                          (dict(every=0), "every=0"), (dict(seconds=float("inf")), "seconds=inf"),
+                          (dict(lr=float("inf")), "lr=inf"), (dict(aux_coef=float("nan")), "aux_coef")]:
         with pytest.raises(InputError, match=match):
             features.train(x, **kwargs)
     with pytest.raises(InputError, match="an empty capture"):

@@ -191,3 +191,51 @@ def test_every_mode_follows_the_grammar(engine, mode):
             ar = engine.generate(clover_lab.Request(prompt, mode="ar", grammar=grammar, max_new_tokens=96))
             assert engine.generate(clover_lab.Request(prompt, mode=mode, grammar=grammar,
                                                       max_new_tokens=96)).token_ids == ar.token_ids
+
+
+# --------------------------------------------------------------------------- grammars that could not run
+@pytest.mark.parametrize("make,fragment", [
+    (lambda e: Grammar.json_schema({"$ref": "#"}, e, what="response_format"), "only an empty response"),
+    (lambda e: Grammar.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                     for i in range(500)}}, e,
+                                   what="response_format"), "limits in its first tokens"),
+    (lambda e: Grammar.tool_calls([{"name": "tree", "parameters": {"$ref": "#"}}], e, what="tools"),
+     "limits in its first tokens"),
+    (lambda e: Grammar.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                     for i in range(4000)}}, e,
+                                   what="response_format"), "over the 100,000"),
+], ids=["self-reference", "500-optional-properties", "recursive-tool", "too-large"])
+def test_a_grammar_that_compiles_but_could_not_run_is_refused_when_made(engine, make, fragment):
+    """These compiled, then answered "" with "stop" or failed at a request's first tokens (a 500)."""
+    with pytest.raises(GrammarError, match=fragment) as e:
+        make(engine)
+    assert e.value.what in ("response_format", "tools") and e.value.what in str(e.value)
+
+
+@pytest.mark.parametrize("setting,value", [("ignore_eos", True), ("min_tokens", 3), ("logit_bias", {0: -100}),
+                                           ("stop", ["}"])])
+def test_a_grammar_with_a_setting_it_cannot_honour_is_refused_before_it_runs(engine, person, setting, value):
+    """A grammar with ignore_eos or min_tokens failed mid-run (AR: "logits are not finite"), or
+    min_tokens was silently dropped (diffusion); a ban on the token the schema requires failed
+    mid-run; a stop string cut the JSON short. Each is refused by Engine.check, naming the setting."""
+    from clover_lab.engine.requests import GenerationError
+
+    for mode in ("diffusion", "ar"):
+        with pytest.raises(GenerationError, match=setting) as e:
+            engine.check(clover_lab.Request("x", mode=mode, max_new_tokens=8, grammar=person, **{setting: value}))
+        assert e.value.field == setting and "grammar" in str(e.value)
+    if setting == "logit_bias":  # a bias the grammar overrules runs, and the JSON is whole
+        softer = engine.generate(clover_lab.Request(PROMPTS[0], mode="ar", max_new_tokens=40, grammar=person,
+                                                    logit_bias={engine.tokenizer.encode("{")[0]: -30}))
+        json.loads(softer.text)
+
+
+def test_a_grammar_for_another_vocabulary_is_named(engine):
+    """A Grammar made over another vocabulary failed inside the grammar engine mid-run."""
+    from clover_lab.engine.requests import GenerationError
+
+    other = Grammar.json_object(Vocabulary(engine.tokenizer, engine.model.config.vocab_size + 40,
+                                           engine.eos_token_ids[0]))
+    with pytest.raises(GenerationError, match="another vocabulary") as e:
+        engine.check(clover_lab.Request("x", grammar=other))
+    assert e.value.field == "grammar"

@@ -544,3 +544,23 @@ def test_malformed_point_names_are_named(tiny_engine):
             tiny_engine.capture(name)
     with pytest.raises(CloverError, match="named by a string"):
         tiny_engine.capture([3])
+
+
+def test_a_hooks_block_closing_on_a_request_still_running_says_so(tiny_engine):
+    """Hooks scoped by a `with` block stopped applying to a request still running once the block
+    exited, without a word."""
+    from clover_lab.engine.engine import HooksClosedWarning
+
+    seen = []
+    with pytest.warns(HooksClosedWarning, match=r"request\(s\) \d+, submitted inside it and still running"):
+        with tiny_engine.hooks({"block.commit": lambda ev: seen.append(ev.block)}):
+            handle = tiny_engine.submit(clover_lab.Request(PROMPT, max_new_tokens=8))
+    tiny_engine.wait(handle)
+    assert seen == []  # the hooks did not apply after the block: what the warning said
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HooksClosedWarning)  # waited for inside the block: nothing to say
+        with tiny_engine.hooks({"block.commit": lambda ev: seen.append(ev.block)}):
+            tiny_engine.wait(tiny_engine.submit(clover_lab.Request(PROMPT, max_new_tokens=8)))
+    assert seen == [0]

@@ -135,3 +135,19 @@ def test_check_without_text_of_a_window(capsys, tmp_path):
     (tmp_path / "short.py").write_text("x = 1\n")
     assert cli_main(["check", "--data", str(tmp_path / "short.py")]) == 2
     assert "no window of 128 tokens" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_preview_weights_is_not_ranked(capsys, tmp_path):
+    """check ranked eight "readings" of preview weights the checkpoint did not have (all of them
+    the loader's untrained defaults)."""
+    from clover_lab.checkpoint.names import PREVIEW_PARAMS, RELEASE_NAMES
+
+    dst = tmp_path / "causal-only"
+    shutil.copytree(default_model_dir(), dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    kept = {n: t for n, t in tensors.items() if not any(key in n for key in PREVIEW_PARAMS + tuple(RELEASE_NAMES))}
+    assert len(kept) < len(tensors)
+    save_file(kept, str(dst / "model.safetensors"))
+    assert cli_main(["check", "--model", str(dst), "--windows", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no Clover preview weights" in err and "no reading of stored weights to rank" in err, err

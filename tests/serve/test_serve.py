@@ -434,8 +434,11 @@ def test_a_setting_the_mode_ignores_is_refused_naming_it(tiny_app, clover, param
 def test_enable_thinking_on_a_tokenizer_without_thinking_is_refused(tiny_app, monkeypatch):
     client, engine = tiny_app
     body = {"model": "tiny", "messages": [{"role": "user", "content": "w8"}], "max_tokens": 2}
-    assert client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": True}}
+    assert client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}}
                        ).status_code == 200  # the fixture's template reads enable_thinking
+    r = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
+    assert "no <think> / </think> tokens" in r.json()["error"]["message"]  # no reasoning to tell apart
     monkeypatch.setattr(engine.tokenizer, "chat_template", "{% for m in messages %}w1 {{ m['content'] }} "
                         "{% endfor %}{% if add_generation_prompt %}w3 {% endif %}")
     for extra, param in [({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs.enable_thinking"),

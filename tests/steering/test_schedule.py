@@ -114,7 +114,9 @@ def test_bad_schedule_files_are_named(tmp_path):
     for change, match in [(dict(format="clover_lab.trace"), "not a steering schedule"), (dict(version=9), "version 9"),
                           ({"steers": [dict(doc["steers"][0], hidden=3)]}, "16 values, the schedule says 3"),
                           ({"steers": [{k: v for k, v in doc["steers"][0].items() if k != "layers"}]}, "no field 'layers'"),
-                          ({"steers": [dict(doc["steers"][0], steps="x:y")]}, r"steers\[0\].*steps")]:
+                          ({"steers": [dict(doc["steers"][0], steps="x:y")]}, r"steers\[0\].*steps"),
+                          ({"steers": [dict(doc["steers"][0], parts=3)]}, r"steers\[0\]"),  # a number, not a list
+                          ({"steers": 5}, "'steers' must be a list")]:
         (d / "schedule.json").write_text(json.dumps(doc | change))
         with pytest.raises(ScheduleError, match=match):
             Schedule.load(d)
@@ -143,7 +145,7 @@ def test_a_failed_save_leaves_the_old_schedule(tmp_path, monkeypatch, fail_at, e
     old = _plan()
     old.save(tmp_path / "plan")
     Writes(monkeypatch, fail_at=fail_at, error=error)  # the directions, schedule.json, the set's marker
-    with pytest.raises(type(error)):
+    with pytest.raises(type(error), match=str(tmp_path / "plan") if error is FULL else None):  # named
         old.scaled(5).save(tmp_path / "plan")
     assert Schedule.load(tmp_path / "plan") == old
     assert not leftovers(tmp_path)

@@ -117,7 +117,9 @@ def test_bad_schedules_are_named_before_a_run(tiny_engine):
     for plan, match in [(Steer(torch.zeros(H), 1.0, layers=7), "unknown layer 7; the model has layers 0..3"),
                         (Steer(torch.zeros(H + 1), 1.0, layers=0), "65 values, the model's residual stream 64"),
                         (Steer(torch.zeros(H), 1.0, layers=3, kind="gdn.output"), "full_attention.*no gdn.output"),
-                        (Steer(torch.zeros(H), 1.0, layers=0, positions=(16,)), "past the block")]:
+                        (Steer(torch.zeros(H), 1.0, layers=0, positions=(16,)), "past the block"),
+                        (Steer(torch.zeros(H), 1.0, layers=0, steps="40:"), "never reaches"),  # 16-step blocks
+                        (Steer(torch.zeros(H), 1.0, layers=0, steps=[16, 17]), "never reaches")]:
         with pytest.raises(InputError, match=match):
             steering.steer(tiny_engine, PROMPT, plan, **KW)
     with pytest.raises(InputError, match="Steer objects"):
@@ -190,3 +192,15 @@ def test_a_steering_that_stays_attached_forgets_old_generations(tiny_engine):
         for _ in range(KEPT_RUNS + 3):
             tiny_engine.generate(PROMPT, max_new_tokens=4, threshold=0.3)
     assert len({k[0] for k in s._masked}) <= KEPT_RUNS and len(s._runs) == KEPT_RUNS
+
+
+@pytest.mark.slow  # 1.6 s: two steered generations of 32-position blocks
+def test_a_request_with_its_own_block_size_is_steered_at_its_blocks(tiny_engine):
+    """Steering a request with its own block_size used the engine's: block 0 of a 32-position
+    request was steered at 16 of its 32 positions."""
+    from clover_lab import Request
+
+    request = Request(PROMPT, max_new_tokens=32, block_size=32, threshold=0.3, max_tokens_per_step=3)
+    run = steering.steer(tiny_engine, request, Steer(_strong(1), 1.0, layers=2, blocks=[0], steps=[0]))
+    assert [a.positions for a in run.applied] == [tuple(range(32))]
+    assert steering.steer(tiny_engine, request, Steer(_strong(1), 1.0, layers=2, steps="20:"))  # 32 steps reach it
