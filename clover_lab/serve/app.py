@@ -211,8 +211,8 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
     """The server-sent events of one request: per job its text as blocks commit (and, asked for,
     each denoising step), its finish, then usage (asked for) and [DONE]."""
     tok = scheduler.engine.tokenizer
-    texts = {job.index: R.TextStream(tok, job.stop) for job in jobs}
-    reasons = {job.index: R.TextStream(tok, job.stop) for job in jobs}  # a chat's reasoning, apart (thinking)
+    texts = {job.index: R.TextStream(tok, job.plan.stop) for job in jobs}
+    reasons = {job.index: R.TextStream(tok, job.plan.stop) for job in jobs}  # a chat's reasoning, apart (thinking)
     lengths = {job.index: 0 for job in jobs}
     streams = {job.index: CallStream() for job in jobs}  # a chat's tool calls, as deltas as they commit
     offsets = {job.index: 0 for job in jobs}  # where a completion's next scored token's text begins
