@@ -264,15 +264,15 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
                 if job.trace_points is not None:
                     done["trace_id"] = job.id
                 text = r.text if r.reasoning is None else r.answer
-                content, calls = shape.split_calls(text)
+                content, calls, finish = shape.split_calls(text, r.stop_reason)
                 deltas = streams[i].finish(text, calls) if calls else []
                 thought = "" if r.reasoning is None else reasons[i].final(r.reasoning)
                 lp = None  # every token's were sent with its chunk; any left (none, as the engine commits) here
                 if r.logprobs is not None and len(r.token_ids) > lengths[i]:
                     lp, offsets[i] = shape.scored(r.token_ids[lengths[i]:], r.logprobs[lengths[i]:], r.top_logprobs
                                                   and r.top_logprobs[lengths[i]:], offsets[i])
-                yield R.sse(shape.chunk(i, texts[i].final(content), "tool_calls" if calls else R.finish_reason(
-                    r.stop_reason), clover=done, logprobs=lp, calls=deltas, reasoning=thought))
+                yield R.sse(shape.chunk(i, texts[i].final(content), finish, clover=done, logprobs=lp, calls=deltas,
+                                        reasoning=thought))
         if len(results) == len(jobs):
             _observe(metrics, started, first)
             if body.stream_options is not None and body.stream_options.include_usage:

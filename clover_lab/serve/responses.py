@@ -110,9 +110,7 @@ class Shape:
             c = {"index": i, "logprobs": self.logprobs(r, echo is not None),
                  "finish_reason": finish_reason(r.stop_reason)}
             if self.chat:
-                c["message"] = self.message(r, text)
-                if c["message"].get("tool_calls"):
-                    c["finish_reason"] = "tool_calls"
+                c["message"], c["finish_reason"] = self.message(r, text)
             else:
                 c["text"] = (echo or "") + text
             choices.append(c)
@@ -120,26 +118,36 @@ class Shape:
                 "usage": usage(results), "clover": clover_summary(self.id, results, trace, probes)}
 
 
-    def message(self, result, text: str) -> dict:
-        """The assistant message: its text, its reasoning apart (``reasoning_content``, when the chat
-        has thinking), its tool calls parsed out of the text (when the request has tools)."""
+    def message(self, result, text: str) -> tuple[dict, str]:
+        """The assistant message and its finish reason: its text, its reasoning apart
+        (``reasoning_content``, when the chat has thinking), its tool calls parsed out of the text
+        (when the request has tools; :meth:`split_calls`)."""
         if result.reasoning is not None:
             text = result.answer
-        msg = {"role": "assistant", "content": text}
+        content, calls, finish = self.split_calls(text, result.stop_reason)
+        msg = {"role": "assistant", "content": content}
         if result.reasoning is not None:
             msg["reasoning_content"] = result.reasoning
-        if self.parse_calls:
-            content, calls = tool_calls.parse(text)
-            if calls:
-                msg.update(content=content or None, tool_calls=openai_calls(calls))
-        return msg
+        if calls or content != text:
+            msg.update(content=content or None)
+        if calls:
+            msg["tool_calls"] = calls
+        return msg, finish
 
-    def split_calls(self, text: str) -> tuple[str, list[dict]]:
-        """(the text outside the tool calls, the calls) of a streamed response's final text."""
+    def split_calls(self, text: str, stop_reason: str) -> tuple[str, list[dict], str]:
+        """(the text outside the tool calls, the calls, the finish reason) of a response's text. A
+        call its length cut (``max_tokens``) is no call and not content either: the response ends
+        "length" without it (a client would otherwise run half a call, or show it as the answer);
+        complete calls end "tool_calls"."""
+        finish = finish_reason(stop_reason)
         if not self.parse_calls:
-            return text, []
+            return text, [], finish
         content, calls = tool_calls.parse(text)
-        return (content, openai_calls(calls)) if calls else (text, [])
+        content = content if calls else text
+        at = tool_calls.opens_call(content) if stop_reason == "length" else -1
+        if at >= 0:
+            return content[:at], openai_calls(calls), "length"
+        return content, openai_calls(calls), "tool_calls" if calls else finish
 
     def logprobs(self, result, echo: bool = False) -> dict | None:
         """The response tokens' log-probabilities (``GenerationResult.logprobs``: under the
