@@ -34,9 +34,10 @@ from clover_lab.serve.scheduler import Scheduler, TraceStore
 
 
 def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queue: int = 256,
-               trace_dir=None) -> FastAPI:
+               trace_dir=None, open_schemas: bool = False) -> FastAPI:
     """The server's app. The scheduler's worker starts with the app (its lifespan) and, at
-    shutdown, finishes the jobs it holds."""
+    shutdown, finishes the jobs it holds. ``open_schemas``: JSON schemas are read as written (open
+    where silent), not closed as vLLM's and SGLang's default backend closes them (``tools.closes``)."""
     if engine.tokenizer is None:
         raise ValueError("serve: the model has no tokenizer; the server answers text, so it needs one")
     metrics = Metrics()
@@ -98,7 +99,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
         _stream_options(body)
         p = body.prompt
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else p
-        grammar = tools.format_grammar(engine, body.response_format)
+        grammar, _ = tools.constraint(engine, body, tools.closes(body, open_schemas))
         jobs = make_jobs(engine, body, prompts, "prompt", "cmpl", max_tokens=body.max_tokens,
                          logprobs=(body.logprobs, "logprobs"), grammar=grammar, echo=body.echo)
         return await _answer(request, scheduler, metrics, jobs, body,
@@ -112,7 +113,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         limit, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
                         is not None else (body.max_tokens, "max_tokens"))
-        plan = tools.plan(engine, body)
+        plan = tools.plan(engine, body, open_schemas)
         jobs = make_jobs(engine, body, [schemas.chat_messages(body)], "messages", "chatcmpl",
                          thinking=schemas.thinking(body), thinking_param=schemas.thinking_param(body),
                          max_tokens_param=param, max_tokens=limit,

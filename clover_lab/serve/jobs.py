@@ -43,7 +43,8 @@ class RequestError(CloverError, ValueError):
 # request field -> SamplerSettings field, for the settings OpenAI's API names and Clover's own
 OPENAI_SAMPLER = {"temperature": "temperature", "top_p": "top_p", "seed": "seed",
                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-                  "logit_bias": "logit_bias", "ignore_eos": "ignore_eos", "min_tokens": "min_tokens"}
+                  "logit_bias": "logit_bias", "ignore_eos": "ignore_eos", "min_tokens": "min_tokens",
+                  "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}  # vLLM's extras
 OPENAI_PARAMS = {name: f for f, name in OPENAI_SAMPLER.items()}  # SamplerSettings field -> request field
 CLOVER_SAMPLER = ("threshold", "coreset_size", "confidence", "top_k", "max_tokens_per_step", "max_steps_per_block",
                   "repetition_penalty")
@@ -52,9 +53,9 @@ CLOVER_SAMPLER = ("threshold", "coreset_size", "confidence", "top_k", "max_token
 @dataclass(eq=False)
 class Job:
     """One row of a request (a prompt, or one of its ``n`` samples), as the scheduler hands it to
-    the engine (``plan``: checked once, when the body was; ``handle``: the engine's request). ``updates`` carries the engine's StreamUpdates
-    (and a final None, or an exception) back to the request's event loop, as (job, item) pairs: a
-    request's jobs share one queue."""
+    the engine (``plan``: checked once, when the body was; ``handle``: the engine's request).
+    ``updates`` carries the engine's StreamUpdates (and a final None, or an exception) back to the
+    request's event loop, as (job, item) pairs: a request's jobs share one queue."""
 
     id: str
     index: int
@@ -113,6 +114,8 @@ def new_id(prefix: str) -> str:
 def sampler_settings(engine, request: schemas.Common) -> SamplerSettings:
     """The request's sampler settings over the engine's; a bad value names its field."""
     given = {name: getattr(request, f) for f, name in OPENAI_SAMPLER.items() if getattr(request, f) is not None}
+    if given.get("top_k") == -1:  # vLLM's "off"
+        given["top_k"] = 0
     params = {name: f for f, name in OPENAI_SAMPLER.items()}
     for name in CLOVER_SAMPLER:
         value = getattr(request.clover, name)
@@ -177,6 +180,12 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
                            f"clover.{names[0]}", code="ignored_setting")
     if logprobs[0] is not None:
         settings = SamplerSettings.from_kwargs(settings, logprobs=logprobs[0])
+    ends = set(engine.eos_token_ids or ())
+    odd = [t for t in request.stop_token_ids or () if t not in ends]
+    if odd:
+        raise RequestError(f"stop_token_ids: {odd[:5]} are not end tokens of this model (it ends a response at "
+                           f"{sorted(ends)}, which it always does); stop at text with stop strings instead",
+                           "stop_token_ids")
     try:
         stop = stop_list(request.stop, engine.tokenizer)
     except GenerationError as e:
