@@ -5,6 +5,9 @@
     POST /v1/completions          text completion, streamed (server-sent events) or not
     POST /v1/chat/completions     chat, through the model's chat template (thinking switch)
     GET  /v1/traces/{id}          a traced request's trace.json; .../tensors.safetensors its tensors
+    POST /v1/responses            OpenAI's Responses API (text, tools, text.format; streamed events), serve/api_responses.py
+    POST /tokenize, /detokenize   a prompt (text or chat messages) as token ids and back, in vLLM's shapes
+    GET  /version                 the server's version, as vLLM's
     GET  /health                  200 while serving, 503 while shutting down
     GET  /metrics                 Prometheus text format
 
@@ -13,6 +16,7 @@ Bad requests are answered 4xx with OpenAI's error body naming the field, never 5
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,6 +27,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+import clover_lab
+from clover_lab.engine.requests import GenerationError
 from clover_lab.engine.results import Thinking
 from clover_lab.hooks.trace import META_FILE, TENSOR_FILE
 from clover_lab.serve import responses as R
@@ -62,7 +68,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
 
     def entry() -> dict:  # the context length as vLLM names it (max_model_len) and as others do
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "clover-lab",
-                "max_model_len": context, "context_length": context}
+                "root": model_name, "parent": None, "max_model_len": context, "context_length": context}
 
     @app.get("/v1/models")
     async def models():
@@ -74,6 +80,39 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
             raise RequestError(f"model {model_id!r} is not served here; this server serves {model_name!r}",
                                "model", status=404, code="model_not_found")
         return entry()
+
+    @app.get("/version")
+    async def version():
+        return {"version": clover_lab.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: schemas.TokenizeRequest):
+        if body.model is not None:
+            _model(body, model_name)
+        if isinstance(body, schemas.TokenizeChat):
+            functions = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
+            try:
+                ids = tools.chat_ids(engine, schemas.chat_messages(body), functions, schemas.thinking(body))
+            except GenerationError as e:
+                raise RequestError(str(e), "messages") from None
+        else:
+            try:
+                ids = engine.encode(body.prompt) if body.add_special_tokens else engine.encode(
+                    list(engine.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]))
+            except GenerationError as e:
+                raise RequestError(str(e), "prompt") from None
+        strs = [engine.tokenizer.convert_ids_to_tokens(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: schemas.DetokenizeRequest):
+        if body.model is not None:
+            _model(body, model_name)
+        vocab = engine.model.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"tokens: {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     @app.get("/health")
     async def health():
@@ -103,7 +142,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
         jobs = make_jobs(engine, body, prompts, "prompt", "cmpl", max_tokens=body.max_tokens,
                          logprobs=(body.logprobs, "logprobs"), grammar=grammar, echo=body.echo)
         return await _answer(request, scheduler, metrics, jobs, body,
-                             R.Shape(False, jobs[0].id, model_name, engine.tokenizer))
+                             R.Shape(False, jobs[0].id, model_name, engine.tokenizer, n=body.n))
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatRequest, request: Request):
@@ -126,13 +165,16 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
                                f"does not allow; turn thinking off (chat_template_kwargs.enable_thinking: false)",
                                schemas.thinking_param(body), code="thinking_with_grammar")
         return await _answer(request, scheduler, metrics, jobs, body,
-                             R.Shape(True, jobs[0].id, model_name, engine.tokenizer, parse_calls=plan.parse_calls))
+                             R.Shape(True, jobs[0].id, model_name, engine.tokenizer, parse_calls=plan.parse_calls,
+                                     n=body.n))
 
     return app
 
 
+log = logging.getLogger("uvicorn.error")  # the server's log is uvicorn's (its level, its format)
 DISCONNECT_POLL = 0.1  # seconds between checks that a non-streamed request's client is still there
-_COUNTED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+_COUNTED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+            "/version", "/health", "/metrics"}
 
 
 def _stream_options(body) -> None:
@@ -166,12 +208,20 @@ async def _answer(request, scheduler, metrics, jobs, body, shape: R.Shape):
         return StreamingResponse(_stream(scheduler, metrics, jobs, body, shape, started),
                                  media_type="text/event-stream")
     collect = asyncio.ensure_future(_collect(jobs, metrics, started))
+    gone = False
     try:
         while not collect.done():  # a client that went away cancels its rows: they leave at the next step
             await asyncio.wait({collect}, timeout=DISCONNECT_POLL)
             if not collect.done() and await request.is_disconnected():
+                gone = True
                 collect.cancel()
-        results = await collect
+        try:
+            results = await collect
+        except asyncio.CancelledError:
+            if not gone:  # the server's own cancellation (shutdown): not ours to swallow
+                raise
+            log.info("%s: the client went away; its %d row(s) left the batch", jobs[0].id, len(jobs))
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
     finally:
         for job in jobs:
             scheduler.cancel(job)  # a no-op for the finished; frees the rows of a client gone meanwhile

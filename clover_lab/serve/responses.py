@@ -63,8 +63,9 @@ class TextStream:
 class Shape:
     """The response shapes of one endpoint: ``chat`` (chat.completion) or not (text_completion)."""
 
-    def __init__(self, chat: bool, rid: str, model: str, tokenizer=None, parse_calls: bool = False):
+    def __init__(self, chat: bool, rid: str, model: str, tokenizer=None, parse_calls: bool = False, n: int = 1):
         self.chat, self.id, self.model, self.created = chat, rid, model, int(time.time())
+        self.n = n  # choices per prompt (usage counts each prompt once)
         self.tokenizer = tokenizer  # names the tokens of log-probabilities
         self.parse_calls = parse_calls  # the request has tools: the model's tool calls become message.tool_calls
 
@@ -98,7 +99,7 @@ class Shape:
 
     def usage_chunk(self, results) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(results)}
+                "usage": usage(results, self.n)}
 
     def response(self, results, texts: list[str], trace: bool, probes: list | None = None,
                  echoes: list | None = None) -> dict:
@@ -115,7 +116,7 @@ class Shape:
                 c["text"] = (echo or "") + text
             choices.append(c)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
-                "usage": usage(results), "clover": clover_summary(self.id, results, trace, probes)}
+                "usage": usage(results, self.n), "clover": clover_summary(self.id, results, trace, probes)}
 
 
     def message(self, result, text: str) -> tuple[dict, str]:
@@ -188,8 +189,10 @@ class Shape:
                 "text_offset": offsets}, at
 
 
-def usage(results) -> dict:
-    prompt = sum(len(r.prompt_ids) for r in results)
+def usage(results, n: int = 1) -> dict:
+    """Tokens of a response, as OpenAI counts them: each prompt once, however many choices (``n``)
+    answer it (``results``: a prompt's ``n`` choices in a row), and every choice's tokens."""
+    prompt = sum(len(r.prompt_ids) for r in results[::n])
     completion = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

@@ -251,3 +251,36 @@ def thinking_param(request: ChatRequest) -> str:
     """The field :func:`thinking` read the switch from."""
     kw = request.chat_template_kwargs
     return "clover.thinking" if kw is None or kw.enable_thinking is None else "chat_template_kwargs.enable_thinking"
+
+
+class TokenizePrompt(Strict):
+    """vLLM's ``/tokenize`` of a text prompt (as completions encode it)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChat(Strict):
+    """vLLM's ``/tokenize`` of chat messages (as chat completions encode them, tools and thinking switch
+    included; the generation prompt is always added, as a chat completion adds it)."""
+
+    model: str | None = None
+    messages: list[Annotated[Union[Message, AssistantMessage, ToolMessage], Field(discriminator="role")]] = Field(
+        min_length=1)
+    add_generation_prompt: Literal[True] = True
+    continue_final_message: Literal[False] = False
+    add_special_tokens: Literal[False] = False  # the chat template writes the special tokens itself
+    return_token_strs: bool | None = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    clover: CloverOptions = Field(default_factory=CloverOptions)  # its thinking switch
+
+
+TokenizeRequest = Union[TokenizeChat, TokenizePrompt]
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
