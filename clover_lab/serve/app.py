@@ -5,7 +5,7 @@
     POST /v1/completions          text completion, streamed (server-sent events) or not
     POST /v1/chat/completions     chat, through the model's chat template (thinking switch)
     GET  /v1/traces/{id}          a traced request's trace.json; .../tensors.safetensors its tensors
-    POST /v1/responses            OpenAI's Responses API (text, tools, text.format; streamed events), serve/api_responses.py
+    POST /v1/responses            OpenAI's Responses API (text, tools, text.format; streamed events), serve/responses_api.py
     POST /tokenize, /detokenize   a prompt (text or chat messages) as token ids and back, in vLLM's shapes
     GET  /version                 the server's version, as vLLM's
     GET  /health                  200 while serving, 503 while shutting down
@@ -32,7 +32,7 @@ from clover_lab.engine.requests import GenerationError
 from clover_lab.engine.results import Thinking
 from clover_lab.hooks.trace import META_FILE, TENSOR_FILE
 from clover_lab.serve import responses as R
-from clover_lab.serve import schemas, tools
+from clover_lab.serve import responses_api, schemas, tools
 from clover_lab.serve.call_stream import CallStream
 from clover_lab.serve.jobs import RequestError, make_jobs
 from clover_lab.serve.prometheus import Metrics
@@ -146,6 +146,24 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatRequest, request: Request):
+        jobs, shape = chat_jobs(body)
+        return await _answer(request, scheduler, metrics, jobs, body, shape)
+
+    @app.post("/v1/responses")
+    async def responses(body: responses_api.ResponsesRequest, request: Request):
+        _model(body, model_name)
+        chat_body = responses_api.chat_request(body)
+        jobs, shape = chat_jobs(chat_body)
+        answer = await _answer(request, scheduler, metrics, jobs, chat_body, shape)
+        if isinstance(answer, Response):  # a stream of chat chunks (or the 499 of a client gone)
+            if not body.stream:
+                return answer
+            return StreamingResponse(responses_api.events(answer.body_iterator, body, jobs[0].id),
+                                     media_type="text/event-stream")
+        return responses_api.response(answer, body, jobs[0].id)
+
+    def chat_jobs(body: schemas.ChatRequest):
+        """A chat request's jobs and the shape of its answer, every check done."""
         _model(body, model_name)
         _stream_options(body)
         if body.top_logprobs is not None and not body.logprobs:
@@ -164,9 +182,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
             raise RequestError(f"{plan.grammar_param}: the prompt opens a reasoning (<think>), which the grammar "
                                f"does not allow; turn thinking off (chat_template_kwargs.enable_thinking: false)",
                                schemas.thinking_param(body), code="thinking_with_grammar")
-        return await _answer(request, scheduler, metrics, jobs, body,
-                             R.Shape(True, jobs[0].id, model_name, engine.tokenizer, parse_calls=plan.parse_calls,
-                                     n=body.n))
+        return jobs, R.Shape(True, jobs[0].id, model_name, engine.tokenizer, parse_calls=plan.parse_calls, n=body.n)
 
     return app
 
