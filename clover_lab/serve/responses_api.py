@@ -120,6 +120,8 @@ class ResponsesRequest(Strict):
     top_p: float | None = None
     stream: bool = False
     text: TextOptions | None = None
+    seed: int | None = Field(default=None, ge=0)  # as chat's (vLLM's responses take it too)
+    chat_template_kwargs: schemas.ChatTemplateKwargs | None = None  # the thinking switch, as chat's
     # accepted, changing nothing here (docs/serving-agents.md)
     store: bool | None = None  # nothing is stored: answered false
     previous_response_id: None = None  # nothing stored to continue: send the conversation as input
@@ -165,7 +167,7 @@ def chat_request(body: ResponsesRequest) -> schemas.ChatRequest:
     chat = {"model": body.model, "messages": messages, "stream": body.stream, "clover": body.clover}
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
-    for name in ("temperature", "top_p", "parallel_tool_calls"):
+    for name in ("temperature", "top_p", "parallel_tool_calls", "seed", "chat_template_kwargs"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     if body.max_output_tokens is not None:
