@@ -5,7 +5,7 @@
     POST /v1/completions          text completion, streamed (server-sent events) or not
     POST /v1/chat/completions     chat, through the model's chat template (thinking switch)
     GET  /v1/traces/{id}          a traced request's trace.json; .../tensors.safetensors its tensors
-    POST /v1/responses            OpenAI's Responses API (text, tools, text.format; streamed events), serve/responses_api.py
+    POST /v1/responses            OpenAI's Responses API (text, tools, text.format; events), serve/responses_api.py
     POST /tokenize, /detokenize   a prompt (text or chat messages) as token ids and back, in vLLM's shapes
     GET  /version                 the server's version, as vLLM's
     GET  /health                  200 while serving, 503 while shutting down

@@ -124,7 +124,7 @@ class ResponsesRequest(Strict):
     chat_template_kwargs: schemas.ChatTemplateKwargs | None = None  # the thinking switch, as chat's
     # accepted, changing nothing here (docs/serving-agents.md)
     store: bool | None = None  # nothing is stored: answered false
-    previous_response_id: None = None  # nothing stored to continue: send the conversation as input
+    previous_response_id: str | None = None  # refused: nothing is stored to continue
     include: list[str] | None = None
     reasoning: Reasoning | None = None
     truncation: Literal["disabled", "auto"] | None = None
@@ -147,6 +147,10 @@ def chat_request(body: ResponsesRequest) -> schemas.ChatRequest:
     """The chat completion that answers ``body``: its instructions a system message first, its input
     items as turns (an assistant's function calls with the message before them, each output a tool
     message), its tools, tool choice, text format and length as the chat request's."""
+    if body.previous_response_id is not None:
+        raise RequestError(f"previous_response_id {body.previous_response_id!r}: this server stores no response "
+                           f"(store is answered false); send the whole conversation as input",
+                           "previous_response_id", code="not_stored")
     messages: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     for item in items:
