@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
                    help="refuse weights holding NaN or inf (default: for checkpoints up to 4 GiB)")
     v.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU")
     v.add_argument("--compile", action="store_true", help="CPU: run the steps through torch.compile")
+    v.add_argument("--open-schemas", action="store_true",
+                   help="read JSON schemas as written: an object silent about additionalProperties takes other keys "
+                        "(default: closed, as vLLM's and SGLang's default backend reads them)")
     v.set_defaults(func=cmd_serve)
 
 
@@ -79,7 +82,8 @@ def cmd_serve(args) -> int:
         if args.block_size is not None:
             set_block_size(engine, args.block_size)
         name = args.served_model_name or (Path(args.model).name if args.model else "clover-stdlib")
-        serve(engine, args.host, args.port, name, args.max_batch, args.max_queue, args.graceful, sock=sock)
+        serve(engine, args.host, args.port, name, args.max_batch, args.max_queue, args.graceful, sock=sock,
+              open_schemas=args.open_schemas)
     except (UsageError, CloverError, FileNotFoundError, ValueError, OSError) as e:
         return fail(str(e))
     finally:

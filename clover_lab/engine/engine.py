@@ -258,15 +258,16 @@ class Engine:
         return checked
 
     # ---------------------------------------------------------------- the step loop
-    def submit(self, request: Request, *, emit: bool = True, listener: Callable | None = None) -> Handle:
-        """Queue ``request``'s rows (checked first: :meth:`check`); :meth:`step` runs them.
+    def submit(self, request: Request | Plan, *, emit: bool = True, listener: Callable | None = None) -> Handle:
+        """Queue ``request``'s rows (checked first: :meth:`check`; a Plan is a request it checked, as the
+        server's are, and runs as it is); :meth:`step` runs them.
         ``emit``: build StreamUpdates for it (``handle.updates()``, or ``listener(update)`` in the
         thread that steps). Thread-safe."""
         if hook_depth() >= MAX_NESTED_GENERATIONS:
             raise GenerationError(f"generate() called from inside hooks {hook_depth()} levels deep; a hook that "
                                   f"generates must not do so again unconditionally (at most "
                                   f"{MAX_NESTED_GENERATIONS} nested generations)")
-        checked = self.check(request)
+        checked = request if isinstance(request, Plan) else self.check(request)
         handle = Handle(self, checked, next(self._runs), self.model.hooks.view(), emit, listener)
         handle.loop = self.loop  # from a listener or a hook too: the next step admits it
         handle.loop.submit(handle)

@@ -5,6 +5,9 @@
     POST /v1/completions          text completion, streamed (server-sent events) or not
     POST /v1/chat/completions     chat, through the model's chat template (thinking switch)
     GET  /v1/traces/{id}          a traced request's trace.json; .../tensors.safetensors its tensors
+    POST /v1/responses            OpenAI's Responses API (text, tools, text.format; events), serve/responses_api.py
+    POST /tokenize, /detokenize   a prompt (text or chat messages) as token ids and back, in vLLM's shapes
+    GET  /version                 the server's version, as vLLM's
     GET  /health                  200 while serving, 503 while shutting down or when the engine's
                                   worker is gone (``error`` says why)
     GET  /metrics                 Prometheus text format
@@ -14,6 +17,7 @@ Bad requests are answered 4xx with OpenAI's error body naming the field, never 5
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,10 +28,12 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+import clover_lab
+from clover_lab.engine.requests import GenerationError
 from clover_lab.engine.results import Thinking
 from clover_lab.hooks.trace import META_FILE, TENSOR_FILE
 from clover_lab.serve import responses as R
-from clover_lab.serve import schemas, tools
+from clover_lab.serve import responses_api, schemas, tools
 from clover_lab.serve.call_stream import CallStream
 from clover_lab.serve.jobs import RequestError, make_jobs
 from clover_lab.serve.prometheus import Metrics
@@ -35,9 +41,10 @@ from clover_lab.serve.scheduler import Scheduler, TraceStore
 
 
 def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queue: int = 256,
-               trace_dir=None) -> FastAPI:
+               trace_dir=None, open_schemas: bool = False) -> FastAPI:
     """The server's app. The scheduler's worker starts with the app (its lifespan) and, at
-    shutdown, finishes the jobs it holds."""
+    shutdown, finishes the jobs it holds. ``open_schemas``: JSON schemas are read as written (open
+    where silent), not closed as vLLM's and SGLang's default backend closes them (``tools.closes``)."""
     if engine.tokenizer is None:
         raise ValueError("serve: the model has no tokenizer; the server answers text, so it needs one")
     metrics = Metrics()
@@ -62,7 +69,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
 
     def entry() -> dict:  # the context length as vLLM names it (max_model_len) and as others do
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "clover-lab",
-                "max_model_len": context, "context_length": context}
+                "root": model_name, "parent": None, "max_model_len": context, "context_length": context}
 
     @app.get("/v1/models")
     async def models():
@@ -74,6 +81,39 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
             raise RequestError(f"model {model_id!r} is not served here; this server serves {model_name!r}",
                                "model", status=404, code="model_not_found")
         return entry()
+
+    @app.get("/version")
+    async def version():
+        return {"version": clover_lab.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: schemas.TokenizeRequest):
+        if body.model is not None:
+            _model(body, model_name)
+        if isinstance(body, schemas.TokenizeChat):
+            functions = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
+            try:
+                ids = tools.chat_ids(engine, schemas.chat_messages(body), functions, schemas.thinking(body))
+            except GenerationError as e:
+                raise RequestError(str(e), "messages") from None
+        else:
+            try:
+                ids = engine.encode(body.prompt) if body.add_special_tokens else engine.encode(
+                    list(engine.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]))
+            except GenerationError as e:
+                raise RequestError(str(e), "prompt") from None
+        strs = [engine.tokenizer.convert_ids_to_tokens(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: schemas.DetokenizeRequest):
+        if body.model is not None:
+            _model(body, model_name)
+        vocab = engine.model.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"tokens: {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     @app.get("/health")
     async def health():
@@ -100,21 +140,41 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
         _stream_options(body)
         p = body.prompt
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else p
-        grammar = await tools.off_loop(lambda: tools.format_grammar(engine, body.response_format), "response_format")
+        grammar, _ = await tools.off_loop(lambda: tools.constraint(engine, body, tools.closes(body, open_schemas)),
+                                          tools.constraint_field(body))
         jobs = make_jobs(engine, body, prompts, "prompt", "cmpl", max_tokens=body.max_tokens,
                          logprobs=(body.logprobs, "logprobs"), grammar=grammar, echo=body.echo)
         return await _answer(request, scheduler, metrics, jobs, body,
-                             R.Shape(False, jobs[0].id, model_name, engine.tokenizer))
+                             R.Shape(False, jobs[0].id, model_name, engine.tokenizer, n=body.n))
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatRequest, request: Request):
+        jobs, shape = chat_jobs(body)
+        return await _answer(request, scheduler, metrics, jobs, body, shape)
+
+    @app.post("/v1/responses")
+    async def responses(body: responses_api.ResponsesRequest, request: Request):
+        _model(body, model_name)
+        chat_body = responses_api.chat_request(body)
+        jobs, shape = chat_jobs(chat_body)
+        answer = await _answer(request, scheduler, metrics, jobs, chat_body, shape)
+        if isinstance(answer, Response):  # a stream of chat chunks (or the 499 of a client gone)
+            if not body.stream:
+                return answer
+            return StreamingResponse(responses_api.events(answer.body_iterator, body, jobs[0].id),
+                                     media_type="text/event-stream")
+        return responses_api.response(answer, body, jobs[0].id)
+
+    def chat_jobs(body: schemas.ChatRequest):
+        """A chat request's jobs and the shape of its answer, every check done."""
         _model(body, model_name)
         _stream_options(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         limit, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
                         is not None else (body.max_tokens, "max_tokens"))
-        plan = await tools.off_loop(lambda: tools.plan(engine, body), "tools" if body.tools else "response_format")
+        plan = await tools.off_loop(lambda: tools.plan(engine, body, open_schemas),
+                                    "tools" if body.tools else tools.constraint_field(body))
         jobs = make_jobs(engine, body, [schemas.chat_messages(body)], "messages", "chatcmpl",
                          thinking=schemas.thinking(body), thinking_param=schemas.thinking_param(body),
                          max_tokens_param=param, max_tokens=limit,
@@ -126,14 +186,15 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
             raise RequestError(f"{plan.grammar_param}: the prompt opens a reasoning (<think>), which the grammar "
                                f"does not allow; turn thinking off (chat_template_kwargs.enable_thinking: false)",
                                schemas.thinking_param(body), code="thinking_with_grammar")
-        return await _answer(request, scheduler, metrics, jobs, body,
-                             R.Shape(True, jobs[0].id, model_name, engine.tokenizer, parse_calls=plan.parse_calls))
+        return jobs, R.Shape(True, jobs[0].id, model_name, engine.tokenizer, parse_calls=plan.parse_calls, n=body.n)
 
     return app
 
 
+log = logging.getLogger("uvicorn.error")  # the server's log is uvicorn's (its level, its format)
 DISCONNECT_POLL = 0.1  # seconds between checks that a non-streamed request's client is still there
-_COUNTED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+_COUNTED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+            "/version", "/health", "/metrics"}
 
 
 def _stream_options(body) -> None:
@@ -167,12 +228,20 @@ async def _answer(request, scheduler, metrics, jobs, body, shape: R.Shape):
         return StreamingResponse(_stream(scheduler, metrics, jobs, body, shape, started),
                                  media_type="text/event-stream")
     collect = asyncio.ensure_future(_collect(jobs, metrics, started))
+    gone = False
     try:
         while not collect.done():  # a client that went away cancels its rows: they leave at the next step
             await asyncio.wait({collect}, timeout=DISCONNECT_POLL)
             if not collect.done() and await request.is_disconnected():
+                gone = True
                 collect.cancel()
-        results = await collect
+        try:
+            results = await collect
+        except asyncio.CancelledError:
+            if not gone:  # the server's own cancellation (shutdown): not ours to swallow
+                raise
+            log.info("%s: the client went away; its %d row(s) left the batch", jobs[0].id, len(jobs))
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
     finally:
         for job in jobs:
             scheduler.cancel(job)  # a no-op for the finished; frees the rows of a client gone meanwhile
@@ -213,8 +282,8 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
     """The server-sent events of one request: per job its text as blocks commit (and, asked for,
     each denoising step), its finish, then usage (asked for) and [DONE]."""
     tok = scheduler.engine.tokenizer
-    texts = {job.index: R.TextStream(tok, job.stop) for job in jobs}
-    reasons = {job.index: R.TextStream(tok, job.stop) for job in jobs}  # a chat's reasoning, apart (thinking)
+    texts = {job.index: R.TextStream(tok, job.plan.stop) for job in jobs}
+    reasons = {job.index: R.TextStream(tok, job.plan.stop) for job in jobs}  # a chat's reasoning, apart (thinking)
     lengths = {job.index: 0 for job in jobs}
     streams = {job.index: CallStream() for job in jobs}  # a chat's tool calls, as deltas as they commit
     offsets = {job.index: 0 for job in jobs}  # where a completion's next scored token's text begins
@@ -266,15 +335,15 @@ async def _stream(scheduler, metrics, jobs, body, shape: R.Shape, started):
                 if job.trace_points is not None:
                     done["trace_id"] = job.id
                 text = r.text if r.reasoning is None else r.answer
-                content, calls = shape.split_calls(text)
+                content, calls, finish = shape.split_calls(text, r.stop_reason)
                 deltas = streams[i].finish(text, calls) if calls else []
                 thought = "" if r.reasoning is None else reasons[i].final(r.reasoning)
                 lp = None  # every token's were sent with its chunk; any left (none, as the engine commits) here
                 if r.logprobs is not None and len(r.token_ids) > lengths[i]:
                     lp, offsets[i] = shape.scored(r.token_ids[lengths[i]:], r.logprobs[lengths[i]:], r.top_logprobs
                                                   and r.top_logprobs[lengths[i]:], offsets[i])
-                yield R.sse(shape.chunk(i, texts[i].final(content), "tool_calls" if calls else R.finish_reason(
-                    r.stop_reason), clover=done, logprobs=lp, calls=deltas, reasoning=thought))
+                yield R.sse(shape.chunk(i, texts[i].final(content), finish, clover=done, logprobs=lp, calls=deltas,
+                                        reasoning=thought))
         if len(results) == len(jobs):
             _observe(metrics, started, first)
             if body.stream_options is not None and body.stream_options.include_usage:

@@ -1,7 +1,8 @@
-"""A streamed chat response's tool calls as deltas, as their text commits (as vLLM streams them):
-a call's first delta, once its name is written, carries its ``index``, ``id``, ``type`` and
-``function.name`` with empty arguments; the next ones carry pieces of ``function.arguments``, the
-model's own text of the arguments object, whose pieces add up to the call's arguments. The calls
+"""A streamed chat response's tool calls as deltas, each as soon as its closing tag commits: its
+``index``, ``id``, ``type``, ``function.name`` and ``function.arguments``, the model's own text of
+the arguments object. A call is sent only once it is closed, never while it is written: a call
+its length cuts is no call (``responses.Shape.split_calls``), and a stream that had sent its start
+could not take it back, so the stream would say what the whole response does not. The calls
 are in Qwen3.5/3.6's format (``clover_lab.grammar.tool_calls``); a client that joins the pieces
 per index has OpenAI's ``message.tool_calls``.
 """
@@ -85,13 +86,15 @@ class CallStream:
 
     @staticmethod
     def _bodies(text: str) -> list[str]:
-        """The text of each call's body, from after its opening tag to its closing tag or the end."""
+        """The text of each closed call's body, between its opening and closing tags."""
         out, at = [], text.find(OPEN)
         while at >= 0:
             start = at + len(OPEN)
             end = text.find(CLOSE, start)
-            out.append(text[start:] if end < 0 else text[start:end])
-            at = -1 if end < 0 else text.find(OPEN, end)
+            if end < 0:
+                break
+            out.append(text[start:end])
+            at = text.find(OPEN, end)
         return out
 
 

@@ -10,11 +10,12 @@ import itertools
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from clover_lab.engine.requests import (
     GenerationError,
     IgnoredSettingError,
+    Plan,
     Request,
     check_coreset,
     ignored_settings,
@@ -42,7 +43,8 @@ class RequestError(CloverError, ValueError):
 # request field -> SamplerSettings field, for the settings OpenAI's API names and Clover's own
 OPENAI_SAMPLER = {"temperature": "temperature", "top_p": "top_p", "seed": "seed",
                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-                  "logit_bias": "logit_bias", "ignore_eos": "ignore_eos", "min_tokens": "min_tokens"}
+                  "logit_bias": "logit_bias", "ignore_eos": "ignore_eos", "min_tokens": "min_tokens",
+                  "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}  # vLLM's extras
 OPENAI_PARAMS = {name: f for f, name in OPENAI_SAMPLER.items()}  # SamplerSettings field -> request field
 CLOVER_SAMPLER = ("threshold", "coreset_size", "confidence", "top_k", "max_tokens_per_step", "max_steps_per_block",
                   "repetition_penalty")
@@ -51,23 +53,15 @@ CLOVER_SAMPLER = ("threshold", "coreset_size", "confidence", "top_k", "max_token
 @dataclass(eq=False)
 class Job:
     """One row of a request (a prompt, or one of its ``n`` samples), as the scheduler hands it to
-    the engine (``handle``: the engine's request). ``updates`` carries the engine's StreamUpdates
-    (and a final None, or an exception) back to the request's event loop, as (job, item) pairs: a
-    request's jobs share one queue."""
+    the engine (``plan``: checked once, when the body was; ``handle``: the engine's request).
+    ``updates`` carries the engine's StreamUpdates (and a final None, or an exception) back to the
+    request's event loop, as (job, item) pairs: a request's jobs share one queue."""
 
     id: str
     index: int
-    prompt_ids: list[int]
-    mode: str
-    max_new_tokens: int
-    stop: list[str]
-    settings: SamplerSettings
-    block_size: int
+    plan: Plan  # its request as ``Engine.check`` checked it (one row: its prompt, length, stop, settings, grammar)
     provisional: bool = False
     trace_points: list[str] | None = None
-    grammar: object = None  # the Grammar the response follows (response_format, a required tool call), or None
-    policy: str | None = None  # the decoding policy's name (clover.policy), or None for the engine's
-    prompt_logprobs: int | None = None  # the prompt scored, with this many alternatives per token (echo), or None
     echo: str | None = None  # the prompt's text a completion echoes before its own, or None
     prompt_scores: tuple | None = None  # the prompt's scores, read as the job's first update comes (a stream's echo)
     probe: Probe | None = None  # what it reports beside its tokens (clover.step_map, clover.experts), or None
@@ -84,6 +78,10 @@ class Job:
     context: object = None  # the context the capture and the scope are open in
 
     @property
+    def prompt_ids(self) -> list[int]:
+        return self.plan.prompts[0]
+
+    @property
     def started(self) -> bool:
         """The engine has admitted its row (it runs)."""
         return self.handle is not None and self.handle.started
@@ -92,7 +90,7 @@ class Job:
         """The engine's listener (in the worker thread): the updates the client asked for."""
         if self.cancelled.is_set() or (update.kind == "step" and not self.provisional):
             return
-        if self.prompt_logprobs is not None and self.streamed and self.prompt_scores is None:
+        if self.plan.prompt_logprobs is not None and self.streamed and self.prompt_scores is None:
             self.prompt_scores = (update.prompt_logprobs, update.prompt_top_logprobs)  # scored at its prefill
         if self.probe is not None and self.streamed and update.kind == "commit":  # read now: the row goes on meanwhile
             hi = len(update.committed)
@@ -116,6 +114,8 @@ def new_id(prefix: str) -> str:
 def sampler_settings(engine, request: schemas.Common) -> SamplerSettings:
     """The request's sampler settings over the engine's; a bad value names its field."""
     given = {name: getattr(request, f) for f, name in OPENAI_SAMPLER.items() if getattr(request, f) is not None}
+    if given.get("top_k") == -1:  # vLLM's "off"
+        given["top_k"] = 0
     params = {name: f for f, name in OPENAI_SAMPLER.items()}
     for name in CLOVER_SAMPLER:
         value = getattr(request.clover, name)
@@ -180,6 +180,12 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
                            f"clover.{names[0]}", code="ignored_setting")
     if logprobs[0] is not None:
         settings = SamplerSettings.from_kwargs(settings, logprobs=logprobs[0])
+    ends = set(engine.eos_token_ids or ())
+    odd = [t for t in request.stop_token_ids or () if t not in ends]
+    if odd:
+        raise RequestError(f"stop_token_ids: {odd[:5]} are not end tokens of this model (it ends a response at "
+                           f"{sorted(ends)}, which it always does); stop at text with stop strings instead",
+                           "stop_token_ids")
     try:
         stop = stop_list(request.stop, engine.tokenizer)
     except GenerationError as e:
@@ -209,9 +215,9 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
         except GenerationError as e:
             raise RequestError(str(e), where) from None
         try:  # the engine's one request check; its error names the field, which is the body's here
-            engine.check(Request(ids, mode=mode, max_new_tokens=max_new, stop=stop or None, settings=settings,
-                                 block_size=opts.block_size, grammar=grammar, policy=opts.policy,
-                                 prompt_logprobs=prompt_logprobs))
+            checked = engine.check(Request(ids, mode=mode, max_new_tokens=max_new, stop=stop or None,
+                                           settings=settings, block_size=opts.block_size, grammar=grammar,
+                                           policy=opts.policy, prompt_logprobs=prompt_logprobs))
         except (GenerationError, SettingsError) as e:
             field = getattr(e, "field", None)
             over = "context length" in str(e)
@@ -221,14 +227,13 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
             param = param or OPENAI_PARAMS.get(field) or (f"clover.{field}" if field else max_tokens_param)
             raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
         for k in range(n):  # n rows of one request: sampled with a seed, row k takes seed + k
-            s = settings
+            s = checked.settings[0]
             if k and s.seed is not None and not s.greedy:
                 s = SamplerSettings.from_kwargs(s, seed=(s.seed + k) % 2**64)
             probe = None if not (opts.step_map or opts.experts) else Probe(
                 opts.step_map, ExpertRecorder(engine.model.config, len(ids), max_new) if opts.experts else None)
-            jobs.append(Job(rid, i * n + k, ids, mode, max_new, stop, s, opts.block_size or engine.block_size,
-                            provisional=opts.stream_provisional, trace_points=points, grammar=grammar,
-                            policy=opts.policy, probe=probe, streamed=request.stream, prompt_logprobs=prompt_logprobs,
+            jobs.append(Job(rid, i * n + k, replace(checked, settings=[s]), provisional=opts.stream_provisional,
+                            trace_points=points, probe=probe, streamed=request.stream,
                             echo=None if not echo else prompt if isinstance(prompt, str) else
                             engine.tokenizer.decode(ids)))
     return jobs

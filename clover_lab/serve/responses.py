@@ -63,8 +63,9 @@ class TextStream:
 class Shape:
     """The response shapes of one endpoint: ``chat`` (chat.completion) or not (text_completion)."""
 
-    def __init__(self, chat: bool, rid: str, model: str, tokenizer=None, parse_calls: bool = False):
+    def __init__(self, chat: bool, rid: str, model: str, tokenizer=None, parse_calls: bool = False, n: int = 1):
         self.chat, self.id, self.model, self.created = chat, rid, model, int(time.time())
+        self.n = n  # choices per prompt (usage counts each prompt once)
         self.tokenizer = tokenizer  # names the tokens of log-probabilities
         self.parse_calls = parse_calls  # the request has tools: the model's tool calls become message.tool_calls
 
@@ -98,7 +99,7 @@ class Shape:
 
     def usage_chunk(self, results) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(results)}
+                "usage": usage(results, self.n)}
 
     def response(self, results, texts: list[str], trace: bool, probes: list | None = None,
                  echoes: list | None = None) -> dict:
@@ -110,36 +111,44 @@ class Shape:
             c = {"index": i, "logprobs": self.logprobs(r, echo is not None),
                  "finish_reason": finish_reason(r.stop_reason)}
             if self.chat:
-                c["message"] = self.message(r, text)
-                if c["message"].get("tool_calls"):
-                    c["finish_reason"] = "tool_calls"
+                c["message"], c["finish_reason"] = self.message(r, text)
             else:
                 c["text"] = (echo or "") + text
             choices.append(c)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
-                "usage": usage(results), "clover": clover_summary(self.id, results, trace, probes)}
+                "usage": usage(results, self.n), "clover": clover_summary(self.id, results, trace, probes)}
 
 
-    def message(self, result, text: str) -> dict:
-        """The assistant message: its text, its reasoning apart (``reasoning_content``, when the chat
-        has thinking), its tool calls parsed out of the text (when the request has tools)."""
+    def message(self, result, text: str) -> tuple[dict, str]:
+        """The assistant message and its finish reason: its text, its reasoning apart
+        (``reasoning_content``, when the chat has thinking), its tool calls parsed out of the text
+        (when the request has tools; :meth:`split_calls`)."""
         if result.reasoning is not None:
             text = result.answer
-        msg = {"role": "assistant", "content": text}
+        content, calls, finish = self.split_calls(text, result.stop_reason)
+        msg = {"role": "assistant", "content": content}
         if result.reasoning is not None:
             msg["reasoning_content"] = result.reasoning
-        if self.parse_calls:
-            content, calls = tool_calls.parse(text)
-            if calls:
-                msg.update(content=content or None, tool_calls=openai_calls(calls))
-        return msg
+        if calls or content != text:
+            msg.update(content=content or None)
+        if calls:
+            msg["tool_calls"] = calls
+        return msg, finish
 
-    def split_calls(self, text: str) -> tuple[str, list[dict]]:
-        """(the text outside the tool calls, the calls) of a streamed response's final text."""
+    def split_calls(self, text: str, stop_reason: str) -> tuple[str, list[dict], str]:
+        """(the text outside the tool calls, the calls, the finish reason) of a response's text. A
+        call its length cut (``max_tokens``) is no call and not content either: the response ends
+        "length" without it (a client would otherwise run half a call, or show it as the answer);
+        complete calls end "tool_calls"."""
+        finish = finish_reason(stop_reason)
         if not self.parse_calls:
-            return text, []
+            return text, [], finish
         content, calls = tool_calls.parse(text)
-        return (content, openai_calls(calls)) if calls else (text, [])
+        content = content if calls else text
+        at = tool_calls.opens_call(content) if stop_reason == "length" else -1
+        if at >= 0:
+            return content[:at], openai_calls(calls), "length"
+        return content, openai_calls(calls), "tool_calls" if calls else finish
 
     def logprobs(self, result, echo: bool = False) -> dict | None:
         """The response tokens' log-probabilities (``GenerationResult.logprobs``: under the
@@ -180,8 +189,10 @@ class Shape:
                 "text_offset": offsets}, at
 
 
-def usage(results) -> dict:
-    prompt = sum(len(r.prompt_ids) for r in results)
+def usage(results, n: int = 1) -> dict:
+    """Tokens of a response, as OpenAI counts them: each prompt once, however many choices (``n``)
+    answer it (``results``: a prompt's ``n`` choices in a row), and every choice's tokens."""
+    prompt = sum(len(r.prompt_ids) for r in results[::n])
     completion = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

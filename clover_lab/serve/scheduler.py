@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from clover_lab.engine.requests import GenerationError, Request
+from clover_lab.engine.requests import GenerationError, Plan
 from clover_lab.errors import GrammarError
 from clover_lab.serve.jobs import Job, RequestError
 from clover_lab.serve.prometheus import Metrics
@@ -181,9 +181,7 @@ class Scheduler:
             return
         if self.engine.loop.rows:
             self.metrics.joined.inc()
-        request = Request(job.prompt_ids, mode=job.mode, max_new_tokens=job.max_new_tokens, stop=job.stop or None,
-                          settings=job.settings, block_size=job.block_size, grammar=job.grammar, policy=job.policy,
-                          prompt_logprobs=job.prompt_logprobs)
+        request = job.plan  # checked when the body was (``make_jobs``): submitted as it is
         recorder = None if job.probe is None else job.probe.recorder
         try:
             if job.trace_points is None and recorder is None:
@@ -199,7 +197,7 @@ class Scheduler:
             return
         self._jobs.append(job)
 
-    def _scoped(self, job: Job, request: Request, recorder):
+    def _scoped(self, job: Job, request: Plan, recorder):
         """Submit ``job`` with its capture and its expert recorder's hooks open in its own context."""
         if job.capture is not None:
             job.capture.__enter__()

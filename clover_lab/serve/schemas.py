@@ -44,14 +44,32 @@ class CloverOptions(Strict):
     policy: str | None = None  # the decoding policy by name ("eb:gamma=0.5", "topk:k=2"; engine/policies.py)
     step_map: bool = False  # per committed token the denoising step that unmasked it (serve/explore.py)
     experts: bool = False  # per committed token its routed experts, uint8 [tokens, layers, top_k] base64
+    open_schemas: bool | None = None  # JSON schemas read as written (open where silent); default: the server's
 
 
 class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class StructuredOutputs(Strict):
+    """vLLM's ``structured_outputs``: one constraint of the response (a JSON schema, a regular
+    expression, a choice among strings, an EBNF grammar, any JSON object), through the same grammar
+    engine as ``response_format``."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a schema, or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_additional_properties: bool | None = None  # true: closed objects (the server's default)
+    disable_any_whitespace: bool | None = None  # no-op: JSON is written without free whitespace already
+    disable_fallback: bool | None = None  # no-op: there is one grammar engine, and no fallback
+
+
 class Common(Strict):
-    """What completions and chat share."""
+    """What completions and chat share: OpenAI's fields, vLLM's and SGLang's sampling and
+    structured-output extras, and the fields clients send that change nothing here (documented
+    no-ops, docs/serving-agents.md)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -68,6 +86,22 @@ class Common(Strict):
     logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias in [-100, 100]
     ignore_eos: bool | None = None  # as vLLM and SGLang take them (benchmark clients send both)
     min_tokens: int | None = Field(default=None, ge=0)
+    # vLLM's sampling extras (its extra_body), mapped to the engine's settings (jobs.py)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None  # each must be an end token of the model (it ends the response)
+    include_stop_str_in_output: Literal[False] | None = None  # the stop string is never in the text
+    skip_special_tokens: Literal[True] | None = None  # the text never holds special tokens
+    spaces_between_special_tokens: bool | None = None  # no-op: no special token is in the text
+    # structured output in vLLM's spelling and SGLang's (regex, ebnf)
+    structured_outputs: StructuredOutputs | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    # OpenAI's fields that change nothing here: nothing is stored, there is one service tier
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     clover: CloverOptions = Field(default_factory=CloverOptions)
 
 
@@ -125,6 +159,7 @@ class ToolMessage(Strict):
     role: Literal["tool"]
     content: str | list[TextPart]
     tool_call_id: str
+    name: str | None = None  # the function's name, as some clients send it (the call's id says which)
 
 
 class FunctionSpec(Strict):
@@ -184,6 +219,8 @@ class ChatRequest(Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # no-op: see thinking
+    prediction: None = None  # predicted outputs: only null (nothing to predict from)
 
 
 def chat_messages(request: ChatRequest) -> list[dict]:
@@ -214,3 +251,36 @@ def thinking_param(request: ChatRequest) -> str:
     """The field :func:`thinking` read the switch from."""
     kw = request.chat_template_kwargs
     return "clover.thinking" if kw is None or kw.enable_thinking is None else "chat_template_kwargs.enable_thinking"
+
+
+class TokenizePrompt(Strict):
+    """vLLM's ``/tokenize`` of a text prompt (as completions encode it)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChat(Strict):
+    """vLLM's ``/tokenize`` of chat messages (as chat completions encode them, tools and thinking switch
+    included; the generation prompt is always added, as a chat completion adds it)."""
+
+    model: str | None = None
+    messages: list[Annotated[Union[Message, AssistantMessage, ToolMessage], Field(discriminator="role")]] = Field(
+        min_length=1)
+    add_generation_prompt: Literal[True] = True
+    continue_final_message: Literal[False] = False
+    add_special_tokens: Literal[False] = False  # the chat template writes the special tokens itself
+    return_token_strs: bool | None = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    clover: CloverOptions = Field(default_factory=CloverOptions)  # its thinking switch
+
+
+TokenizeRequest = Union[TokenizeChat, TokenizePrompt]
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]

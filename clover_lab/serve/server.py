@@ -29,9 +29,11 @@ class Server(uvicorn.Server):
 
 
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str = "clover", max_batch: int = 32,
-          max_queue: int = 256, graceful: float = 60.0, log_level: str = "info", sock=None) -> None:
+          max_queue: int = 256, graceful: float = 60.0, log_level: str = "info", sock=None,
+          open_schemas: bool = False) -> None:
     """Serve until SIGTERM or Ctrl-C; ``sock``: a socket bound already (``clover-lab serve`` binds it
     before the model loads), else uvicorn binds ``host``:``port``."""
-    app = create_app(engine, model_name=model_name, max_batch=max_batch, max_queue=max_queue)
+    app = create_app(engine, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
+                     open_schemas=open_schemas)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful)
     Server(config).run(sockets=None if sock is None else [sock])

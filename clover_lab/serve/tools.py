@@ -36,8 +36,11 @@ class Plan:
     parse_calls: bool = False  # read tool calls out of the response
 
 
-def plan(engine, body: schemas.ChatRequest) -> Plan:
-    """What the request's tools and response format ask; a bad one is a RequestError naming its field."""
+def plan(engine, body: schemas.ChatRequest, open_schemas: bool = False) -> Plan:
+    """What the request's tools and response format ask; a bad one is a RequestError naming its field.
+    ``open_schemas``: the server reads schemas as written (open where silent) unless the request says
+    otherwise (:func:`closes`)."""
+    closed = closes(body, open_schemas)
     functions = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
     names = [f["name"] for f in functions]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -47,35 +50,106 @@ def plan(engine, body: schemas.ChatRequest) -> Plan:
         raise RequestError("tools: give at least one tool, or leave tools out", "tools")
     for i, f in enumerate(functions):  # a schema that cannot compile is the request's fault, whatever the choice
         if "parameters" in f:
-            _grammar(lambda f=f, i=i: Grammar.json_schema(f["parameters"], engine,
+            _grammar(lambda f=f, i=i: Grammar.json_schema(f["parameters"], engine, closed=closed,
                                                           what=f"tools.{i}.function.parameters"))
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if functions else "none")
     if choice != "none" and not functions:
         raise RequestError(f"tool_choice: {_choice_name(choice)} needs tools; give tools or leave tool_choice out",
                            "tool_choice")
     out = Plan(functions=[] if choice == "none" else functions, parse_calls=choice != "none")
-    fmt = body.response_format
-    if fmt is not None and fmt.type != "text":
+    grammar, param = constraint(engine, body, closed)
+    if grammar is not None:
         if choice == "required" or isinstance(choice, schemas.NamedToolChoice):
-            raise RequestError(f"response_format {fmt.type} and tool_choice {_choice_name(choice)} both constrain the "
-                               f"response; ask for one", "response_format")
-        out.grammar, out.grammar_param = format_grammar(engine, fmt), "response_format"
+            raise RequestError(f"{param} and tool_choice {_choice_name(choice)} both constrain the response; ask "
+                               f"for one", param)
+        out.grammar, out.grammar_param = grammar, param
     elif choice == "required":
         out.grammar = _grammar(lambda: Grammar.tool_calls(functions, engine, parallel=body.parallel_tool_calls
-                                                          is not False, what="tools"))
+                                                          is not False, what="tools", closed=closed))
         out.grammar_param = "tool_choice"
     elif isinstance(choice, schemas.NamedToolChoice):
         named = [f for f in functions if f["name"] == choice.function.name]
         if not named:
             raise RequestError(f"tool_choice.function.name: {choice.function.name!r} is not among the tools "
                                f"({', '.join(names)})", "tool_choice.function.name")
-        out.grammar = _grammar(lambda: Grammar.tool_calls(named, engine, parallel=False, what="tools"))
+        out.grammar = _grammar(lambda: Grammar.tool_calls(named, engine, parallel=False, what="tools", closed=closed))
         out.grammar_param = "tool_choice"
     return out
 
 
-def format_grammar(engine, fmt) -> Grammar | None:
-    """The grammar of a ``response_format`` (None for text); completions take it too, as vLLM's do."""
+def closes(body, open_schemas: bool = False) -> bool:
+    """Whether the request's JSON schemas are closed where they are silent (``grammar.close``): yes
+    unless the server reads them open (``--open-schemas``) or the request asks for open ones
+    (``clover.open_schemas: true``); ``clover.open_schemas: false`` or vLLM's
+    ``structured_outputs.disable_additional_properties: true`` close them on an open server."""
+    so = getattr(body, "structured_outputs", None)
+    if so is not None and so.disable_additional_properties:
+        return True
+    asked = body.clover.open_schemas
+    return not (open_schemas if asked is None else asked)
+
+
+STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs, one of
+
+
+def constraint(engine, body, closed: bool = True) -> tuple[Grammar | None, str | None]:
+    """The grammar the request's structured-output field asks for, and that field: OpenAI's
+    ``response_format``, vLLM's ``structured_outputs`` (json, regex, choice, grammar, json_object) or
+    SGLang's ``regex`` and ``ebnf``; (None, None) where none does. Two at once are a 400: each
+    constrains the whole response."""
+    asks = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        asks.append(("response_format", lambda: format_grammar(engine, fmt, closed)))
+    so = body.structured_outputs
+    if so is not None:
+        given = [k for k in STRUCTURED if getattr(so, "json_" if k == "json" else k) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED)}; got "
+                               f"{', '.join(given) or 'none'}", "structured_outputs")
+        kind, where = given[0], f"structured_outputs.{given[0]}"
+        asks.append((where, {
+            "json": lambda: Grammar.json_schema(_schema(so.json_, where), engine, what=where, closed=closed),
+            "regex": lambda: Grammar.regex(so.regex, engine, what=where),
+            "choice": lambda: Grammar.choice(so.choice, engine, what=where),
+            "grammar": lambda: Grammar.ebnf(so.grammar, engine, what=where),
+            "json_object": lambda: Grammar.json_object(engine, what=where)}[kind]))
+    if body.regex is not None:
+        asks.append(("regex", lambda: Grammar.regex(body.regex, engine, what="regex")))
+    if body.ebnf is not None:
+        asks.append(("ebnf", lambda: Grammar.ebnf(body.ebnf, engine, what="ebnf")))
+    if len(asks) > 1:
+        raise RequestError(f"{asks[0][0]} and {asks[1][0]} both constrain the response; ask for one", asks[1][0])
+    if not asks:
+        return None, None
+    param, make = asks[0]
+    return _grammar(make), param
+
+
+def constraint_field(body) -> str:
+    """The structured-output field a request constrains its response with (what a compile that
+    takes too long is named by): the first of those :func:`constraint` reads that is set."""
+    if body.structured_outputs is not None:
+        return "structured_outputs"
+    for name in ("regex", "ebnf"):
+        if getattr(body, name, None) is not None:
+            return name
+    return "response_format"
+
+
+def _schema(value, where: str) -> dict:
+    """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as e:
+            raise RequestError(f"{where}: a JSON schema's text must be JSON: {e}", where,
+                               code="invalid_schema") from None
+    return value
+
+
+def format_grammar(engine, fmt, closed: bool = True) -> Grammar | None:
+    """The grammar of a ``response_format`` (None for text)."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -84,7 +158,8 @@ def format_grammar(engine, fmt) -> Grammar | None:
     if schema is None:
         raise RequestError("response_format.json_schema.schema: a JSON schema is required",
                            "response_format.json_schema.schema")
-    return _grammar(lambda: Grammar.json_schema(schema, engine, what="response_format.json_schema.schema"))
+    return _grammar(lambda: Grammar.json_schema(schema, engine, what="response_format.json_schema.schema",
+                                                closed=closed))
 
 
 GRAMMAR_SECONDS = 10.0  # the most a request's grammars may take to compile before it is refused

@@ -239,3 +239,60 @@ def test_a_grammar_for_another_vocabulary_is_named(engine):
     with pytest.raises(GenerationError, match="another vocabulary") as e:
         engine.check(clover_lab.Request("x", grammar=other))
     assert e.value.field == "grammar"
+
+
+# ----------------------------------------------------------------------------- closed schemas, regex, EBNF, choice
+def accepts(grammar: Grammar, text: str, engine) -> bool:
+    """Whether ``text``'s tokens, then EOS, are all the grammar's."""
+    ids = engine.tokenizer(text)["input_ids"] + [grammar.vocabulary.eos]
+    return grammar.matcher().allows(ids) == len(ids)
+
+
+OPEN = {"type": "object", "properties": {"city": {"type": "string"},
+                                         "where": {"type": "object", "properties": {"lat": {"type": "number"}}}},
+        "required": ["city"]}
+
+
+def test_a_schema_silent_about_other_keys_is_closed_unless_asked_open(engine):
+    closed, open_ = Grammar.json_schema(OPEN, engine), Grammar.json_schema(OPEN, engine, closed=False)
+    for text in ['{"city": "Oslo", "extra": 1}', '{"city": "Oslo", "where": {"lat": 1, "lon": 2}}']:
+        assert not accepts(closed, text, engine) and accepts(open_, text, engine)
+    assert accepts(closed, '{"city": "Oslo", "where": {"lat": 1}}', engine)
+    calls = Grammar.tool_calls([{"name": "f", "parameters": OPEN}], engine, parallel=False)
+    text = '<tool_call>\n{"name": "f", "arguments": {"city": "Oslo", "x": 1}}\n</tool_call>'
+    assert not accepts(calls, text, engine)
+    assert accepts(Grammar.tool_calls([{"name": "f", "parameters": OPEN}], engine, parallel=False, closed=False),
+                   text, engine)
+
+
+def test_close_leaves_what_the_schema_says_and_any_object_open():
+    from clover_lab.grammar.grammar import close
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
+                                               "properties": {"type": "object", "additionalProperties": True},
+                                               "any": {"type": "object"}},
+              "$defs": {"D": {"properties": {"x": {}}}}, "allOf": [{"properties": {"y": {}}}],
+              "enum": [{"properties": {}}]}
+    before = json.dumps(schema)
+    out = close(schema)
+    assert json.dumps(schema) == before  # not changed in place
+    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["properties"]["additionalProperties"] is True  # said: kept
+    assert "additionalProperties" not in out["properties"]["any"]  # any object
+    assert out["$defs"]["D"]["additionalProperties"] is False
+    assert "additionalProperties" not in out["allOf"][0]  # its parts' properties add up
+    assert out["enum"] == [{"properties": {}}]  # a value, not a schema
+
+
+def test_regex_ebnf_lark_and_choice(engine):
+    assert accepts(Grammar.regex(r"[0-9]{3}-[a-z]+", engine), "123-abc", engine)
+    assert not accepts(Grammar.regex(r"[0-9]{3}-[a-z]+", engine), "12-abc", engine)
+    for source in ['root ::= "x = " ("1" | "2")', 'start: "x = " ("1" | "2")']:
+        g = Grammar.ebnf(source, engine)
+        assert accepts(g, "x = 2", engine) and not accepts(g, "x = 3", engine)
+    g = Grammar.choice(["yes", "no way"], engine)
+    assert accepts(g, "no way", engine) and not accepts(g, "no", engine)
+    for make, bad, fragment in [(Grammar.regex, "[a-", "regex"), (Grammar.ebnf, "root ::= (", "grammar"),
+                                (Grammar.choice, [], "choice")]:
+        with pytest.raises(GrammarError, match=fragment):
+            make(bad, engine)

@@ -112,7 +112,8 @@ def test_required_tool_calls_validate_and_stream_as_deltas(client):
     r = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER, ADD], tool_choice="required",
                                        max_tokens=96)
     calls = r.choices[0].message.tool_calls
-    assert calls and r.choices[0].finish_reason == "tool_calls"
+    # parallel calls: one more may be cut by max_tokens; then it is dropped and the response ends "length"
+    assert calls and r.choices[0].finish_reason == ("length" if r.usage.completion_tokens == 96 else "tool_calls")
     specs = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), specs[call.function.name])
@@ -120,8 +121,8 @@ def test_required_tool_calls_validate_and_stream_as_deltas(client):
                                                  tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                                  max_tokens=96, stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    # as the call's text commits (call_stream.py): its header once, then pieces of its arguments
-    assert {d.index for d in deltas} == {0} and len(deltas) > 1
+    # as soon as the call's closing tag commits (call_stream.py): its header and arguments once
+    assert {d.index for d in deltas} == {0}
     assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
     assert all(d.id is None and d.function.name is None for d in deltas[1:])
     arguments = "".join(d.function.arguments or "" for d in deltas)

@@ -1,7 +1,7 @@
 """Tool calls streamed as deltas as their text commits: whatever prefixes the text arrives in, the
 deltas joined per index are the calls parse() reads from the whole text (names, ids, arguments
-that are the model's own JSON text), each call's header comes once, and text that is not yet a
-call's name sends nothing."""
+that are the model's own JSON text), each call's header comes once, each call as soon as it is
+closed, and a call not yet closed sends nothing (its length may cut it: then it is no call)."""
 import json
 
 import pytest
@@ -38,13 +38,18 @@ def test_deltas_add_up_to_the_parsed_calls(step):
     assert [json.loads(c["arguments"]) for c in calls] == [p.arguments for p in parsed]
     assert calls[0]["arguments"] == '{"city": "Os\\"lo {x}", "unit": "C"}'  # the model's own text
     assert all(c["headers"] == 1 and c["id"].startswith("call_") for c in calls)
-    if step < 20:
-        assert len(deltas) > 4  # streamed in pieces, not at the end
+    if step < 20:  # the first call is sent once it is closed, before the second is written
+        first_end = TEXT.index("</tool_call>") + len("</tool_call>")
+        early = CallStream().update(TEXT[:first_end])
+        assert [d["function"]["name"] for d in early] == ["get_weather"]
+        assert json.loads(early[0]["function"]["arguments"]) == parsed[0].arguments
+        assert CallStream().update(TEXT[:first_end - 1]) == []
 
 
 def test_nothing_before_the_name_is_written_and_arguments_as_a_string_come_whole():
     stream = CallStream()
     assert stream.update('<tool_call>\n{"name": "get_wea') == []
+    assert stream.update('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os') == []  # not closed
     text = '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>'
     first = stream.update(text)
     assert first == [{"index": 0, "id": stream.ids[0], "type": "function", "function": {"name": "f", "arguments": ""}}]

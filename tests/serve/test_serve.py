@@ -17,6 +17,7 @@ import openai
 import pytest
 
 import clover_lab
+from clover_lab.engine.requests import Request
 from clover_lab.serve import create_app
 from clover_lab.serve.jobs import Job, RequestError
 from clover_lab.serve.scheduler import Scheduler
@@ -355,7 +356,8 @@ def test_health_and_metrics(server):
 
 def test_a_full_queue_refuses_with_429(engine):
     scheduler = Scheduler(engine, max_batch=4, max_queue=2)  # not started: nothing leaves the queue
-    job = lambda: Job("cmpl-x", 0, [1, 2], "diffusion", 4, [], engine.settings, engine.block_size)  # noqa: E731
+    checked = engine.check(Request([1, 2], max_new_tokens=4))
+    job = lambda: Job("cmpl-x", 0, checked)  # noqa: E731
     scheduler.submit([job(), job()])
     with pytest.raises(RequestError) as e:
         scheduler.submit([job()])
