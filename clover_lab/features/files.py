@@ -16,7 +16,7 @@ def load(path, **options):
     """The autoencoder at ``path``: a directory is SAELens' layout, a ``.pt`` file Qwen-Scope's
     (``options``: ``k=``, ``layer=`` of ``load_qwen_scope``)."""
     path = Path(path)
-    if path.is_file() and path.suffix == ".pt":
+    if path.suffix == ".pt":
         return load_qwen_scope(path, **options)
     if options:
         raise saelens.AutoencoderFileError(f"{path}: {', '.join(options)} apply to Qwen-Scope's .pt files; a "
