@@ -10,8 +10,10 @@ followed per (block, step, position).
     features.load("SAE-Res-Qwen3.5-35B-A3B-Base-W32K-L0_50/layer20.sae.pt")   # Qwen-Scope's files
     tl = features.timeline(engine, sae, prompt)                         # per (block, step, position)
     features.unmasking_order(held, sae).early(5)                        # features tied to early unmasking
+    features.dashboard(acts, sae, 117, engine=engine)                   # top contexts, density, logit effect
 """
 from clover_lab.features.activations import Activations, collect
+from clover_lab.features.dashboard import Context, FeatureDashboard, dashboard, logit_effect
 from clover_lab.features.autoencoder import SparseAutoencoder, TopKAutoencoder
 from clover_lab.features.files import load
 from clover_lab.features.jumprelu import JumpReLUAutoencoder
@@ -23,7 +25,8 @@ from clover_lab.features.transcoder import Transcoder
 from clover_lab.features.training import TrainingLog, train
 from clover_lab.features.unmasking import OrderFeature, UnmaskingOrder, unmasking_order
 
-__all__ = ["Activations", "collect", "SparseAutoencoder", "TopKAutoencoder", "load", "JumpReLUAutoencoder",
+__all__ = ["Activations", "collect", "SparseAutoencoder", "TopKAutoencoder", "load", "Context", "FeatureDashboard",
+           "dashboard", "logit_effect", "JumpReLUAutoencoder",
            "load_qwen_scope", "save_qwen_scope", "Transcoder", "Reconstruction", "concat", "evaluate",
            "AutoencoderFileError", "FeatureTimeline", "Frame", "timeline", "timeline_of", "TrainingLog", "train", "OrderFeature",
            "UnmaskingOrder", "unmasking_order"]

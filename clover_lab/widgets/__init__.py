@@ -3,6 +3,7 @@
     from clover_lab.widgets import Dashboard, DenoiseView, ExpertView, MemoryView, SpeedView
     from clover_lab.widgets import LensView, PatchingView        # the logit lens, a patching sweep
     from clover_lab.widgets import FeatureView                   # an autoencoder's features per step
+    from clover_lab.widgets import FeatureDashboardView          # one feature over a corpus
 
     view = DenoiseView(engine)            # attached until view.close()
     view                                  # display it, then generate in this or a later cell
@@ -22,6 +23,7 @@ from clover_lab.widgets.base import View
 from clover_lab.widgets.dashboard import Dashboard
 from clover_lab.widgets.denoise import DenoiseView
 from clover_lab.widgets.experts import ExpertView
+from clover_lab.widgets.feature_dashboard import FeatureDashboardView
 from clover_lab.widgets.features import FeatureView
 from clover_lab.widgets.lens import LensView
 from clover_lab.widgets.memory import MemoryView
@@ -30,5 +32,5 @@ from clover_lab.widgets.pieces import export_html
 from clover_lab.widgets.speed import SpeedView
 from clover_lab.widgets.throttle import Attachment, Throttle
 
-__all__ = ["Attachment", "Dashboard", "DenoiseView", "ExpertView", "FeatureView", "LensView", "MemoryView", "PatchingView",
+__all__ = ["Attachment", "Dashboard", "DenoiseView", "ExpertView", "FeatureDashboardView", "FeatureView", "LensView", "MemoryView", "PatchingView",
            "SpeedView", "Throttle", "View", "export_html"]
