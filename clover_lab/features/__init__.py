@@ -13,15 +13,13 @@ followed per (block, step, position).
     features.dashboard(acts, sae, 117, engine=engine)                   # top contexts, density, logit effect
 """
 from clover_lab.features.activations import Activations, collect
-from clover_lab.features.dashboard import Context, FeatureDashboard, dashboard, logit_effect
-from clover_lab.features.autoencoder import SparseAutoencoder, TopKAutoencoder
+from clover_lab.features.profile import Context, FeatureDashboard, dashboard, logit_effect
+from clover_lab.features.autoencoder import JumpReLUAutoencoder, SparseAutoencoder, TopKAutoencoder, Transcoder
 from clover_lab.features.files import load
-from clover_lab.features.jumprelu import JumpReLUAutoencoder
 from clover_lab.features.qwen_scope import load_qwen_scope, save_qwen_scope
 from clover_lab.features.reconstruction import Reconstruction, concat, evaluate
 from clover_lab.features.saelens import AutoencoderFileError
 from clover_lab.features.timeline import FeatureTimeline, Frame, timeline, timeline_of
-from clover_lab.features.transcoder import Transcoder
 from clover_lab.features.training import TrainingLog, train
 from clover_lab.features.unmasking import OrderFeature, UnmaskingOrder, unmasking_order
 

@@ -10,7 +10,7 @@ the point it reads (``hook_name``), and
 
 A TopK autoencoder (Gao et al. 2024, SAELens' ``topk``) keeps the k largest pre-activations
 (``relu(topk(pre, k))``; Qwen-Scope's files keep them without the ReLU: ``relu=False``). JumpReLU
-autoencoders and transcoders are in ``jumprelu.py`` and ``transcoder.py``.
+autoencoders and transcoders (``JumpReLUAutoencoder``, ``Transcoder``) below.
 
 Files: SAELens' layout (``saelens.py``): ``sae.save(path)`` writes what SAELens'
 ``SAE.load_from_disk`` reads, and ``features.load(path)`` reads what SAELens saves; Qwen-Scope's
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from clover_lab.errors import InputError
+from clover_lab.features import saelens
 from clover_lab.hooks import points as P
 
 
@@ -162,16 +163,12 @@ class SparseAutoencoder(nn.Module):
     # ---------------------------------------------------------------- files
     def save(self, path) -> Path:
         """Write SAELens' layout (cfg.json + sae_weights.safetensors) to the directory ``path``."""
-        from clover_lab.features import saelens
-
         return saelens.save(self, path)
 
     @classmethod
     def load(cls, path) -> "SparseAutoencoder":
         """An autoencoder in SAELens' layout (ours, or one SAELens saved), of this class."""
-        from clover_lab.features import saelens
-
-        sae = saelens.load(path)
+        sae = from_saelens(path)
         if not isinstance(sae, cls):
             raise saelens.AutoencoderFileError(f"{path}: architecture {sae.architecture!r} is a "
                                                f"{type(sae).__name__}, not a {cls.__name__} (features.load reads "
@@ -232,3 +229,101 @@ class TopKAutoencoder(SparseAutoencoder):
     def extra_repr(self) -> str:
         return (f"d_in={self.d_in}, d_sae={self.d_sae}, k={self.k}{'' if self.relu else ', relu=False'}, "
                 f"hook_name={self.hook_name!r}")
+
+
+class JumpReLUAutoencoder(SparseAutoencoder):
+    """A JumpReLU sparse autoencoder (Rajamanoharan et al. 2024; Gemma Scope's architecture, SAELens'
+    ``jumprelu``): a feature is active only above its own learned ``threshold``.
+
+        pre = (x - b_dec) @ W_enc + b_enc           # b_dec subtracted when apply_b_dec_to_input
+        acts = relu(pre) * (pre > threshold)        # [.., d_sae]
+        x_hat = acts @ W_dec + b_dec
+
+    as SAELens' ``JumpReLUSAE.encode`` computes it (``sae_lens/saes/jumprelu_sae.py``: ``hidden_pre =
+    sae_in @ W_enc + b_enc``, ``activation_fn(hidden_pre) * (hidden_pre > threshold)``); its weights
+    file adds ``threshold`` [d_sae] to the four tensors.
+    """
+
+    architecture = "jumprelu"
+
+    def __init__(self, d_in: int, d_sae: int, *, hook_name: str | None = None, model_name: str | None = None,
+                 apply_b_dec_to_input: bool = True, metadata: dict | None = None):
+        super().__init__(d_in, d_sae, hook_name=hook_name, model_name=model_name,
+                         apply_b_dec_to_input=apply_b_dec_to_input, metadata=metadata)
+        self.threshold = nn.Parameter(torch.zeros(self.d_sae))
+
+    def activation(self, pre: torch.Tensor) -> torch.Tensor:
+        return pre.relu() * (pre > self.threshold)
+
+
+TRANSCODERS = ("transcoder", "jumprelu_transcoder", "skip_transcoder")
+
+
+class Transcoder(SparseAutoencoder):
+    """Transcoders: a sparse map from one point of the residual stream to another (a layer's MoE input
+    to its output, say), SAELens' ``transcoder``, ``jumprelu_transcoder`` and ``skip_transcoder``
+    (``sae_lens/saes/transcoder.py``). The input is not centred by ``b_dec`` (it is as wide as the
+    output, not the input):
+
+        pre = x @ W_enc + b_enc                                  # [.., d_sae]
+        acts = relu(pre)                      (transcoder, skip_transcoder)
+             = relu(pre) * (pre > threshold)  (jumprelu_transcoder)
+        out = acts @ W_dec + b_dec  (+ x @ W_skip.T for a skip transcoder)   # [.., d_out]
+
+    ``W_dec`` is [d_sae, d_out], ``b_dec`` [d_out], ``W_skip`` [d_out, d_in]; ``hook_name`` is the
+    point read and ``hook_name_out`` the point it stands in for (SAELens' cfg fields ``d_out`` and
+    ``hook_name_out``). As an encoder (features, dashboards, timelines, clamps of the input) it
+    works like an autoencoder; ``fvu`` and ``features.evaluate`` are for autoencoders only.
+    """
+
+    def __init__(self, d_in: int, d_sae: int, d_out: int, *, architecture: str = "transcoder",
+                 hook_name: str | None = None, hook_name_out: str | None = None, model_name: str | None = None,
+                 metadata: dict | None = None):
+        if architecture not in TRANSCODERS:
+            raise InputError(f"Transcoder: architecture={architecture!r}: expected one of {', '.join(TRANSCODERS)}")
+        super().__init__(d_in, d_sae, d_out=d_out, hook_name=hook_name, model_name=model_name,
+                         apply_b_dec_to_input=False, metadata=metadata)
+        self.architecture = architecture
+        if hook_name_out is not None:
+            self.metadata["hook_name_out"] = hook_name_out
+        if architecture == "jumprelu_transcoder":
+            self.threshold = nn.Parameter(torch.zeros(self.d_sae))
+        if architecture == "skip_transcoder":
+            self.W_skip = nn.Parameter(torch.zeros(self.d_out, self.d_in))
+
+    @property
+    def hook_name_out(self) -> str | None:
+        return self.metadata.get("hook_name_out")
+
+    def activation(self, pre: torch.Tensor) -> torch.Tensor:
+        acts = pre.relu()
+        return acts * (pre > self.threshold) if self.architecture == "jumprelu_transcoder" else acts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.decode(self.encode(x))
+        if self.architecture == "skip_transcoder":
+            out = out + self._rows(x) @ self.W_skip.T
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{self.architecture}: d_in={self.d_in}, d_sae={self.d_sae}, d_out={self.d_out}, "
+                f"{self.hook_name!r} -> {self.hook_name_out!r}")
+
+
+def from_saelens(path) -> SparseAutoencoder:
+    """The autoencoder in the directory ``path`` (SAELens' layout, any architecture of
+    ``saelens.ARCHITECTURES``), float32 on the CPU, without gradients."""
+    cfg, tensors = saelens.read(path)
+    arch = cfg["architecture"]
+    if arch == "topk":
+        sae = TopKAutoencoder(cfg["d_in"], cfg["d_sae"], cfg["k"], apply_b_dec_to_input=cfg["apply_b_dec_to_input"],
+                              rescale_acts_by_decoder_norm=cfg["rescale_acts_by_decoder_norm"], metadata=cfg["metadata"])
+    elif arch == "jumprelu":
+        sae = JumpReLUAutoencoder(cfg["d_in"], cfg["d_sae"], apply_b_dec_to_input=cfg["apply_b_dec_to_input"],
+                                  metadata=cfg["metadata"])
+    else:
+        sae = Transcoder(cfg["d_in"], cfg["d_sae"], cfg["d_out"], architecture=arch, metadata=cfg["metadata"])
+    with torch.no_grad():
+        for name, t in tensors.items():
+            getattr(sae, name).copy_(t)
+    return sae.requires_grad_(False)

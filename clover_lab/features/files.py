@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from clover_lab.features import saelens
+from clover_lab.features.autoencoder import from_saelens
 from clover_lab.features.qwen_scope import load_qwen_scope
 
 
@@ -25,4 +26,4 @@ def load(path, **options):
         raise saelens.AutoencoderFileError(f"{path}: a file that is not a Qwen-Scope .pt; clover_lab reads SAELens' "
                                            f"layout (a directory with {saelens.CFG_FILE}) and Qwen-Scope's "
                                            f"layer{{n}}.sae.pt")
-    return saelens.load(path)
+    return from_saelens(path)

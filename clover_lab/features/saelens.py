@@ -92,30 +92,6 @@ def save(sae, path) -> Path:
     return path
 
 
-def load(path):
-    """The autoencoder in the directory ``path`` (SAELens' layout, any architecture of
-    ``ARCHITECTURES``), float32 on the CPU, without gradients. Anything else is an
-    AutoencoderFileError naming what is wrong."""
-    from clover_lab.features.autoencoder import TopKAutoencoder
-    from clover_lab.features.jumprelu import JumpReLUAutoencoder
-    from clover_lab.features.transcoder import Transcoder
-
-    cfg, tensors = read(path)
-    arch = cfg["architecture"]
-    if arch == "topk":
-        sae = TopKAutoencoder(cfg["d_in"], cfg["d_sae"], cfg["k"], apply_b_dec_to_input=cfg["apply_b_dec_to_input"],
-                              rescale_acts_by_decoder_norm=cfg["rescale_acts_by_decoder_norm"], metadata=cfg["metadata"])
-    elif arch == "jumprelu":
-        sae = JumpReLUAutoencoder(cfg["d_in"], cfg["d_sae"], apply_b_dec_to_input=cfg["apply_b_dec_to_input"],
-                                  metadata=cfg["metadata"])
-    else:
-        sae = Transcoder(cfg["d_in"], cfg["d_sae"], cfg["d_out"], architecture=arch, metadata=cfg["metadata"])
-    with torch.no_grad():
-        for name, t in tensors.items():
-            getattr(sae, name).copy_(t)
-    return sae.requires_grad_(False)
-
-
 def read(path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, tensors) of the autoencoder in ``path``: the config with architecture, d_in,
     d_sae, d_out, k (TopK), apply_b_dec_to_input, rescale_acts_by_decoder_norm and metadata

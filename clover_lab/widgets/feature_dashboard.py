@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 
 from clover_lab.errors import InputError
-from clover_lab.features.dashboard import FeatureDashboard
+from clover_lab.features.profile import FeatureDashboard
 from clover_lab.widgets.base import View
 from clover_lab.widgets.pieces import figure_html, visible
 from clover_lab.widgets.throttle import weak_callback
