@@ -11,7 +11,7 @@ from clover_lab.features import TopKAutoencoder
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPTS = [[5, 17, 33, 100, 2, 9], [400, 3, 250, 7]]
-KW = dict(max_new_tokens=32, threshold=0.3, max_tokens_per_step=4)
+KW = dict(max_new_tokens=16, threshold=0.3, max_tokens_per_step=4)
 
 
 def _sae(d=64, seed=0):

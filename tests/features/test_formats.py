@@ -14,7 +14,7 @@ from clover_lab.features import (AutoencoderFileError, JumpReLUAutoencoder, TopK
                                  load_qwen_scope, save_qwen_scope)
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
-KW = dict(max_new_tokens=32, threshold=0.3, max_tokens_per_step=4)
+KW = dict(max_new_tokens=16, threshold=0.3, max_tokens_per_step=4)
 D, F = 64, 96  # the tiny model's residual width; features
 
 

@@ -12,7 +12,7 @@ from clover_lab.steering import Schedule, Steer
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
-KW = dict(max_new_tokens=32, threshold=0.3, max_tokens_per_step=3)
+KW = dict(max_new_tokens=16, threshold=0.3, max_tokens_per_step=3)
 H = 64
 
 
