@@ -178,3 +178,35 @@ def test_bad_files_are_named(tmp_path, tiny_engine):
     # a transcoder is not spliced in place of its input
     with pytest.raises(InputError, match="writes another point"):
         features.evaluate(tiny_engine, tc, [[1, 2, 3]], **KW)
+
+
+@pytest.mark.slow  # about 10 s: the embedded model loaded, two generations
+def test_on_the_embedded_model_each_format_round_trips_and_reads_every_step(tmp_path):
+    import clover_lab
+    from clover_lab.checkpoint.loading import default_model_dir
+
+    if default_model_dir() is None:
+        pytest.skip("the embedded default model is missing")
+    engine = clover_lab.load(threads=1)
+    d = engine.model.config.hidden_size
+    acts = features.collect(engine, ["def parse(line):\n", "import os\n"], layer=2, max_new_tokens=16)
+    x = acts.values
+    made = {}
+    _qwen_scope_file(tmp_path / "W-L0_8" / "layer2.sae.pt", d=d, f=4 * d)
+    made["qwen-scope"] = features.load(tmp_path / "W-L0_8" / "layer2.sae.pt")
+    jr = JumpReLUAutoencoder(d, 4 * d, hook_name="layers.2.output")
+    tc = Transcoder(d, 4 * d, d, architecture="jumprelu_transcoder", hook_name="layers.2.output",
+                    hook_name_out="layers.3.moe.output")
+    for i, sae in enumerate((jr, tc)):
+        with torch.no_grad():
+            for name, p in sae.named_parameters():
+                p.copy_(_random(*p.shape, seed=10 * i + len(name)) / (d ** 0.5 if name.startswith("W_") else 4))
+        sae.save(tmp_path / sae.architecture)
+        made[sae.architecture] = features.load(tmp_path / sae.architecture)
+        torch.testing.assert_close(made[sae.architecture](x), sae(x))
+    save_qwen_scope(made["qwen-scope"], tmp_path / "again" / "layer2.sae.pt")
+    torch.testing.assert_close(load_qwen_scope(tmp_path / "again" / "layer2.sae.pt", k=8)(x), made["qwen-scope"](x))
+    for name, sae in made.items():
+        tl = features.timeline(engine, sae, "def parse(line):\n", max_new_tokens=16)
+        assert len(tl.frames) == tl.result.stats.preview_forwards > 1, name  # every denoising step
+        assert tl.top(n=3), name
