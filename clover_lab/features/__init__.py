@@ -1,7 +1,8 @@
 """Sparse autoencoders on the denoising axis: the residual stream collected from real generations
 (every preview, every step, masked and unmasked positions), a TopK autoencoder trained on it and
-kept in SAELens' layout, its reconstruction measured on held-out generations, and its features
-followed per (block, step, position).
+kept in SAELens' layout, the trunk's formats read (Qwen-Scope's TopK files; SAELens' JumpReLU
+autoencoders and transcoders), reconstruction measured on held-out generations, features followed
+per (block, step, position), and a feature's dashboard over a corpus.
 
     acts = features.collect(engine, prompts, layer=2, max_new_tokens=64)
     sae = features.train(acts, d_sae=2048, k=32, seconds=120)
@@ -13,9 +14,9 @@ followed per (block, step, position).
     features.dashboard(acts, sae, 117, engine=engine)                   # top contexts, density, logit effect
 """
 from clover_lab.features.activations import Activations, collect
-from clover_lab.features.profile import Context, FeatureDashboard, dashboard, logit_effect
 from clover_lab.features.autoencoder import JumpReLUAutoencoder, SparseAutoencoder, TopKAutoencoder, Transcoder
 from clover_lab.features.files import load
+from clover_lab.features.profile import Context, FeatureDashboard, dashboard, logit_effect
 from clover_lab.features.qwen_scope import load_qwen_scope, save_qwen_scope
 from clover_lab.features.reconstruction import Reconstruction, concat, evaluate
 from clover_lab.features.saelens import AutoencoderFileError
