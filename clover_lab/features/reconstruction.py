@@ -19,7 +19,7 @@ import torch
 
 from clover_lab.errors import InputError, count
 from clover_lab.features.activations import Activations, check_prompts, collect
-from clover_lab.features.autoencoder import TopKAutoencoder
+from clover_lab.features.autoencoder import SparseAutoencoder
 from clover_lab.hooks import points as P
 
 
@@ -136,13 +136,16 @@ def concat(parts: list[Activations]) -> Activations:
                        results=[r for a in parts for r in (a.results or [])])
 
 
-def evaluate(engine, sae: TopKAutoencoder, prompts, *, batch_size: int = 16, mean: torch.Tensor | None = None,
+def evaluate(engine, sae: SparseAutoencoder, prompts, *, batch_size: int = 16, mean: torch.Tensor | None = None,
              **generate) -> tuple[Reconstruction, Activations]:
     """The autoencoder's reconstruction on held-out ``prompts`` (see the module's docstring), and
     the held-out rows it was measured on. ``mean``: the rows the ablation puts in place (default:
     the held-out rows' mean)."""
-    if not isinstance(sae, TopKAutoencoder):
-        raise InputError(f"evaluate: expected a TopKAutoencoder, got {type(sae).__name__}")
+    if not isinstance(sae, SparseAutoencoder):
+        raise InputError(f"evaluate: expected a sparse autoencoder (features.load, features.train), got {type(sae).__name__}")
+    if sae.d_out != sae.d_in or sae.architecture.endswith("transcoder"):
+        raise InputError(f"evaluate splices an autoencoder's reconstruction in place of its input; a "
+                         f"{sae.architecture} writes another point ({sae.metadata.get('hook_name_out')!r})")
     point = sae.point(engine)
     prompts = check_prompts(prompts, "evaluate")
     batch_size = count("batch_size", batch_size)

@@ -18,7 +18,7 @@ import torch
 
 from clover_lab.engine.requests import is_batch
 from clover_lab.errors import InputError
-from clover_lab.features.autoencoder import TopKAutoencoder
+from clover_lab.features.autoencoder import SparseAutoencoder
 from clover_lab.hooks import points as P
 from clover_lab.hooks.records import RecordSet
 
@@ -117,11 +117,11 @@ class FeatureTimeline:
         return {o: (v / n, n) for o, (v, n) in sorted(sums.items())}
 
 
-def timeline(engine, sae: TopKAutoencoder, prompt, **generate) -> FeatureTimeline:
+def timeline(engine, sae: SparseAutoencoder, prompt, **generate) -> FeatureTimeline:
     """Generate ``prompt`` (one prompt, block diffusion) and encode every preview row at the
     autoencoder's point."""
-    if not isinstance(sae, TopKAutoencoder):
-        raise InputError(f"timeline: expected a TopKAutoencoder, got {type(sae).__name__}")
+    if not isinstance(sae, SparseAutoencoder):
+        raise InputError(f"timeline: expected a sparse autoencoder (features.load, features.train), got {type(sae).__name__}")
     if is_batch(prompt):
         raise InputError(f"timeline reads one generation, and was given a batch of {len(prompt)} prompts")
     if generate.get("mode", "diffusion") != "diffusion":
@@ -135,7 +135,7 @@ def timeline(engine, sae: TopKAutoencoder, prompt, **generate) -> FeatureTimelin
     return _encoded(cap, sae, point, tokens, steps, engine.tokenizer, result, cap.runs[-1] if cap.runs else None, bs)
 
 
-def timeline_of(records, sae: TopKAutoencoder, run: int | None = None) -> FeatureTimeline:
+def timeline_of(records, sae: SparseAutoencoder, run: int | None = None) -> FeatureTimeline:
     """The timeline of a generation recorded earlier: a Capture or a saved Trace holding the
     autoencoder's point (``sae.hook_name``) and ``denoise.step``, of one generation (``run``: which,
     when it holds several). Tokens and unmasking steps come from the step records (and, recorded

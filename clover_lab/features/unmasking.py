@@ -18,7 +18,7 @@ import torch
 
 from clover_lab.errors import InputError
 from clover_lab.features.activations import Activations
-from clover_lab.features.autoencoder import TopKAutoencoder
+from clover_lab.features.autoencoder import SparseAutoencoder
 
 
 @dataclass(frozen=True)
@@ -63,15 +63,15 @@ class UnmaskingOrder:
         return self._pick(n, 1.0)
 
 
-def unmasking_order(acts: Activations, sae: TopKAutoencoder, *, at_step: int | None = 0, min_fires: int = 10,
+def unmasking_order(acts: Activations, sae: SparseAutoencoder, *, at_step: int | None = 0, min_fires: int = 10,
                     chunk: int = 8192) -> UnmaskingOrder:
     """Each feature's correlation with when masked positions are unmasked (see the module's
     docstring), over the rows of ``acts`` that were masked (at ``at_step``, or at any step) and
     were unmasked in the end; features firing on fewer than ``min_fires`` of them are not ranked."""
     if not isinstance(acts, Activations):
         raise InputError(f"unmasking_order: expected Activations (features.collect), got {type(acts).__name__}")
-    if not isinstance(sae, TopKAutoencoder):
-        raise InputError(f"unmasking_order: expected a TopKAutoencoder, got {type(sae).__name__}")
+    if not isinstance(sae, SparseAutoencoder):
+        raise InputError(f"unmasking_order: expected a sparse autoencoder (features.load, features.train), got {type(sae).__name__}")
     if at_step is not None and (isinstance(at_step, bool) or not isinstance(at_step, numbers.Integral) or at_step < 0):
         raise InputError(f"unmasking_order: at_step={at_step!r}: expected a step (an int >= 0) or None")
     keep = acts.masked & (acts.unmask_step >= 0)

@@ -72,6 +72,15 @@ def _index(name: str, value) -> int:
     return int(value)
 
 
+def head_logits(engine, ev: ResidualEvent, b: int, i: int) -> torch.Tensor:
+    """The logits [V] (fp32) of row ``i`` of batch row ``b`` of a ``final_norm.output`` event; in
+    a preview the mask token is never a candidate (-inf), as the engine decides."""
+    logits = engine.model.lm_head(ev.value[b:b + 1, i])[0].float()
+    if ev.mode == "preview" and engine.mask_token_id is not None:
+        logits[engine.mask_token_id] = float("-inf")
+    return logits
+
+
 def measure(engine, prompt, metric: Metric, block: int | None, step: int | None, hooks: dict | None = None,
             **generate) -> float:
     """Generate ``prompt`` (with ``hooks`` attached: patches) until the forward at (``block``,
@@ -83,17 +92,13 @@ def measure(engine, prompt, metric: Metric, block: int | None, step: int | None,
         raise InputError(f"measure: metric must be a Metric (logit_diff, probability), got {type(metric).__name__}")
     metric.check(engine.model.config.vocab_size)
     out: list[float] = []
-    mask_id = engine.mask_token_id
 
     def read(ev: ResidualEvent) -> None:
         if (ev.block, ev.step) != (block, step):
             return
         positions = ev.positions.tolist()
         if metric.position in positions:
-            logits = engine.model.lm_head(ev.value[:, positions.index(metric.position)])[0].float()
-            if ev.mode == "preview" and mask_id is not None:
-                logits[mask_id] = float("-inf")  # never a candidate
-            out.append(metric(logits))
+            out.append(metric(head_logits(engine, ev, 0, positions.index(metric.position))))
         raise StopGeneration
 
     attached = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in (hooks or {}).items()}

@@ -15,7 +15,7 @@ import torch
 from clover_lab.engine.requests import is_batch
 from clover_lab.errors import InputError
 from clover_lab.features.activations import batch_rows, residual_point
-from clover_lab.features.autoencoder import TopKAutoencoder
+from clover_lab.features.autoencoder import SparseAutoencoder
 from clover_lab.hooks import points as P
 
 ROWS = ("prompt", "last")  # every prompt row, or the last one (the row that predicts what follows)
@@ -110,13 +110,16 @@ def contrast(engine, pairs, layer: int, *, kind: str = P.OUTPUT, rows: str = "pr
                           mean_row_norm=float((pos_norm + neg_norm) / 2)))
 
 
-def feature(sae: TopKAutoencoder, index: int, name: str | None = None) -> Direction:
+def feature(sae: SparseAutoencoder, index: int, name: str | None = None) -> Direction:
     """Feature ``index``'s decoder row, at unit length, placed where the autoencoder reads (its
     ``layer`` and ``kind``)."""
-    if not isinstance(sae, TopKAutoencoder):
-        raise InputError(f"feature: expected a TopKAutoencoder, got {type(sae).__name__}")
+    if not isinstance(sae, SparseAutoencoder):
+        raise InputError(f"feature: expected a sparse autoencoder (features.load, features.train), got {type(sae).__name__}")
     if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < sae.d_sae:
         raise InputError(f"feature: index {index!r} is not a feature of this autoencoder (0..{sae.d_sae - 1})")
+    if sae.d_out != sae.d_in or sae.architecture.endswith("transcoder"):
+        raise InputError(f"feature: a {sae.architecture}'s decoder rows belong to {sae.metadata.get('hook_name_out')!r},"
+                         f" not to the point it reads; steer along them there by hand")
     row = sae.W_dec.detach()[int(index)].float()
     n = row.norm()
     return Direction(row / n if n > 0 else row, name or f"feature {int(index)}", sae.layer, sae.kind,

@@ -147,7 +147,9 @@ class Steer:
     count within a block; commit and prompt rows have none, and only ``blocks`` selects among
     them; the prompt has no block either), at block ``positions``: "all", "masked" (still masked at
     that step), "unmasked", or a list of positions within the block (commit rows: the block's
-    tokens; prompt rows: every one). ``direction``: a tensor [hidden] or a ``Direction``."""
+    tokens; prompt rows: every one). ``direction``: a tensor [hidden] or a ``Direction``.
+    ``clamp``: a ``FeatureClamp`` (``steering.clamp`` / ``steering.ablate``): instead of adding,
+    set that feature's activation to ``coefficient`` on those rows (``direction`` its decoder row)."""
 
     direction: torch.Tensor
     coefficient: float = 1.0
@@ -158,6 +160,7 @@ class Steer:
     positions: str | tuple[int, ...] = "all"
     parts: tuple[str, ...] = ("preview",)
     name: str = ""
+    clamp: object = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - a frozen dataclass
@@ -192,6 +195,8 @@ class Steer:
         if not isinstance(parts, (list, tuple)) or not parts or any(p not in PARTS for p in parts):
             raise InputError(f"Steer: parts={self.parts!r}: expected one or more of {', '.join(PARTS)}")
         set_("parts", tuple(p for p in PARTS if p in parts))
+        if self.clamp is not None and not callable(getattr(self.clamp, "apply", None)):
+            raise InputError(f"Steer: clamp={self.clamp!r}: expected a FeatureClamp (steering.clamp, steering.ablate)")
 
     @property
     def vector(self) -> torch.Tensor:
@@ -211,7 +216,8 @@ class Steer:
         return dict(name=self.name, coefficient=self.coefficient, layers=list(self.layers), kind=self.kind,
                     blocks=self.blocks.to_json(), steps=self.steps.to_json(),
                     positions=self.positions if isinstance(self.positions, str) else list(self.positions),
-                    parts=list(self.parts), hidden=self.direction.numel())
+                    parts=list(self.parts), hidden=self.direction.numel(),
+                    **({} if self.clamp is None else {"clamp": self.clamp.describe()}))
 
     def row(self) -> dict:
         """One line of a listing: what, how strongly, where."""
@@ -317,6 +323,10 @@ class Schedule:
         path = Path(path)
         doc = dict(format=FORMAT, version=VERSION, name=self.name, steers=[s.to_dict() for s in self.steers])
         text = json.dumps(doc, indent=1)
+        clamps = [f"steer {i} ({s.name!r})" for i, s in enumerate(self.steers) if s.clamp is not None]
+        if clamps:
+            raise InputError(f"Schedule.save: {', '.join(clamps)} clamps an autoencoder's feature; a schedule's files "
+                             f"hold directions, not autoencoders: save the autoencoder and rebuild the clamp")
         refuse_foreign(path, {META_FILE, TENSOR_FILE}, "a steering schedule")
         tensors = {f"steer.{i}": s.direction.contiguous() for i, s in enumerate(self.steers)}
         with naming(path), FileSet(path) as files:

@@ -148,7 +148,10 @@ class Steering:
                 if new is None:
                     new = ev.value.clone()
                 m = mask.to(new.device)
-                new[m] += self._vector(i, s, new)
+                if s.clamp is None:
+                    new[m] += self._vector(i, s, new)
+                else:  # the feature's activation set to the coefficient, the rest of the row kept
+                    new[m] = s.clamp.apply(new[m], s.coefficient).to(new.dtype)
             if new is not None:
                 ev.value = new
 

@@ -4,6 +4,7 @@
     from clover_lab.widgets import LensView, PatchingView        # the logit lens, a patching sweep
     from clover_lab.widgets import FeatureView                   # an autoencoder's features per step
     from clover_lab.widgets import AttentionView, ProbeView      # attention patterns, GDN history, probes
+    from clover_lab.widgets import FeatureDashboardView          # one feature over a corpus
 
     view = DenoiseView(engine)            # attached until view.close()
     view                                  # display it, then generate in this or a later cell
@@ -24,6 +25,7 @@ from clover_lab.widgets.base import View
 from clover_lab.widgets.dashboard import Dashboard
 from clover_lab.widgets.denoise import DenoiseView
 from clover_lab.widgets.experts import ExpertView
+from clover_lab.widgets.feature_dashboard import FeatureDashboardView
 from clover_lab.widgets.features import FeatureView
 from clover_lab.widgets.lens import LensView
 from clover_lab.widgets.memory import MemoryView
@@ -33,5 +35,5 @@ from clover_lab.widgets.probe_map import ProbeView
 from clover_lab.widgets.speed import SpeedView
 from clover_lab.widgets.throttle import Attachment, Throttle
 
-__all__ = ["Attachment", "AttentionView", "Dashboard", "DenoiseView", "ExpertView", "FeatureView", "LensView", "MemoryView", "PatchingView",
-           "ProbeView", "SpeedView", "Throttle", "View", "export_html"]
+__all__ = ["Attachment", "AttentionView", "Dashboard", "DenoiseView", "ExpertView", "FeatureDashboardView", "FeatureView",
+           "LensView", "MemoryView", "PatchingView", "ProbeView", "SpeedView", "Throttle", "View", "export_html"]

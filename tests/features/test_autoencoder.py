@@ -125,7 +125,8 @@ def test_other_files_are_named(tmp_path):
     good = json.loads(json.dumps({"d_in": 8, "d_sae": 24, "dtype": "float32", "k": 3, "architecture": "topk",
                                   "metadata": {"sae_lens_version": "6.1.0"}}))
     cases = [
-        ({"architecture": "jumprelu"}, {}, "architecture 'jumprelu'.*topk"),
+        ({"architecture": "gated"}, {}, "architecture 'gated'.*topk, jumprelu"),
+        ({"architecture": "jumprelu"}, {}, "no tensor 'threshold'"),
         ({"k": 0}, {}, "'k' is 0"),
         ({"k": 30}, {}, "k=30 is more than d_sae=24"),
         ({"d_in": "8"}, {}, "'d_in'"),
