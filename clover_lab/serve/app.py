@@ -149,14 +149,14 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatRequest, request: Request):
-        jobs, shape = chat_jobs(body)
+        jobs, shape = await chat_jobs(body)
         return await _answer(request, scheduler, metrics, jobs, body, shape)
 
     @app.post("/v1/responses")
     async def responses(body: responses_api.ResponsesRequest, request: Request):
         _model(body, model_name)
         chat_body = responses_api.chat_request(body)
-        jobs, shape = chat_jobs(chat_body)
+        jobs, shape = await chat_jobs(chat_body)
         answer = await _answer(request, scheduler, metrics, jobs, chat_body, shape)
         if isinstance(answer, Response):  # a stream of chat chunks (or the 499 of a client gone)
             if not body.stream:
@@ -165,7 +165,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
                                      media_type="text/event-stream")
         return responses_api.response(answer, body, jobs[0].id)
 
-    def chat_jobs(body: schemas.ChatRequest):
+    async def chat_jobs(body: schemas.ChatRequest):
         """A chat request's jobs and the shape of its answer, every check done."""
         _model(body, model_name)
         _stream_options(body)
