@@ -6,6 +6,13 @@ printed 29. So a markdown cell (and a code comment) may state settings ("48 toke
 or a count out of a total ("42 of 48"). Such a figure belongs in a cell's output; in text it must
 say "about" (and why it moves), or be listed in ALLOWED with the reason it is not this lab's
 measurement (a vendor's published figure).
+
+Words state results too: 06 said patching layer 0 "makes the run the clean one" where its map read
+0.94, 05 that a no-op hook is "nearly free" where the runs spread by 33%. So a sentence that compares
+("faster", "cheaper", "better", "nearly free", "the clean one", "wins", "drifts", ...) is a result and
+belongs in a cell's output, computed from the numbers it compares; in text it may only define how to
+read an axis ("higher is faster") or be listed in ALLOWED_CLAIMS with the reason it is not a result
+of this notebook's cells.
 """
 import json
 import re
@@ -24,6 +31,35 @@ APPROXIMATE = re.compile(r"\babout\b|~|\broughly\b", re.IGNORECASE)
 ALLOWED = {
     ("05_speed", "515 tokens/s"): "the vendor's published figure for the 35B model on an H200, not measured here",
 }
+
+
+# comparisons and verdicts: each states how two measurements relate, which only a cell can know
+CLAIMS = re.compile(
+    r"\b(?:faster|slower|quicker|cheaper|costlier|dearer|better|worse|wins?|loses|beats|outperforms?|drifts?"
+    r"|negligible|(?:nearly|almost|practically|essentially|virtually) (?:free|nothing|identical|the same|uniform(?:ly)?)"
+    r"|(?:for|is|are|comes?|come) free|the clean one|much (?:more|less|fewer|faster|slower|better|worse))\b",
+    re.IGNORECASE)
+# how to read an axis or a setting, not a result: "TPF (higher is faster)"
+DEFINITION = re.compile(r"\b(?:higher|lower|more|fewer|larger|smaller) (?:is|means) (?:faster|slower|better|worse|cheaper)\b",
+                        re.IGNORECASE)
+
+# (notebook stem, the claim's word as the text states it): why it may stand in prose
+ALLOWED_CLAIMS = {
+    ("01_quickstart", "cheaper"): "defines the prompt gain (how much cheaper, in nats per token), which the cell measures",
+    ("05_speed", "wins"): "the condition under which block diffusion is faster (a mechanism), not a measured result",
+    ("05_speed", "faster"): "the README's measurement of compiled steps, said as such; the cell prints its own",
+    ("03_expert_routing", "almost uniformly"): "a remark on checkpoints early in training, not on this notebook's run",
+    ("03_expert_routing", "drift"): "a property of the design (commits route over every expert), not a measurement",
+}
+
+
+def claims(text: str) -> list[str]:
+    """The comparisons ``text`` states as results (not definitions of an axis)."""
+    found = []
+    for sentence in re.split(r"(?<=[.;:!?])\s+|\n\s*\n", text):
+        sentence = DEFINITION.sub("", sentence)
+        found += [m.group() for m in CLAIMS.finditer(sentence)]
+    return found
 
 
 def measured_figures(text: str) -> list[str]:
@@ -55,6 +91,31 @@ def test_the_check_finds_measured_figures():
     # settings, definitions and approximations with their reason are prose
     assert measured_figures("48 new tokens at threshold 0.9, block size 16, layer 2") == []
     assert measured_figures("about 2 tokens per forward on this prompt (it varies with the prompt)") == []
+
+
+def test_the_check_finds_claims():
+    # what the notebooks said before, each a result no cell computed
+    assert claims("Layer 0's input at the differing position is the token itself: patched, the run is the clean one") \
+        == ["the clean one"]
+    assert claims("An attached hook costs what it does: a no-op is nearly free; a view copies its numbers.") \
+        == ["nearly free"]
+    assert claims("the response drifts once it needs what only the GDN memory held") == ["drifts"]
+    assert claims("then the steps are about 2-3x faster") == ["faster"]  # "about" excuses a figure, not a verdict
+    # how to read an axis, settings and definitions are prose
+    assert claims("tokens per forward (TPF, higher is faster), mean steps per block") == []
+    assert claims("a coreset holds the top-k to one expert fewer than the model has") == []
+
+
+def test_notebook_text_states_no_claim_a_cell_does_not_compute():
+    stray = []
+    for path in NOTEBOOKS:
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        for i, cell in enumerate(cells):
+            for claim in claims(prose(cell)):
+                if (path.stem, claim.lower()) not in ALLOWED_CLAIMS:
+                    stray.append(f"{path.name} cell {i}: {claim!r}")
+    assert not stray, ("comparisons stated in notebook text (compute them in a cell and print the sentence, or "
+                       "list them in ALLOWED_CLAIMS with why they are not a result): " + "; ".join(stray))
 
 
 def test_notebook_text_states_no_measured_figure():

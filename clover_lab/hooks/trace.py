@@ -229,6 +229,8 @@ class Divergence:
     def __str__(self):
         at = f"block {self.block}, step {self.step}, {self.point}"
         diff = "" if self.max_abs_diff is None else f" (max |diff| {self.max_abs_diff:.3g})"
+        if self.reason == "values differ":  # "value values differ" read as a stutter: name the field
+            return f"{at}: field {self.field!r} differs{diff}"
         return f"{at}: {self.field} {self.reason}{diff}"
 
 
@@ -244,7 +246,9 @@ class Trace(RecordSet):
         self.records, self.points, self.meta, self.path = records, list(points), dict(meta or {}), path
 
     def __repr__(self):
-        return f"Trace({len(self.records)} records of {len(self.points)} points, runs {self.runs})"
+        runs = self.runs  # the engine's run ids: a run is named by its id, not shown as a list
+        said = f"run {runs[0]}" if len(runs) == 1 else f"{len(runs)} runs (ids {', '.join(map(str, runs))})"
+        return f"Trace({len(self.records)} records of {len(self.points)} points, {said})"
 
     @property
     def tokenizer(self) -> "TokenText | None":

@@ -20,7 +20,8 @@ def _same_tokens(a: list[int], b: list[int]) -> int:
 def coreset_sweep(engine, prompts, sizes, repeat: int = 1, **generate) -> list[dict]:
     """One row per size (``0`` or None first: no coreset, the reference): ``tokens_equal`` the share
     of generated tokens equal, position by position, to the reference run's; ``tokens_per_forward``
-    and ``seconds_per_step`` (preview seconds over previews, best of ``repeat``), over all prompts."""
+    and ``seconds_per_step`` (preview seconds over previews, best of ``repeat`` passes, the passes
+    interleaved across the sizes), over all prompts."""
     if generate.get("mode", "diffusion") != "diffusion":
         raise InputError(f"coreset_sweep mode={generate['mode']!r}: a coreset restricts the experts of a block's "
                          f"denoising steps, so only block diffusion has one (mode='diffusion')")
@@ -39,29 +40,29 @@ def coreset_sweep(engine, prompts, sizes, repeat: int = 1, **generate) -> list[d
     prompts = list(prompts) if is_batch(prompts) else [prompts]  # one prompt, or several
     if not prompts or prompts == [[]]:
         raise InputError("coreset_sweep: give at least one prompt")
-    reference: list[list[int]] = []
+    # the repeats interleaved (each pass runs every size, no coreset first): a machine that gets
+    # busier or quieter during the sweep moves every size alike, where running the sizes one after
+    # another timed the first (the reference) on a colder or busier machine than the rest
+    best: dict[tuple[int, int], object] = {}
+    wall = {size: 0.0 for size in sizes}
+    for _ in range(repeat):
+        for size in sizes:
+            start = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                r = engine.generate(prompt, coreset_size=size or None, **generate)
+                if (size, i) not in best or r.stats.preview_seconds < best[size, i].stats.preview_seconds:
+                    best[size, i] = r
+            wall[size] += time.perf_counter() - start
+    reference = [best[0, i].token_ids for i in range(len(prompts))]
     rows = []
     for size in sizes:
-        equal = total = tokens = forwards = 0
-        step_time = 0.0
-        previews = 0
-        wall = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            best = None
-            for _ in range(repeat):
-                r = engine.generate(prompt, coreset_size=size or None, **generate)
-                if best is None or r.stats.preview_seconds < best.stats.preview_seconds:
-                    best = r
-            if size == 0:
-                reference.append(best.token_ids)
-            equal += _same_tokens(best.token_ids, reference[i])
-            total += max(len(reference[i]), len(best.token_ids))
-            tokens += best.stats.new_tokens
-            forwards += best.stats.forwards
-            step_time += best.stats.preview_seconds
-            previews += best.stats.preview_forwards
+        runs = [best[size, i] for i in range(len(prompts))]
+        equal = sum(_same_tokens(r.token_ids, ref) for r, ref in zip(runs, reference))
+        total = sum(max(len(ref), len(r.token_ids)) for r, ref in zip(runs, reference))
+        tokens, forwards = sum(r.stats.new_tokens for r in runs), sum(r.stats.forwards for r in runs)
+        step_time, previews = sum(r.stats.preview_seconds for r in runs), sum(r.stats.preview_forwards for r in runs)
         rows.append(dict(coreset_size=size or None, tokens_equal=equal / total if total else 1.0,
                          tokens_per_forward=tokens / forwards if forwards else 0.0,
                          seconds_per_step=step_time / previews if previews else None,
-                         prompts=len(prompts), seconds=time.perf_counter() - wall))
+                         prompts=len(prompts), seconds=wall[size]))
     return rows

@@ -197,12 +197,14 @@ class DenoiseView(View):
         tokenizer = self.token_source()
         return token_piece(tokenizer, tok, self._pieces)
 
-    def _span(self) -> int:
-        if self.engine is not None:
-            return max(self.engine.block_size, 2)
-        return 16
+    @staticmethod
+    def _span(state) -> int:
+        """How many step colours the scale runs through: the most steps a block shown took (at
+        least 2), not the block size: a model that finishes its blocks in 3-5 steps of 16 would
+        colour every cell with the first quarter of the scale."""
+        return max([2] + [blk["steps"] for blk in state["blocks"].values()])
 
-    def _cell_html(self, b: int, p: int, cell: dict, blk: dict, now: set) -> str:
+    def _cell_html(self, b: int, p: int, cell: dict, blk: dict, now: set, span: int) -> str:
         cls = ["cl-tok"]
         style = ""
         dropped = blk["committed"] and blk["length"] is not None and p >= blk["length"]
@@ -222,7 +224,7 @@ class DenoiseView(View):
             if self.colour == "confidence" and cell["conf"] is not None:
                 bg, fg = _css(confidence_colour(cell["conf"]))
             else:
-                bg, fg = _css(step_colour(cell["step"] or 0, self._span()))
+                bg, fg = _css(step_colour(cell["step"] or 0, span))
             style = f" style='background:{bg};color:{fg}'"
             conf = "" if cell["conf"] is None else f", confidence {cell['conf']:.3f}"
             lines.append(f"{self._piece(cell['tok'])!r}: unmasked at step {cell['step']}{conf}"
@@ -250,9 +252,10 @@ class DenoiseView(View):
         if len(blocks) > len(order):
             out.append(f"<div class='cl-bhead'>{len(blocks) - len(order)} earlier blocks not shown</div>")
         now_b, now_p = state["now"]
+        span = self._span(state)
         ar_run = [b for b in order if blocks[b]["m"] == 1 and blocks[b]["committed"]] if not state["steps_seen"] else []
         if ar_run:  # AR: one token per block, shown as one flowing box
-            cells = "".join(self._cell_html(b, 0, blocks[b]["cells"][0], blocks[b], {0} if b == now_b else set())
+            cells = "".join(self._cell_html(b, 0, blocks[b]["cells"][0], blocks[b], {0} if b == now_b else set(), span)
                             for b in ar_run)
             out.append(f"<div class='cl-block'><div class='cl-bhead'>AR: {len(ar_run)} tokens, one per forward</div>"
                        f"<div class='cl-cells'>{cells}</div></div>")
@@ -260,11 +263,11 @@ class DenoiseView(View):
         for b in order:
             blk = blocks[b]
             now = set(now_p) if b == now_b else set()
-            cells = "".join(self._cell_html(b, p, c, blk, now) for p, c in enumerate(blk["cells"]))
+            cells = "".join(self._cell_html(b, p, c, blk, now, span) for p, c in enumerate(blk["cells"]))
             masked = sum(c["tok"] is None for c in blk["cells"])
             what = "committed" if blk["committed"] else f"denoising, {masked} masked"
             cls = "cl-block" if blk["committed"] else "cl-block cl-open"
-            out.append(f"<div class='{cls}' data-block='{b}'><div class='cl-bhead'>block {b} · {blk['steps']} steps · "
+            out.append(f"<div class='{cls}' data-block='{b}'><div class='cl-bhead'>block {b} · {blk['steps']} step{'' if blk['steps'] == 1 else 's'} · "
                        f"{what}</div><div class='cl-cells'>{cells}</div></div>")
         if not blocks:
             out.append("<div class='cl-bhead'>waiting for a generation…</div>")
@@ -287,11 +290,11 @@ class DenoiseView(View):
                 f"committed{', provisional block in blue' if prov else ''})</div>"
                 f"<pre class='clover-text'>{html.escape(done)}<span class='cl-prov'>{html.escape(prov)}</span></pre>")
 
-    def legend_html(self) -> str:
+    def legend_html(self, state) -> str:
         if self.colour == "confidence":
             stops = "".join(f"<span style='background:{_css(confidence_colour(c / 10))[0]}'></span>" for c in range(11))
             return f"<div class='clover-legend'>confidence 0 {stops} 1 · dashed: masked</div>"
-        span = self._span()
+        span = self._span(state)
         n = min(span, 12)
         stops = "".join(f"<span style='background:{_css(step_colour(round(i * (span - 1) / max(n - 1, 1)), span))[0]}'>"
                         "</span>" for i in range(n))
@@ -299,12 +302,12 @@ class DenoiseView(View):
                 "pink ring: unmasked in this frame</div>")
 
     def _render(self, state, frame):
-        self.legend.value = _CSS + self.legend_html()
+        self.legend.value = _CSS + self.legend_html(state)
         self.grid.value = self.grid_html(state)
         self.text.value = _CSS + self.text_html(state)
 
     def _html_parts(self, state, frame):
-        return [_CSS, self.legend_html(),
+        return [_CSS, self.legend_html(state),
                 "<div style='display:flex;gap:12px'><div style='flex:3'>" + self.grid_html(state) + "</div>"
                 "<div style='flex:2'>" + self.text_html(state) + "</div></div>"]
 

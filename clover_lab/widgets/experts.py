@@ -279,7 +279,9 @@ class ExpertView(View):
         L, E, _ = self._dims
         z = self.usage(phase, metric, routing, s)
         opts = self._token_options(s)
-        if [o[1] for o in self.token_dd.options] != [o[1] for o in opts]:
+        # labels too: a block's routes can be drawn before its commit names its tokens ("(response)"),
+        # and the names that come after must replace those labels
+        if [tuple(o) for o in self.token_dd.options] != [tuple(o) for o in opts]:
             keep = self.token_dd.value
             self.token_dd.options = opts
             values = [o[1] for o in opts]

@@ -5,8 +5,9 @@ imports every widget's module from a Blob URL of its own, so each figure parses 
 and anywidget (0.11) gives a model 2 seconds to load and initialize before it drops it ("Failed
 to initialize model"): a view of three figures created in one cell, on a busy machine, drew the
 last figure and left the others as empty axes (measured in Chromium: 1 of 3, 1 of 9 drawn; with
-the timeout patched out in the page, 3 of 3). :class:`Figure` ships plotly's bundle as a trait
-and a small module that initializes at once (no timeout), imports the bundle once per page (every
+the timeout patched out in the page, 3 of 3). :class:`Figure` names plotly's bundle, sent once per
+kernel by one :class:`PlotlySource` widget (each figure carried all 5 MB in its own state before), and
+ships a small module that initializes at once (no timeout), imports the bundle once per page (every
 figure awaits the same import), replays the edits the kernel sent meanwhile into plotly's copy of
 the figure, and hands over to plotly's own ``initialize`` / ``render``: same widget, same messages.
 """
@@ -17,6 +18,7 @@ import hashlib
 import sys
 from pathlib import Path
 
+import ipywidgets
 import plotly
 import traitlets
 
@@ -45,10 +47,15 @@ const MESSAGES = ["_py2js_addTraces", "_py2js_deleteTraces", "_py2js_moveTraces"
                   "_py2js_relayout", "_py2js_update", "_py2js_animate", "_py2js_removeLayoutProps",
                   "_py2js_removeTraceProps"];
 function plotlyModule(model) {
-  // one import per page, whichever figure asks first; the others await the same promise
+  // one import per page, whichever figure asks first; the others await the same promise. The
+  // bundle's text is held once per kernel by one PlotlySource widget that every figure names
   if (!globalThis[KEY]) {
-    const url = URL.createObjectURL(new Blob([model.get("_plotly_bundle")], {type: "text/javascript"}));
-    globalThis[KEY] = import(url).finally(() => URL.revokeObjectURL(url));
+    globalThis[KEY] = (async () => {
+      const ref = model.get("_plotly_source");  // "IPY_MODEL_<id>", or the model where a manager resolved it
+      const source = typeof ref === "string" ? await model.widget_manager.get_model(ref.slice("IPY_MODEL_".length)) : ref;
+      const url = URL.createObjectURL(new Blob([source.get("bundle")], {type: "text/javascript"}));
+      try { return await import(url); } finally { URL.revokeObjectURL(url); }
+    })();
   }
   return globalThis[KEY];
 }
@@ -93,8 +100,29 @@ def _bundle() -> tuple[str, str]:
     return text, f"{plotly.__version__.replace('.', '_')}_{digest}"
 
 
+class PlotlySource(ipywidgets.Widget):
+    """plotly's widget bundle (~5 MB of text), sent to the page once per kernel: every Figure names
+    this one widget. Each figure carried the bundle in its own state: a dashboard's nine figures
+    sent 45 MB through the kernel's socket, and the page parsed every message of it before it drew."""
+
+    bundle = traitlets.Unicode().tag(sync=True)
+
+    _shared: "PlotlySource | None" = None
+
+    @classmethod
+    def shared(cls) -> "PlotlySource":
+        """The kernel's one source, made again if it was closed (``Widget.close_all()``)."""
+        if cls._shared is None or cls._shared.comm is None:
+            cls._shared = cls(bundle=_bundle()[0])
+        return cls._shared
+
+
 class Figure(_figure_widget_class()):
     """``go.FigureWidget`` with plotly.js imported once per page (see the module's docstring)."""
 
     _esm = _LOADER % _bundle()[1]
-    _plotly_bundle = traitlets.Unicode(_bundle()[0]).tag(sync=True)
+    _plotly_source = traitlets.Instance(PlotlySource).tag(sync=True, **ipywidgets.widget_serialization)
+
+    @traitlets.default("_plotly_source")
+    def _shared_source(self):
+        return PlotlySource.shared()

@@ -98,7 +98,14 @@ class PatchingView(View):
             hm.x = ([f"{c} {label}" for c, label in zip(d["cols"], self.col_labels)] if self.col_labels
                     else [str(c) for c in d["cols"]])
             hm.y = [str(r) for r in d["rows"]]
-            hm.zmid = 0.5 if self.normalized else 0
+            if self.normalized:  # a share, 0 (changes nothing) to 1 (restores the clean run): a sequential
+                # scale over at least [0, 1], wider where a patch overshoots either end
+                finite = z[np.isfinite(z)]
+                hm.colorscale, hm.zmid = "Viridis", None
+                hm.zmin = min(0.0, float(finite.min())) if finite.size else 0.0
+                hm.zmax = max(1.0, float(finite.max())) if finite.size else 1.0
+            else:  # a signed metric: diverging around 0
+                hm.colorscale, hm.zmin, hm.zmax, hm.zmid = "RdBu", None, None, 0
             self.fig.layout.xaxis.title = d["col_name"]
             self.fig.layout.yaxis.title = d["row_name"]
             self.fig.layout.title = ("restored share of " if self.normalized else "") + d["metric"]
@@ -109,9 +116,7 @@ class PatchingView(View):
                                        ] if blank else []
         self.caption.value = (f"{html.escape(d.get('title', ''))}<br>clean {d['clean']:.4g} · corrupted "
                               f"{d['corrupt']:.4g}" + (" · 1 = clean, 0 = corrupted" if self.normalized else "")
-                              + (f"<br>{blank} blank cells: no value there (the metric's position was no longer "
-                                 "masked at that step, so the preview computed no logits there; or a step the run did "
-                                 "not take, or one the sweep has not reached yet)" if blank else ""))
+                              + (f"<br>{blank} blank cells (why: under the plot)" if blank else ""))
 
     def _html_parts(self, state, frame):
         self._render(state, frame)

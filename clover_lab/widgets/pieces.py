@@ -100,3 +100,45 @@ def visible(s: str, limit: int = 14) -> str:
 def to_numpy(t):
     """A device tensor on the host as numpy (one transfer; views only, never the engine)."""
     return t.detach().float().cpu().numpy() if t.is_floating_point() else t.detach().cpu().numpy()
+
+
+class Table:
+    """Rows of a notebook's result shown as a table: HTML in a notebook, aligned text elsewhere
+    (a print, a test). ``rows``: dicts with the same keys, the columns in their order; a float is
+    shown with ``digits`` significant digits, None as a dash.
+
+        Table([{"layer": 0, "flip rate": 0.12}, {"layer": 1, "flip rate": 0.3}])
+    """
+
+    def __init__(self, rows, digits: int = 3, title: str = ""):
+        self.rows = [dict(r) for r in rows]
+        if not self.rows:
+            raise ValueError("Table: no rows to show")
+        self.columns = list(self.rows[0])
+        for i, r in enumerate(self.rows):
+            if list(r) != self.columns:
+                raise ValueError(f"Table: row {i} has the columns {list(r)}, expected {self.columns} (row 0's)")
+        self.digits, self.title = digits, title
+
+    def cell(self, v) -> str:
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return f"{v:.{self.digits}g}"
+        if isinstance(v, (list, tuple)):
+            return " ".join(self.cell(x) for x in v)
+        return str(v)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th style='padding:2px 8px;text-align:right'>{html.escape(c)}</th>" for c in self.columns)
+        body = "".join("<tr>" + "".join(f"<td style='padding:2px 8px;text-align:right;white-space:nowrap'>"
+                                         f"{html.escape(self.cell(r[c]))}</td>" for c in self.columns) + "</tr>"
+                       for r in self.rows)
+        title = f"<caption style='text-align:left'>{html.escape(self.title)}</caption>" if self.title else ""
+        return f"<table style='border-collapse:collapse;font-size:12px'>{title}<tr>{head}</tr>{body}</table>"
+
+    def __repr__(self) -> str:
+        cells = [self.columns] + [[self.cell(r[c]) for c in self.columns] for r in self.rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
+        lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+        return "\n".join(([self.title] if self.title else []) + lines)

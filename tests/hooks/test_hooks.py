@@ -234,6 +234,32 @@ def test_editing_gdn_state_changes_the_output(tiny_engine, mode):
     assert scaled.token_ids != base.token_ids
 
 
+def test_erasing_every_gdn_state_leaves_every_preview_reading_nothing(tiny_engine):
+    # notebook 04: erasing every GDN layer changed fewer tokens than erasing layer 0 alone; the erase
+    # is what it says: after it, every preview of every GDN layer reads a zero memory (h_t = 0),
+    # and an erase of one layer leaves the others reading theirs
+    gdn = tiny_engine.model.config.gdn_layers()
+
+    def run(erased):
+        reads = {layer: [] for layer in gdn}
+
+        def erase(ev):
+            if ev.layer in erased:
+                ev.state = torch.zeros_like(ev.state)
+
+        def read(ev):
+            reads[ev.layer].append(float(ev.history_reads.abs().max()))
+
+        with tiny_engine.hooks({"layers.*.gdn.state": erase, "layers.*.gdn.preview": read}):
+            tiny_engine.generate(PROMPT, **KW)
+        return reads
+
+    every = run(set(gdn))
+    assert all(r and max(r) == 0.0 for r in every.values()), every
+    one = run({gdn[0]})
+    assert max(one[gdn[0]]) == 0.0 and all(max(one[layer]) > 0 for layer in gdn[1:]), one
+
+
 # --------------------------------------------------------------------------- capture
 def test_capture_records_points_tagged_by_block_and_step(tiny_engine):
     points = ["layers.*.moe.route", "layers.*.gdn.preview", "denoise.step", "block.commit"]

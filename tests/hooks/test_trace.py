@@ -67,6 +67,8 @@ def test_diff_names_the_first_place_two_runs_part(tiny_engine, tmp_path):
     # layer 2's output is the first recorded value the nudge reaches
     assert (d.block, d.step, d.point, d.layer, d.field) == (1, 0, "layers.2.output", 2, "value")
     assert d.max_abs_diff > 0.1 and "block 1, step 0, layers.2.output" in str(d)
+    assert "field 'value' differs" in str(d) and "value values" not in str(d)  # notebook 06 read "value values differ"
+    assert repr(ta) == f"Trace({len(ta.records)} records of {len(ta.points)} points, run {ta.runs[0]})"  # not "runs [94]"
     assert ta.diff(clover_lab.load_trace(tmp_path / "b"), atol=10.0, rtol=10.0) is not None  # tokens part later
 
 

@@ -43,3 +43,29 @@ def test_hover_candidates_are_the_steps_decided_candidates(view_engine):
             assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
             checked += 1
     assert checked > 32
+
+
+def test_the_step_colours_span_the_steps_the_blocks_took(view_engine):
+    # the scale ran 0-15 (the block size) while blocks finished in 3-5 steps: every cell was one of
+    # the scale's first few colours. Now its last colour is the most steps a block took, and a
+    # block of one step says "1 step"
+    import re
+
+    from clover_lab.widgets.denoise import _css, step_colour
+
+    view = DenoiseView(view_engine, fps=1000)
+    try:
+        result = view_engine.generate(PROMPT, max_new_tokens=32, threshold=0.3)
+        view.flush()
+    finally:
+        view.detach()
+    most = max(result.stats.steps_per_block)
+    assert 2 <= most < view_engine.block_size  # the case the scale was wrong for
+    legend = view.legend.value
+    assert f"{most - 1} · dashed" in legend, legend
+    grid = view.grid.value
+    latest = _css(step_colour(most - 1, most))[0]  # the scale's last colour: some cell took the last step
+    assert latest in grid
+    assert _css(step_colour(most - 1, view_engine.block_size))[0] not in grid  # not the old 0-15 scale
+    heads = re.findall(r"block \d+ · (\d+) (steps?) · ", grid)
+    assert heads and all((n == "1") == (word == "step") for n, word in heads), heads

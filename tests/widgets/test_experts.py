@@ -49,3 +49,24 @@ def test_the_picker_names_each_runs_prompt_tokens_by_their_text(view_engine):
     finally:
         view.detach()
     assert view_engine.prompt_of(Where(run=10**6)) is None  # no such run going on
+
+
+def test_the_picker_renames_a_block_once_its_commit_names_it(view_engine):
+    # notebook 03's pickers listed the last block as "N: (response)": its routes were drawn before
+    # its commit named its tokens, and the picker kept the first labels (it compared positions only)
+    import copy
+
+    view = ExpertView(view_engine, fps=1000)
+    try:
+        result = view_engine.generate(PROMPT, max_new_tokens=16)
+        view.flush()
+    finally:
+        view.detach()
+    full = view.state
+    early = copy.deepcopy(full)
+    for pos in range(len(PROMPT), len(PROMPT) + len(result.token_ids)):
+        early["names"].pop(pos, None)
+    view._render(early, None)
+    assert any("(response)" in label for label, _ in view.token_dd.options)
+    view._render(full, None)
+    assert not any("(response)" in label for label, _ in view.token_dd.options), view.token_dd.options

@@ -1,5 +1,5 @@
-"""The views' plotly figure (clover_lab/widgets/figure.py): plotly.js shipped once as a trait
-behind a small loader module, so that several figures made at once all draw in the browser
+"""The views' plotly figure (clover_lab/widgets/figure.py): plotly.js shipped once per kernel
+(one PlotlySource widget) behind a small loader module, so that several figures made at once all draw in the browser
 (tests/test_browser.py checks the drawing itself)."""
 from pathlib import Path
 
@@ -11,14 +11,21 @@ plotly = pytest.importorskip("plotly")
 import plotly.graph_objects as go  # noqa: E402
 
 from clover_lab.widgets import ExpertView, LensView, MemoryView, PatchingView, SpeedView  # noqa: E402
-from clover_lab.widgets.figure import Figure  # noqa: E402
+from clover_lab.widgets.figure import Figure, PlotlySource  # noqa: E402
 
 
 def test_figure_ships_plotlys_bundle_behind_a_loader():
-    fig = Figure(go.Heatmap(z=[[1, 2], [3, 4]]))
+    fig, other = Figure(go.Heatmap(z=[[1, 2], [3, 4]])), Figure()
     bundle = (Path(plotly.__file__).parent / "package_data" / "widgetbundle.js").read_text(encoding="utf-8")
     state = fig.get_state()
-    assert state["_plotly_bundle"] == bundle
+    # the bundle is sent once per kernel, by one widget every figure names: each figure carried all
+    # 5 MB in its own state (a dashboard's nine figures: 45 MB for the page to parse before drawing)
+    source = PlotlySource.shared()
+    assert state["_plotly_source"] == other.get_state()["_plotly_source"] == f"IPY_MODEL_{source.model_id}"
+    assert source.get_state()["bundle"] == bundle
+    assert sum(len(str(v)) for v in state.values()) < 50_000
+    source.close()  # closed (Widget.close_all() does it): the next figure gets a new one
+    assert Figure().get_state()["_plotly_source"] == f"IPY_MODEL_{PlotlySource.shared().model_id}" != state["_plotly_source"]
     esm = state["_esm"]
     assert len(esm) < 5_000 and bundle not in esm  # the module itself is small: no 5 MB parse per figure
     assert "globalThis[KEY]" in esm and plotly.__version__.replace(".", "_") in esm

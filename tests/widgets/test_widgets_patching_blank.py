@@ -28,3 +28,22 @@ def test_blank_cells_are_said_on_the_plot():
         assert np.isfinite(view.matrix()).all()
     finally:
         view.close()
+
+
+def test_a_restored_share_has_a_sequential_scale_and_one_blank_note():
+    # notebook 06: a 0-1 share drawn on a diverging red-blue scale, and the blank cells explained
+    # twice (on the plot and again in the caption)
+    view = PatchingView(_sweep([[0.5, 1.0], [float("nan"), 0.25]]))
+    try:
+        hm = view.fig.data[0]
+        import plotly.graph_objects as go
+
+        assert hm.colorscale == go.Heatmap(colorscale="Viridis").colorscale and hm.zmin == 0.0 and hm.zmax == 1.0 and hm.zmid is None
+        assert view.caption.value.count("unmasked") == 0 and "1 blank cells (why: under the plot)" in view.caption.value
+        view.show_sweep(_sweep([[1.5, -0.5], [0.0, 1.0]]))  # overshoots: the scale widens to show them
+        assert (view.fig.data[0].zmin, view.fig.data[0].zmax) == (-0.5, 1.5)
+        signed = PatchingView(_sweep([[0.5, -1.0], [0.0, 2.0]]), normalized=False)
+        assert signed.fig.data[0].zmid == 0
+        signed.close()
+    finally:
+        view.close()
