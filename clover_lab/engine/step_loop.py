@@ -46,6 +46,7 @@ class StepLoop:
         self.runner: Runner | None = None
         self.max_rows = 64  # rows going on at once (the server sets its --max-batch)
         self.capacity = 0  # positions per row the runner's cache holds at least (the server's)
+        self.in_step = False  # diffusion rows begin their blocks together even where not needed (a comparison)
         self.forwards = 0  # forwards run after the prefills, every request's together
         self.steps = 0  # steps taken
         self._keys = itertools.count()
@@ -205,9 +206,11 @@ class StepLoop:
 
     # ---------------------------------------------------------------- forwards, timed and counted
     @contextmanager
-    def forward(self, kind: str, rows: list[Row], fused: bool = False):
+    def forward(self, kind: str, rows: list[Row], fused: bool | set = False):
         """One forward of ``kind`` ("prefill", "preview", "commit") over ``rows``: its time goes to
-        each row and request; a forward that succeeded counts for them, with the path it took."""
+        each row and request; a forward that succeeded counts for them, with the path it took.
+        ``fused``: the preview commits every row's finished block too, or the keys of the rows
+        whose it commits."""
         handles = list(dict.fromkeys(row.handle for row in rows))
         clocks = [h.clock for h in handles] + [row.clock for row in rows]
         for c in clocks:
@@ -218,8 +221,11 @@ class StepLoop:
             for c in clocks:
                 c.stop()
         label = self.runner.last
+        def fuses(row: Row) -> bool:
+            return fused is True or (bool(fused) and row.key in fused)
+
         for h in handles:
-            h.took("fused" if fused else kind, label)
+            h.took("fused" if any(fuses(row) for row in rows if row.handle is h) else kind, label)
         if kind == "prefill":
             return
         self.forwards += 1
@@ -227,7 +233,7 @@ class StepLoop:
             st = row.stats
             if kind == "preview":
                 st.preview_forwards += 1
-                st.fused_forwards += fused
+                st.fused_forwards += fuses(row)
             else:
                 st.commit_forwards += 1
             if label is not None:

@@ -255,14 +255,16 @@ class CloverModel(nn.Module):
     @torch.no_grad()
     def forward(self, cache: CloverCache, commit_ids=None, preview_ids=None, *, commit_logits: str | None = "last",
                 preview_positions=None, coreset: Coreset | None = None, where: Where = NOWHERE,
-                drafts: dict | None = None) -> StepOutput:
+                drafts: dict | None = None, commit_rows: list[bool] | None = None) -> StepOutput:
         """One forward over ``[commit_ids ; preview_ids]`` (either may be None).
 
         ``commit_logits``: "last", "all" or None. ``preview_positions``: block positions whose
         logits are wanted (default: all). ``where``: the generation's block and step, handed to
         the events this forward fires. The cache advances by the committed rows only if the
         whole forward succeeds; a preview never changes it. ``drafts``: a dict the GDN layers fill
-        with what :meth:`commit_draft` needs to keep only a prefix of the commit.
+        with what :meth:`commit_draft` needs to keep only a prefix of the commit. ``commit_rows``:
+        per batch row, whether its commit lands (None: every row's); a row whose does not previews
+        right after its own length, and its commit rows are padding (their logits mean nothing).
         """
         parts = []
         if commit_ids is not None:
@@ -281,11 +283,18 @@ class CloverModel(nn.Module):
         if cache.length + c + m > self.config.max_position_embeddings:
             raise ValueError(f"positions up to {cache.length + c + m} exceed the context length "
                              f"{self.config.max_position_embeddings}")
-        ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where)
+        if commit_rows is not None and (len(commit_rows) != cache.batch_size or drafts is not None):
+            raise ValueError(f"forward: commit_rows must give one flag per batch row ({cache.batch_size}), "
+                             f"got {len(commit_rows)}" + (" (and a draft commit commits every row)" if drafts else ""))
+        ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where, commit_rows)
         ctx.drafts = drafts
         x = self.hidden_states(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], ctx)
         ctx.publish()  # the forward succeeded: the commit lands
-        cache.advance(c)
+        if ctx.committing is None:
+            cache.advance(c)
+        else:  # only the committing rows' lengths move
+            lengths = cache.row_lengths or [cache.length] * cache.batch_size
+            cache.set_row_lengths([n + c * k for n, k in zip(lengths, ctx.committing)])
         return self.heads(x, ctx, commit_logits, preview_positions)
 
     def heads(self, x: torch.Tensor, ctx: ForwardContext, commit_logits: str | None = "last",

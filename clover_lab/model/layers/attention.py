@@ -111,7 +111,9 @@ class GatedAttention(nn.Module):
             outs.append(F.scaled_dot_product_attention(q[:, :, :c], cache.k[:, :, :keys_len], cache.v[:, :, :keys_len],
                                                        attn_mask=allowed[:, None], enable_gqa=True))
         if m:
-            prefix = key_pos[None, None, :] < (pos[:, :1, None] + c)  # [B, 1, keys]: the row's committed prefix
+            # [B, 1, keys]: the row's committed prefix, up to its block's first position (a row
+            # packed beside committing ones without a commit of its own previews after its length)
+            prefix = key_pos[None, None, :] < pos[:, c:c + 1, None]
             allowed = torch.cat([prefix.expand(-1, m, -1), prefix.new_ones(pos.shape[0], m, m)], dim=2)
             keys = torch.cat([cache.k[:, :, :keys_len], k[:, :, c:]], dim=2)
             values = torch.cat([cache.v[:, :, :keys_len], v[:, :, c:]], dim=2)
