@@ -134,7 +134,9 @@ class ForwardContext:
         lengths = cache.row_lengths or [n] * cache.batch_size
         # [B, c + m]: a row's commit rows from its length; its block after them, or after its length
         # when it does not commit (its commit rows are padding past its length)
-        positions = torch.tensor([[n_r + j for j in range(c)] + [n_r + (c if k else 0) + j for j in range(m)]
+        top = cache.max_len - 1  # a padding row near the end of the cache writes its scratch K,V at the last position
+        positions = torch.tensor([[min(n_r + j, top) if not k else n_r + j for j in range(c)]
+                                  + [n_r + (c if k else 0) + j for j in range(m)]
                                   for n_r, k in zip(lengths, commit_rows)], device=device)
         return cls(c, m, positions, cache=cache, n=n, coreset=coreset, where=where,
                    commit_rows=torch.tensor(commit_rows, device=device), committing=list(commit_rows))

@@ -27,7 +27,7 @@ from clover_lab.errors import count, flag
 from clover_lab.hooks import points
 from clover_lab.hooks.events import NOWHERE, Where
 from clover_lab.hooks.registry import HookRegistry
-from clover_lab.model.cache import CloverCache
+from clover_lab.model.cache import CacheFullError, CloverCache
 from clover_lab.model.context import Coreset, ForwardContext
 from clover_lab.model.drafts import DraftCommit
 from clover_lab.model.layers.attention import GatedAttention
@@ -279,13 +279,22 @@ class CloverModel(nn.Module):
         m = 0 if preview_ids is None else preview_ids.shape[1]
         if c + m == 0:
             raise ValueError("forward: no tokens given")
-        cache.check_room(c)
-        if cache.length + c + m > self.config.max_position_embeddings:
-            raise ValueError(f"positions up to {cache.length + c + m} exceed the context length "
-                             f"{self.config.max_position_embeddings}")
         if commit_rows is not None and (len(commit_rows) != cache.batch_size or drafts is not None):
             raise ValueError(f"forward: commit_rows must give one flag per batch row ({cache.batch_size}), "
                              f"got {len(commit_rows)}" + (" (and a draft commit commits every row)" if drafts else ""))
+        if commit_rows is None:
+            cache.check_room(c)
+            top = cache.length + c + m
+        else:  # only the rows that commit need room; one that does not previews after its own length
+            lengths = cache.row_lengths or [cache.length] * cache.batch_size
+            at = max((n for n, k in zip(lengths, commit_rows) if k), default=0)
+            if at + c > cache.max_len:
+                raise CacheFullError(f"committing {c} tokens at length {at} would exceed the cache's "
+                                     f"{cache.max_len} positions")
+            top = max(n + c * k + m for n, k in zip(lengths, commit_rows))
+        if top > self.config.max_position_embeddings:
+            raise ValueError(f"positions up to {top} exceed the context length "
+                             f"{self.config.max_position_embeddings}")
         ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where, commit_rows)
         ctx.drafts = drafts
         x = self.hidden_states(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], ctx)

@@ -99,7 +99,7 @@ class GatedAttention(nn.Module):
         length. Commit rows see their prefix causally; block rows their prefix and the block."""
         c, m = ctx.c, ctx.m
         pos = ctx.positions  # [B, c + m]
-        keys_len = ctx.n + c  # the longest row's prefix after the commit
+        keys_len = min(ctx.n + c, cache.k.shape[2])  # the longest row's prefix after the commit (a padding row's: its length)
         if c:
             rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
             cache.k[rows, :, pos[:, :c]] = k[:, :, :c].transpose(1, 2)  # [B, c, H_kv, D] at per-row positions
