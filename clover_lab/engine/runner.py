@@ -132,6 +132,20 @@ class Runner:
         self.cache.set_row_lengths(lengths)
         return out if out is None or logits == "all" else out[:, -1]
 
+    def prefill_part(self, row: int, start: int, ids: list[int], chunk: int, logits: str | None, where):
+        """Positions [start, start + len(ids)) of row ``row``'s prompt into its cache row (the
+        positions before are there: a chunked prefill beside decoding rows); the last position's
+        logits [V] when ``logits`` is "last"."""
+        index = self.slots.index(row)
+        cache = self.cache.row(index)  # views: the commit lands in this cache
+        cache.set_row_lengths([start])
+        with self.hooks.applied(), region("prefill"):
+            out = self.model.prefill(cache, [ids], chunk_size=chunk, logits=logits, where=where)
+        lengths = list(self.cache.row_lengths or [self.cache.length] * self.cache.batch_size)
+        lengths[index] = start + len(ids)
+        self.cache.set_row_lengths(lengths)
+        return None if out is None else out[0, -1]
+
     def add(self, rows: list[int], length: int = 0) -> None:
         """A cache of the rows going on plus ``rows`` (empty, after them), to be prefilled, of
         ``length`` positions per row at least (more than the static steps' cache holds: the rows

@@ -47,6 +47,9 @@ class StepLoop:
         self.max_rows = 64  # rows going on at once (the server sets its --max-batch)
         self.capacity = 0  # positions per row the runner's cache holds at least (the server's)
         self.in_step = False  # diffusion rows begin their blocks together even where not needed (a comparison)
+        # prompt positions prefilled per step while other rows decode (None: every prompt whole at once)
+        self.prefill_budget: int | None = 512
+        self.filling: dict[int, int] = {}  # row key -> positions of its prompt in the cache, while partly
         self.forwards = 0  # forwards run after the prefills, every request's together
         self.steps = 0  # steps taken
         self._keys = itertools.count()
@@ -81,6 +84,7 @@ class StepLoop:
             try:
                 self._cancel()
                 self._admit()
+                self._fill()
                 for cohort in self._cohorts():
                     for mode, decoder in DECODERS.items():
                         rows = [row for row in cohort if row.mode == mode and row.live]
@@ -108,7 +112,7 @@ class StepLoop:
         and, with a hook inside the model (whose events name one request), the request."""
         cohorts: dict[tuple, list[Row]] = {}
         for row in self.rows:
-            if row.live:
+            if row.live and row.key not in self.filling:  # a prompt partly prefilled: not decoding yet
                 hooks = row.hooks
                 alone = row.handle.number if hooks.model_hooks_attached() else None
                 cohorts.setdefault((hooks.scopes, alone), []).append(row)
@@ -152,12 +156,51 @@ class StepLoop:
                 if not isinstance(e, Exception):
                     raise
                 return
+        decoding = [row for row in self.rows if row.key not in self.filling]
         self.rows += new
+        budget = self.prefill_budget
         groups: dict[tuple, list[Row]] = {}
         for row in new:
+            if decoding and budget and len(row.prompt_ids) > budget and row.prompt_logprobs is None:
+                self.filling[row.key] = 0  # a long prompt beside decoding rows: a chunk a step (``_fill``)
+                continue
             groups.setdefault((row.hooks.scopes, len(row.prompt_ids), row.prompt_logprobs is not None), []).append(row)
         for rows in groups.values():
             self._prefill(rows)
+
+    def _fill(self) -> None:
+        """Chunked prefill: the prompts being prefilled beside decoding rows take ``prefill_budget``
+        positions of this step between them, oldest first; a row whose prompt is complete decodes
+        from the next step on (its next-token logits kept as a whole prefill keeps them)."""
+        left = self.prefill_budget or 0
+        for row in [r for r in self.rows if r.key in self.filling]:
+            if left <= 0:
+                return
+            done = self.filling[row.key]
+            ids = row.prompt_ids[done:done + left]
+            last = done + len(ids) == len(row.prompt_ids)
+            try:
+                with self.forward("prefill", [row]):
+                    logits = self.runner.use(row.hooks).prefill_part(
+                        row.key, done, ids, self.engine.prefill_chunk_size,
+                        "last" if last and row.mode != "diffusion" else None, self.where([row], "prefill"))
+            except StopGeneration:
+                self.filling.pop(row.key, None)
+                self.end([row], "hook", cache_complete=False)
+                continue
+            except BaseException as e:
+                self.filling.pop(row.key, None)
+                self.fail({row.handle}, e)
+                if not isinstance(e, Exception):
+                    raise
+                continue
+            left -= len(ids)
+            row.stats.prefill_forwards += -(-len(ids) // self.engine.prefill_chunk_size)
+            if not last:
+                self.filling[row.key] = done + len(ids)
+                continue
+            del self.filling[row.key]
+            self._prefilled([row], None if logits is None else logits[None], score=False)
 
     def _room(self, row: Row, going: list[Row]) -> bool:
         """Whether ``row`` may join ``going``: within ``max_rows``; a request with a coreset only
@@ -188,13 +231,19 @@ class StepLoop:
             if not isinstance(e, Exception):
                 raise
             return
-        forwards = -(-len(rows[0].prompt_ids) // chunk)
+        for row in rows:
+            row.stats.prefill_forwards = -(-len(rows[0].prompt_ids) // chunk)
+        self._prefilled(rows, logits, score)
+
+    def _prefilled(self, rows: list[Row], logits, score: bool) -> None:
+        """These rows' prompts are in the cache (``logits``: what the prefill gave, [R, V] or, to
+        score the prompt, [R, T, V]): they decode from the next step (a prompt and nothing to
+        generate ends here)."""
         last = logits[:, -1] if score else logits  # [R, V]: the logits at each row's next position
         if self.engine.model.device.type == "cuda":  # decode time starts after the prefill really ended
             torch.cuda.synchronize(self.engine.model.device)
         now = time.perf_counter()
         for i, row in enumerate(rows):
-            row.stats.prefill_forwards = forwards
             row.t_decode = now
             if row.handle.t_decode is None:
                 row.handle.t_decode = now
@@ -272,6 +321,8 @@ class StepLoop:
         gone = {row.key for row in rows}
         if not gone:
             return
+        for key in gone:
+            self.filling.pop(key, None)
         self.rows = [row for row in self.rows if row.key not in gone]
         if self.runner is not None:
             self.runner.drop([k for k in gone if k in self.runner.slots])

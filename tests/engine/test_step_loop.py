@@ -265,3 +265,43 @@ def test_a_step_reads_every_rows_decision_in_one_host_transfer(engine, rows):
             engine.step()
         per_step.append([w for w in reads.where if w.startswith("engine/")])
     assert len(per_step) > 2 and all(len(w) == 1 for w in per_step), per_step
+
+
+@pytest.mark.parametrize("prompt_tokens,budget,rows", [(120, 40, 2), pytest.param(2048, 512, 8, marks=pytest.mark.slow)])
+def test_a_long_prompt_arriving_beside_decoding_rows_is_prefilled_a_chunk_a_step(engine, prompt_tokens, budget, rows):
+    """Chunked prefill: a long prompt that arrives while rows decode takes at most
+    ``prefill_budget`` prompt positions a step (counted at the first decoder layer), and the rows
+    decoding beside it end at the step they end without it; every request gives its alone tokens."""
+    ids = engine.tokenizer(PROMPTS[2] * 400)["input_ids"][:prompt_tokens]
+    assert len(ids) == prompt_tokens
+    short = [Request(PROMPTS[i % len(PROMPTS)], max_new_tokens=16) for i in range(rows)]
+    long = Request(ids, max_new_tokens=8)
+    alone = [engine.generate(r).token_ids for r in short + [long]]
+
+    def steps_of(with_long: bool):
+        handles = [engine.submit(r) for r in short]
+        engine.step()  # the short rows are decoding
+        late = engine.submit(long) if with_long else None
+        tokens, ends, k = [], {}, 1
+        layer = engine.model.model.layers[0]
+        handle = layer.register_forward_pre_hook(lambda mod, args: tokens.append((k, args[0].shape[1])))
+        try:
+            while not all(h.done for h in handles + [late] if h is not None):
+                k += 1
+                engine.step()
+                ends.update({i: k for i, h in enumerate(handles) if h.done and i not in ends})
+        finally:
+            handle.remove()
+        return handles, late, ends, tokens
+
+    engine.loop.prefill_budget = budget
+    try:
+        base, _, base_ends, _ = steps_of(False)
+        handles, late, ends, tokens = steps_of(True)
+    finally:
+        engine.loop.prefill_budget = 512
+    assert [h.result.token_ids for h in handles + [late]] == alone
+    assert all(ends[i] <= base_ends[i] + 1 for i in range(rows)), (ends, base_ends)
+    prefill = [n for _, n in tokens if n > 32]  # the short rows' previews and fused commits: 16 or 32 wide
+    assert sum(prefill) == prompt_tokens and max(prefill) <= budget, prefill
+    assert late.result.stats.prefill_forwards == -(-prompt_tokens // budget)
