@@ -97,11 +97,11 @@ def steps_to_end(engine, handles, watch) -> tuple[int, list[int]]:
 
 
 def test_first_done_first_out_a_fast_request_does_not_wait_for_a_slower_one(engine):
-    """No waves: a 32-token request beside a 96-token one ends within 1.15x the steps it takes
+    """No waves: a 32-token request beside a 64-token one ends within 1.15x the steps it takes
     alone; a row whose block is done commits it in its next forward, packed beside the other row's
     preview (one forward per step but where a row ends: its last block's commit); each row gives
     its alone tokens."""
-    fast, slow = Request(PROMPTS[0], max_new_tokens=32), Request(PROMPTS[1], max_new_tokens=96)
+    fast, slow = Request(PROMPTS[0], max_new_tokens=32), Request(PROMPTS[1], max_new_tokens=64)
     alone = [engine.generate(r) for r in (fast, slow)]
     h = engine.submit(fast)
     alone_steps, _ = steps_to_end(engine, [h], h)
