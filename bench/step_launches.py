@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import os
 import platform
 import sys
@@ -86,8 +87,9 @@ def count_static_steps(model, lengths=(21, 46), max_len: int = 256, coreset_size
 def count_sampler_steps(engine, prompt: str = "def fibonacci(n):\n", new_tokens: int = 32) -> dict:
     """mode -> kernels and host syncs of the decoding work between two forwards, per step: the
     policy's decision, the sampler (penalties, temperature, top-k/p as the model's generation
-    defaults set them), the canvas update and the one host transfer. Block diffusion: each call of
-    ``diffusion.denoise_step``; AR: each row's ``sampling.decide``. The model's forwards are not
+    defaults set them), the canvas update and the one host transfer. Block diffusion: each row's
+    step, ``diffusion.decide`` and ``diffusion.take`` together; AR: each row's ``sampling.decide``.
+    The model's forwards are not
     in these counts (``count_static_steps`` has them). ``syncs``: the ops the dispatcher sees force
     one; the step's one host transfer (``.tolist()`` of the decision) reads a CPU tensor's memory
     without an aten op, so it is not among them on a CPU."""
@@ -95,24 +97,37 @@ def count_sampler_steps(engine, prompt: str = "def fibonacci(n):\n", new_tokens:
     from clover_lab.engine import diffusion, sampling
 
     out = {}
-    for mode, module, name in (("diffusion", diffusion, "denoise_step"), ("ar", sampling, "decide")):
-        original, calls = getattr(module, name), []
+    for mode, module, names in (("diffusion", diffusion, ("decide", "take")), ("ar", sampling, ("decide",))):
+        originals, parts = {name: getattr(module, name) for name in names}, {name: [] for name in names}
 
-        def counted(*args, _original=original, **kwargs):
+        def counted(*args, _original, _calls, **kwargs):
             with LaunchCounter() as count:
                 result = _original(*args, **kwargs)
-            calls.append(count)
+            _calls.append(count)
             return result
 
-        setattr(module, name, counted)
+        for name in names:
+            setattr(module, name, functools.partial(counted, _original=originals[name], _calls=parts[name]))
         try:
             engine.generate(prompt, max_new_tokens=new_tokens, mode=mode)
         finally:
-            setattr(module, name, original)
+            for name, original in originals.items():
+                setattr(module, name, original)
+        calls = [merged(counts) for counts in zip(*parts.values())]  # one prompt: a row's step's halves pair up
         kernels = [c.kernels for c in calls]
         by_name = sum((c.by_name for c in calls), start=type(calls[0].by_name)())
         out[mode] = dict(steps=len(calls), kernels_per_step=sum(kernels) / len(calls), max_kernels=max(kernels),
                          syncs=sorted({x for c in calls for x in c.syncs}), by_name={k: v / len(calls) for k, v in by_name.most_common()})
+    return out
+
+
+def merged(counts):
+    """Several LaunchCounters' counts as one (a step counted in halves)."""
+    out = counts[0]
+    for c in counts[1:]:
+        out.by_name.update(c.by_name)
+        out.syncs += c.syncs
+        out.sequence += c.sequence
     return out
 
 

@@ -128,3 +128,53 @@ def _triton_launchers() -> list:
     except ImportError:
         pass
     return out
+
+
+class HostReads:
+    """Counts the reads of tensor values back to the host while active, on any device (on a CPU
+    they launch no aten op, so :class:`LaunchCounter` cannot see them): ``.tolist()``,
+    ``.item()``, ``.cpu()``, ``.numpy()`` and ``int()``, ``float()``, ``bool()`` of a tensor. On a
+    GPU each is a synchronisation. ``where`` names the caller of each (folder/file:line).
+
+        with HostReads() as reads:
+            engine.step()
+        reads.count, reads.where
+    """
+
+    METHODS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self):
+        self.where: list[str] = []
+        self._inside = 0
+        self._patches = contextlib.ExitStack()
+
+    @property
+    def count(self) -> int:
+        return len(self.where)
+
+    def __enter__(self):
+        import sys
+
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def read(t, *args, _original=original, **kwargs):
+                if not self._inside:
+                    frame = sys._getframe(1)
+                    self.where.append(f"{'/'.join(frame.f_code.co_filename.split('/')[-2:])}:{frame.f_lineno}")
+                self._inside += 1  # a read made by another (``tolist`` calling ``__index__``...) counts once
+                try:
+                    return _original(t, *args, **kwargs)
+                finally:
+                    self._inside -= 1
+
+            if name in vars(torch.Tensor):
+                self._patches.callback(setattr, torch.Tensor, name, original)
+            else:  # inherited from the C base: removing ours restores it
+                self._patches.callback(delattr, torch.Tensor, name)
+            setattr(torch.Tensor, name, read)
+        return self
+
+    def __exit__(self, *exc):
+        self._patches.close()
+        return False

@@ -82,65 +82,77 @@ class Block:
 
 
 # --------------------------------------------------------------------------- the decoder
-JOIN_STEPS = 2  # a row that arrives joins a wave that began at most this many steps before
+JOIN_STEPS = 2  # rows in step: one that arrives begins at once while the others are this few steps into their blocks
 
 
 def advance(loop, rows: list) -> None:
-    """One step of a cohort's block-diffusion rows (``step_loop.py``). Rows resolve their blocks
-    in waves: the rows that began their blocks at one step. When no row of a wave is resolving a
-    block any more, its finished blocks wait (``row.pending``) and the wave begins its next blocks
-    together at the next step, each committed fused with its block's first preview (waves that
-    begin at one step are one). A row that arrives joins the wave that begins now, or at once
-    when none is going, or the youngest wave when that began at most ``JOIN_STEPS`` steps before
-    (that wave's blocks then end when its first block does too); else it waits for the next wave
-    that begins. Then the rows still resolving preview, one forward per group of rows
-    that agree in block length, whether a finished block is committed in the same forward and
-    whether the next block is previewed too, whatever their wave; each row decides its own
-    unmasking from its own logits, so rows finish their blocks at different steps, and a row whose
-    block is done sits out the others' previews. A row that ends (EOS, a stop string, its length,
-    a hook) commits its last block on its own and leaves. Each row gives the tokens it gives alone.
+    """One step of a cohort's block-diffusion rows (``step_loop.py``), first done, first out: a
+    row whose block is resolved does not wait for the others. One that ends (EOS, a stop string,
+    its length, a hook) commits its last block at once and leaves; the others begin their next
+    block at the next step, whose first preview commits the finished one in the same forward,
+    packed beside the other rows' previews (``Runner.preview``'s ``committing``: one forward per
+    block length and look-ahead whatever the rows' phases; on the static steps, or with a hook
+    inside the model, the rows that commit take a forward of their own). Each row decides its own
+    unmasking from its own logits and gives the tokens it gives alone.
 
-    Why arrivals join young waves: requests sent together reach a server a step or two apart, and
-    a client's next request arrives a step or two into the wave that began when its last one
-    ended. Waiting for that wave's next boundary kept such a row idle for most of a block: in
-    ``bench/bench_serve.py`` 8 clients of identical requests took 183 forwards and 8 whose requests
-    differ in max_tokens 242-253; joining young waves, 128 and 205 (the same text for every
-    request). A wave of its own for each arrival cost a forward more per step instead."""
-    waves: dict[int | None, list] = {}
-    for row in rows:
-        waves.setdefault(row.wave, []).append(row)
-    arrived = waves.pop(None, [])
-    at_boundary = [wave for wave in waves.values() if not any(resolving(row) for row in wave)]
-    youngest = max(waves, default=None)  # a wave's key: the step it began at
-    if arrived and (at_boundary or not waves):  # rows that arrived join the wave that begins now, or begin one
-        at_boundary.append(arrived)
-    elif arrived and loop.runner.coreset is None and loop.steps - youngest <= JOIN_STEPS:
-        for row in arrived:
+    Where a commit cannot be packed beside others' previews (the static steps commit every row of
+    their cache; a hook inside the model would see the padding rows), and for a request with an
+    expert coreset (one set of experts per block for the rows of the step), the rows keep in step:
+    they begin their blocks together once none is resolving one, and a row that arrives begins at
+    once while the others are at most ``JOIN_STEPS`` steps into their blocks (else it waits for
+    their next boundary). ``loop.in_step`` keeps them in step everywhere (what
+    ``bench/bench_step_loop.py`` compares with).
+
+    Why no waves otherwise: rows that began a block together used to begin the next one together,
+    so a short request beside a long one waited for the long one's blocks (a 16-token request ended
+    at step 15 instead of 4). With the commit packed beside the previews, not waiting costs no
+    forward."""
+    lockstep = loop.in_step or loop.runner.coreset is not None or not loop.runner.packs_commits(rows[0].hooks)
+    if not lockstep:
+        for row in rows:
             begin_block(row)
-            row.wave = youngest
-    began = False
-    for wave in at_boundary:  # a boundary: the wave begins its next blocks, one wave with every other beginning
-        for row in wave:
+    elif not any(resolving(row) for row in rows):  # a boundary for every row
+        for row in rows:
             begin_block(row)
-            row.wave = loop.steps
-        began = True
-    if began and loop.runner.coreset is not None:  # a coreset's request runs alone: one wave
-        loop.runner.coreset.reset()
+        if loop.runner.coreset is not None:
+            loop.runner.coreset.reset()
+    elif loop.runner.coreset is None and max(row.block.step for row in rows if resolving(row)) <= JOIN_STEPS:
+        for row in rows:
+            if row.block is None and row.pending is None:  # arrived: joins the young blocks
+                begin_block(row)
     groups: dict[tuple, list] = {}
     for row in rows:
         if resolving(row):
-            groups.setdefault((len(row.block), row.pending is not None, looks_ahead(row)), []).append(row)
-    for (_, fused, ahead), group in groups.items():
-        group = [row for row in group if row.live]  # a commit hook may have ended a row
-        if group:
-            preview(loop, group, fused, bool(ahead))
-    waves = {}
+            # on the static steps rows that commit take a forward of their own; with a hook inside the
+            # model, so do rows at another block or step (its events name one of each)
+            apart = not loop.runner.packs_commits(row.hooks)
+            fused = len(row.pending[0]) if row.pending is not None else 0
+            seen = (row.block.index, row.block.step) if row.hooks.model_hooks_attached() else None
+            groups.setdefault((len(row.block), looks_ahead(row), fused if apart else None, seen), []).append(row)
+    decided = []  # every row's decision of this step, read by the host at once
+    for (_, ahead, _, _), group in groups.items():
+        for part in by_commit_length(group):
+            part = [row for row in part if row.live]  # a commit hook may have ended a row
+            if part:
+                decided += preview(loop, part, bool(ahead))
+    settle(decided)
+    if lockstep and any(resolving(row) for row in rows if row.live):
+        return  # rows in step end their blocks together
+    end_blocks(loop, [row for row in rows if row.live and row.block is not None and not resolving(row)])
+
+
+def by_commit_length(rows: list) -> list[list]:
+    """Rows that share a preview forward, by the length of the finished block they commit in it:
+    rows with none go with the first (they pad theirs)."""
+    parts: dict[int, list] = {}
     for row in rows:
-        if row.live:
-            waves.setdefault(row.wave, []).append(row)
-    for wave in waves.values():
-        if not any(resolving(row) for row in wave):
-            end_blocks(loop, wave)
+        parts.setdefault(len(row.pending[0]) if row.pending is not None else 0, []).append(row)
+    plain = parts.pop(0, [])
+    if not parts:
+        return [plain]
+    out = list(parts.values())
+    out[0] = sorted(plain + out[0], key=rows.index)
+    return out
 
 
 def resolving(row) -> bool:
@@ -179,10 +191,11 @@ def looks_ahead(row) -> int:
     return len(row.ahead) if row.ahead.masked else 0
 
 
-def preview(loop, rows: list, fused: bool, ahead: bool = False) -> None:
-    """One denoising step of these rows' blocks, in one forward (fused with the commit of their
-    finished blocks on a block's first step; ``ahead``: their next blocks previewed after them,
-    on one canvas, and taking a look-ahead step)."""
+def preview(loop, rows: list, ahead: bool = False) -> list:
+    """One denoising step of these rows' blocks, in one forward (fused with the commit of the
+    finished blocks of the rows that have one, on a block's first step: all of the same length;
+    ``ahead``: their next blocks previewed after them, on one canvas, and taking a look-ahead step).
+    Returns the rows' decisions, for :func:`settle` to read and take."""
     m = len(rows[0].block)
     canvas = torch.stack([torch.cat([row.block.canvas, row.ahead.canvas]) if ahead else row.block.canvas
                           for row in rows])
@@ -190,24 +203,59 @@ def preview(loop, rows: list, fused: bool, ahead: bool = False) -> None:
     one = None if len(rows) > 1 else first.block.masked_index() if not ahead else torch.tensor(
         first.block.masked + [m + p for p in first.ahead.masked], device=first.device)  # one row: where masked
     at = first.block
-    pending = torch.tensor([row.pending[0] for row in rows], device=first.device) if fused else None
-    where = loop.where(rows, "decode", at.index, at.step, commit_block=at.index - 1 if fused else None)
-    with loop.forward("preview", rows, fused=fused):
-        logits = loop.runner.use(first.hooks).preview([row.key for row in rows], canvas, where, pending, one)
+    committing = [row.pending is not None for row in rows]
+    fused = [row for row in rows if row.pending is not None]
+    pending = None
     if fused:
-        publish_pending(loop, rows)
+        pad = [first.engine.mask_token_id] * len(fused[0].pending[0])  # a row without a finished block pads
+        pending = torch.tensor([row.pending[0] if row.pending is not None else pad for row in rows],
+                               device=first.device)
+    where = loop.where(rows, "decode", at.index, at.step, commit_block=at.index - 1 if all(committing) else None)
+    with loop.forward("preview", rows, fused={row.key for row in fused}):
+        logits = loop.runner.use(first.hooks).preview([row.key for row in rows], canvas, where, pending, one,
+                                                      committing if fused and not all(committing) else None)
+    if fused:
+        publish_pending(loop, fused)
+    decided = []
     for i, row in enumerate(rows):
         block = row.block
         if not row.live or not block.masked:  # a commit hook ended the row; a block resolved ahead
             continue
         n, idx = len(block.masked), block.masked_index()
         mine = logits[i:i + 1, :n] if one is not None else logits[i:i + 1, :m]
-        unmask, _ = denoise_step(row, block, mine if idx is None or one is not None else mine[:, idx], idx)
-        row.update("step", block.index, block.step - 1, block.host, unmask)
-        if ahead and block.end_reason is None:  # the next block's look-ahead step (not streamed: not begun)
-            idx = (nxt := row.ahead).masked_index()
-            mine = logits[i:i + 1, n:] if one is not None else logits[i:i + 1, m:]
-            denoise_step(row, nxt, mine if idx is None or one is not None else mine[:, idx], idx, ahead_of=block)
+        after = None
+        if ahead:  # the next block's look-ahead step, once the block's own is taken
+            after = look_ahead_step(row, logits[i:i + 1, n:] if one is not None else logits[i:i + 1, m:], one)
+        decided.append((row, decide(row, block, mine if idx is None or one is not None else mine[:, idx], idx), after))
+    return decided
+
+
+def look_ahead_step(row, logits: torch.Tensor, one):
+    """The look-ahead step of the row's next block from its ``logits``, taken after the block's own
+    step (it reads where that left the block): not streamed, the next block has not begun."""
+    def step():
+        block, nxt = row.block, row.ahead
+        if block.end_reason is None:
+            idx = nxt.masked_index()
+            denoise_step(row, nxt, logits if idx is None or one is not None else logits[:, idx], idx, ahead_of=block)
+    return step
+
+
+def settle(decided: list) -> None:
+    """The step's decisions, read by the host in one transfer for every row (a synchronisation on
+    a GPU), then taken row by row: checks, ``denoise.step`` hooks, the canvases, a "step" update."""
+    if not decided:
+        return
+    values = torch.cat([d.host for _, d, _ in decided]).tolist()
+    at = 0
+    for row, d, after in decided:
+        n, at = d.host.shape[0], at + d.host.shape[0]
+        if not row.live:  # a hook of an earlier row's step ended it
+            continue
+        unmask, _ = take(d, values[at - n:at])
+        row.update("step", d.block.index, d.block.step - 1, d.block.host, unmask)
+        if after is not None:
+            after()
 
 
 def publish_pending(loop, rows: list) -> None:
@@ -225,8 +273,8 @@ def publish_pending(loop, rows: list) -> None:
 
 
 def end_blocks(loop, rows: list) -> None:
-    """Every row's block is resolved: the rows that end commit their last blocks and leave, the
-    others' blocks wait for their fused commit."""
+    """These rows' blocks are resolved: the rows that end commit their last blocks and leave, the
+    others' blocks wait for their fused commit (the next step's first preview)."""
     leaving = []
     for row in rows:
         block, row.block = row.block, None
@@ -286,7 +334,28 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
     applied to the canvas and the host copy. ``run``: the row; ``logits`` [1, N, V] at the
     masked positions ``idx`` (None: all). ``ahead_of``: a look-ahead step of the next block beside
     the row's block ``ahead_of`` (propose_ahead decides, maybe nothing; stop strings wait for the
-    block's own steps). Returns (the positions unmasked, whether a hook asked to stop)."""
+    block's own steps). Returns (the positions unmasked, whether a hook asked to stop). One row's
+    step: :func:`decide` on the device, the host reads its ``host`` tensor, :func:`take`."""
+    decision = decide(run, block, logits, idx, ahead_of)
+    return take(decision, decision.host.tolist())
+
+
+class Decision:
+    """A row's denoising step decided on the device (:func:`decide`), before the host has read it:
+    ``host`` the 1-D tensor it needs read (the unmask flags, the candidates, the logits' health),
+    which the rows of a step read in one transfer."""
+
+    __slots__ = ("run", "block", "logits", "idx", "ahead_of", "finish", "cand", "conf", "flags", "logp", "host",
+                 "rule")
+
+    def __init__(self, **fields):
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+
+def decide(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | None, ahead_of: Block | None = None) -> Decision:
+    """The device half of :func:`denoise_step`: the row's policy proposes from ``logits``; nothing
+    is read back to the host."""
     mask_id = run.engine.mask_token_id
     logits = logits[0].float()  # [N, V]
     flat = collapsed(logits)  # before the mask column is -inf
@@ -303,10 +372,21 @@ def denoise_step(run, block: Block, logits: torch.Tensor, idx: torch.Tensor | No
         block.limit += run.s.max_steps_per_block is None  # the block's own steps keep the limit of its length
     cand, conf, flags = checked_proposal(run.policy, proposal, N, logits.device, rule, ahead)
     logp = run.info.distribution(logits, run.counts, run.s)  # None unless log-probabilities are asked for
-    # the one host transfer per step: decision, candidates, and whether the logits could be used
-    # (NaN or inf logits make their row's confidence NaN, equal ones carry no answer: argmax would
-    # pick token 0 either way)
-    host = torch.cat([flags.long(), cand, logits_health(flat, conf).reshape(1)]).tolist()
+    # what the host reads: decision, candidates, and whether the logits could be used (NaN or inf
+    # logits make their row's confidence NaN, equal ones carry no answer: argmax would pick token 0
+    # either way)
+    host = torch.cat([flags.long(), cand, logits_health(flat, conf).reshape(1)])
+    return Decision(run=run, block=block, logits=logits, idx=idx, ahead_of=ahead_of, finish=finish, cand=cand,
+                    conf=conf, flags=flags, logp=logp, host=host, rule=rule)
+
+
+def take(d: Decision, host: list) -> tuple[list[int], bool]:
+    """The host half of :func:`denoise_step`, from ``host``, the values of ``d.host``: checks,
+    ``denoise.step`` hooks, the decision applied to the canvas and the host copy."""
+    run, block, logits, idx, ahead_of, finish = d.run, d.block, d.logits, d.idx, d.ahead_of, d.finish
+    cand, conf, flags, logp, rule = d.cand, d.conf, d.flags, d.logp, d.rule
+    mask_id = run.engine.mask_token_id
+    N, where, ahead = len(block.masked), f"block {block.index}, step {block.step}", ahead_of is not None
     flags_host, cand_host = host[:N], host[N:2 * N]
     if host[2 * N] == NONFINITE:  # the rule's confidences, or the model's logits?
         blame_confidences(run.policy, logits, mask_id, rule, ahead)

@@ -370,9 +370,47 @@ class Engine:
         share every forward, each progresses on its own, and the result is a :class:`BatchResult`
         (a list of GenerationResults, one per prompt, with the batch's figures in ``stats``).
         Each row gives the tokens its prompt gives alone; a ``seed`` seeds every row alike.
+
+        A list of :class:`Request` objects (each with its own settings, as vLLM's ``generate``
+        takes a list) runs them together, sharing forwards; the result is a list, each request's
+        result in its place (a GenerationResult, or a BatchResult for a request of several
+        prompts). A request that fails ends only itself while the others run to their end; then
+        the first error is raised.
         """
+        if isinstance(prompt, (list, tuple)) and prompt and any(isinstance(p, Request) for p in prompt):
+            return self._generate_requests(list(prompt), mode, max_new_tokens, stop, thinking, settings, policy,
+                                           sampler)
         request = self._request(prompt, mode, max_new_tokens, stop, thinking, settings, policy, sampler)
         return self.wait(self.submit(request, emit=False))
+
+    def _generate_requests(self, requests: list, mode, max_new_tokens, stop, thinking, settings, policy,
+                           sampler) -> list:
+        """``generate([Request, ...])``: every request checked, then submitted together."""
+        others = [i for i, r in enumerate(requests) if not isinstance(r, Request)]
+        if others:
+            raise TypeError(f"generate: a list that holds Requests must hold only Requests; item {others[0]} is "
+                            f"a {type(requests[others[0]]).__name__} (wrap it in Request(...))")
+        for r in requests:
+            self._request(r, mode, max_new_tokens, stop, thinking, settings, policy, sampler)  # settings: none here
+        for i, r in enumerate(requests):  # every request checked before any runs
+            try:
+                self.check(r)
+            except Exception as e:
+                e.add_note(f"(request {i} of the list given to generate; none of them ran)")
+                raise
+        handles = []
+        try:
+            handles = [self.submit(r, emit=False) for r in requests]
+            while not all(h.done for h in handles):
+                handles[0].loop.step()
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        failed = next((h for h in handles if h.error is not None), None)
+        if failed is not None:
+            raise failed.error
+        return [h.result for h in handles]
 
     @staticmethod
     def _request(prompt, mode, max_new_tokens, stop, thinking, settings, policy, sampler) -> Request:

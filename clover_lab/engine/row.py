@@ -171,7 +171,6 @@ class Row:
         self.ahead = None  # its next block, begun early by a look-ahead policy
         self.pending: tuple[list[int], int] | None = None  # a finished block waiting for its fused commit, its steps
         self.produced = 0  # response tokens before the current block
-        self.wave: int | None = None  # diffusion: the step its block began at (a wave's rows wait for each other)
         self.logits: torch.Tensor | None = None  # [V]: the causal logits at the next position (AR, speculative)
         self.next_token: int | None = None  # speculative: the causal token at the next position, when known
         self.draft = None  # speculative: what a draft must give back (penalty counts, the stop strings' scan)

@@ -9,9 +9,10 @@ when the last row has left; rows joining meanwhile grow its cache.
 A single prompt is a batch of one. On the static path the cache has a bucket of rows (1, 2, 4,
 8, ...): rows that leave become padding (filler ids, never read) until the rows left fit a
 smaller bucket, and then move into that bucket's cache; so rows finishing one by one do not
-compile or capture a step per row count. The eager forward runs on the rows exactly: a row
-whose block is done sits out the others' previews (they preview against a copy of their own
-cache rows), and a padded cache is compacted before it. Every forward runs inside
+compile or capture a step per row count. The eager forward runs on the rows exactly (rows
+that sit a forward out are not in it: the others run against a copy of their own cache rows),
+and a padded cache is compacted before it. A fused commit of some rows beside others' previews
+is one forward (``committing``: the rows without a commit pad theirs, ``ForwardContext.cached``). Every forward runs inside
 ``hooks.applied()``, so that the model's events see the generation's hooks, and inside a named
 region of torch.profiler's traces (``clover_lab.prefill``, ``.preview``, ``.commit``): a profile
 of a generation tells the steps' time from the loop's (``bench/bench_batch_bound.py``).
@@ -98,6 +99,12 @@ class Runner:
         """Row ``row``'s part of the cache, as a cache of its own (a copy: the error path inspects it)."""
         return self.cache.select([self.slots.index(row)])
 
+    def packs_commits(self, hooks) -> bool:
+        """Whether rows that commit a finished block and rows that only preview share one forward:
+        on the eager forward, with no hook inside the model (its events would show the padding
+        rows); a static step commits every row of its cache, so there they take a forward each."""
+        return self.graphs is None and not hooks.model_hooks_attached()
+
     def use(self, hooks) -> "Runner":
         """The hooks the next forward runs with (those of the rows it runs)."""
         self.hooks = hooks
@@ -125,6 +132,20 @@ class Runner:
         self.cache.set_row_lengths(lengths)
         return out if out is None or logits == "all" else out[:, -1]
 
+    def prefill_part(self, row: int, start: int, ids: list[int], chunk: int, logits: str | None, where):
+        """Positions [start, start + len(ids)) of row ``row``'s prompt into its cache row (the
+        positions before are there: a chunked prefill beside decoding rows); the last position's
+        logits [V] when ``logits`` is "last"."""
+        index = self.slots.index(row)
+        cache = self.cache.row(index)  # views: the commit lands in this cache
+        cache.set_row_lengths([start])
+        with self.hooks.applied(), region("prefill"):
+            out = self.model.prefill(cache, [ids], chunk_size=chunk, logits=logits, where=where)
+        lengths = list(self.cache.row_lengths or [self.cache.length] * self.cache.batch_size)
+        lengths[index] = start + len(ids)
+        self.cache.set_row_lengths(lengths)
+        return None if out is None else out[0, -1]
+
     def add(self, rows: list[int], length: int = 0) -> None:
         """A cache of the rows going on plus ``rows`` (empty, after them), to be prefilled, of
         ``length`` positions per row at least (more than the static steps' cache holds: the rows
@@ -146,16 +167,21 @@ class Runner:
         self.cache.set_row_lengths(lengths)
 
     def preview(self, rows: list[int], canvas: torch.Tensor, where, pending: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, committing: list[bool] | None = None) -> torch.Tensor:
         """Preview logits [R, m, V] of these rows' blocks ``canvas`` [R, m], after committing
-        ``pending`` [R, c] (each row's previous block: every row then) in the same forward.
+        ``pending`` [R, c] (each row's previous block) in the same forward; ``committing``: per
+        row, whether it has one (None: every row; a row without pads its commit rows).
         ``positions``: one row's block positions whose logits are wanted ([1, N, V]). Some rows
         only commit too when rows joined since (they have no finished block): eagerly, on a copy
         of their rows written back."""
         c = 0 if pending is None else pending.shape[1]
         ids = canvas if pending is None else torch.cat([pending, canvas], dim=1)
+        if committing is not None and (all(committing) or pending is None):
+            committing = None
         with self.hooks.applied(), region("preview"):
             kind, detail = self.plan()
+            if kind != "eager" and committing is not None:  # the static steps commit every row
+                kind, detail = "eager", "a fused commit of some rows beside others' previews"
             if kind != "eager" and rows != self.rows:
                 if c:  # a static step commits every row of its cache
                     kind, detail = "eager", "a fused commit of some rows (rows joined since)"
@@ -165,7 +191,7 @@ class Runner:
                 logits = self._static(rows, ids, c, canvas.shape[1], where, kind, detail)[1]
                 self._took(kind, detail)
                 return logits if positions is None else logits[:, positions]
-            logits = self._eager(rows, ids, c, canvas.shape[1], where, None, positions).preview_logits
+            logits = self._eager(rows, ids, c, canvas.shape[1], where, None, positions, committing).preview_logits
             self._took(kind, detail)
             return logits
 
@@ -227,7 +253,7 @@ class Runner:
         out = self.graphs.step(full, c, m, commit_logits, self.coreset, detail, read)
         return tuple(None if t is None else t[at.to(t.device)] for t in out)
 
-    def _eager(self, rows, ids, c: int, m: int, where, commit_logits, positions):
+    def _eager(self, rows, ids, c: int, m: int, where, commit_logits, positions, committing=None):
         """The ordinary forward over these rows: in place when they are every row of the cache,
         else (a preview of some rows) against a copy of their rows."""
         self._arrange(fast=False)
@@ -237,7 +263,7 @@ class Runner:
             cache, coreset = cache.select(index), None if coreset is None else coreset.subset(index)
         out = self.model.forward(cache, ids[:, :c] if c else None, ids[:, c:] if m else None,
                                  commit_logits=commit_logits, preview_positions=positions, coreset=coreset,
-                                 where=where)
+                                 where=where, commit_rows=committing)
         if index is not None and c and m:  # some rows' blocks committed (rows joined since): theirs now
             self._write_back(index, cache)
         return out

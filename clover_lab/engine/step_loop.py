@@ -47,6 +47,10 @@ class StepLoop:
         self.runner: Runner | None = None
         self.max_rows = 64  # rows going on at once (the server sets its --max-batch)
         self.capacity = 0  # positions per row the runner's cache holds at least (the server's)
+        self.in_step = False  # diffusion rows begin their blocks together even where not needed (a comparison)
+        # prompt positions prefilled per step while other rows decode (None: every prompt whole at once)
+        self.prefill_budget: int | None = 512
+        self.filling: dict[int, int] = {}  # row key -> positions of its prompt in the cache, while partly
         self.forwards = 0  # forwards run after the prefills, every request's together
         self.steps = 0  # steps taken
         self._keys = itertools.count()
@@ -81,6 +85,7 @@ class StepLoop:
             try:
                 self._cancel()
                 self._admit()
+                self._fill()
                 for cohort in self._cohorts():
                     for mode, decoder in DECODERS.items():
                         rows = [row for row in cohort if row.mode == mode and row.live]
@@ -109,7 +114,7 @@ class StepLoop:
         and, with a hook inside the model (whose events name one request), the request."""
         cohorts: dict[tuple, list[Row]] = {}
         for row in self.rows:
-            if row.live:
+            if row.live and row.key not in self.filling:  # a prompt partly prefilled: not decoding yet
                 hooks = row.hooks
                 alone = row.handle.number if hooks.model_hooks_attached() else None
                 cohorts.setdefault((hooks.scopes, alone), []).append(row)
@@ -153,12 +158,51 @@ class StepLoop:
                 if not isinstance(e, Exception):
                     raise
                 return
+        decoding = [row for row in self.rows if row.key not in self.filling]
         self.rows += new
+        budget = self.prefill_budget
         groups: dict[tuple, list[Row]] = {}
         for row in new:
+            if decoding and budget and len(row.prompt_ids) > budget and row.prompt_logprobs is None:
+                self.filling[row.key] = 0  # a long prompt beside decoding rows: a chunk a step (``_fill``)
+                continue
             groups.setdefault((row.hooks.scopes, len(row.prompt_ids), row.prompt_logprobs is not None), []).append(row)
         for rows in groups.values():
             self._prefill(rows)
+
+    def _fill(self) -> None:
+        """Chunked prefill: the prompts being prefilled beside decoding rows take ``prefill_budget``
+        positions of this step between them, oldest first; a row whose prompt is complete decodes
+        from the next step on (its next-token logits kept as a whole prefill keeps them)."""
+        left = self.prefill_budget or 0
+        for row in [r for r in self.rows if r.key in self.filling]:
+            if left <= 0:
+                return
+            done = self.filling[row.key]
+            ids = row.prompt_ids[done:done + left]
+            last = done + len(ids) == len(row.prompt_ids)
+            try:
+                with self.forward("prefill", [row]):
+                    logits = self.runner.use(row.hooks).prefill_part(
+                        row.key, done, ids, self.engine.prefill_chunk_size,
+                        "last" if last and row.mode != "diffusion" else None, self.where([row], "prefill"))
+            except StopGeneration:
+                self.filling.pop(row.key, None)
+                self.end([row], "hook", cache_complete=False)
+                continue
+            except BaseException as e:
+                self.filling.pop(row.key, None)
+                self.fail({row.handle}, e)
+                if not isinstance(e, Exception):
+                    raise
+                continue
+            left -= len(ids)
+            row.stats.prefill_forwards += -(-len(ids) // self.engine.prefill_chunk_size)
+            if not last:
+                self.filling[row.key] = done + len(ids)
+                continue
+            del self.filling[row.key]
+            self._prefilled([row], None if logits is None else logits[None], score=False)
 
     def _room(self, row: Row, going: list[Row]) -> bool:
         """Whether ``row`` may join ``going``: within ``max_rows``; a request with a coreset only
@@ -189,13 +233,19 @@ class StepLoop:
             if not isinstance(e, Exception):
                 raise
             return
-        forwards = -(-len(rows[0].prompt_ids) // chunk)
+        for row in rows:
+            row.stats.prefill_forwards = -(-len(rows[0].prompt_ids) // chunk)
+        self._prefilled(rows, logits, score)
+
+    def _prefilled(self, rows: list[Row], logits, score: bool) -> None:
+        """These rows' prompts are in the cache (``logits``: what the prefill gave, [R, V] or, to
+        score the prompt, [R, T, V]): they decode from the next step (a prompt and nothing to
+        generate ends here)."""
         last = logits[:, -1] if score else logits  # [R, V]: the logits at each row's next position
         if self.engine.model.device.type == "cuda":  # decode time starts after the prefill really ended
             torch.cuda.synchronize(self.engine.model.device)
         now = time.perf_counter()
         for i, row in enumerate(rows):
-            row.stats.prefill_forwards = forwards
             row.t_decode = now
             if row.handle.t_decode is None:
                 row.handle.t_decode = now
@@ -207,9 +257,11 @@ class StepLoop:
 
     # ---------------------------------------------------------------- forwards, timed and counted
     @contextmanager
-    def forward(self, kind: str, rows: list[Row], fused: bool = False):
+    def forward(self, kind: str, rows: list[Row], fused: bool | set = False):
         """One forward of ``kind`` ("prefill", "preview", "commit") over ``rows``: its time goes to
-        each row and request; a forward that succeeded counts for them, with the path it took."""
+        each row and request; a forward that succeeded counts for them, with the path it took.
+        ``fused``: the preview commits every row's finished block too, or the keys of the rows
+        whose it commits."""
         handles = list(dict.fromkeys(row.handle for row in rows))
         clocks = [h.clock for h in handles] + [row.clock for row in rows]
         for c in clocks:
@@ -220,8 +272,11 @@ class StepLoop:
             for c in clocks:
                 c.stop()
         label = self.runner.last
+        def fuses(row: Row) -> bool:
+            return fused is True or (bool(fused) and row.key in fused)
+
         for h in handles:
-            h.took("fused" if fused else kind, label)
+            h.took("fused" if any(fuses(row) for row in rows if row.handle is h) else kind, label)
         if kind == "prefill":
             return
         self.forwards += 1
@@ -229,7 +284,7 @@ class StepLoop:
             st = row.stats
             if kind == "preview":
                 st.preview_forwards += 1
-                st.fused_forwards += fused
+                st.fused_forwards += fuses(row)
             else:
                 st.commit_forwards += 1
             if label is not None:
@@ -275,6 +330,8 @@ class StepLoop:
         gone = {row.key for row in rows}
         if not gone:
             return
+        for key in gone:
+            self.filling.pop(key, None)
         self.rows = [row for row in self.rows if row.key not in gone]
         if self.runner is not None:
             self.runner.drop([k for k in gone if k in self.runner.slots])

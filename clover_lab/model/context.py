@@ -4,7 +4,9 @@ which cache, and the per-block expert coreset. Three layouts, one named construc
 - ``cached``: the engine's forward. Rows [0, c) are committed at the cache's length n, rows
   [c, c + m) are a block previewed after them. The cache advances only when the forward succeeds.
   A batch whose rows stand at different lengths (``cache.ragged``) has positions [B, c + m],
-  each row from its own length.
+  each row from its own length. ``commit_rows`` packs rows that commit beside rows that only
+  preview into one forward: a row that does not commit previews right after its own length, its
+  commit rows are padding (written past its length, never read, its GDN state and ring kept).
 - ``static``: the same with static shapes for CUDA graphs and torch.compile: the rows'
   committed lengths are a [B] device tensor (positions [B, c + m], each row from its own length)
   and attention runs over the cache's whole buffer with a mask.
@@ -117,13 +119,27 @@ class ForwardContext:
     # a static step off a CUDA graph: the cache rows its attention reads, a host bound on every
     # row's committed length plus the step's rows (None: the whole buffer)
     keys: int | None = None
+    # the rows whose commit lands, [B] bool on the device (None: every row); ``committing`` the same
+    # on the host
+    commit_rows: torch.Tensor | None = None
+    committing: list[bool] | None = None
 
     @classmethod
     def cached(cls, cache: CloverCache, c: int, m: int, device, coreset: Coreset | None = None,
-               where: Where = NOWHERE) -> "ForwardContext":
+               where: Where = NOWHERE, commit_rows: list[bool] | None = None) -> "ForwardContext":
         n = cache.length
-        return cls(c, m, row_positions(cache.row_lengths if cache.ragged else [n], c + m, device), cache=cache, n=n,
-                   coreset=coreset, where=where)
+        if commit_rows is None or all(commit_rows) or not c:
+            return cls(c, m, row_positions(cache.row_lengths if cache.ragged else [n], c + m, device), cache=cache,
+                       n=n, coreset=coreset, where=where)
+        lengths = cache.row_lengths or [n] * cache.batch_size
+        # [B, c + m]: a row's commit rows from its length; its block after them, or after its length
+        # when it does not commit (its commit rows are padding past its length)
+        top = cache.max_len - 1  # a padding row near the end of the cache writes its scratch K,V at the last position
+        positions = torch.tensor([[min(n_r + j, top) if not k else n_r + j for j in range(c)]
+                                  + [n_r + (c if k else 0) + j for j in range(m)]
+                                  for n_r, k in zip(lengths, commit_rows)], device=device)
+        return cls(c, m, positions, cache=cache, n=n, coreset=coreset, where=where,
+                   commit_rows=torch.tensor(commit_rows, device=device), committing=list(commit_rows))
 
     @classmethod
     def static(cls, cache: CloverCache, n: torch.Tensor, c: int, m: int,

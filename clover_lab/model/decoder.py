@@ -27,7 +27,7 @@ from clover_lab.errors import count, flag
 from clover_lab.hooks import points
 from clover_lab.hooks.events import NOWHERE, Where
 from clover_lab.hooks.registry import HookRegistry
-from clover_lab.model.cache import CloverCache
+from clover_lab.model.cache import CacheFullError, CloverCache
 from clover_lab.model.context import Coreset, ForwardContext
 from clover_lab.model.drafts import DraftCommit
 from clover_lab.model.layers.attention import GatedAttention
@@ -255,14 +255,16 @@ class CloverModel(nn.Module):
     @torch.no_grad()
     def forward(self, cache: CloverCache, commit_ids=None, preview_ids=None, *, commit_logits: str | None = "last",
                 preview_positions=None, coreset: Coreset | None = None, where: Where = NOWHERE,
-                drafts: dict | None = None) -> StepOutput:
+                drafts: dict | None = None, commit_rows: list[bool] | None = None) -> StepOutput:
         """One forward over ``[commit_ids ; preview_ids]`` (either may be None).
 
         ``commit_logits``: "last", "all" or None. ``preview_positions``: block positions whose
         logits are wanted (default: all). ``where``: the generation's block and step, handed to
         the events this forward fires. The cache advances by the committed rows only if the
         whole forward succeeds; a preview never changes it. ``drafts``: a dict the GDN layers fill
-        with what :meth:`commit_draft` needs to keep only a prefix of the commit.
+        with what :meth:`commit_draft` needs to keep only a prefix of the commit. ``commit_rows``:
+        per batch row, whether its commit lands (None: every row's); a row whose does not previews
+        right after its own length, and its commit rows are padding (their logits mean nothing).
         """
         parts = []
         if commit_ids is not None:
@@ -277,15 +279,31 @@ class CloverModel(nn.Module):
         m = 0 if preview_ids is None else preview_ids.shape[1]
         if c + m == 0:
             raise ValueError("forward: no tokens given")
-        cache.check_room(c)
-        if cache.length + c + m > self.config.max_position_embeddings:
-            raise ValueError(f"positions up to {cache.length + c + m} exceed the context length "
+        if commit_rows is not None and (len(commit_rows) != cache.batch_size or drafts is not None):
+            raise ValueError(f"forward: commit_rows must give one flag per batch row ({cache.batch_size}), "
+                             f"got {len(commit_rows)}" + (" (and a draft commit commits every row)" if drafts else ""))
+        if commit_rows is None:
+            cache.check_room(c)
+            top = cache.length + c + m
+        else:  # only the rows that commit need room; one that does not previews after its own length
+            lengths = cache.row_lengths or [cache.length] * cache.batch_size
+            at = max((n for n, k in zip(lengths, commit_rows) if k), default=0)
+            if at + c > cache.max_len:
+                raise CacheFullError(f"committing {c} tokens at length {at} would exceed the cache's "
+                                     f"{cache.max_len} positions")
+            top = max(n + c * k + m for n, k in zip(lengths, commit_rows))
+        if top > self.config.max_position_embeddings:
+            raise ValueError(f"positions up to {top} exceed the context length "
                              f"{self.config.max_position_embeddings}")
-        ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where)
+        ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where, commit_rows)
         ctx.drafts = drafts
         x = self.hidden_states(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], ctx)
         ctx.publish()  # the forward succeeded: the commit lands
-        cache.advance(c)
+        if ctx.committing is None:
+            cache.advance(c)
+        else:  # only the committing rows' lengths move
+            lengths = cache.row_lengths or [cache.length] * cache.batch_size
+            cache.set_row_lengths([n + c * k for n, k in zip(lengths, ctx.committing)])
         return self.heads(x, ctx, commit_logits, preview_positions)
 
     def heads(self, x: torch.Tensor, ctx: ForwardContext, commit_logits: str | None = "last",

@@ -360,3 +360,28 @@ def test_prefill_chunk_size_commits_the_whole_prompt(tiny_engine):
     finally:
         tiny_engine.prefill_chunk_size = 1024
     assert r.token_ids == base.token_ids and r.stats.prefill_forwards == math.ceil(len(PROMPT) / 3)
+
+
+def test_generate_runs_a_list_of_requests_each_with_its_own_settings(tiny_engine):
+    """``generate([Request, ...])``: the requests share forwards, each result in its place equals
+    the request alone; a list mixing Requests and prompts, or holding a bad request, is refused
+    before any runs (the engine stays usable)."""
+    from clover_lab import Request
+
+    requests = [Request([5, 17, 33], max_new_tokens=20, threshold=0.3), Request([42, 9], mode="ar", max_new_tokens=6),
+                Request([[400, 3, 250], [7, 88]], max_new_tokens=16, temperature=0.8, seed=3)]
+    alone = [tiny_engine.generate(r) for r in requests]
+    together = tiny_engine.generate(requests)
+    assert len(together) == 3 and type(together[2]) is type(alone[2])
+    assert together[0].token_ids == alone[0].token_ids and together[1].token_ids == alone[1].token_ids
+    assert [r.token_ids for r in together[2]] == [r.token_ids for r in alone[2]]
+    with pytest.raises(TypeError, match="item 1 is a list"):
+        tiny_engine.generate([requests[0], [5, 17]])
+    with pytest.raises(TypeError, match="carries its own settings"):
+        tiny_engine.generate(requests, max_new_tokens=4)
+    forwards = tiny_engine.loop.forwards
+    with pytest.raises(ValueError) as refused:
+        tiny_engine.generate([requests[0], Request([5], mode="nope")])
+    assert "request 1 of the list" in "".join(getattr(refused.value, "__notes__", []))
+    assert tiny_engine.loop.forwards == forwards and tiny_engine.loop.idle  # nothing ran
+    assert tiny_engine.generate(requests[0]).token_ids == alone[0].token_ids

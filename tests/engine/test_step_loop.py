@@ -82,33 +82,52 @@ def test_rows_join_at_any_step_and_give_their_own_tokens(engine, static):
     assert [u for u in stepped if u.kind == "commit" and u.committed == commits[-1].committed]  # step() returns them
 
 
-def test_a_row_that_arrives_joins_a_young_wave_and_a_later_one_waits(engine):
-    """A diffusion row that arrives within JOIN_STEPS steps of a wave's beginning begins its first
-    block at once in that wave (sharing its previews); one that arrives later waits for the next
-    boundary. Every row still gives its alone tokens."""
-    from clover_lab.engine.diffusion import JOIN_STEPS
-
-    one = dict(max_new_tokens=32, max_tokens_per_step=1)  # a block of 16 takes 16 steps
-    alone = [engine.generate(p, **one).token_ids for p in PROMPTS[:3]]
-
-    def row(handle):
-        return next(r for r in engine.loop.rows if r.handle is handle)
-
-    first = engine.submit(Request(PROMPTS[0], **one))
-    engine.step()
-    wave = row(first).wave
-    assert wave == engine.loop.steps
-    young = engine.submit(Request(PROMPTS[1], **one))
-    for _ in range(JOIN_STEPS - 1):
+def steps_to_end(engine, handles, watch) -> tuple[int, list[int]]:
+    """Steps until ``watch`` is done (the others go on), and the forwards of each step until all are."""
+    at, per_step = None, []
+    for k in range(1, 10_000):
+        before = engine.loop.forwards
         engine.step()
+        per_step.append(engine.loop.forwards - before)
+        if at is None and watch.done:
+            at = k
+        if all(h.done for h in handles):
+            return at, per_step
+    raise AssertionError("the requests did not end")
+
+
+def test_first_done_first_out_a_fast_request_does_not_wait_for_a_slower_one(engine):
+    """No waves: a 32-token request beside a 64-token one ends within 1.15x the steps it takes
+    alone; a row whose block is done commits it in its next forward, packed beside the other row's
+    preview (one forward per step but where a row ends: its last block's commit); each row gives
+    its alone tokens."""
+    fast, slow = Request(PROMPTS[0], max_new_tokens=32), Request(PROMPTS[1], max_new_tokens=64)
+    alone = [engine.generate(r) for r in (fast, slow)]
+    h = engine.submit(fast)
+    alone_steps, _ = steps_to_end(engine, [h], h)
+    handles = [engine.submit(fast), engine.submit(slow)]
+    steps, per_step = steps_to_end(engine, handles, handles[0])
+    assert [x.result.token_ids for x in handles] == [a.token_ids for a in alone]
+    assert steps <= 1.15 * alone_steps, (steps, alone_steps)
+    assert max(per_step) <= 2 and sum(n == 2 for n in per_step) <= 2, per_step  # each row's last commit
+    assert handles[0].result.stats.fused_forwards >= 1 and handles[1].result.stats.fused_forwards >= 1
+
+
+def test_a_row_that_arrives_begins_its_block_in_the_running_forward(engine):
+    """A diffusion row that arrives mid-block begins its first block at once: its preview shares
+    the forward of the rows going on (one forward per step), and every row gives its alone tokens."""
+    one = dict(max_new_tokens=32, max_tokens_per_step=1)  # a block of 16 takes 16 steps
+    alone = [engine.generate(p, **one).token_ids for p in PROMPTS[:2]]
+    first = engine.submit(Request(PROMPTS[0], **one))
+    for _ in range(5):
+        engine.step()
+    late = engine.submit(Request(PROMPTS[1], **one))
     before = engine.loop.forwards
-    engine.step()  # young arrives JOIN_STEPS steps into the wave: it joins, one preview serves both
-    assert row(young).wave == wave and row(young).block is not None and engine.loop.forwards - before == 1
-    late = engine.submit(Request(PROMPTS[2], **one))
-    engine.step()  # JOIN_STEPS + 1 steps in: it waits for the wave's next boundary
-    assert row(late).wave is None and row(late).block is None
-    run_all(engine, [first, young, late])
-    assert [h.result.token_ids for h in (first, young, late)] == alone
+    engine.step()
+    row = next(r for r in engine.loop.rows if r.handle is late)
+    assert row.block is not None and row.block.step == 1 and engine.loop.forwards - before == 1
+    run_all(engine, [first, late])
+    assert [h.result.token_ids for h in (first, late)] == alone
 
 
 def test_a_longer_row_joining_grows_the_cache(engine):
@@ -321,3 +340,60 @@ def test_a_hooks_error_on_one_row_ends_that_request_only(engine):
         assert isinstance(bad.error, HookError) and point in str(bad.error), point
         assert good.error is None and good.result.token_ids == alone, point
         assert engine.loop.idle
+
+
+@pytest.mark.parametrize("rows", [1, pytest.param(8, marks=pytest.mark.slow), pytest.param(32, marks=pytest.mark.slow)])
+def test_a_step_reads_every_rows_decision_in_one_host_transfer(engine, rows):
+    """The rows' policies decide on the device and the host reads all their decisions at once: one
+    tensor-to-host read per step from the engine at 1, 8 and 32 rows (the model's range check of
+    token ids reads only ids on the CPU, none on an accelerator)."""
+    from clover_kernels.launches import HostReads
+
+    handles = [engine.submit(Request(PROMPTS[i % len(PROMPTS)], max_new_tokens=12, seed=i, temperature=0.7))
+               for i in range(rows)]
+    per_step = []
+    while not all(h.done for h in handles):
+        with HostReads() as reads:
+            engine.step()
+        per_step.append([w for w in reads.where if w.startswith("engine/")])
+    assert len(per_step) > 2 and all(len(w) == 1 for w in per_step), per_step
+
+
+@pytest.mark.parametrize("prompt_tokens,budget,rows", [(120, 40, 2), pytest.param(2048, 512, 8, marks=pytest.mark.slow)])
+def test_a_long_prompt_arriving_beside_decoding_rows_is_prefilled_a_chunk_a_step(engine, prompt_tokens, budget, rows):
+    """Chunked prefill: a long prompt that arrives while rows decode takes at most
+    ``prefill_budget`` prompt positions a step (counted at the first decoder layer), and the rows
+    decoding beside it end at the step they end without it; every request gives its alone tokens."""
+    ids = engine.tokenizer(PROMPTS[2] * 400)["input_ids"][:prompt_tokens]
+    assert len(ids) == prompt_tokens
+    short = [Request(PROMPTS[i % len(PROMPTS)], max_new_tokens=16) for i in range(rows)]
+    long = Request(ids, max_new_tokens=8)
+    alone = [engine.generate(r).token_ids for r in short + [long]]
+
+    def steps_of(with_long: bool):
+        handles = [engine.submit(r) for r in short]
+        engine.step()  # the short rows are decoding
+        late = engine.submit(long) if with_long else None
+        tokens, ends, k = [], {}, 1
+        layer = engine.model.model.layers[0]
+        handle = layer.register_forward_pre_hook(lambda mod, args: tokens.append((k, args[0].shape[1])))
+        try:
+            while not all(h.done for h in handles + [late] if h is not None):
+                k += 1
+                engine.step()
+                ends.update({i: k for i, h in enumerate(handles) if h.done and i not in ends})
+        finally:
+            handle.remove()
+        return handles, late, ends, tokens
+
+    engine.loop.prefill_budget = budget
+    try:
+        base, _, base_ends, _ = steps_of(False)
+        handles, late, ends, tokens = steps_of(True)
+    finally:
+        engine.loop.prefill_budget = 512
+    assert [h.result.token_ids for h in handles + [late]] == alone
+    assert all(ends[i] <= base_ends[i] + 1 for i in range(rows)), (ends, base_ends)
+    prefill = [n for _, n in tokens if n > 32]  # the short rows' previews and fused commits: 16 or 32 wide
+    assert sum(prefill) == prompt_tokens and max(prefill) <= budget, prefill
+    assert late.result.stats.prefill_forwards == -(-prompt_tokens // budget)

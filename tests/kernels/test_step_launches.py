@@ -106,7 +106,7 @@ def test_the_counter_sees_syncs_views_and_triton_launches():
 
 # the decoding work between two forwards, per step (bench/step_launches.py: count_sampler_steps), on
 # the embedded model with its generation defaults (repetition and frequency penalties): block
-# diffusion's denoise_step (policy, sampler, canvas update) and AR's sampling.decide per row
+# diffusion's decide and take per row (policy, sampler, canvas update) and AR's sampling.decide per row
 DECODING_BUDGET = {"diffusion": 36, "ar": 14}
 
 

@@ -191,3 +191,43 @@ def test_preview_positions_select_logits(prefixed):
     full = model.preview(cache, ids)
     some = model.preview(cache, ids, positions=torch.tensor([1, 5, 15]))
     assert torch.allclose(some, full[:, [1, 5, 15]], atol=1e-6)
+
+
+def test_rows_that_commit_and_rows_that_only_preview_share_one_forward(tiny_model):
+    """``commit_rows``: a row that commits its block and previews the next beside a row that only
+    previews (at another length), in one forward, each as it would alone; the previewing row's
+    cache (K,V up to its length, GDN ring and state) and length are unchanged."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 500, (1, n), generator=g) for n in (40, 29)]
+    done, nxt, other = block(g), block(g, masked=range(3, 16)), block(g, masked=range(16))
+    alone = []
+    for prompt, commit, preview in ((prompts[0], done, nxt), (prompts[1], None, other)):
+        cache = tiny_model.new_cache(128)
+        tiny_model.commit(cache, prompt)
+        out = tiny_model.forward(cache, commit, preview, commit_logits=None)
+        alone.append((out.preview_logits, cache))
+    cache = tiny_model.new_cache(128, 2)
+    for r, prompt in enumerate(prompts):
+        tiny_model.commit(cache.row(r), prompt)
+    cache.set_row_lengths([40, 29])
+    before = cache.select([1])
+    pad = torch.full((1, 16), MASK)
+    out = tiny_model.forward(cache, torch.cat([done, pad]), torch.cat([nxt, other]), commit_logits=None,
+                             commit_rows=[True, False])
+    assert cache.row_lengths == [56, 29]
+    for r in range(2):
+        torch.testing.assert_close(out.preview_logits[r:r + 1], alone[r][0], rtol=1e-4, atol=1e-4)
+    kept, solo = cache.select([1]), alone[1][1]
+    for layer, part in kept.layers.items():
+        for a, b, c in zip(vars(part).values(), vars(before.layers[layer]).values(), vars(solo.layers[layer]).values()):
+            if a.dim() == 4 and a.shape[2] == 128:  # K,V: the row's own positions
+                a, b, c = a[:, :, :29], b[:, :, :29], c[:, :, :29]
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    committed = cache.select([0])
+    ref = alone[0][1]
+    for layer, part in committed.layers.items():
+        for a, c in zip(vars(part).values(), vars(ref.layers[layer]).values()):
+            if a.dim() == 4 and a.shape[2] == 128:
+                a, c = a[:, :, :56], c[:, :, :56]
+            torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)

@@ -99,7 +99,7 @@ class GatedAttention(nn.Module):
         length. Commit rows see their prefix causally; block rows their prefix and the block."""
         c, m = ctx.c, ctx.m
         pos = ctx.positions  # [B, c + m]
-        keys_len = ctx.n + c  # the longest row's prefix after the commit
+        keys_len = min(ctx.n + c, cache.k.shape[2])  # the longest row's prefix after the commit (a padding row's: its length)
         if c:
             rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
             cache.k[rows, :, pos[:, :c]] = k[:, :, :c].transpose(1, 2)  # [B, c, H_kv, D] at per-row positions
@@ -111,7 +111,9 @@ class GatedAttention(nn.Module):
             outs.append(F.scaled_dot_product_attention(q[:, :, :c], cache.k[:, :, :keys_len], cache.v[:, :, :keys_len],
                                                        attn_mask=allowed[:, None], enable_gqa=True))
         if m:
-            prefix = key_pos[None, None, :] < (pos[:, :1, None] + c)  # [B, 1, keys]: the row's committed prefix
+            # [B, 1, keys]: the row's committed prefix, up to its block's first position (a row
+            # packed beside committing ones without a commit of its own previews after its length)
+            prefix = key_pos[None, None, :] < pos[:, c:c + 1, None]
             allowed = torch.cat([prefix.expand(-1, m, -1), prefix.new_ones(pos.shape[0], m, m)], dim=2)
             keys = torch.cat([cache.k[:, :, :keys_len], k[:, :, c:]], dim=2)
             values = torch.cat([cache.v[:, :, :keys_len], v[:, :, c:]], dim=2)

@@ -114,8 +114,13 @@ class GatedDeltaNet(nn.Module):
             g, beta = self._gates(b[:, :c], a[:, :c])
             if ctx.drafts is not None:  # a draft commit: what keeping only a prefix of it needs
                 ctx.drafts[self.layer] = DraftRows(ring.clone(), state.clone(), mixed[:, :c], g, beta)
-            o_c, ring, state = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state, self.num_k_heads,
-                                              self.head_k_dim, self.head_v_dim, out=None if o is None else o[:, :c])
+            o_c, ring_c, state_c = ops.gdn_commit(mixed[:, :c], ring, conv_w, g, beta, state, self.num_k_heads,
+                                                  self.head_k_dim, self.head_v_dim, out=None if o is None else o[:, :c])
+            if ctx.commit_rows is not None:  # rows packed beside committing ones keep their ring and state
+                keep = ctx.commit_rows
+                ring_c = torch.where(keep[:, None, None], ring_c, ring)
+                state_c = torch.where(keep[:, None, None, None], state_c, state)
+            ring, state = ring_c, state_c
             if ctx.hooks and self.hooks.active(self.state_point):
                 rows = ctx.cache.row_lengths if ctx.is_ragged else None  # host lengths: no sync
                 event = GDNStateEvent(self.layer, state, ring, ctx.n + c,
