@@ -70,10 +70,11 @@ def head_pass(model, hidden: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Ten
     return model.mtp(model, cache, hidden, ids)
 
 
-def losses(model, ids: torch.Tensor, chain: bool = True) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """(step-1 loss, step-2 loss, step-1 and step-2 agreement with the trunk's greedy token);
-    without ``chain`` step 2 is not run (its loss 0, its agreement NaN)."""
-    h, logp = trunk(model, ids)
+def losses(model, ids: torch.Tensor, h: torch.Tensor, logp: torch.Tensor,
+           chain: bool = True) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """(step-1 loss, step-2 loss, step-1 and step-2 agreement with the trunk's greedy token) on
+    windows ``ids`` and the trunk's states and log-probabilities over them (``trunk``); without
+    ``chain`` step 2 is not run (its loss 0, its agreement NaN)."""
     L = ids.shape[1]
     out1, logits1 = head_pass(model, h[:, :L - 2], ids[:, 1:L - 1])  # slot i: (h_i, t_{i+1}) -> trunk at i + 1
     target1 = logp[:, 1:L - 1]
@@ -89,7 +90,7 @@ def losses(model, ids: torch.Tensor, chain: bool = True) -> tuple[torch.Tensor, 
 
 
 def train(model_dir: str | Path, out: str | Path, minutes: float, batch: int = 8, length: int = 192,
-          lr: float = 1e-3, seed: int = 0, files: int | None = None, chain: float = 0.5) -> dict:
+          lr: float = 1e-3, seed: int = 0, files: int | None = None, chain: float = 0.5, reuse: int = 1) -> dict:
     from clover_lab.checkpoint.loading import load_tokenizer
     from clover_lab.model.decoder import CloverModel
     from clover_lab.train.stdlib_corpus import encode_files, split_corpus
@@ -117,11 +118,13 @@ def train(model_dir: str | Path, out: str | Path, minutes: float, batch: int = 8
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - frac))
         ids = windows(tokens, batch, length, gen)
-        loss1, loss2, a1, a2 = losses(model, ids, chain > 0)
-        opt.zero_grad()
-        (loss1 + chain * loss2).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        h, logp = trunk(model, ids)
+        for _ in range(reuse):  # the trunk's forward costs more than the head's: each batch taught ``reuse`` times
+            loss1, loss2, a1, a2 = losses(model, ids, h, logp, chain > 0)
+            opt.zero_grad()
+            (loss1 + chain * loss2).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
         step += 1
         if step % 5 == 0 or step == 1:
             row = {"step": step, "seconds": round(time.monotonic() - start, 1), "loss1": loss1.item(),
@@ -129,7 +132,7 @@ def train(model_dir: str | Path, out: str | Path, minutes: float, batch: int = 8
             log.append(row)
             print(json.dumps(row), flush=True)
     return save(model, model_dir, out, {"steps": step, "batch": batch, "length": length, "lr": lr,
-                                         "minutes": minutes, "chain": chain, "train_tokens": len(tokens), "log": log})
+                                         "minutes": minutes, "chain": chain, "reuse": reuse, "train_tokens": len(tokens), "log": log})
 
 
 def save(model, model_dir: Path, out: Path, record: dict) -> dict:
@@ -157,10 +160,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--files", type=int, default=None, help="encode only this many training files (faster start)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reuse", type=int, default=1, help="optimizer steps per batch of trunk states")
     ap.add_argument("--chain", type=float, default=0.5,
                     help="weight of the chained (step-2) loss; 0 trains the first draft only (cheaper)")
     a = ap.parse_args(argv)
-    record = train(a.model, a.out, a.minutes, a.batch, a.length, a.lr, a.seed, a.files, a.chain)
+    record = train(a.model, a.out, a.minutes, a.batch, a.length, a.lr, a.seed, a.files, a.chain, a.reuse)
     print(f"{record['steps']} steps; wrote {a.out}")
     return 0
 
