@@ -116,6 +116,34 @@ def abandon(loop, rows: list) -> None:
     loop.end(rows, "hook")
 
 
+SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")  # vLLM's names of the method (older ones too)
+
+
+def speculative_config(text: str) -> int:
+    """vLLM's ``--speculative-config`` JSON, ``{"method": "mtp", "num_speculative_tokens": k}``
+    -> k (SGLang's ``--speculative-num-steps`` is the same k); a ValueError naming what is wrong."""
+    import json
+
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: not JSON ({e}); e.g. "
+                         f"'{{\"method\": \"mtp\", \"num_speculative_tokens\": 3}}'") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--speculative-config: expected a JSON object, got {text!r}")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown field(s) {unknown}; clover-lab reads method and "
+                         f"num_speculative_tokens")
+    if config.get("method") not in SPECULATIVE_METHODS:
+        raise ValueError(f"--speculative-config: method {config.get('method')!r} is not served here; expected "
+                         f"\"mtp\" (the model's own multi-token-prediction head)")
+    k = config.get("num_speculative_tokens", 3)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+    return k
+
+
 @contextlib.contextmanager
 def prefill(loop, rows: list):
     """Around the prefill of ``rows``: the mtp rows among them keep their prompts' trunk states,

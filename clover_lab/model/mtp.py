@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from clover_lab.config import CloverConfig
+from clover_lab.errors import CloverError
 from clover_lab.hooks import points
 from clover_lab.hooks.registry import HookRegistry
 from clover_lab.model.cache import CloverCache
@@ -36,7 +37,7 @@ from clover_lab.model.layers.linear import Linear
 from clover_lab.model.layers.norm import RMSNorm
 
 
-class MTPUnavailable(ValueError):
+class MTPUnavailable(CloverError, ValueError):
     """Mode "mtp" asked of a model without an MTP head."""
 
 

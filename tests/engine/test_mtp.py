@@ -171,3 +171,27 @@ def test_cancel_and_stream(mtp_engine):
     h.cancel()
     mtp_engine.step()
     assert h.done and h.result.stop_reason == "cancelled" and 0 < len(h.result.token_ids) < 40
+
+
+def test_the_server_takes_mode_mtp_per_request_and_the_start_switch(mtp_engine, gen_tokenizer):
+    from fastapi.testclient import TestClient
+
+    from clover_lab.engine.mtp import speculative_config
+    from clover_lab.serve.app import create_app
+
+    engine = Engine(mtp_engine.model, gen_tokenizer)
+    body = {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 8}
+    with TestClient(create_app(engine, model_name="tiny")) as client:
+        ar = client.post("/v1/completions", json={**body, "clover": {"mode": "ar"}})
+        got = client.post("/v1/completions", json={**body, "clover": {"mode": "mtp"}})
+        assert ar.status_code == got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == ar.json()["choices"][0]["text"]
+        engine.default_mode = "mtp"  # what serve --speculative-config sets
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == ar.json()["choices"][0]["text"]
+    assert speculative_config('{"method": "mtp", "num_speculative_tokens": 4}') == 4
+    assert speculative_config('{"method": "mtp"}') == 3
+    for bad, what in [('{"method": "eagle"}', "method 'eagle'"), ('{"method": "mtp", "num_speculative_tokens": 0}',
+                                                                  "num_speculative_tokens"),
+                      ('{"method": "mtp", "draft_model": "x"}', "unknown field"), ("mtp", "not JSON")]:
+        with pytest.raises(ValueError, match=what):
+            speculative_config(bad)
