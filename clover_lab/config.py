@@ -70,7 +70,8 @@ class CloverConfig:
     shared_expert_intermediate_size: int = 512
     num_shared_experts: int = 1  # the release's field: 1, or 0 for a model without a shared expert
     router_aux_loss_coef: float = 0.001
-    # the multi-token-prediction head of Qwen3.5/3.6 (``mtp.*``, ``model/mtp.py``): its decoder layers (0: none)
+    # the multi-token-prediction head of Qwen3.5/3.6 (``mtp.*``, ``model/prediction_head.py``): its
+    # decoder layers (0: none)
     mtp_num_hidden_layers: int = 0
     # common
     hidden_act: str = "silu"

@@ -7,7 +7,7 @@ checkpoint never exists twice in memory; onto a GPU each tensor goes from the ma
 as it is read, and the host keeps about one read window (RELEASE_BYTES) of mapped pages.
 Per-expert and fused expert tensors are both accepted, as is the multimodal
 ``model.language_model.`` prefix (``model.visual.*`` is skipped); the multi-token-prediction head
-(``mtp.*``, ``model/mtp.py``) is loaded when the checkpoint has it (config.json's
+(``mtp.*``, ``model/prediction_head.py``) is loaded when the checkpoint has it (config.json's
 ``mtp_num_hidden_layers`` follows the stored layers; a config that declares a head the weights
 lack loads without one, and mode "mtp" then says so); two stored
 tensors for one parameter are an error, never resolved silently. Weights holding NaN or inf are

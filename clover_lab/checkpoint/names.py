@@ -23,7 +23,7 @@ PREVIEW_PARAMS = tuple(RELEASE_NAMES.values())
 _PARAM_TO_RELEASE = {param: release for release, param in RELEASE_NAMES.items()}
 _LAYER_SUFFIX = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
 SKIPPED_PREFIXES = ("model.visual.", "model.language_model.visual.")
-# the multi-token-prediction head (``model/mtp.py``): loaded into ``CloverModel.mtp`` under its own names
+# the multi-token-prediction head (``model/prediction_head.py``): loaded into ``CloverModel.mtp`` under its own names
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 

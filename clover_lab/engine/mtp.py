@@ -7,7 +7,7 @@ A cycle, per row:
 1. the causal token c0 at the row's next position, from the last forward's logits (the
    prompt's prefill, or the previous verify's row at the last kept token), decided as AR decides
    it (``speculative.begin_cycle``);
-2. the head (``model/mtp.py``) drafts ``mtp_draft_tokens`` = k tokens: one head forward over the
+2. the head (``model/prediction_head.py``) drafts ``mtp_draft_tokens`` = k tokens: one head forward over the
    trunk states the last cycle kept (their slots of the head's cache) and c0 gives the first
    draft, each further head forward feeds the head's own output back (greedy rows take the
    head's argmax; sampled rows draw from its distribution q, kept for the acceptance);
@@ -74,7 +74,7 @@ def draft(model, row) -> None:
     hidden = model.model.norm(st.hidden[None])  # the trunk's states after its final norm
     out, logits = head(model, st.cache, hidden, ids, 0)
     st.slots = st.cache.length  # the trunk positions the head has been given
-    qs = []
+    qs, t = [], None
     for step, p in enumerate(block.masked):
         if step:
             out, logits = head(model, st.cache, out[:, -1:], torch.tensor([[t]], device=model.input_device), step)

@@ -38,7 +38,7 @@ from clover_lab.model.layers.moe import Experts, Router, SparseMoE
 from clover_lab.model.layers.norm import RMSNorm
 from clover_lab.model.layers.residual import fire_head_rows, fire_residual
 from clover_lab.model.layers.rotary import Rotary
-from clover_lab.model.mtp import MTPHead, MTPUnavailable
+from clover_lab.model.prediction_head import MTPHead, MTPUnavailable
 
 __all__ = ["CloverModel", "Coreset", "StepOutput", "DecoderLayer", "TextModel"]
 
@@ -124,7 +124,7 @@ class CloverModel(nn.Module):
         self.model = TextModel(config, self.hooks)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # the multi-token-prediction head (``mtp.py``): Qwen3.5/3.6's drafter, when the checkpoint has one
-        self.mtp = MTPHead(config) if config.mtp_num_hidden_layers else None
+        self.mtp = MTPHead(config, DecoderLayer) if config.mtp_num_hidden_layers else None
         self._kept_hidden: list | None = None  # ``keeping_hidden``: the commit rows' last-layer states
 
     # ------------------------------------------------------------------ construction

@@ -1,4 +1,4 @@
-"""Train a multi-token-prediction head (``model/mtp.py``) on a frozen trunk: the embedded
+"""Train a multi-token-prediction head (``model/prediction_head.py``) on a frozen trunk: the embedded
 specimen's drafter for mode "mtp" (recipe: ``assets/make_mtp_head.sh``).
 
     python -m clover_lab.train.mtp_head --model assets/clover-stdlib --out runs/mtp --minutes 8
@@ -33,11 +33,12 @@ from clover_lab.model.cache import CloverCache
 def head_init(model) -> None:
     """A fresh head from the trunk: the last full-attention layer's weights, ``fc`` passing the
     normed state through (plus a small share of the normed embedding), the trunk's final norm."""
-    from clover_lab.model.mtp import MTPHead
+    from clover_lab.model.decoder import DecoderLayer
+    from clover_lab.model.prediction_head import MTPHead
 
     config = model.config.replace(mtp_num_hidden_layers=1)
     model.config = config
-    head = MTPHead(config).to(model.dtype)
+    head = MTPHead(config, DecoderLayer).to(model.dtype)
     last = max(i for i, t in enumerate(config.layer_types) if t == "full_attention")
     with torch.no_grad():
         head.layers[0].load_state_dict(model.model.layers[last].state_dict())

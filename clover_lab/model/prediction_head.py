@@ -48,10 +48,9 @@ def cache_config(config: CloverConfig) -> CloverConfig:
 
 
 class MTPHead(nn.Module):
-    def __init__(self, config: CloverConfig):
+    def __init__(self, config: CloverConfig, layer_class):
+        """``layer_class``: the trunk's decoder layer (``decoder.DecoderLayer``), each head layer one."""
         super().__init__()
-        from clover_lab.model.decoder import DecoderLayer  # the trunk's layer (decoder.py builds this head)
-
         H, eps = config.hidden_size, config.rms_norm_eps
         self.head_config = cache_config(config)
         # hook points of its own, never attached: the trunk's ``layers.{i}.*`` points stay the trunk's
@@ -59,7 +58,7 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(H, eps)
         self.pre_fc_norm_hidden = RMSNorm(H, eps)
         self.fc = Linear(2 * H, H, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(self.head_config, j, hooks)
+        self.layers = nn.ModuleList(layer_class(self.head_config, j, hooks)
                                     for j in range(config.mtp_num_hidden_layers))
         self.norm = RMSNorm(H, eps)
 
