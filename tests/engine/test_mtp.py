@@ -195,3 +195,15 @@ def test_the_server_takes_mode_mtp_per_request_and_the_start_switch(mtp_engine, 
                       ('{"method": "mtp", "draft_model": "x"}', "unknown field"), ("mtp", "not JSON")]:
         with pytest.raises(ValueError, match=what):
             speculative_config(bad)
+
+
+def test_the_embedded_model_has_a_trained_head():
+    import clover_lab
+
+    engine = clover_lab.load(dtype=torch.float32)
+    assert engine.model.mtp is not None
+    greedy = dict(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
+    ar = engine.generate("def parse(line):\n", mode="ar", **greedy)
+    got = engine.generate("def parse(line):\n", mode="mtp", **greedy)
+    assert got.token_ids == ar.token_ids
+    assert got.stats.tokens_per_forward > 1.0  # drafts accepted: fewer trunk forwards than AR
