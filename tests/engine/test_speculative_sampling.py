@@ -86,7 +86,6 @@ def test_a_broken_acceptance_rule_fails_the_same_test(small_vocab, monkeypatch, 
     assert p_value(engine, exact, seeds=20) < P_VALUE
 
 
-@pytest.mark.slow  # ~10 s: the head drafts row by row
 def test_sampled_mtp_follows_the_ar_distribution(small_vocab, monkeypatch):
     engine, exact = small_vocab
     assert p_value(engine, exact, seeds=60, mode="mtp") > P_VALUE
