@@ -12,7 +12,9 @@
 #      CPU, the roofline plan (bench/roofline.py) and the kernels' roofline (bench/kernel_report.py);
 #   4. bench/bench_kernels.py at the 35B shapes (fla's chunked gated delta rule against ours when
 #      fla imports), then its times beside the kernels' roofline;
-#   5. bench/bench_e2e.py at the 35B shapes, random bf16 weights (~70 GB), with the time left; its
+#   5. bench/bench_mtp.py on the embedded model on CUDA: block diffusion, speculative, AR and AR with
+#      the model's own MTP head side by side (tokens per forward, tokens/s, equal to AR or not);
+#   6. bench/bench_e2e.py at the 35B shapes, random bf16 weights (~70 GB), with the time left; its
 #      CUDA-graph rows say whether the graphs were captured (a failed capture fails the check).
 # Every step runs under `timeout -k` with its own limit (the LIMIT_* below); every benchmark writes
 # its JSON row by row. Logs, XML and JSON are written to a work folder outside OUTDIR; after every
@@ -52,11 +54,12 @@ fi
 # path (install, graphs, tests, bench_kernels, e2e's minimum) fits the budget with a margin; the
 # CPU-side steps (roofline, kernels_vs_roofline) run beside the GPU ones.
 # tests/test_gpu_check.py holds them against the budget and against measured times.
-BUDGET=${GPU_CHECK_BUDGET_S:-450}   # seconds for the whole check (8 minutes, less a margin)
+BUDGET=${GPU_CHECK_BUDGET_S:-480}   # seconds for the whole check (8 minutes)
 LIMIT_INSTALL=45                    # pip, editable, offline: seconds
 LIMIT_GRAPHS=120                    # one test: a small model's kernels compiled cold, 4 captures
 LIMIT_TESTS=150                     # each kernel-test process (about 20 in parallel on 16 cores)
 LIMIT_BENCH=60                      # bench_kernels.py, rows written as they come
+LIMIT_MTP=30                        # bench_mtp.py: the embedded model's four modes, one round
 LIMIT_REPORT=60                     # kernel_report.py --costs-only (no compiling), beside bench_e2e
 MIN_E2E=40                          # bench_e2e.py gets the time left, if at least this much
 KILL_AFTER=10
@@ -182,6 +185,10 @@ fi
 bundle
 
 # 5. end-to-end at the 35B shapes (random bf16 weights on the GPU), with the time left
+run_step bench_mtp "$LIMIT_MTP" "$PY" bench/bench_mtp.py --device cuda --prompts 4 --max-new-tokens 48 \
+    --rounds 1 --out "$WORK"
+bundle
+
 E_LIMIT=$(( $(left) - KILL_AFTER - 15 ))
 if [ "$E_LIMIT" -ge "$MIN_E2E" ]; then
     run_step bench_e2e "$E_LIMIT" "$PY" bench/bench_e2e.py --out "$WORK"

@@ -10,6 +10,7 @@ and in the CPU rehearsal on canned logs (tests/test_gpu_check.py):
   *.log              any "CUDA graph capture failed" warning (the runner falls back to eager with it)
   e2e_*.json         bench_e2e's rows; a graph row with graph_captured false timed eager code
   kernels_*.json     bench_kernels' rows (triton_error fails the check)
+  mtp-*.json         bench_mtp's rows: the embedded model's modes side by side, AR+MTP among them
   roofline.log, kernels_vs_roofline.log  the CPU-side plans, quoted
 
     python bench/gpu_check_summary.py WORKDIR
@@ -177,6 +178,17 @@ def summarise(work: Path) -> tuple[list[str], dict]:
     if s is None or s["rc"] != 0 or errors or not rows:
         problems.append(f"bench_kernels: rc={s['rc'] if s else 'not run'}, {len(errors)} kernel errors, {rows} rows")
     lines += section(work, "kernels_vs_roofline.log", "measured on", "wrote")
+
+    s = steps.get("bench_mtp")
+    mtp = newest(work, "mtp-*.json")
+    mtp_rows = (mtp or {}).get("rows", [])
+    lines.append(f"bench_mtp: rc={s['rc'] if s else '-'}, {len(mtp_rows)} modes (embedded model, held-out prompts)")
+    for r in mtp_rows:
+        lines.append(f"    {r['mode']:<12} {r['tokens_per_forward']:5.2f} tok/fwd {r['tokens_per_second']:9.1f} tok/s "
+                     f"{r['vs_ar']:5.2f}x AR{'' if r['equals_ar'] else '  (tokens differ from AR)'}")
+    if s is None or s["rc"] != 0 or not any(r["mode"] == "ar+mtp" for r in mtp_rows):
+        problems.append(f"bench_mtp: rc={s['rc'] if s else 'not run'}, "
+                        f"{'an ar+mtp row' if any(r['mode'] == 'ar+mtp' for r in mtp_rows) else 'no ar+mtp row'}")
 
     s = steps.get("bench_e2e")
     e2e_rows = (e2e or {}).get("rows", [])

@@ -70,6 +70,9 @@ class CloverConfig:
     shared_expert_intermediate_size: int = 512
     num_shared_experts: int = 1  # the release's field: 1, or 0 for a model without a shared expert
     router_aux_loss_coef: float = 0.001
+    # the multi-token-prediction head of Qwen3.5/3.6 (``mtp.*``, ``model/prediction_head.py``): its
+    # decoder layers (0: none)
+    mtp_num_hidden_layers: int = 0
     # common
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
@@ -143,6 +146,9 @@ class CloverConfig:
         need(isinstance(reading, dict) and all(k in PREVIEW_READINGS and v in PREVIEW_READINGS[k]
                                                for k, v in reading.items()), "preview_reading",
              "must map some of " + "; ".join(f"{k} to one of {v}" for k, v in PREVIEW_READINGS.items()))
+        mtp = self.mtp_num_hidden_layers
+        need(isinstance(mtp, int) and not isinstance(mtp, bool) and mtp >= 0, "mtp_num_hidden_layers",
+             "must be an integer >= 0 (the MTP head's decoder layers; 0: no head)")
         shared = self.num_shared_experts
         need(isinstance(shared, int) and not isinstance(shared, bool) and shared in (0, 1), "num_shared_experts",
              "must be 1 (one shared expert, as released) or 0 (none); more are not supported")
@@ -231,6 +237,8 @@ class CloverConfig:
             out.pop("dtype")
         if not out["preview_reading"]:  # the spec's reading: nothing to say
             out.pop("preview_reading")
+        if not out["mtp_num_hidden_layers"]:  # no MTP head: config.json as before the field existed
+            out.pop("mtp_num_hidden_layers")
         return out
 
     @classmethod

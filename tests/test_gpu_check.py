@@ -55,6 +55,11 @@ def fake_run(tmp_path, captured=True, slow=None, killed=None):
     (fake / "bench_kernels" / "kernels_2026-12-01_1000_nvidia-h200.json").write_text(json.dumps(
         dict(complete=True, rows=[dict(op="rms_norm", shape="T=1 H=2048", triton_s=3e-6)])))
     (fake / "kernels_vs_roofline.log").write_text("measured on NVIDIA H200 (torch.bfloat16)\nrms_norm 1 3.0 us\nwrote x\n")
+    (fake / "bench_mtp").mkdir()
+    (fake / "bench_mtp" / "mtp-nvidia-h200-20261203-170000.json").write_text(json.dumps(dict(rows=[
+        dict(mode=m, tokens_per_forward=t, tokens_per_second=s, vs_ar=s / 60.0, equals_ar=m != "diffusion")
+        for m, t, s in (("diffusion", 2.4, 120.0), ("speculative", 1.6, 80.0), ("ar", 1.0, 60.0),
+                        ("ar+mtp", 1.5, 75.0))])))
     (fake / "bench_e2e").mkdir()
     (fake / "bench_e2e" / "e2e_clover-35b-a3b_2026-12-01_100000_nvidia-h200.json").write_text(json.dumps(
         dict(complete=True, rows=e2e_rows(captured))))
@@ -85,7 +90,7 @@ def test_limits_fit_the_budget():
     """Along the critical path every step at its full limit still leaves bench_e2e its minimum
     (and 25 s for the summary and the bundle) inside the budget."""
     lim = limits()
-    path = ["LIMIT_INSTALL", "LIMIT_GRAPHS", "LIMIT_TESTS", "LIMIT_BENCH"]  # the CPU-side steps run beside them
+    path = ["LIMIT_INSTALL", "LIMIT_GRAPHS", "LIMIT_TESTS", "LIMIT_BENCH", "LIMIT_MTP"]  # the CPU-side ones run beside
     assert set(path) <= set(lim) and {"BUDGET", "MIN_E2E", "LIMIT_REPORT"} <= set(lim)
     assert sum(lim[k] for k in path) + lim["MIN_E2E"] + 25 <= lim["BUDGET"]
     assert lim["BUDGET"] <= 480  # 8 minutes on the device, its start and the transfers outside it
@@ -101,6 +106,7 @@ def test_rehearsal_passes_and_brings_everything_back_in_two_files(tmp_path):
     assert summary.rstrip().endswith("PASS")
     assert "capture test passed" in summary and "tests graphs_capture: 1 passed" in summary
     assert "AR step" in summary and "CUDA graph" in summary and "measured on NVIDIA H200" in summary
+    assert "bench_mtp: rc=0, 4 modes" in summary and "ar+mtp" in summary and "1.25x AR" in summary
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
         names = {Path(n).name for n in tar.getnames()}
     assert {"gpu_check.json", "steps.txt", "summary.txt", "tests_graphs_capture.xml", "install.log",

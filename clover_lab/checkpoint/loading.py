@@ -6,7 +6,10 @@ Loading is memory-mapped and tensor by tensor onto a model built on the ``meta``
 checkpoint never exists twice in memory; onto a GPU each tensor goes from the map to the device
 as it is read, and the host keeps about one read window (RELEASE_BYTES) of mapped pages.
 Per-expert and fused expert tensors are both accepted, as is the multimodal
-``model.language_model.`` prefix (``model.visual.*`` and ``mtp.*`` are skipped); two stored
+``model.language_model.`` prefix (``model.visual.*`` is skipped); the multi-token-prediction head
+(``mtp.*``, ``model/prediction_head.py``) is loaded when the checkpoint has it (config.json's
+``mtp_num_hidden_layers`` follows the stored layers; a config that declares a head the weights
+lack loads without one, and mode "mtp" then says so); two stored
 tensors for one parameter are an error, never resolved silently. Weights holding NaN or inf are
 refused (``check_finite``, on by default up to CHECK_FINITE_MAX_BYTES). Every failure names the
 file and the tensor; a failed load returns nothing.
@@ -28,7 +31,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 from clover_lab.checkpoint.fp8 import FP8Checkpoint
-from clover_lab.checkpoint.names import PREVIEW_PARAMS, RELEASE_NAMES, canonical_name, preview_shapes
+from clover_lab.checkpoint.names import PREVIEW_PARAMS, RELEASE_NAMES, canonical_name, mtp_layers, preview_shapes
 from clover_lab.config import CloverConfig, ConfigError
 from clover_lab.errors import CheckpointError, flag
 from clover_lab.writes import refuse_unfinished
@@ -38,8 +41,8 @@ log = logging.getLogger("clover_lab")
 SUPPORTED_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
+PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+FUSED_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:
@@ -160,6 +163,7 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
     device = resolve_device(device, allow_meta=True)
     config = load_config(path)
     files = checkpoint_files(path)
+    config = with_stored_mtp(path, config, files)
     dtype = resolve_dtype(dtype) or resolve_dtype(config.dtype) or torch.float32
     reader = _Reader()
     fp8, files = FP8Checkpoint.inspect(path, files, reader, device.type == "cuda" if keep_fp8 is None else keep_fp8)
@@ -193,6 +197,19 @@ def load_model(model_cls, path, device=None, dtype=None, progress: bool | None =
     return model.eval()
 
 
+def with_stored_mtp(path: Path, config: CloverConfig, files) -> CloverConfig:
+    """``config`` with ``mtp_num_hidden_layers`` set to the MTP layers the checkpoint stores: a
+    Qwen3.5/3.6 config declares one whether or not a converter kept the head's weights."""
+    stored = mtp_layers(files)
+    if stored is None and config.mtp_num_hidden_layers:
+        log.info("%s: config.json declares %d MTP layer(s) but the checkpoint has no mtp.* tensors: "
+                 "loaded without the head (mode 'mtp' unavailable)", path, config.mtp_num_hidden_layers)
+    if stored == 0:
+        raise CheckpointError(f"{path}: the checkpoint has mtp.* tensors but no mtp.layers.0.*: an MTP head has "
+                              f"mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.N.*, mtp.norm")
+    return config if (stored or 0) == config.mtp_num_hidden_layers else config.replace(mtp_num_hidden_layers=stored or 0)
+
+
 def _sort_names(path: Path, files: dict[str, Path]):
     """Stored names sorted by canonical name into (plain, per-expert, fused); skipped ones logged."""
     skipped, plain, per_expert, fused = [], {}, {}, {}
@@ -220,8 +237,8 @@ def _sort_names(path: Path, files: dict[str, Path]):
         raise CheckpointError(f"{path}: {both[0]} is stored both as fused tensors and per expert "
                               f"({len(both)} layers like it); keep one form")
     if skipped:
-        log.info("skipping %d tensors outside the text model (model.visual.*, mtp.*)", len(skipped))
-        warnings.warn(f"{path}: skipped {len(skipped)} tensors outside the text model (model.visual.*, mtp.*)",
+        log.info("skipping %d tensors outside the text model (model.visual.*)", len(skipped))
+        warnings.warn(f"{path}: skipped {len(skipped)} tensors outside the text model (model.visual.*)",
                       stacklevel=4)
     return plain, per_expert, fused
 

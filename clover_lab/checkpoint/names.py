@@ -22,7 +22,18 @@ RELEASE_NAMES = {
 PREVIEW_PARAMS = tuple(RELEASE_NAMES.values())
 _PARAM_TO_RELEASE = {param: release for release, param in RELEASE_NAMES.items()}
 _LAYER_SUFFIX = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
-SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.language_model.visual.")
+SKIPPED_PREFIXES = ("model.visual.", "model.language_model.visual.")
+# the multi-token-prediction head (``model/prediction_head.py``): loaded into ``CloverModel.mtp`` under its own names
+MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def mtp_layers(names) -> int | None:
+    """How many MTP decoder layers the stored ``names`` hold (``mtp.layers.{j}.*``), 0 for an MTP
+    head without layers (an incomplete one, refused later), None when they hold no ``mtp.*`` at all."""
+    found = [n for n in names if (canonical_name(n) or "").startswith("mtp.")]
+    if not found:
+        return None
+    return max((int(mt.group(1)) + 1 for n in found if (mt := MTP_LAYER.match(canonical_name(n)))), default=0)
 
 
 def canonical_name(name: str) -> str | None:

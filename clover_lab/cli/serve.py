@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     v.add_argument("--max-new-tokens", type=int, default=None,
                    help="a response's length when the request names none (default: generation_config.json, else 256)")
     v.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
+    v.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s switch: \'{"method": "mtp", "num_speculative_tokens": 3}\' serves requests that name '
+                        'no clover.mode in mode "mtp" (the model\'s MTP head drafts that many tokens per verify)')
     add_sampler_options(v)
     v.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cpu)")
     v.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
@@ -50,6 +53,7 @@ def cmd_serve(args) -> int:
     """``clover-lab serve``: the engine, its defaults from the options, then uvicorn until SIGTERM."""
     from pathlib import Path
 
+    from clover_lab.engine import mtp
     from clover_lab.engine.sampling import SamplerSettings
     from clover_lab.errors import CloverError
 
@@ -64,6 +68,7 @@ def cmd_serve(args) -> int:
         from clover_lab.serve.server import serve  # the [serve] extra: fastapi, uvicorn
 
         check_options(args)
+        speculative = mtp.speculative_config(args.speculative_config) if args.speculative_config else None
         sock = listening_socket(args.host, args.port)
     except ImportError as e:
         return fail(f"clover-lab serve needs the [serve] extra (pip install 'clover-lab[serve]'): {e}")
@@ -81,6 +86,10 @@ def cmd_serve(args) -> int:
             engine.max_new_tokens = args.max_new_tokens
         if args.block_size is not None:
             set_block_size(engine, args.block_size)
+        if speculative is not None:
+            engine.model.require_mtp()
+            engine.settings = SamplerSettings.from_kwargs(engine.settings, mtp_draft_tokens=speculative)
+            engine.default_mode = "mtp"
         name = args.served_model_name or (Path(args.model).name if args.model else "clover-stdlib")
         serve(engine, args.host, args.port, name, args.max_batch, args.max_queue, args.graceful, sock=sock,
               open_schemas=args.open_schemas)

@@ -15,7 +15,7 @@ from clover_lab.engine.sampling import SamplerSettings, SettingsError
 from clover_lab.errors import CloverError, flag
 from clover_lab.model.cache import cache_bytes
 
-MODES = ("diffusion", "ar", "speculative")
+MODES = ("diffusion", "ar", "speculative", "mtp")
 MAX_PROMPT_LOGPROBS = 20
 # sampler settings that only block diffusion reads: an AR request given one would ignore it
 DIFFUSION_SETTINGS = ("threshold", "confidence", "max_tokens_per_step", "max_steps_per_block", "coreset_size")
@@ -197,6 +197,11 @@ def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tok
                               "generation_config.json (mask_token_id), not in the tokenizer, and the embedding has "
                               "no row past the tokenizer's vocabulary; set engine.mask_token_id, add mask_token_id "
                               "to generation_config.json, or use mode='ar'", "mode")
+    if mode == "mtp" and getattr(model, "mtp", None) is None:
+        raise GenerationError(f"mode='mtp' needs the model's multi-token-prediction head (mtp.fc, "
+                              f"mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.0.*, mtp.norm), and "
+                              f"this checkpoint{checkpoint_named(model)} has none; use mode='ar' or 'speculative'",
+                              "mode")
     ctx = model.config.max_position_embeddings
     if prompt_len + max_new_tokens > ctx:
         raise GenerationError(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) is "
@@ -205,6 +210,11 @@ def check_request(model, mask_token_id: int | None, prompt_len: int, max_new_tok
                               "prompt" if prompt_len >= ctx else "max_new_tokens")
     if memory:
         check_memory(model, prompt_len + max_new_tokens)
+
+
+def checkpoint_named(model) -> str:
+    where = getattr(model, "checkpoint_dir", None)
+    return f" ({where})" if where is not None else ""
 
 
 class IgnoredSettingWarning(UserWarning):
@@ -236,6 +246,13 @@ def ignored_settings(mode: str, sampler: dict, policy=None, block_size=None) -> 
     if mode == "speculative" and sampler.get("coreset_size"):
         out.append((["coreset_size"], "mode='speculative' drafts without an expert coreset: coreset_size has no "
                                       "effect on this run"))
+    if mode != "mtp" and sampler.get("mtp_draft_tokens") is not None:
+        out.append((["mtp_draft_tokens"], f"mtp_draft_tokens sets the MTP head's drafts in mode='mtp'; mode={mode!r} "
+                                          f"ignores it: it has no effect on this run"))
+    if mode == "mtp" and [n for n in DIFFUSION_SETTINGS if sampler.get(n) is not None]:
+        names = [n for n in DIFFUSION_SETTINGS if sampler.get(n) is not None]
+        out.append((names, f"mode='mtp' drafts with the MTP head and ignores the block-diffusion setting(s) "
+                           f"{', '.join(names)}: they have no effect on this run"))
     if mode != "speculative" and sampler.get("draft_passes") is not None:
         out.append((["draft_passes"], f"draft_passes drafts blocks in mode='speculative'; mode={mode!r} ignores it: "
                                       f"it has no effect on this run"))
@@ -433,6 +450,9 @@ def plan(engine, request: Request) -> Plan:
     if bad:
         raise GenerationError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, "
                               f"{engine.model.config.vocab_size})", "logit_bias")
+    if mode == "mtp" and s.logprobs is not None:
+        raise GenerationError("logprobs: not reported in mode 'mtp' yet; its greedy tokens are AR's, and "
+                              "mode='ar' reports them with their log-probabilities", "logprobs")
     if mode == "speculative" and s.logprobs is not None:
         raise GenerationError("logprobs: not reported in speculative mode yet; its greedy tokens are AR's, and "
                               "mode='ar' reports them with their log-probabilities", "logprobs")

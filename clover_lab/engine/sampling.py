@@ -66,6 +66,7 @@ class SamplerSettings:
       the stats).
     - ``draft_passes``: speculative mode: denoising passes that draft each block (>= 1; the last
       unmasks every position left). Sampled speculative decoding takes one pass.
+    - ``mtp_draft_tokens``: mtp mode: tokens the model's MTP head drafts before each verify (>= 1).
     - ``logprobs``: None (off: nothing computed) or k >= 0: the result carries each response
       token's log-probability and its k most probable alternatives' (``engine/row.py``'s TokenInfo).
 
@@ -94,6 +95,7 @@ class SamplerSettings:
     coreset_size: int | None = field(default=None, metadata={"help": "per-block expert coreset size (off by default)"})
     seed: int | None = field(default=None, metadata={"help": "seeds sampling; none: a fresh seed, reported"})
     draft_passes: int = field(default=1, metadata={"help": "speculative mode: denoising passes per drafted block"})
+    mtp_draft_tokens: int = field(default=3, metadata={"help": "mtp mode: tokens the MTP head drafts per verify"})
     logprobs: int | None = field(default=None, metadata={"help": "results carry each token's log-probability and "
                                                                  "this many alternatives' (0: the token's only)"})
 
@@ -183,6 +185,7 @@ class SamplerSettings:
         integer("coreset_size", 0, allow_none=True)
         integer("seed", 0, allow_none=True)
         integer("draft_passes", 1, allow_none=False)
+        integer("mtp_draft_tokens", 1, allow_none=False)
         integer("logprobs", 0, allow_none=True)
         if self.seed is not None and self.seed > MAX_SEED:
             bad("seed", "must be below 2**64")

@@ -65,7 +65,7 @@ def drafting(row) -> bool:
     return row.block is not None and bool(row.block.masked) and not row.stopped
 
 
-def begin_cycle(row, m: int) -> None:
+def begin_cycle(row, m: int, filler: int | None = None) -> None:
     """The block ``[c0, mask, ...]`` of ``m`` positions. c0, the causal token, is the last
     verify's choice at the first difference, or (after the prefill) decided here exactly as
     the AR decoder decides it. The penalty counts and the stop strings' scan are kept, to be
@@ -78,7 +78,8 @@ def begin_cycle(row, m: int) -> None:
         c0, health = torch.stack([t[0], logits_health(collapsed(logits[None]), conf)]).tolist()
         if health != OK:
             check_logits(row, health, "the prompt's next token")
-    block = Block(row.stats.blocks, m, row.engine.mask_token_id, row.device, row.s.draft_passes)
+    block = Block(row.stats.blocks, m, row.engine.mask_token_id if filler is None else filler, row.device,
+                  row.s.draft_passes)
     block.canvas[0] = c0
     block.place({0: c0}, row.eos)
     block.masked = [p for p in range(1, m) if p < block.end]

@@ -30,13 +30,13 @@ from contextlib import contextmanager
 
 import torch
 
-from clover_lab.engine import ar, diffusion, speculative
+from clover_lab.engine import ar, diffusion, mtp, speculative
 from clover_lab.engine.row import Handle, Row
 from clover_lab.engine.runner import Runner
 from clover_lab.hooks.events import Where
 from clover_lab.hooks.registry import StopGeneration
 
-DECODERS = {"diffusion": diffusion, "ar": ar, "speculative": speculative}
+DECODERS = {"diffusion": diffusion, "ar": ar, "speculative": speculative, "mtp": mtp}
 
 
 class StepLoop:
@@ -222,7 +222,7 @@ class StepLoop:
         score = rows[0].prompt_logprobs is not None  # the group's rows agree
         want = "all" if score else "last" if any(row.mode != "diffusion" for row in rows) else None
         try:
-            with self.forward("prefill", rows):
+            with self.forward("prefill", rows), mtp.prefill(self, rows):  # mtp rows keep the trunk's states
                 logits = self.runner.use(rows[0].hooks).prefill(
                     [r.key for r in rows], [r.prompt_ids for r in rows], chunk, want, self.where(rows, "prefill"))
         except StopGeneration:  # a model hook stopped a prompt's prefill: no tokens, the prompt half cached

@@ -14,6 +14,7 @@ n the committed length before the forward, H hidden size, V vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from clover_lab.model.layers.moe import Experts, Router, SparseMoE
 from clover_lab.model.layers.norm import RMSNorm
 from clover_lab.model.layers.residual import fire_head_rows, fire_residual
 from clover_lab.model.layers.rotary import Rotary
+from clover_lab.model.prediction_head import MTPHead, MTPUnavailable
 
 __all__ = ["CloverModel", "Coreset", "StepOutput", "DecoderLayer", "TextModel"]
 
@@ -121,6 +123,9 @@ class CloverModel(nn.Module):
         self.hooks = HookRegistry(points.hook_points(config.layer_types))
         self.model = TextModel(config, self.hooks)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # the multi-token-prediction head (``mtp.py``): Qwen3.5/3.6's drafter, when the checkpoint has one
+        self.mtp = MTPHead(config, DecoderLayer) if config.mtp_num_hidden_layers else None
+        self._kept_hidden: list | None = None  # ``keeping_hidden``: the commit rows' last-layer states
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -163,6 +168,25 @@ class CloverModel(nn.Module):
         out = super()._apply(fn, *args, **kwargs)
         self.fuse_projections()
         return out
+
+    def require_mtp(self) -> MTPHead:
+        """The MTP head, or an MTPUnavailable naming what is missing."""
+        if self.mtp is None:
+            where = f" ({self.checkpoint_dir})" if self.checkpoint_dir is not None else ""
+            raise MTPUnavailable(f"mode 'mtp' needs the model's multi-token-prediction head (mtp.fc, "
+                                 f"mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.0.*, mtp.norm), "
+                                 f"and this checkpoint{where} has none; use mode 'ar' or 'speculative'")
+        return self.mtp
+
+    @contextlib.contextmanager
+    def keeping_hidden(self):
+        """Within: every eager forward appends its commit rows' last-layer states [B, c, H] (before
+        the final norm) to the yielded list: the MTP head's input (``engine/mtp.py``)."""
+        self._kept_hidden = []
+        try:
+            yield self._kept_hidden
+        finally:
+            self._kept_hidden = None
 
     @torch.no_grad()
     def reset_preview_parameters(self) -> None:
@@ -298,6 +322,8 @@ class CloverModel(nn.Module):
         ctx = ForwardContext.cached(cache, c, m, self.input_device, coreset, where, commit_rows)
         ctx.drafts = drafts
         x = self.hidden_states(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], ctx)
+        if self._kept_hidden is not None and c:
+            self._kept_hidden.append(x[:, :c])
         ctx.publish()  # the forward succeeded: the commit lands
         if ctx.committing is None:
             cache.advance(c)

@@ -161,7 +161,7 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
     ``engine.encode``; chat with tools renders them too); ``echo``: a completion's prompt comes back before its
     text, scored (its log-probabilities) where ``logprobs`` asks, and ``max_tokens`` 0 scores it alone."""
     opts = request.clover
-    mode = opts.mode or "diffusion"
+    mode = opts.mode or getattr(engine, "default_mode", None) or "diffusion"  # serve --speculative-config: "mtp"
     max_new = max_tokens if max_tokens is not None else engine.max_new_tokens
     if max_new == 0 and not echo:
         raise RequestError(f"{max_tokens_param}: 0 asks for no tokens, which scores the prompt: it needs echo: true "

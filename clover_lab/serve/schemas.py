@@ -29,7 +29,7 @@ class Strict(BaseModel):
 class CloverOptions(Strict):
     """``"clover": {...}``: the engine's settings a request may change, and what it streams."""
 
-    mode: Literal["diffusion", "ar", "speculative"] | None = None
+    mode: Literal["diffusion", "ar", "speculative", "mtp"] | None = None
     threshold: float | None = None
     block_size: int | None = Field(default=None, ge=1)
     coreset_size: int | None = None

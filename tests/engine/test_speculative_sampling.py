@@ -4,7 +4,9 @@ six prompts in one batch, two tokens each (the causal token c0 and one drafted, 
 replaced by the acceptance rule), many seeds. The counts of each prompt's (x0, x1) pairs are
 checked against the exact AR distribution p(x0) p(x1 | x0) (from the model's causal logits) by
 a chi-square test, cells of small expectation binned together; the same test with the acceptance
-rule broken (every draft accepted, or greedy acceptance in a sampled run) fails by far.
+rule broken (every draft accepted, or greedy acceptance in a sampled run) fails by far. Mode "mtp"
+(issue 53: drafts from the model's multi-token-prediction head, a random one here) is held to the
+same test.
 The function-level test of the rule, with 40,000 draws, is tests/test_acceptance.py."""
 import pytest
 import torch
@@ -22,10 +24,11 @@ P_VALUE = 1e-3  # the right rule must pass at this level; a broken one fall belo
 @pytest.fixture(scope="module")
 def small_vocab():
     config = CloverConfig.preset("clover-tiny", vocab_size=V, mask_token_id=V - 1, eos_token_id=None,
-                                 block_size=4, hidden_size=32, num_hidden_layers=2)
+                                 block_size=4, hidden_size=32, num_hidden_layers=2, mtp_num_hidden_layers=1)
     model = CloverModel.random(config, seed=1)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # distributions far from uniform, drafts far from the causal ones
+        model.mtp.norm.weight.fill_(3.0)  # the head's drafts sharper still (x4), far from the causal ones
     exact = []
     for p in PROMPTS:  # AR's distribution of the first two tokens, [V * V]
         p0 = model.logits(torch.tensor([p]))[0, -1].softmax(-1)
@@ -34,10 +37,10 @@ def small_vocab():
     return Engine(model), torch.stack(exact)
 
 
-def p_value(engine, exact, seeds: int) -> float:
+def p_value(engine, exact, seeds: int, mode: str = "speculative") -> float:
     counts = torch.zeros_like(exact)
     for seed in range(seeds):
-        batch = engine.generate(PROMPTS, mode="speculative", max_new_tokens=2, temperature=1.0, seed=seed)
+        batch = engine.generate(PROMPTS, mode=mode, max_new_tokens=2, temperature=1.0, seed=seed)
         for k, row in enumerate(batch):
             counts[k, row.token_ids[0] * V + row.token_ids[1]] += 1
     return chi_square_p(counts, exact * seeds)
@@ -81,3 +84,10 @@ def test_a_broken_acceptance_rule_fails_the_same_test(small_vocab, monkeypatch, 
     engine, exact = small_vocab
     monkeypatch.setattr(speculative, "speculative_accept", rule)
     assert p_value(engine, exact, seeds=20) < P_VALUE
+
+
+def test_sampled_mtp_follows_the_ar_distribution(small_vocab, monkeypatch):
+    engine, exact = small_vocab
+    assert p_value(engine, exact, seeds=60, mode="mtp") > P_VALUE
+    monkeypatch.setattr(speculative, "speculative_accept", accept_every_draft)  # the head's drafts taken as they come
+    assert p_value(engine, exact, seeds=20, mode="mtp") < P_VALUE
