@@ -26,7 +26,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -163,7 +163,9 @@ class StepLoop:
         budget = self.prefill_budget
         groups: dict[tuple, list[Row]] = {}
         for row in new:
-            if decoding and budget and len(row.prompt_ids) > budget and row.prompt_logprobs is None:
+            # (not rows scoring their prompt, nor mtp rows: their head reads the whole prompt's trunk states)
+            if (decoding and budget and len(row.prompt_ids) > budget and row.prompt_logprobs is None
+                    and row.mode != "mtp"):
                 self.filling[row.key] = 0  # a long prompt beside decoding rows: a chunk a step (``_fill``)
                 continue
             groups.setdefault((row.hooks.scopes, len(row.prompt_ids), row.prompt_logprobs is not None), []).append(row)
@@ -222,7 +224,8 @@ class StepLoop:
         score = rows[0].prompt_logprobs is not None  # the group's rows agree
         want = "all" if score else "last" if any(row.mode != "diffusion" for row in rows) else None
         try:
-            with self.forward("prefill", rows), mtp.prefill(self, rows):  # mtp rows keep the trunk's states
+            keep = mtp.prefill(self, rows) if any(r.mode == "mtp" for r in rows) else nullcontext()
+            with self.forward("prefill", rows), keep:  # mtp rows keep the trunk's states
                 logits = self.runner.use(rows[0].hooks).prefill(
                     [r.key for r in rows], [r.prompt_ids for r in rows], chunk, want, self.where(rows, "prefill"))
         except StopGeneration:  # a model hook stopped a prompt's prefill: no tokens, the prompt half cached
