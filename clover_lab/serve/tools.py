@@ -90,6 +90,20 @@ def closes(body, open_schemas: bool = False) -> bool:
 
 
 STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs, one of
+# the fields that constrain a whole response: OpenAI's, vLLM's, SGLang's two; a request sets one at most
+CONSTRAINING = ("response_format", "structured_outputs", "regex", "ebnf")
+
+
+def constraining(body) -> list[str]:
+    """The fields of :data:`CONSTRAINING` the request sets (a ``response_format`` of type text sets none)."""
+    return [name for name in CONSTRAINING if getattr(body, name, None) is not None
+            and not (name == "response_format" and body.response_format.type == "text")]
+
+
+def constraint_field(body) -> str:
+    """The field a request constrains its response with (what a compile that takes too long is named
+    by): the first it sets (:func:`constraining`), else ``response_format``."""
+    return next(iter(constraining(body)), "response_format")
 
 
 def constraint(engine, body, closed: bool = True) -> tuple[Grammar | None, str | None]:
@@ -97,44 +111,30 @@ def constraint(engine, body, closed: bool = True) -> tuple[Grammar | None, str |
     ``response_format``, vLLM's ``structured_outputs`` (json, regex, choice, grammar, json_object) or
     SGLang's ``regex`` and ``ebnf``; (None, None) where none does. Two at once are a 400: each
     constrains the whole response."""
-    asks = []
-    fmt = body.response_format
-    if fmt is not None and fmt.type != "text":
-        asks.append(("response_format", lambda: format_grammar(engine, fmt, closed)))
-    so = body.structured_outputs
-    if so is not None:
-        given = [k for k in STRUCTURED if getattr(so, "json_" if k == "json" else k) not in (None, False)]
-        if len(given) != 1:
-            raise RequestError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED)}; got "
-                               f"{', '.join(given) or 'none'}", "structured_outputs")
-        kind, where = given[0], f"structured_outputs.{given[0]}"
-        asks.append((where, {
-            "json": lambda: Grammar.json_schema(_schema(so.json_, where), engine, what=where, closed=closed),
-            "regex": lambda: Grammar.regex(so.regex, engine, what=where),
-            "choice": lambda: Grammar.choice(so.choice, engine, what=where),
-            "grammar": lambda: Grammar.ebnf(so.grammar, engine, what=where),
-            "json_object": lambda: Grammar.json_object(engine, what=where)}[kind]))
-    if body.regex is not None:
-        asks.append(("regex", lambda: Grammar.regex(body.regex, engine, what="regex")))
-    if body.ebnf is not None:
-        asks.append(("ebnf", lambda: Grammar.ebnf(body.ebnf, engine, what="ebnf")))
+    asks = constraining(body)
     if len(asks) > 1:
-        raise RequestError(f"{asks[0][0]} and {asks[1][0]} both constrain the response; ask for one", asks[1][0])
+        raise RequestError(f"{asks[0]} and {asks[1]} both constrain the response; ask for one", asks[1])
     if not asks:
         return None, None
-    param, make = asks[0]
-    return _grammar(make), param
-
-
-def constraint_field(body) -> str:
-    """The structured-output field a request constrains its response with (what a compile that
-    takes too long is named by): the first of those :func:`constraint` reads that is set."""
-    if body.structured_outputs is not None:
-        return "structured_outputs"
-    for name in ("regex", "ebnf"):
-        if getattr(body, name, None) is not None:
-            return name
-    return "response_format"
+    param = asks[0]
+    if param == "response_format":
+        return format_grammar(engine, body.response_format, closed), param
+    if param == "regex":
+        return _grammar(lambda: Grammar.regex(body.regex, engine, what="regex")), param
+    if param == "ebnf":
+        return _grammar(lambda: Grammar.ebnf(body.ebnf, engine, what="ebnf")), param
+    so = body.structured_outputs
+    given = [k for k in STRUCTURED if getattr(so, "json_" if k == "json" else k) not in (None, False)]
+    if len(given) != 1:
+        raise RequestError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED)}; got "
+                           f"{', '.join(given) or 'none'}", "structured_outputs")
+    kind, where = given[0], f"structured_outputs.{given[0]}"
+    return _grammar({
+        "json": lambda: Grammar.json_schema(_schema(so.json_, where), engine, what=where, closed=closed),
+        "regex": lambda: Grammar.regex(so.regex, engine, what=where),
+        "choice": lambda: Grammar.choice(so.choice, engine, what=where),
+        "grammar": lambda: Grammar.ebnf(so.grammar, engine, what=where),
+        "json_object": lambda: Grammar.json_object(engine, what=where)}[kind]), where
 
 
 def _schema(value, where: str) -> dict:

@@ -11,10 +11,8 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from clover_lab.serve import create_app
 from clover_lab.serve.tools import written_out
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -33,16 +31,6 @@ ADD = {"type": "function", "function": {
                    "required": ["a", "b"], "additionalProperties": False}}}
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def server(engine, live):
-    return live(create_app(engine, model_name=NAME, max_batch=8)), engine
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def example(name: str):

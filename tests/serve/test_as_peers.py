@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from clover_lab.serve import create_app, schemas
+from clover_lab.serve import schemas
 from clover_lab.serve.jobs import sampler_settings
 
 pytest.importorskip("uvicorn")
@@ -22,16 +22,6 @@ NAME = "clover-stdlib"
 OPEN = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": OPEN}}
 ASK = [{"role": "user", "content": "weather in Oslo?"}]
-
-
-@pytest.fixture(scope="module")
-def server(engine, live):
-    return live(create_app(engine, model_name=NAME, max_batch=8)), engine
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def post(server, path, timeout=120, **body):
@@ -58,6 +48,18 @@ def test_structured_outputs_in_vllms_and_sglangs_spellings(server):
                          ({"regex": "a", "response_format": {"type": "json_object"}}, "regex")]:
         r = post(server, "/v1/completions", prompt="x", max_tokens=4, **extra)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_a_slow_compile_is_named_by_the_field_that_constrains():
+    """constraint_field (what names a grammar that takes too long) reads the fields constraint reads."""
+    from clover_lab.serve import tools
+    for name, value in [("response_format", {"type": "json_object"}), ("structured_outputs", {"regex": "a"}),
+                        ("regex", "a"), ("ebnf", 'root ::= "a"')]:
+        body = schemas.CompletionRequest.model_validate({"model": NAME, "prompt": "x", name: value})
+        assert tools.constraining(body) == [name] and tools.constraint_field(body) == name
+    text = schemas.CompletionRequest.model_validate({"model": NAME, "prompt": "x", "response_format": {"type": "text"},
+                                                     "regex": "a"})
+    assert tools.constraining(text) == ["regex"]
 
 
 def test_a_forced_call_of_an_open_schema_takes_no_other_key_unless_asked(server, client):

@@ -11,7 +11,6 @@ import torch
 from pydantic import BaseModel, Field
 
 import clover_lab
-from clover_lab.serve import create_app
 
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -21,11 +20,6 @@ NAME = "clover-stdlib"
 class Person(BaseModel):
     name: str = Field(max_length=24)
     age: int = Field(ge=0, le=150)
-
-
-@pytest.fixture(scope="module")
-def base(engine, live):
-    return live(create_app(engine, model_name=NAME, max_batch=8)) + "/v1"
 
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
