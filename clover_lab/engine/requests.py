@@ -436,8 +436,8 @@ def plan(engine, request: Request) -> Plan:
     try:
         s = SamplerSettings.from_kwargs(engine.settings if request.settings is None else request.settings,
                                         **request.sampler)
-    except SettingsError as e:  # it names the setting; ``field`` too
-        e.field = next((k for k in request.sampler if k in str(e)), "settings")
+    except SettingsError as e:  # it names the setting, and ``field`` where it is one
+        e.field = e.field or "settings"
         raise
     if mode == "speculative" and not s.greedy and s.draft_passes != 1:
         raise GenerationError(f"sampled speculative decoding takes draft_passes=1 (got {s.draft_passes}): the "

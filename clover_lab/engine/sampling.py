@@ -29,7 +29,12 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 
 
 class SettingsError(CloverError, ValueError, TypeError):
-    """A sampler setting that is unknown, of the wrong type or out of range; the message names it."""
+    """A sampler setting that is unknown, of the wrong type or out of range; the message names it,
+    and ``field`` too where it is one setting."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -131,7 +136,7 @@ class SamplerSettings:
 
     def validate(self) -> None:
         def bad(name: str, what: str):
-            raise SettingsError(f"sampler setting {name}={getattr(self, name)!r}: {what}")
+            raise SettingsError(f"sampler setting {name}={getattr(self, name)!r}: {what}", name)
 
         def number(name: str) -> float:
             v = getattr(self, name)

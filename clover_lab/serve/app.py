@@ -93,7 +93,11 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
         if isinstance(body, schemas.TokenizeChat):
             functions = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
             try:
-                ids = tools.chat_ids(engine, schemas.chat_messages(body), functions, schemas.thinking(body))
+                if body.add_generation_prompt and body.continue_final_message:
+                    raise RequestError("continue_final_message continues the last message, and add_generation_prompt "
+                                       "opens a new one; ask for one", "continue_final_message")
+                ids = tools.chat_ids(engine, schemas.chat_messages(body), functions, schemas.thinking(body), (
+                    body.add_generation_prompt, body.continue_final_message, body.add_special_tokens))
             except GenerationError as e:
                 raise RequestError(str(e), "messages") from None
         else:

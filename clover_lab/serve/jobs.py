@@ -17,11 +17,10 @@ from clover_lab.engine.requests import (
     IgnoredSettingError,
     Plan,
     Request,
-    check_coreset,
     ignored_settings,
     stop_list,
 )
-from clover_lab.engine.sampling import SamplerSettings, SettingsError
+from clover_lab.engine.sampling import SettingsError
 from clover_lab.errors import CloverError
 from clover_lab.serve import schemas
 from clover_lab.serve.explore import NOT_ROUTED, ExpertRecorder, Probe
@@ -111,27 +110,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(8)}{next(_ids):x}"
 
 
-def sampler_settings(engine, request: schemas.Common) -> SamplerSettings:
-    """The request's sampler settings over the engine's; a bad value names its field."""
+def sampler_settings(request: schemas.Common) -> tuple[dict, dict]:
+    """The sampler settings the request gives (SamplerSettings field -> value, over the engine's) and
+    the body field each came from (what an error names). They are checked once, by ``Engine.check``."""
     given = {name: getattr(request, f) for f, name in OPENAI_SAMPLER.items() if getattr(request, f) is not None}
     if given.get("top_k") == -1:  # vLLM's "off"
         given["top_k"] = 0
-    params = {name: f for f, name in OPENAI_SAMPLER.items()}
+    params = dict(OPENAI_PARAMS)
     for name in CLOVER_SAMPLER:
         value = getattr(request.clover, name)
         if value is not None:
             given[name], params[name] = value, f"clover.{name}"
-    for name, value in given.items():  # one at a time first: the error names the field
-        try:
-            SamplerSettings.from_kwargs(engine.settings, **{name: value})
-        except SettingsError as e:
-            raise RequestError(str(e), params[name]) from None
-    s = SamplerSettings.from_kwargs(engine.settings, **given)
-    try:
-        check_coreset(engine.model.config, s.coreset_size)
-    except GenerationError as e:
-        raise RequestError(str(e), "clover.coreset_size") from None
-    return s
+    return given, params
 
 
 def trace_points(engine, option) -> list[str] | None:
@@ -172,14 +162,14 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
                            f"could never have them", "min_tokens")
     # the prompt is scored where its log-probabilities come back (echo with logprobs), or is all there is to run
     prompt_logprobs = logprobs[0] if echo and logprobs[0] is not None else (0 if max_new == 0 else None)
-    settings = sampler_settings(engine, request)
+    sampler, params = sampler_settings(request)
+    if logprobs[0] is not None:
+        sampler["logprobs"], params["logprobs"] = logprobs[0], logprobs[1]
     given = {name: getattr(opts, name) for name in CLOVER_SAMPLER if getattr(opts, name) is not None}
     for names, why in ignored_settings(mode, given, policy=opts.policy, block_size=opts.block_size):
         # the API and the command line warn; a response has no place for a warning a client would see
         raise RequestError(f"{why}; leave {'them' if len(names) > 1 else 'it'} out, or use mode diffusion",
                            f"clover.{names[0]}", code="ignored_setting")
-    if logprobs[0] is not None:
-        settings = SamplerSettings.from_kwargs(settings, logprobs=logprobs[0])
     ends = set(engine.eos_token_ids or ())
     odd = [t for t in request.stop_token_ids or () if t not in ends]
     if odd:
@@ -214,25 +204,24 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
             raise RequestError(str(e), thinking_param, code="ignored_setting") from None
         except GenerationError as e:
             raise RequestError(str(e), where) from None
-        try:  # the engine's one request check; its error names the field, which is the body's here
-            checked = engine.check(Request(ids, mode=mode, max_new_tokens=max_new, stop=stop or None,
-                                           settings=settings, block_size=opts.block_size, grammar=grammar,
-                                           policy=opts.policy, prompt_logprobs=prompt_logprobs))
+        try:  # the engine's one request check (its sampler settings too); its error names the field, the body's here
+            checked = engine.check(Request(ids, mode=mode, max_new_tokens=max_new, stop=stop or None, n=n,
+                                           block_size=opts.block_size, grammar=grammar, policy=opts.policy,
+                                           prompt_logprobs=prompt_logprobs, **sampler))
         except (GenerationError, SettingsError) as e:
             field = getattr(e, "field", None)
             over = "context length" in str(e)
             param = {"prompt": where, "max_new_tokens": max_tokens_param, "mode": "clover.mode", "stop": "stop",
-                     "block_size": "clover.block_size", "logprobs": logprobs[1], "policy": "clover.policy",
+                     "block_size": "clover.block_size", "policy": "clover.policy", "n": "n",
                      "prompt_logprobs": logprobs[1]}.get(field)
-            param = param or OPENAI_PARAMS.get(field) or (f"clover.{field}" if field else max_tokens_param)
+            param = param or params.get(field) or (f"clover.{field}" if field else max_tokens_param)
             raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
-        for k in range(n):  # n rows of one request: sampled with a seed, row k takes seed + k
-            s = checked.settings[0]
-            if k and s.seed is not None and not s.greedy:
-                s = SamplerSettings.from_kwargs(s, seed=(s.seed + k) % 2**64)
+        for k in range(n):  # n rows of one request (the Plan's: sampled with a seed, row k takes seed + k), a job each
             probe = None if not (opts.step_map or opts.experts) else Probe(
                 opts.step_map, ExpertRecorder(engine.model.config, len(ids), max_new) if opts.experts else None)
-            jobs.append(Job(rid, i * n + k, replace(checked, settings=[s]), provisional=opts.stream_provisional,
+            row = replace(checked, prompts=[checked.prompts[k]], settings=[checked.settings[k]], sources=[0],
+                          batched=False)
+            jobs.append(Job(rid, i * n + k, row, provisional=opts.stream_provisional,
                             trace_points=points, probe=probe, streamed=request.stream,
                             echo=None if not echo else prompt if isinstance(prompt, str) else
                             engine.tokenizer.decode(ids)))

@@ -264,14 +264,14 @@ class TokenizePrompt(Strict):
 
 class TokenizeChat(Strict):
     """vLLM's ``/tokenize`` of chat messages (as chat completions encode them, tools and thinking switch
-    included; the generation prompt is always added, as a chat completion adds it)."""
+    included, by default; the chat template's switches as vLLM takes them)."""
 
     model: str | None = None
     messages: list[Annotated[Union[Message, AssistantMessage, ToolMessage], Field(discriminator="role")]] = Field(
         min_length=1)
-    add_generation_prompt: Literal[True] = True
-    continue_final_message: Literal[False] = False
-    add_special_tokens: Literal[False] = False  # the chat template writes the special tokens itself
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the chat template writes the special tokens itself
     return_token_strs: bool | None = False
     tools: list[Tool] | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None

@@ -196,23 +196,29 @@ def reads_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def chat_ids(engine, messages: list[dict], functions: list[dict], thinking: bool | None) -> list[int]:
-    """The chat template over ``messages`` with the tools ``functions`` (none: as without tools)."""
+def chat_ids(engine, messages: list[dict], functions: list[dict], thinking: bool | None,
+             rendering: tuple[bool, bool, bool] = (True, False, False)) -> list[int]:
+    """The chat template over ``messages`` with the tools ``functions`` (none: as without tools).
+    ``rendering``: vLLM's ``/tokenize`` switches (add_generation_prompt, continue_final_message,
+    add_special_tokens); a chat completion's prompt is the default."""
     tokenizer = engine.tokenizer
     if not reads_tools(tokenizer):
-        return engine.encode(written_out(messages, functions), thinking)
+        messages, functions = written_out(messages, functions), []
+        if rendering == (True, False, False):
+            return engine.encode(messages, thinking)
     tools = [{"type": "function", "function": f} for f in functions] or None
     for i, m in enumerate(messages):
         check_text(m["content"], f"chat message {i}'s content")
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     history = [dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=_arguments(c)))
                                    for c in m["tool_calls"]]) if m.get("tool_calls") else m for m in messages]
+    generation_prompt, continue_final, special_tokens = rendering
     try:
-        out = tokenizer.apply_chat_template(history, tools=tools, add_generation_prompt=True, tokenize=True, **kwargs)
+        text = tokenizer.apply_chat_template(history, tools=tools, add_generation_prompt=generation_prompt,
+                                             continue_final_message=continue_final, tokenize=False, **kwargs)
     except Exception as e:
         raise GenerationError(f"the tokenizer cannot apply its chat template to these messages and tools ({e})") from e
-    out = out["input_ids"] if hasattr(out, "keys") else out
-    return engine.encode(list(out[0] if out and isinstance(out[0], list) else out))
+    return engine.encode(list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"]))
 
 
 def _arguments(call: dict):

@@ -2,7 +2,7 @@
 tests are theirs and not committed here; docs/guides/serving.md, "Peers' tests"): ``clover-lab serve``'s app over
 the embedded model in float32, in this process on 127.0.0.1, served under the model name the test
 asks for. ``RemoteOpenAIServer`` has the interface of vLLM's ``tests.utils.RemoteOpenAIServer``
-that their tests use; ``start(model)`` returns the base URL and a stop function for SGLang's
+that their tests use (and ``get_tokenizer`` its tokenizer); ``start(model)`` returns the base URL and a stop function for SGLang's
 ``setUpClass``."""
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ def engine():
         torch.set_num_threads(1)
         _engine = clover_lab.load(dtype=torch.float32)
     return _engine
+
+
+def get_tokenizer(tokenizer_name=None, **_):
+    """vLLM's ``get_tokenizer`` in its tests: the served model's tokenizer, whatever name it is served under."""
+    return engine().tokenizer
 
 
 def start(model: str, **app_kwargs):

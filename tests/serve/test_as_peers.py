@@ -13,8 +13,9 @@ import httpx
 import openai
 import pytest
 
+from clover_lab.engine.sampling import SamplerSettings
 from clover_lab.serve import schemas
-from clover_lab.serve.jobs import sampler_settings
+from clover_lab.serve.jobs import make_jobs
 
 pytest.importorskip("uvicorn")
 
@@ -108,11 +109,31 @@ def test_fields_clients_send_are_accepted_or_mapped(server):
                          ({"prediction": {"type": "content", "content": "x"}}, "prediction")]:
         r = post(server, "/v1/chat/completions", messages=ASK, max_tokens=2, **extra)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    for extra, param in [({"top_k": -3}, "top_k"), ({"clover": {"top_k": -3}}, "clover.top_k"),
+                         ({"temperature": 0.5, "seed": 2**64}, "seed")]:
+        r = post(server, "/v1/completions", prompt="x", max_tokens=2, **extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_sampler_settings_are_checked_once_on_a_requests_way_to_its_rows(server, monkeypatch):
+    """The body's settings reach the rows as the engine's settings of the same names, checked by
+    Engine.check alone (the server checked them three more times: one at a time, together, and with
+    logprobs); n rows take seed, seed + 1 as the engine's n does."""
+    engine, checks = server[1], []
+    real = SamplerSettings.validate
+    monkeypatch.setattr(SamplerSettings, "validate", lambda s: (checks.append(s), real(s)))
     body = schemas.ChatRequest.model_validate({"model": NAME, "messages": ASK, "top_k": 5, "min_p": 0.1,
-                                               "repetition_penalty": 1.2})
-    s = sampler_settings(server[1], body)
-    assert (s.top_k, s.min_p, s.repetition_penalty) == (5, 0.1, 1.2)
-    assert sampler_settings(server[1], body.model_copy(update={"top_k": -1})).top_k == 0
+                                               "repetition_penalty": 1.2, "logprobs": True})
+    jobs = make_jobs(engine, body, [ASK], "messages", "chatcmpl")
+    s = jobs[0].plan.settings[0]
+    assert (s.top_k, s.min_p, s.repetition_penalty, s.logprobs) == (5, 0.1, 1.2, None) and len(checks) == 1
+    jobs = make_jobs(engine, body.model_copy(update={"top_k": -1}), [ASK], "messages", "chatcmpl",
+                     logprobs=(2, "top_logprobs"))
+    assert (jobs[0].plan.settings[0].top_k, jobs[0].plan.settings[0].logprobs) == (0, 2)
+    two = make_jobs(engine, body.model_copy(update={"n": 2, "seed": 7, "temperature": 0.5}), [ASK], "messages",
+                    "chatcmpl")
+    assert [j.plan.settings[0].seed for j in two] == [7, 8] and [len(j.plan.prompts) for j in two] == [1, 1]
+    assert two[0].prompt_ids == two[1].prompt_ids == jobs[0].prompt_ids
 
 
 def test_routes_tokenize_detokenize_version_model_and_usage_with_n(server):
@@ -122,6 +143,17 @@ def test_routes_tokenize_detokenize_version_model_and_usage_with_n(server):
     assert r["max_model_len"] == engine.model.config.max_position_embeddings and len(r["token_strs"]) == r["count"]
     chat = post(server, "/tokenize", messages=ASK).json()
     assert chat["tokens"] == engine.encode(ASK) and chat["token_strs"] is None
+    # vLLM's switches, as its own test_tokenization reads them: the template's text, encoded with or without specials
+    tok, turns = engine.tokenizer, ASK + [{"role": "assistant", "content": "Sure,"}]
+    for gen, cont, special in [(False, False, True), (False, True, False), (True, False, True)]:
+        msgs = turns if cont else ASK
+        text = tok.apply_chat_template(msgs, add_generation_prompt=gen, continue_final_message=cont, tokenize=False)
+        got = post(server, "/tokenize", messages=msgs, add_generation_prompt=gen, continue_final_message=cont,
+                   add_special_tokens=special).json()
+        assert got["tokens"] == tok.encode(text, add_special_tokens=special), (gen, cont, special)
+    assert got["tokens"] == chat["tokens"]  # the default: as a chat completion encodes it (this tokenizer adds none)
+    bad = post(server, "/tokenize", messages=turns, continue_final_message=True).json()["error"]
+    assert bad["param"] == "continue_final_message"
     assert post(server, "/detokenize", tokens=r["tokens"]).json() == {"prompt": "def f(x):"}
     assert post(server, "/detokenize", tokens=[10 ** 7]).json()["error"]["param"] == "tokens"
     assert httpx.get(server[0] + "/version").json()["version"]
