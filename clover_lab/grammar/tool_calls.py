@@ -30,11 +30,39 @@ def call_schema(functions: list[dict]) -> dict:
     """The JSON schema of one call: ``{"name": <one of the functions>, "arguments": <its
     parameters>}`` in that order; ``functions``: OpenAI's function objects (``name``, optional
     ``parameters``, a JSON schema; none: any object)."""
+    defs: dict = {}
     options = [{"type": "object",
                 "properties": {"name": {"const": f["name"]},
-                               "arguments": f.get("parameters") or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    return {"anyOf": options, "x-guidance": JSON_STYLE}
+                               "arguments": hoisted(f.get("parameters") or {"type": "object"}, f"f{i}_", defs)},
+                "required": ["name", "arguments"], "additionalProperties": False} for i, f in enumerate(functions)]
+    return {"anyOf": options, "x-guidance": JSON_STYLE, **({"$defs": defs} if defs else {})}
+
+
+def hoisted(parameters, prefix: str, defs: dict):
+    """A function's parameters as a part of the call's schema: their own definitions (``$defs``,
+    ``definitions``) moved into ``defs`` (the call schema's root ``$defs``) under ``prefix``, and their
+    references to them rewritten: ``#/$defs/X`` inside the parameters meant the parameters' root, which is
+    no longer the schema's root (pydantic writes such references for every nested model)."""
+    if not isinstance(parameters, dict):
+        return parameters
+
+    def ref(value: str) -> str:
+        for head in ("#/$defs/", "#/definitions/"):
+            if value.startswith(head):
+                return "#/$defs/" + prefix + value[len(head):]
+        return value
+
+    def rebase(node):
+        if isinstance(node, dict):
+            return {k: ref(v) if k == "$ref" and isinstance(v, str) else rebase(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [rebase(v) for v in node]
+        return node
+
+    for key in ("definitions", "$defs"):
+        for name, schema in (parameters.get(key) or {}).items():
+            defs[prefix + name] = rebase(schema)
+    return rebase({k: v for k, v in parameters.items() if k not in ("$defs", "definitions")})
 
 
 def calls_lark(functions: list[dict], parallel: bool = True) -> str:

@@ -88,8 +88,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
 
     @app.post("/tokenize")
     async def tokenize(body: schemas.TokenizeRequest):
-        if body.model is not None:
-            _model(body, model_name)
+        _model(body, model_name)
         if isinstance(body, schemas.TokenizeChat):
             functions = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
             try:
@@ -111,8 +110,7 @@ def create_app(engine, model_name: str = "clover", max_batch: int = 32, max_queu
 
     @app.post("/detokenize")
     async def detokenize(body: schemas.DetokenizeRequest):
-        if body.model is not None:
-            _model(body, model_name)
+        _model(body, model_name)
         vocab = engine.model.config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
@@ -208,7 +206,10 @@ def _stream_options(body) -> None:
 
 
 def _model(body, model_name: str) -> None:
-    if body.model != model_name:
+    """The request's model is the one served (a request without one asks for it, as vLLM takes it)."""
+    if body.model is None:
+        body.model = model_name
+    elif body.model != model_name:
         raise RequestError(f"model {body.model!r} is not served here; this server serves {model_name!r} "
                            f"(GET /v1/models)", "model", status=404, code="model_not_found")
 

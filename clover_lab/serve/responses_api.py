@@ -109,7 +109,7 @@ class Reasoning(Strict):
 
 
 class ResponsesRequest(Strict):
-    model: str
+    model: str | None = None  # none: the served model (as vLLM takes it; its own tests send none)
     input: str | list[Union[InputMessage, FunctionCallItem, FunctionCallOutput, ReasoningItem]]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
@@ -135,12 +135,15 @@ class ResponsesRequest(Strict):
     safety_identifier: str | None = None
     background: Literal[False] | None = None
     stream_options: dict[str, bool] | None = None  # include_obfuscation: there is none
-    top_logprobs: Literal[0] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)  # alternatives per token, as chat's (checked there)
     clover: schemas.CloverOptions = Field(default_factory=schemas.CloverOptions)
 
 
 def _text(content) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+LOGPROBS = "message.output_text.logprobs"  # what ``include`` names to have the text's log-probabilities
 
 
 def chat_request(body: ResponsesRequest) -> schemas.ChatRequest:
@@ -176,6 +179,8 @@ def chat_request(body: ResponsesRequest) -> schemas.ChatRequest:
             chat[name] = getattr(body, name)
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
+    if body.top_logprobs or LOGPROBS in (body.include or []):  # the text's log-probabilities, as chat's
+        chat["logprobs"], chat["top_logprobs"] = True, body.top_logprobs or 0
     if body.tools:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                          for t in body.tools]
@@ -206,9 +211,10 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+def message_item(text: str, status: str = "completed", item_id: str | None = None, logprobs=None) -> dict:
+    """An output message; ``logprobs``: its tokens' (chat's ``logprobs.content``: the Responses API's shape too)."""
     return {"id": item_id or _id("msg"), "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def call_item(call: dict, status: str = "completed", item_id: str | None = None) -> dict:
@@ -261,7 +267,7 @@ def response(chat: dict, body: ResponsesRequest, chat_id: str) -> dict:
     if msg.get("reasoning_content"):
         output.append(reasoning_item(msg["reasoning_content"]))
     if msg.get("content") or not msg.get("tool_calls"):
-        output.append(message_item(msg.get("content") or ""))
+        output.append(message_item(msg.get("content") or "", logprobs=(choice.get("logprobs") or {}).get("content")))
     output += [call_item(c) for c in msg.get("tool_calls") or []]
     return _object(body, response_id(chat_id), output, choice["finish_reason"], chat["usage"])
 
@@ -300,7 +306,7 @@ class _Events:
         item["status"] = "completed"
         part = item["content"][0]
         return [self.event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
-                           text=part["text"], logprobs=[]),
+                           text=part["text"], logprobs=part["logprobs"]),
                 self.event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
                            part=part),
                 self.event("response.output_item.done", output_index=at, item=item)]
@@ -323,10 +329,13 @@ class _Events:
                 out += self.flush_reasoning()
                 if self.text is None:
                     out += self.open_text()
-                self.text["content"][0]["text"] += delta["content"]
+                part = self.text["content"][0]
+                part["text"] += delta["content"]
+                scored = (choice.get("logprobs") or {}).get("content") or []  # the chunk's tokens'
+                part["logprobs"] += scored
                 out.append(self.event("response.output_text.delta", item_id=self.text["id"],
                                       output_index=self.output.index(self.text), content_index=0,
-                                      delta=delta["content"], logprobs=[]))
+                                      delta=delta["content"], logprobs=scored))
             for d in delta.get("tool_calls") or []:
                 out += self.flush_reasoning() + self.close_text()
                 item = self.calls.get(d["index"])

@@ -71,7 +71,7 @@ class Common(Strict):
     structured-output extras, and the fields clients send that change nothing here (documented
     no-ops, docs/serving-agents.md)."""
 
-    model: str
+    model: str | None = None  # none: the served model (as vLLM takes it)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None

@@ -272,6 +272,24 @@ def test_a_schema_silent_about_other_keys_is_closed_unless_asked_open(engine):
                    text, engine)
 
 
+def test_tool_parameters_that_refer_to_their_own_definitions_compile_and_validate(engine):
+    """vLLM's responses test_function_call sends a tool whose parameters say "$ref": "#/$defs/..."
+    (as pydantic writes nested models): inside the call's schema the pointer named the wrong root, and the
+    grammar engine refused the tool (a 400)."""
+    options = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "additionalProperties": False}
+    params = {"type": "object", "properties": {"city": {"type": "string"}, "options": {"$ref": "#/$defs/Options"},
+                                               "other": {"$ref": "#/definitions/Options"}},
+              "required": ["city"], "$defs": {"Options": options}, "definitions": {"Options": options}}
+    twin = dict(params, properties=dict(params["properties"], city={"type": "integer"}))  # same names, other schema
+    g = Grammar.tool_calls([{"name": "f", "parameters": params}, {"name": "g", "parameters": twin}], engine,
+                           parallel=False)
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'.format
+    assert accepts(g, call("f", '{"city": "Oslo", "options": {"unit": "C"}}'), engine)
+    assert accepts(g, call("g", '{"city": 3, "other": {"unit": "F"}}'), engine)
+    assert not accepts(g, call("f", '{"city": "Oslo", "options": {"unit": "K"}}'), engine)
+    assert not accepts(g, call("f", '{"city": "Oslo", "options": {"unit": "C", "x": 1}}'), engine)
+
+
 def test_close_leaves_what_the_schema_says_and_any_object_open():
     from clover_lab.grammar.grammar import close
 

@@ -178,6 +178,23 @@ def test_responses_text_and_its_stream(client):
         client.responses.create(model=NAME, input="x", previous_response_id="resp_1")
 
 
+def test_responses_log_probabilities_and_no_model_named(client):
+    """vLLM's responses test_basic: include message.output_text.logprobs with top_logprobs, and no model
+    (the served one); streamed, each delta carries its tokens' log-probabilities."""
+    kw = dict(input="def add(a, b):", max_output_tokens=6, include=["message.output_text.logprobs"], top_logprobs=3)
+    r = client.responses.create(**kw)
+    part = r.output[-1].content[-1]
+    assert r.model == NAME and len(part.logprobs) == r.usage.output_tokens == 6
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 3 and lp.logprob <= 0 for lp in part.logprobs)
+    events = list(client.responses.create(stream=True, **kw))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in deltas] == [lp.token for lp in part.logprobs]  # greedy: the same tokens
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in deltas]
+    assert not client.responses.create(input="x", max_output_tokens=2).output[-1].content[-1].logprobs
+
+
 @pytest.mark.slow  # ~5 s: a forced call over a 200-token prompt, its follow-up, a schema
 def test_responses_function_call_round_trip_and_text_format(client):
     weather = {"type": "function", "name": "get_weather", "parameters": OPEN}
