@@ -182,6 +182,8 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
         raise RequestError(str(e), "stop") from None
     if len(stop) > schemas.MAX_STOP_STRINGS:
         raise RequestError(f"stop: at most {schemas.MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+    if grammar is not None:  # the grammar decides where the response ends; a stop string could only cut it short
+        stop = []  # (unparsable), so it changes nothing: smolagents sends two with every required tool call
     if opts.stream_provisional and not request.stream:
         raise RequestError("clover.stream_provisional needs stream: true", "clover.stream_provisional")
     if opts.stream_provisional and mode == "ar":

@@ -115,6 +115,23 @@ def test_fields_clients_send_are_accepted_or_mapped(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
 
+def test_stop_strings_change_nothing_where_a_grammar_decides_the_end(server, client):
+    """smolagents' ToolCallingAgent sends stop ["Observation:", "Calling tools:"] with tool_choice
+    required: refused (a stop string could cut the call unparsable), the agent failed every step. With a
+    grammar the stop strings are accepted and change nothing; the call is whole."""
+    kw = dict(model=NAME, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+              max_tokens=40)
+    alone = client.chat.completions.create(**kw)
+    stopped = client.chat.completions.create(stop=["Observation:", "Calling tools:", "\""], **kw)
+    assert stopped.choices[0].finish_reason == "tool_calls" and stopped.choices[0].message.tool_calls
+    assert [c.function.arguments for c in stopped.choices[0].message.tool_calls] == \
+        [c.function.arguments for c in alone.choices[0].message.tool_calls]  # greedy: as without stop
+    r = post(server, "/v1/completions", prompt="x = ", max_tokens=8, regex="[0-9]{3}", stop=["1", "2", "3"])
+    assert r.status_code == 200 and re.fullmatch("[0-9]{3}", r.json()["choices"][0]["text"]), r.text
+    bad = post(server, "/v1/completions", prompt="x", max_tokens=4, regex="a", stop=[""])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop"  # still checked
+
+
 def test_sampler_settings_are_checked_once_on_a_requests_way_to_its_rows(server, monkeypatch):
     """The body's settings reach the rows as the engine's settings of the same names, checked by
     Engine.check alone (the server checked them three more times: one at a time, together, and with
