@@ -7,8 +7,7 @@ github.com/vllm-project/vllm into ``~/.cache/clover-lab/vllm``); where neither c
 and exits 0 (skipped). Each file of :data:`APPLY` is copied into a scratch folder with three kinds of
 line changed, and nothing else: vLLM's ``RemoteOpenAIServer`` and ``get_tokenizer`` imports become
 ``launcher``'s; imports of vLLM's own package (used by the unit tests of its request classes, which
-are not run) and of sibling test modules are dropped. The tests named in :data:`APPLY` run (pytest
-``-k``); the table of docs/serving-agents.md ("Peers' own tests") is their result, and
+are not run) and of sibling test modules are dropped. The tests named in :data:`APPLY` run (by node id); the table of docs/serving-agents.md ("Peers' own tests") is their result, and
 :data:`NOT_APPLY` says why each other test of those files does not apply.
 
     python tests/peers/run_vllm.py [--vllm DIR] [--only responses/] [--junit FILE]
@@ -147,7 +146,7 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=8", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "?"
     with tempfile.TemporaryDirectory(prefix="clover-vllm-tests-") as scratch:
-        scratch, files, names = Path(scratch), [], []
+        scratch, selected = Path(scratch), []
         conftest = src / ROOT / "conftest.py"  # its sample schemas, regexes and choices
         if conftest.is_file():
             copy(conftest, scratch / "conftest.py")
@@ -164,13 +163,16 @@ def main(argv=None) -> int:
                 continue
             target = scratch / ("vllm_" + rel.replace("/", "_"))
             copy(path, target)
-            files.append(str(target))
-            names += tests
+            text = target.read_text()
+            for name in tests:  # by node id: a -k substring would pick up tests that do not apply
+                if re.search(rf"^(async )?def {name}\(", text, re.M):
+                    selected.append(f"{target}::{name}")
+                else:
+                    print(f"skipped {rel}::{name}: not in this checkout of vLLM ({commit})")
         junit = scratch / "junit.xml"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rN", "-o", "addopts=",
-                        "--rootdir", str(scratch), "-k", " or ".join(sorted(set(names))), f"--junitxml={junit}",
-                        *files], env=env, cwd=scratch)
+                        "--rootdir", str(scratch), f"--junitxml={junit}", *selected], env=env, cwd=scratch)
         if args.junit:
             shutil.copy(junit, args.junit)
         print(f"\nvLLM {commit}: test | result")
