@@ -1,7 +1,7 @@
 """The kernel op table: every op of clover_kernels described once.
 
 An ``Op`` is the op's name, its torch path (the reference: CPU tensors, autograd,
-``CLOVER_KERNELS=torch``), its Triton implementation (``"module:function"`` under this package,
+``dispatch.use_backend("torch")``), its Triton implementation (``"module:function"`` under this package,
 with the reference's signature and return contract), the activation dtypes that implementation is
 built for on a GPU, and its calls: every way the model calls it, at any ``shapes.Sizes``. Each op
 is a name of this module (``ops.rms_norm(x, w)`` dispatches, ``dispatch.py``); ``TABLE`` lists them.
@@ -74,11 +74,8 @@ class Op:
     def runs_kernel(self, *args, **kwargs) -> bool:
         """Whether a call with these arguments (its tensors, at least) runs the Triton kernel."""
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        x = tensors[0]
-        if x.is_cuda and x.dtype not in self.gpu_dtypes:
-            return False
-        # through the module attribute: tests and tools replace dispatch.backend_for
-        return dispatch.backend_for(self.name, *tensors) == "triton"
+        # decided once per (op, device type, dtype); dispatch.use_backend forces a path
+        return dispatch.backend_for(self.name, *tensors, gpu_dtypes=self.gpu_dtypes) == "triton"
 
     def run_kernel(self, *args, **kwargs):
         """The Triton implementation, called with the reference's arguments (those only the reference
