@@ -57,7 +57,13 @@ def _leaves(x):
         yield x
 
 
-@OPS
+# the varlen ops' calls (several rows' segments each) take about 15 s in the interpreter: slow tier
+# (tests/kernels/test_kernel_varlen.py holds them on ragged lengths there too; their dispatch is fast)
+SLOW_IN_THE_INTERPRETER = {"gdn_commit_varlen", "gdn_preview_varlen", "cache_attention_varlen"}
+
+
+@pytest.mark.parametrize("op", [pytest.param(op, marks=pytest.mark.slow) if op.name in SLOW_IN_THE_INTERPRETER
+                                else op for op in ops.TABLE], ids=lambda op: op.name)
 def test_the_kernel_equals_the_reference(op, dtype, device, close, monkeypatch):
     """Each call the table describes (the 35B calls' views and options at small sizes), through the
     op with the Triton backend forced, against the reference on equal inputs: the outputs, and every
