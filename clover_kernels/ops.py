@@ -237,7 +237,8 @@ gdn_commit_varlen = Op("gdn_commit_varlen", _gdn.gdn_commit_varlen, "gdn.commit:
 
 def _gdn_preview_varlen_calls(d: Sizes, t: Tensors, rows=None):
     C, K, Hv, dk, dv, B = _gdn_channels(d), d.conv, d.gdn_value_heads, d.gdn_head_k, d.gdn_head_v, d.block
-    for lengths in _segment_lengths(d, ((1, 2 * B - 1, B),), rows):  # blocks of 1 to 2 * block - 1 rows
+    # blocks of 1 to a block's rows (longer blocks, up to preview.MAX_BLOCK, spill on sm_90: kernels.md)
+    for lengths in _segment_lengths(d, ((1, B // 2 + 1, B),), rows):
         N, T = len(lengths), sum(lengths)
         for history in (False, True):
             yield T, (t(1, T, C), t(N, C, K - 1), t(C, K), t(C, K - 1), t(N, Hv, dk, dv, dtype=F32), t(Hv), t(Hv),

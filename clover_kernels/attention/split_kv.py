@@ -39,10 +39,11 @@ def _split_kv_kernel(q_ptr, k_ptr, v_ptr, last_ptr, acc_ptr, m_ptr, l_ptr, cu_pt
     b = (pid // tiles // HKV).to(tl.int64)  # varlen: the segment, its cache row b
     T_ALL = T  # the token axis' length (the partials' row stride)
     if VARLEN:  # segment b's rows of the packed axis (q's, last's and gate's batch strides 0)
-        bos, T = segment(cu_ptr, b)
-        C = T
-        ROWS = G * T
-        T = tl.maximum(T, 1)  # (an empty segment: every row masked)
+        bos, length = segment(cu_ptr, b)
+        length = length.to(tl.int32)  # (an int64 length made r // T a 64-bit division, which spilled)
+        C = length
+        ROWS = G * length
+        T = tl.maximum(length, 1)  # (an empty segment: every row masked)
         q_ptr += bos * s_qt
         last_ptr += bos * s_lt
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
