@@ -14,6 +14,10 @@ past the largest of its rows, so a CUDA graph captured once reads the live keys 
    denominator (fp32). Slices past the live range read nothing.
 2. ``_combine_kernel``, one program per (batch row, row, query head): the log-sum-exp merge of the
    slices, times sigmoid(gate), written as [B, T, Hq * D] (the layout o_proj takes).
+
+``cache_attention_varlen``: the rows' segments packed on one token axis (``varlen.py``), the same
+two kernels with ``VARLEN``: a program's batch row is a segment (its cache row), whose queries, last
+keys and partials sit at the segment's offset of the packed axis; the merge runs as one batch row.
 """
 import torch
 import triton

@@ -20,6 +20,10 @@ Pipeline for T committed rows (B batch, Hk key heads, Hv value heads, C conv cha
    q and k are L2-normalised where they are loaded (no normalised copies in memory); key
    heads are shared by REP = Hv // Hk consecutive value heads by index arithmetic.
 
+``gdn_commit_varlen``: rows' segments packed on one token axis (``varlen.py``), the same kernels
+with ``VARLEN``: a program's batch row is a segment (its ring's and state's row), whose tokens it
+reads from the segment's offset of the packed axis; chunks never cross a segment's edge.
+
 All decay/softmax arithmetic is fp32. Dots take ``input_precision="ieee"`` for fp32 inputs
 (bit-for-bit comparable to the reference) and tf32 otherwise (error below bf16/fp16 input
 rounding).

@@ -10,6 +10,10 @@ of its value dims) for the whole block of m <= 64 rows:
        history_bias + history_log_n * ln(m), softmax over [block ; history] in fp32
     -> o = p_block v + p_hist h.
 
+``gdn_preview_varlen``: rows' blocks of different lengths packed on one token axis (``varlen.py``),
+the same kernel with ``VARLEN``: a program's batch row is a block (its ring's and state's row), read
+at its offset of the packed axis, its history logit at its own length.
+
 Nothing is written but o, p_hist (by the programs of the first dv tile) and, when asked, h.
 The q/k conv is recomputed per dv tile: with dv <= 64 there is one tile, and it costs a few
 K-tap loads of data that sits in L2 otherwise.
