@@ -6,7 +6,7 @@ restored outside them):
   preview, all masked  a block's first preview: --block mask tokens, logits at every position
   preview              a later preview: --unmasked positions hold tokens, logits at the masked ones;
                        also with a no-op hook on every ``layers.*.moe.route`` (hook overhead), with
-                       CLOVER_KERNELS=torch (torch references, not Triton) and restricted to an expert
+                       the torch backend (torch references, not Triton) and restricted to an expert
                        coreset (recorded by an untimed all-masked first preview, as in generation)
   commit+preview       the fused forward: commit --block tokens, first preview of the next block
   AR step              commit 1 token, logits of the last
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import platform
 import statistics
 import sys
@@ -51,6 +50,7 @@ from collections import defaultdict
 import torch
 from result_file import RESULTS, result_path, slug, write_json
 
+from clover_kernels import dispatch
 from clover_lab.config import CloverConfig
 from clover_lab.engine.graphs import StepGraphs
 from clover_lab.model.decoder import CloverModel, Coreset
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    os.environ.pop("CLOVER_KERNELS", None)  # "default" means the dispatch's own choice
+    dispatch.set_backend(None)  # "default" means the dispatch's own choice
     config = CloverConfig.preset(args.preset)
     mask = config.mask_token_id if config.mask_token_id is not None else config.vocab_size - 1
     dtype, dev = DTYPES[args.dtype], args.device
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     graphs.step(block, 0, B, coreset=g_core)  # records the fast path's coreset (untimed)
     variants = [  # (step, variant label, setting: None | "hook" | "torch")
         ("preview, all masked", "default", None), ("preview", "default", None), ("commit+preview", "default", None),
-        ("AR step", "default", None), ("preview", "route hook", "hook"), ("preview", "CLOVER_KERNELS=torch", "torch"),
+        ("AR step", "default", None), ("preview", "route hook", "hook"), ("preview", "torch backend", "torch"),
         ("preview, coreset", f"coreset {args.coreset}", None),
         ("preview", "CUDA graph", "graph"), ("commit+preview", "CUDA graph", "graph"), ("AR step", "CUDA graph", "graph"),
         ("preview, coreset", f"coreset {args.coreset}, CUDA graph", "graph"),
@@ -290,14 +290,12 @@ def main(argv=None) -> int:
             call, before = graph_steps[step]
             before()
         handle = model.hooks.add("layers.*.moe.route", lambda ev: None) if setting == "hook" else None
-        if setting == "torch":
-            os.environ["CLOVER_KERNELS"] = "torch"
         try:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, \
+                    dispatch.use_backend("torch" if setting == "torch" else None):
                 warnings.simplefilter("always")
                 times = timed(call, args, before)
         finally:
-            os.environ.pop("CLOVER_KERNELS", None)
             if handle is not None:
                 handle.remove()
         for w in caught:  # seen, and passed on

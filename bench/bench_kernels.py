@@ -273,8 +273,6 @@ def count_steps():
     spec = importlib.util.spec_from_file_location("step_launches", Path(__file__).with_name("step_launches.py"))
     step_launches = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(step_launches)
-    if DEVICE == "cpu":
-        os.environ["CLOVER_KERNELS"] = "triton"  # the kernels in the interpreter
     path = result_path(ARGS.out, f"step-launches_{STARTED:%Y-%m-%d_%H%M}_{slug(device_name())}", None)
     return step_launches.main(["--json", str(path)])
 

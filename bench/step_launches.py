@@ -2,8 +2,8 @@
 
 The embedded default model (fp32), the runner's static steps (``StepGraphs`` without capture: the
 forward a CUDA graph would record), no hooks, the dispatch's Triton kernels (on a CPU:
-``CLOVER_KERNELS=triton`` under ``TRITON_INTERPRET=1``, set by the caller before triton is
-imported). Each step shape is counted by
+the Triton backend forced (``dispatch.use_backend("triton")``) under ``TRITON_INTERPRET=1``, set
+before triton is imported). Each step shape is counted by
 ``clover_kernels.launches.LaunchCounter`` (Triton launches plus aten ops that do work) at two
 committed lengths: the counts, the host syncs and whether the op sequence stayed the same.
 
@@ -15,7 +15,6 @@ the counts under a budget.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import functools
 import os
@@ -131,18 +130,11 @@ def merged(counts):
     return out
 
 
-@contextlib.contextmanager
 def torch_path():
-    """CLOVER_KERNELS=torch meanwhile (the set-up of a count, not what is counted)."""
-    before = os.environ.get("CLOVER_KERNELS")
-    os.environ["CLOVER_KERNELS"] = "torch"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("CLOVER_KERNELS")
-        else:
-            os.environ["CLOVER_KERNELS"] = before
+    """The torch backend meanwhile (the set-up of a count, not what is counted)."""
+    from clover_kernels import dispatch
+
+    return dispatch.use_backend("torch")
 
 
 def print_table(counts: dict, layers: int, file=sys.stdout) -> None:
@@ -161,11 +153,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    from clover_kernels import dispatch
+
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
         os.environ["TRITON_INTERPRET"] = "1"
-        os.environ["CLOVER_KERNELS"] = "triton"
-    model = load_model("cuda" if torch.cuda.is_available() else "cpu")
-    counts = count_static_steps(model)
+    model = load_model("cpu" if on_cpu else "cuda")
+    with dispatch.use_backend("triton" if on_cpu else dispatch.forced_backend()):
+        counts = count_static_steps(model)
     layers = model.config.num_hidden_layers
     print_table(counts, layers)
     from clover_lab import load
@@ -179,7 +174,7 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, dict(
             benchmark="step_launches", date=dt.datetime.now().isoformat(timespec="seconds"), device=str(model.device),
-            kernels_env=os.environ.get("CLOVER_KERNELS"), interpret=os.environ.get("TRITON_INTERPRET") == "1",
+            kernels_backend="triton" if on_cpu else dispatch.forced_backend(), interpret=os.environ.get("TRITON_INTERPRET") == "1",
             torch=torch.__version__, python=platform.python_version(), layers=layers, steps=counts,
             decoding=sampler))
         print(f"wrote {args.json}")

@@ -1,7 +1,7 @@
 """The kernel op table: every op of clover_kernels described once.
 
 An ``Op`` is the op's name, its torch path (the reference: CPU tensors, autograd,
-``CLOVER_KERNELS=torch``), its Triton implementation (``"module:function"`` under this package,
+``dispatch.use_backend("torch")``), its Triton implementation (``"module:function"`` under this package,
 with the reference's signature and return contract), the activation dtypes that implementation is
 built for on a GPU, and its calls: every way the model calls it, at any ``shapes.Sizes``. Each op
 is a name of this module (``ops.rms_norm(x, w)`` dispatches, ``dispatch.py``); ``TABLE`` lists them.
@@ -74,11 +74,8 @@ class Op:
     def runs_kernel(self, *args, **kwargs) -> bool:
         """Whether a call with these arguments (its tensors, at least) runs the Triton kernel."""
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        x = tensors[0]
-        if x.is_cuda and x.dtype not in self.gpu_dtypes:
-            return False
-        # through the module attribute: tests and tools replace dispatch.backend_for
-        return dispatch.backend_for(self.name, *tensors) == "triton"
+        # decided once per (op, device type, dtype); dispatch.use_backend forces a path
+        return dispatch.backend_for(self.name, *tensors, gpu_dtypes=self.gpu_dtypes) == "triton"
 
     def run_kernel(self, *args, **kwargs):
         """The Triton implementation, called with the reference's arguments (those only the reference
@@ -218,6 +215,40 @@ def _gdn_preview_calls(d: Sizes, t: Tensors, rows=None):
 gdn_preview = Op("gdn_preview", _gdn.gdn_preview, "gdn.preview:gdn_preview", _gdn_preview_calls)
 
 
+# the varlen ops: rows' segments of different lengths packed on one token axis (``varlen.py``),
+# each over its own row of the ring, the state, the cache; ``rows`` (a cost table's row counts):
+# one segment of each count
+def _segment_lengths(d: Sizes, patterns, rows=None):
+    return [(T,) for T in rows] if rows else patterns
+
+
+def _gdn_commit_varlen_calls(d: Sizes, t: Tensors, rows=None):
+    C, K, Hv, dk, dv, B = _gdn_channels(d), d.conv, d.gdn_value_heads, d.gdn_head_k, d.gdn_head_v, d.block
+    # AR rows (the token-by-token kernel); an empty segment, a token, blocks past and short of a block's rows
+    for lengths in _segment_lengths(d, ((1,) * 2, (0, 1, B + 1, 2 * B - 2)), rows):
+        N, T = len(lengths), sum(lengths)
+        yield T, (t(1, T, C), t(N, C, K - 1), t(C, K), t.negative(1, T, Hv, dtype=F32), t.unit(1, T, Hv),
+                  t(N, Hv, dk, dv, dtype=F32), d.gdn_key_heads, dk, dv, t.offsets(lengths), max(lengths))
+
+
+gdn_commit_varlen = Op("gdn_commit_varlen", _gdn.gdn_commit_varlen, "gdn.commit:gdn_commit_varlen",
+                       _gdn_commit_varlen_calls)
+
+
+def _gdn_preview_varlen_calls(d: Sizes, t: Tensors, rows=None):
+    C, K, Hv, dk, dv, B = _gdn_channels(d), d.conv, d.gdn_value_heads, d.gdn_head_k, d.gdn_head_v, d.block
+    # blocks of 1 to a block's rows (longer blocks, up to preview.MAX_BLOCK, spill on sm_90: kernels.md)
+    for lengths in _segment_lengths(d, ((1, B // 2 + 1, B),), rows):
+        N, T = len(lengths), sum(lengths)
+        for history in (False, True):
+            yield T, (t(1, T, C), t(N, C, K - 1), t(C, K), t(C, K - 1), t(N, Hv, dk, dv, dtype=F32), t(Hv), t(Hv),
+                      t.positive(Hv), d.gdn_key_heads, dk, dv, t.offsets(lengths), max(lengths), history)
+
+
+gdn_preview_varlen = Op("gdn_preview_varlen", _gdn.gdn_preview_varlen, "gdn.preview:gdn_preview_varlen",
+                        _gdn_preview_varlen_calls)
+
+
 # ------------------------------------------------------------------------------------- MoE
 def moe_tile_rows(d: Sizes) -> dict:
     """{row-block height: a token count whose pairs per expert choose it} (moe.fused.block_m)."""
@@ -276,6 +307,21 @@ def _cache_attention_calls(d: Sizes, t: Tensors, rows=None):
 # the static step's attention: over the live keys (each row's last from the device), GQA folded, gated
 cache_attention = Op("cache_attention", _attention.cache_attention, "attention.split_kv:cache_attention",
                      _cache_attention_calls, gpu_dtypes=HALF_DTYPES)
+
+
+def _cache_attention_varlen_calls(d: Sizes, t: Tensors, rows=None):
+    Hq, Hkv, D, B = d.attn_heads, d.attn_kv_heads, d.attn_head_dim, d.block
+    for L in d.cache_lengths:  # AR rows; a token, an empty segment, blocks past and at a block's rows
+        for lengths in _segment_lengths(d, ((1,) * 2, (1, B + 1, 0, B)), rows):
+            N, T = len(lengths), sum(lengths)
+            yield T, (t(1, T, Hq, 2 * D)[..., :D].transpose(1, 2), t(N, Hkv, L, D), t(N, Hkv, L, D),
+                      t.ids(1, T, high=L), t(1, T, Hq, 2 * D)[..., D:], t.offsets(lengths), max(lengths))
+
+
+# cache_attention over the rows' segments packed on one token axis, segment n over cache row n
+cache_attention_varlen = Op("cache_attention_varlen", _attention.cache_attention_varlen,
+                            "attention.split_kv:cache_attention_varlen", _cache_attention_varlen_calls,
+                            gpu_dtypes=HALF_DTYPES)
 
 
 # ----------------------------------------------------------------------------------- FP8

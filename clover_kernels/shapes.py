@@ -86,6 +86,11 @@ class Tensors:
         """int64 in [0, high), distinct along the last dim: expert ids, a coreset, positions."""
         return self._empty(shape, torch.int64)
 
+    def offsets(self, lengths) -> torch.Tensor:
+        """int32 [N + 1]: a varlen call's cu_seqlens, 0 and the running sums of the segments'
+        ``lengths`` (``clover_kernels.varlen``)."""
+        return self._empty((len(lengths) + 1,), torch.int32)
+
     def mask(self, *shape: int, keep: int) -> torch.Tensor:
         """bool, at least ``keep`` True along the last dim: the experts a row may route to."""
         return self._empty(shape, torch.bool)

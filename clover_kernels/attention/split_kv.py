@@ -14,26 +14,42 @@ past the largest of its rows, so a CUDA graph captured once reads the live keys 
    denominator (fp32). Slices past the live range read nothing.
 2. ``_combine_kernel``, one program per (batch row, row, query head): the log-sum-exp merge of the
    slices, times sigmoid(gate), written as [B, T, Hq * D] (the layout o_proj takes).
+
+``cache_attention_varlen``: the rows' segments packed on one token axis (``varlen.py``), the same
+two kernels with ``VARLEN``: a program's batch row is a segment (its cache row), whose queries, last
+keys and partials sit at the segment's offset of the packed axis; the merge runs as one batch row.
 """
 import torch
 import triton
 import triton.language as tl
+
+from ..gdn.common import segment
+from ..varlen import check_segments
 
 SMS = 132  # H200 streaming multiprocessors: the split count fills about two waves of programs
 MAX_SPLITS = 32
 
 
 @triton.jit
-def _split_kv_kernel(q_ptr, k_ptr, v_ptr, last_ptr, acc_ptr, m_ptr, l_ptr,
-                     T, C, G, ROWS, HKV, D, s_qb, s_qh, s_qt, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_lb, s_lt,
+def _split_kv_kernel(q_ptr, k_ptr, v_ptr, last_ptr, acc_ptr, m_ptr, l_ptr, cu_ptr,
+                     T, C, G, ROWS, HKV, D, R, s_qb, s_qh, s_qt, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_lb, s_lt,
                      scale_log2, SPLITS, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                     BLOCK_N: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    tiles = tl.cdiv(ROWS, BLOCK_M)
+    tiles = tl.cdiv(ROWS, BLOCK_M)  # varlen: ROWS = G * the longest segment
     tile = pid % tiles
     h = (pid // tiles) % HKV
-    b = (pid // tiles // HKV).to(tl.int64)
+    b = (pid // tiles // HKV).to(tl.int64)  # varlen: the segment, its cache row b
+    T_ALL = T  # the token axis' length (the partials' row stride)
+    if VARLEN:  # segment b's rows of the packed axis (q's, last's and gate's batch strides 0)
+        bos, length = segment(cu_ptr, b)
+        length = length.to(tl.int32)  # (an int64 length made r // T a 64-bit division, which spilled)
+        C = length
+        ROWS = G * length
+        T = tl.maximum(length, 1)  # (an empty segment: every row masked)
+        q_ptr += bos * s_qt
+        last_ptr += bos * s_lt
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     rm = r < ROWS
     g, t = r // T, r % T
@@ -66,8 +82,11 @@ def _split_kv_kernel(q_ptr, k_ptr, v_ptr, last_ptr, acc_ptr, m_ptr, l_ptr,
         v = tl.load(v_base + n[:, None] * s_vl + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
-    # the partials as [SPLITS, B, Hq, T] rows (hq = h * G + g); B * Hkv = programs / tiles
-    out = split * (tl.num_programs(0) // tiles) * ROWS + ((b * HKV + h) * G + g) * T + t
+    # the partials as [SPLITS, B, Hq, T] rows (R of them per split; varlen: B = 1 over the packed axis)
+    if VARLEN:
+        out = split * R + hq * T_ALL + bos + t
+    else:
+        out = split * R + (b * HKV * G + hq) * T + t
     tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=rm[:, None] & dm[None, :])
     tl.store(m_ptr + out, m_i, mask=rm)
     tl.store(l_ptr + out, l_i, mask=rm)
@@ -139,12 +158,56 @@ def cache_attention(q, k, v, last, gate, block_rows: int = 0, splits: int | None
         return out
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     _split_kv_kernel[(B * HKV * tiles, S)](
-        q, k, v, last, acc, m, l, T, T - block_rows, G, rows, HKV, D, q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1),
+        q, k, v, last, acc, m, l, last, T, T - block_rows, G, rows, HKV, D, B * HQ * T,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), last.stride(0), last.stride(1),
         1.4426950408889634 / D ** 0.5, S, DP=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
-        PREC=prec, num_warps=warps)
+        PREC=prec, VARLEN=False, num_warps=warps)
     _combine_kernel[(B * HQ * T,)](acc, m, l, gate, out, T, HQ, B * HQ * T, D, gate.stride(0), gate.stride(1),
                                    gate.stride(2), out.stride(0), out.stride(1), S, BLOCK_S=triton.next_power_of_2(S),
                                    DP=triton.next_power_of_2(D), num_warps=4)
+    return out
+
+
+def cache_attention_varlen(q, k, v, last, gate, cu_seqlens, max_seqlen: int | None = None, splits: int | None = None):
+    """Same contract as ``attention.torch.cache_attention_varlen``: the rows' segments packed on one
+    token axis (``varlen.py``), segment n's queries over cache row n. q [1, Hq, T, D] (a view of
+    [1, T, Hq, D]), k, v [N, Hkv, L, D], last [1, T], gate [1, T, Hq * D] (or its per-head view);
+    returns [1, T, Hq * D].
+
+    ``max_seqlen``: the longest segment's length, which sizes the grid (row tiles per segment);
+    None reads it from cu_seqlens (one host transfer; cu_seqlens is then checked). Given, nothing is
+    read on the host (a CUDA graph can capture the call). ``splits`` overrides ``split_count``."""
+    _, HQ, T, D = q.shape
+    N, longest = check_segments("cache_attention_varlen", q.transpose(1, 2), cu_seqlens, max_seqlen, k=k, v=v)
+    HKV, L = k.shape[1], k.shape[2]
+    if HQ % HKV or k.shape != v.shape or k.shape[-1] != D or tuple(last.shape) != (1, T):
+        raise ValueError(f"cache_attention_varlen: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"last {tuple(last.shape)}: expected Hq a multiple of Hkv, k and v alike [N, Hkv, L, {D}], "
+                         f"last [1, {T}]")
+    G = HQ // HKV
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    gate = gate.reshape(1, T, HQ, D) if gate.dim() == 3 else gate
+    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    rows = G * max(longest, 1)
+    block_m, block_n, warps = tiles_for(q.dtype, rows)
+    tiles = triton.cdiv(rows, block_m)
+    S = splits or split_count(N * HKV * tiles, L, block_n, min_split_keys(rows, tiles, q.element_size()))
+    acc = torch.empty(S, 1, HQ, T, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(S, 1, HQ, T, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    out = torch.empty(1, T, HQ * D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _split_kv_kernel[(N * HKV * tiles, S)](
+        q, k, v, last, acc, m, l, cu_seqlens, T, T, G, rows, HKV, D, HQ * T,
+        0, q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), 0, last.stride(1),
+        1.4426950408889634 / D ** 0.5, S, DP=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
+        PREC=prec, VARLEN=True, num_warps=warps)
+    # the partials are [SPLITS, 1, Hq, T] over the packed axis: the dense merge, one batch row
+    _combine_kernel[(HQ * T,)](acc, m, l, gate, out, T, HQ, HQ * T, D, gate.stride(0), gate.stride(1),
+                               gate.stride(2), out.stride(0), out.stride(1), S, BLOCK_S=triton.next_power_of_2(S),
+                               DP=triton.next_power_of_2(D), num_warps=4)
     return out

@@ -20,6 +20,10 @@ Pipeline for T committed rows (B batch, Hk key heads, Hv value heads, C conv cha
    q and k are L2-normalised where they are loaded (no normalised copies in memory); key
    heads are shared by REP = Hv // Hk consecutive value heads by index arithmetic.
 
+``gdn_commit_varlen``: rows' segments packed on one token axis (``varlen.py``), the same kernels
+with ``VARLEN``: a program's batch row is a segment (its ring's and state's row), whose tokens it
+reads from the segment's offset of the packed axis; chunks never cross a segment's edge.
+
 All decay/softmax arithmetic is fp32. Dots take ``input_precision="ieee"`` for fp32 inputs
 (bit-for-bit comparable to the reference) and tf32 otherwise (error below bf16/fp16 input
 rounding).
@@ -28,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_gdn_shapes, conv_tile, dot_precision, l2norm_rows, last_dim_contiguous
+from ..varlen import check_segments
+from .common import check_gdn_shapes, conv_tile, dot_precision, l2norm_rows, last_dim_contiguous, segment
 from .naive import check_out
 
 # rows per chunk of the chunked rule (a block of Clover is 32): at dk = dv = 128 the chunk kernels
@@ -40,12 +45,16 @@ RECURRENT_MAX_T = 1  # T at or below which the token-by-token kernel is used
 
 
 @triton.jit
-def _conv_silu_kernel(mixed_ptr, ring_ptr, cw_ptr, act_ptr, new_ring_ptr, T, C,
+def _conv_silu_kernel(mixed_ptr, ring_ptr, cw_ptr, act_ptr, new_ring_ptr, cu_ptr, T, C,
                       s_mb, s_mt, s_rb, s_rc, s_ri, s_ab, s_at, s_nb, s_nc, s_ni,
-                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr):
     pid_c = tl.program_id(0)
     pid_t = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)  # varlen: the segment (its ring's row); mixed's and act's batch strides 0
+    if VARLEN:
+        bos, T = segment(cu_ptr, b)
+        mixed_ptr += bos * s_mt
+        act_ptr += bos * s_at
     c = pid_c * BC + tl.arange(0, BC)
     cm = c < C
     t = pid_t * BT + tl.arange(0, BT)
@@ -66,14 +75,21 @@ def _conv_silu_kernel(mixed_ptr, ring_ptr, cw_ptr, act_ptr, new_ring_ptr, T, C,
 
 
 @triton.jit
-def _recurrent_kernel(act_ptr, g_ptr, beta_ptr, s0_ptr, o_ptr, sT_ptr, T,
+def _recurrent_kernel(act_ptr, g_ptr, beta_ptr, s0_ptr, o_ptr, sT_ptr, cu_ptr, T,
                       s_ab, s_at, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_ob, s_ot, s_oh,
                       HV, REP, KEY_DIM, scale,
-                      DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                      DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      VARLEN: tl.constexpr):
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // HV
+    b = pid_bh // HV  # varlen: the segment (its state's row); the token axis' batch strides 0
     h = pid_bh % HV
+    if VARLEN:
+        bos, T = segment(cu_ptr, b)
+        act_ptr += bos * s_at
+        g_ptr += bos * s_gt
+        beta_ptr += bos * s_bt
+        o_ptr += bos * s_ot
     hk = h // REP
     kr = tl.arange(0, BK)
     km = kr < DK
@@ -101,15 +117,23 @@ def _recurrent_kernel(act_ptr, g_ptr, beta_ptr, s0_ptr, o_ptr, sT_ptr, T,
 
 
 @triton.jit
-def _chunk_prep_kernel(act_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, T,
+def _chunk_prep_kernel(act_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, cu_ptr, T, T_ALL,
                        s_ab, s_at, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
                        HV, REP, KEY_DIM,
                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
-                       BT: tl.constexpr, PREC: tl.constexpr):
+                       BT: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // HV
     h = pid_bh % HV
+    if VARLEN:  # chunks of the segment past its length store nothing (every row masked)
+        bos, T = segment(cu_ptr, b)
+        act_ptr += bos * s_at
+        g_ptr += bos * s_gt
+        beta_ptr += bos * s_bt
+        scratch = h * T_ALL + bos  # the scratch [Hv, T_ALL, ...] over the packed token axis
+    else:
+        scratch = pid_bh * T  # [B * Hv, T, ...]
     hk = h // REP
     r = tl.arange(0, BT)
     t = pid_n * BT + r
@@ -141,22 +165,29 @@ def _chunk_prep_kernel(act_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, T,
     Minv = N + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     u = tl.dot(Minv, v * beta[:, None], input_precision=PREC)
     w = tl.dot(Minv, kb * tl.exp(G)[:, None], input_precision=PREC)
-    base = pid_bh * T + t  # scratch layout [B*Hv, T, ...]
+    base = scratch + t
     tl.store(u_ptr + base[:, None] * DV + vr[None, :], u, mask=tm[:, None] & vm[None, :])
     tl.store(w_ptr + base[:, None] * DK + kr[None, :], w, mask=tm[:, None] & km[None, :])
     tl.store(G_ptr + base, G, mask=tm)
 
 
 @triton.jit
-def _chunk_fwd_kernel(act_ptr, w_ptr, u_ptr, G_ptr, s0_ptr, o_ptr, sT_ptr, T,
+def _chunk_fwd_kernel(act_ptr, w_ptr, u_ptr, G_ptr, s0_ptr, o_ptr, sT_ptr, cu_ptr, T, T_ALL,
                       s_ab, s_at, s_ob, s_ot, s_oh,
                       HV, REP, KEY_DIM, scale,
                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      BT: tl.constexpr, PREC: tl.constexpr):
+                      BT: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // HV
     h = pid_bh % HV
+    if VARLEN:
+        bos, T = segment(cu_ptr, b)
+        act_ptr += bos * s_at
+        o_ptr += bos * s_ot
+        scratch = h * T_ALL + bos
+    else:
+        scratch = pid_bh * T
     hk = h // REP
     r = tl.arange(0, BT)
     kr = tl.arange(0, BK)
@@ -176,9 +207,9 @@ def _chunk_fwd_kernel(act_ptr, w_ptr, u_ptr, G_ptr, s0_ptr, o_ptr, sT_ptr, T,
         k = tl.load(rows + KEY_DIM + hk * DK + kr[None, :], mask=mk, other=0.0).to(tl.float32)
         q = l2norm_rows(q) * scale
         k = l2norm_rows(k)
-        base = pid_bh * T + t
+        base = scratch + t
         last = tl.minimum(n * BT + BT, T) - 1
-        G_last = tl.load(G_ptr + pid_bh * T + last)
+        G_last = tl.load(G_ptr + scratch + last)
         G = tl.load(G_ptr + base, mask=tm, other=0.0)
         G = tl.where(tm, G, G_last)
         w = tl.load(w_ptr + base[:, None] * DK + kr[None, :], mask=mk, other=0.0)
@@ -194,20 +225,25 @@ def _chunk_fwd_kernel(act_ptr, w_ptr, u_ptr, G_ptr, s0_ptr, o_ptr, sT_ptr, T,
     tl.store(sT_ptr + s_off, S, mask=smask)
 
 
-def conv_silu(mixed, ring, conv_weight):
-    """silu(causal_conv(mixed, ring)) [B, T, C] in mixed's dtype, and the new ring."""
+def conv_silu(mixed, ring, conv_weight, cu_seqlens=None, longest=None):
+    """silu(causal_conv(mixed, ring)) [B, T, C] in mixed's dtype, and the new ring. Varlen
+    (``cu_seqlens`` [N + 1], mixed [1, T, C], ring [N, C, K-1]): each segment over its own ring;
+    ``longest``: the longest segment's length."""
     B, T, C = mixed.shape
     K = conv_weight.shape[1]
+    rows = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     act = torch.empty(B, T, C, dtype=mixed.dtype, device=mixed.device)
-    new_ring = torch.empty(B, C, K - 1, dtype=ring.dtype, device=ring.device)
-    BT = min(16, triton.next_power_of_2(max(T, 1)))
+    new_ring = torch.empty(rows, C, K - 1, dtype=ring.dtype, device=ring.device)
+    longest = T if cu_seqlens is None else longest
+    BT = min(16, triton.next_power_of_2(max(longest, 1)))
     BC = 128
-    grid = (triton.cdiv(C, BC), max(triton.cdiv(T, BT), 1), B)
+    grid = (triton.cdiv(C, BC), max(triton.cdiv(longest, BT), 1), rows)
+    batch = 0 if cu_seqlens is not None else 1  # varlen: the token axis is not per row
     _conv_silu_kernel[grid](
-        mixed, ring, conv_weight, act, new_ring, T, C,
-        mixed.stride(0), mixed.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
-        act.stride(0), act.stride(1), new_ring.stride(0), new_ring.stride(1), new_ring.stride(2),
-        K=K, BT=BT, BC=BC, num_warps=4,
+        mixed, ring, conv_weight, act, new_ring, mixed if cu_seqlens is None else cu_seqlens, T, C,
+        mixed.stride(0) * batch, mixed.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
+        act.stride(0) * batch, act.stride(1), new_ring.stride(0), new_ring.stride(1), new_ring.stride(2),
+        K=K, BT=BT, BC=BC, VARLEN=cu_seqlens is not None, num_warps=4,
     )
     return act, new_ring
 
@@ -223,21 +259,60 @@ def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim
     for name, t in (("g", g), ("beta", beta)):
         if tuple(t.shape) != (B, T, Hv):
             raise ValueError(f"gdn_commit: {name} must be [{B}, {T}, {Hv}], got {tuple(t.shape)}")
+    if T == 0:
+        o = torch.empty(B, 0, Hv, head_v_dim, dtype=mixed.dtype, device=mixed.device) if out is None else out
+        return o, ring.clone(), state.to(torch.float32).clone()
+    return _commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim, out, chunk_size,
+                   None, T)
+
+
+def gdn_commit_varlen(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim, cu_seqlens,
+                      max_seqlen: int | None = None, out=None, chunk_size: int | None = None):
+    """The commit of N rows' segments packed on one token axis (flash-linear-attention's
+    ``cu_seqlens`` convention): segment n is tokens [cu_seqlens[n], cu_seqlens[n + 1]) of mixed
+    [1, T, C], g and beta [1, T, Hv], committed over ring[n] [C, K-1] and state[n] [Hv, dk, dv]
+    (ring [N, C, K-1], state [N, Hv, dk, dv] fp32). A segment may be empty (its ring and state
+    come back as they were). Returns (o [1, T, Hv, dv] in mixed's dtype, new ring [N, C, K-1],
+    new state [N, Hv, dk, dv] fp32), each segment's exactly what ``gdn_commit`` gives it alone
+    (reference: ``gdn.torch.gdn_commit_varlen``).
+
+    ``max_seqlen``: the longest segment's length, which sizes the grid; None reads it from
+    cu_seqlens (one host transfer; then cu_seqlens is also checked). Given, nothing is read on the
+    host (a CUDA graph can capture the call): cu_seqlens must then start at 0, not decrease and end
+    at T, and no segment may be longer than max_seqlen."""
+    N, longest = check_segments("gdn_commit_varlen", mixed, cu_seqlens, max_seqlen, ring=ring, state=state)
+    T = mixed.shape[1]
+    _, _, _, _, Hv = check_gdn_shapes("gdn_commit_varlen", mixed.expand(N, -1, -1), ring, conv_weight, state,
+                                      num_k_heads, head_k_dim, head_v_dim)
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (1, T, Hv):
+            raise ValueError(f"gdn_commit_varlen: {name} must be [1, {T}, {Hv}], got {tuple(t.shape)}")
+    return _commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim, out, chunk_size,
+                   cu_seqlens, longest)
+
+
+def _commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, dk, dv, out, chunk_size, cu_seqlens, longest):
+    """The launches of a commit: dense (``cu_seqlens`` None: B rows of T tokens) or varlen (the rows'
+    segments on one token axis, ``longest`` the longest)."""
+    B, T, C = mixed.shape
+    rows = B if cu_seqlens is None else state.shape[0]
+    Hv = state.shape[1]
+    name = "gdn_commit" if cu_seqlens is None else "gdn_commit_varlen"
     if chunk_size is None:
         chunk_size = CHUNK_SIZE_FP32 if mixed.dtype == torch.float32 else CHUNK_SIZE
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"gdn_commit: chunk_size {chunk_size} must be a power of two >= 16")
-    dk, dv = head_k_dim, head_v_dim
+        raise ValueError(f"{name}: chunk_size {chunk_size} must be a power of two >= 16")
     mixed = last_dim_contiguous(mixed)
     conv_weight = conv_weight.contiguous()
     s0 = state.to(torch.float32).contiguous()
     if out is not None:
-        check_out("gdn_commit", out, (B, T, Hv, dv), mixed.dtype)
+        check_out(name, out, (B, T, Hv, dv), mixed.dtype)
     o = torch.empty(B, T, Hv, dv, dtype=mixed.dtype, device=mixed.device) if out is None else out
     s_final = torch.empty_like(s0)
-    if T == 0:
-        return o, ring.clone(), s0.clone()
-    act, new_ring = conv_silu(mixed, ring, conv_weight)
+    act, new_ring = conv_silu(mixed, ring, conv_weight, cu_seqlens, longest)
+    varlen = cu_seqlens is not None
+    cu = cu_seqlens if varlen else mixed  # (not read by the dense kernels)
+    batch = 0 if varlen else 1  # varlen: the token axis is not per row (its batch strides 0)
     key_dim = num_k_heads * dk
     rep = Hv // num_k_heads
     BK = max(16, triton.next_power_of_2(dk))
@@ -246,33 +321,34 @@ def gdn_commit(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim
     # q, k, w tiles in registers, and to give B * Hv * dv/BV programs (256 for Hv=32, dv=128:
     # about two per SM of an H200)
     BV = min(BDV, 16 if BK >= 128 else 64)
-    grid_v = (triton.cdiv(dv, BV), B * Hv)
+    grid_v = (triton.cdiv(dv, BV), rows * Hv)
     prec = dot_precision(mixed.dtype)
-    if T <= RECURRENT_MAX_T:
+    if longest <= RECURRENT_MAX_T:
         _recurrent_kernel[grid_v](
-            act, g, beta, s0, o, s_final, T,
-            act.stride(0), act.stride(1), g.stride(0), g.stride(1), g.stride(2),
-            beta.stride(0), beta.stride(1), beta.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            act, g, beta, s0, o, s_final, cu, T,
+            act.stride(0) * batch, act.stride(1), g.stride(0) * batch, g.stride(1), g.stride(2),
+            beta.stride(0) * batch, beta.stride(1), beta.stride(2), o.stride(0) * batch, o.stride(1), o.stride(2),
             Hv, rep, key_dim, dk ** -0.5,
-            DK=dk, DV=dv, BK=BK, BV=BV, num_warps=4,
+            DK=dk, DV=dv, BK=BK, BV=BV, VARLEN=varlen, num_warps=4,
         )
         return o, new_ring, s_final
     BT = chunk_size
-    n_chunks = triton.cdiv(T, BT)
+    # scratch [B * Hv, T, ...]; varlen [Hv, T, ...] over the packed axis
     w = torch.empty(B * Hv, T, dk, dtype=torch.float32, device=mixed.device)
     u = torch.empty(B * Hv, T, dv, dtype=torch.float32, device=mixed.device)
     G = torch.empty(B * Hv, T, dtype=torch.float32, device=mixed.device)
-    _chunk_prep_kernel[(n_chunks, B * Hv)](
-        act, g, beta, w, u, G, T,
-        act.stride(0), act.stride(1), g.stride(0), g.stride(1), g.stride(2),
-        beta.stride(0), beta.stride(1), beta.stride(2),
+    warps = 8 if BK * BT >= 2048 else 4
+    _chunk_prep_kernel[(max(triton.cdiv(longest, BT), 1), rows * Hv)](
+        act, g, beta, w, u, G, cu, T, T,
+        act.stride(0) * batch, act.stride(1), g.stride(0) * batch, g.stride(1), g.stride(2),
+        beta.stride(0) * batch, beta.stride(1), beta.stride(2),
         Hv, rep, key_dim,
-        DK=dk, DV=dv, BK=BK, BDV=BDV, BT=BT, PREC=prec, num_warps=8 if BK * BT >= 2048 else 4,
+        DK=dk, DV=dv, BK=BK, BDV=BDV, BT=BT, PREC=prec, VARLEN=varlen, num_warps=warps,
     )
     _chunk_fwd_kernel[grid_v](
-        act, w, u, G, s0, o, s_final, T,
-        act.stride(0), act.stride(1), o.stride(0), o.stride(1), o.stride(2),
+        act, w, u, G, s0, o, s_final, cu, T, T,
+        act.stride(0) * batch, act.stride(1), o.stride(0) * batch, o.stride(1), o.stride(2),
         Hv, rep, key_dim, dk ** -0.5,
-        DK=dk, DV=dv, BK=BK, BV=BV, BT=BT, PREC=prec, num_warps=8 if BK * BT >= 2048 else 4,
+        DK=dk, DV=dv, BK=BK, BV=BV, BT=BT, PREC=prec, VARLEN=varlen, num_warps=warps,
     )
     return o, new_ring, s_final

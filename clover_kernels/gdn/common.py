@@ -42,6 +42,14 @@ def conv_tile(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, b, t, tm, c, cm, T,
 
 
 @triton.jit
+def segment(cu_ptr, n):
+    """Varlen segment n of a packed token axis: its first token and its length, from the
+    cu_seqlens offsets (cu_seqlens[n] and cu_seqlens[n + 1] - cu_seqlens[n])."""
+    bos = tl.load(cu_ptr + n).to(tl.int64)
+    return bos, tl.load(cu_ptr + n + 1).to(tl.int64) - bos
+
+
+@triton.jit
 def l2norm_rows(x):
     return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
 

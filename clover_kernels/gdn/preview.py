@@ -10,6 +10,10 @@ of its value dims) for the whole block of m <= 64 rows:
        history_bias + history_log_n * ln(m), softmax over [block ; history] in fp32
     -> o = p_block v + p_hist h.
 
+``gdn_preview_varlen``: rows' blocks of different lengths packed on one token axis (``varlen.py``),
+the same kernel with ``VARLEN``: a program's batch row is a block (its ring's and state's row), read
+at its offset of the packed axis, its history logit at its own length.
+
 Nothing is written but o, p_hist (by the programs of the first dv tile) and, when asked, h.
 The q/k conv is recomputed per dv tile: with dv <= 64 there is one tile, and it costs a few
 K-tap loads of data that sits in L2 otherwise.
@@ -20,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_gdn_shapes, conv_tile, dot_precision, l2norm_rows, last_dim_contiguous
+from ..varlen import check_segments
+from .common import check_gdn_shapes, conv_tile, dot_precision, l2norm_rows, last_dim_contiguous, segment
 from .naive import check_out
 
 MAX_BLOCK = 64  # the block fits one tile of rows; longer blocks run the reference
@@ -28,15 +33,23 @@ MAX_BLOCK = 64  # the block fits one tile of rows; longer blocks run the referen
 
 @triton.jit
 def _preview_kernel(mixed_ptr, ring_ptr, cw_ptr, rw_ptr, s0_ptr, bs_ptr, hb_ptr, hln_ptr,
-                    o_ptr, p_ptr, h_ptr, m, log_m,
+                    o_ptr, p_ptr, h_ptr, cu_ptr, m, log_m,
                     s_mb, s_mt, s_rb, s_rc, s_ri, s_ob, s_ot, s_oh, s_pb, s_pt, s_hb, s_ht, s_hh,
                     HV, REP, KEY_DIM, scale,
                     K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                    BV: tl.constexpr, BM: tl.constexpr, RETURN_H: tl.constexpr, PREC: tl.constexpr):
+                    BV: tl.constexpr, BM: tl.constexpr, RETURN_H: tl.constexpr, PREC: tl.constexpr,
+                    VARLEN: tl.constexpr):
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // HV
+    b = pid_bh // HV  # varlen: the block (its ring's and state's row); the token axis' batch strides 0
     h = pid_bh % HV
+    if VARLEN:  # block b's rows of the packed axis, its history logit at its own length
+        bos, m = segment(cu_ptr, b)
+        log_m = tl.log(tl.maximum(m, 1).to(tl.float32))
+        mixed_ptr += bos * s_mt
+        o_ptr += bos * s_ot
+        p_ptr += bos * s_pt
+        h_ptr += bos * s_ht
     hk = h // REP
     t = tl.arange(0, BM)
     tm = t < m
@@ -83,38 +96,75 @@ def gdn_preview(mixed, ring, conv_weight, right_weight, state, block_scale, hist
     the kernel writes o there (through its strides) and returns it."""
     B, m, C, K, Hv = check_gdn_shapes("gdn_preview", mixed, ring, conv_weight, state,
                                       num_k_heads, head_k_dim, head_v_dim)
-    if tuple(right_weight.shape) != (C, K - 1):
-        raise ValueError(f"gdn_preview: right_weight must be [{C}, {K - 1}], got {tuple(right_weight.shape)}")
-    for name, t in (("block_scale", block_scale), ("history_bias", history_bias), ("history_log_n", history_log_n)):
-        if tuple(t.shape) != (Hv,):
-            raise ValueError(f"gdn_preview: {name} must be [{Hv}], got {tuple(t.shape)}")
     if m < 1:
         raise ValueError(f"gdn_preview: empty block (m={m})")
     if m > MAX_BLOCK:  # blocks longer than one tile of rows: the reference (correct, not fast)
         from .naive import gdn_preview as reference
         return reference(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias,
                          history_log_n, num_k_heads, head_k_dim, head_v_dim, return_history, out)
-    dk, dv = head_k_dim, head_v_dim
+    return _preview(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
+                    num_k_heads, head_k_dim, head_v_dim, return_history, out, None, m)
+
+
+def gdn_preview_varlen(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
+                       num_k_heads, head_k_dim, head_v_dim, cu_seqlens, max_seqlen: int | None = None,
+                       return_history: bool = False, out=None):
+    """The previews of N rows' blocks packed on one token axis (``cu_seqlens``, ``varlen.py``):
+    block n is rows [cu_seqlens[n], cu_seqlens[n + 1]) of mixed [1, T, C], previewed over ring[n]
+    and state[n] (ring [N, C, K-1], state [N, Hv, dk, dv]), its history logit at its own length.
+    Returns (o [1, T, Hv, dv], p_hist [1, T, Hv] fp32, h [1, T, Hv, dv] fp32 or None), each block's
+    exactly what ``gdn_preview`` gives it alone (reference: ``gdn.torch.gdn_preview_varlen``).
+
+    Every block holds 1 to MAX_BLOCK rows. ``max_seqlen``: the longest block's length, which sizes
+    the row tile; None reads it from cu_seqlens (one host transfer; cu_seqlens is then checked).
+    Given, nothing is read on the host: the blocks must then be as ``max_seqlen`` promises."""
+    N, longest = check_segments("gdn_preview_varlen", mixed, cu_seqlens, max_seqlen, ring=ring, state=state)
+    if max_seqlen is None and bool((cu_seqlens[1:] == cu_seqlens[:-1]).any()):
+        raise ValueError(f"gdn_preview_varlen: cu_seqlens {cu_seqlens.tolist()} holds an empty block "
+                         f"(a preview needs at least one row)")
+    if not 1 <= longest <= MAX_BLOCK:
+        raise ValueError(f"gdn_preview_varlen: the longest block has {longest} rows, expected 1 to {MAX_BLOCK}")
+    check_gdn_shapes("gdn_preview_varlen", mixed.expand(N, -1, -1), ring, conv_weight, state,
+                     num_k_heads, head_k_dim, head_v_dim)
+    return _preview(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
+                    num_k_heads, head_k_dim, head_v_dim, return_history, out, cu_seqlens, longest)
+
+
+def _preview(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
+             num_k_heads, dk, dv, return_history, out, cu_seqlens, longest):
+    """The launch of a preview: dense (``cu_seqlens`` None: B blocks of m = ``longest`` rows) or
+    varlen (N rows' blocks on one token axis, ``longest`` the longest)."""
+    B, T, C = mixed.shape
+    K = conv_weight.shape[1]
+    varlen = cu_seqlens is not None
+    name = "gdn_preview_varlen" if varlen else "gdn_preview"
+    rows, Hv = state.shape[0], state.shape[1]
+    if tuple(right_weight.shape) != (C, K - 1):
+        raise ValueError(f"{name}: right_weight must be [{C}, {K - 1}], got {tuple(right_weight.shape)}")
+    for arg, t in (("block_scale", block_scale), ("history_bias", history_bias), ("history_log_n", history_log_n)):
+        if tuple(t.shape) != (Hv,):
+            raise ValueError(f"{name}: {arg} must be [{Hv}], got {tuple(t.shape)}")
     mixed = last_dim_contiguous(mixed)
     s0 = state.to(torch.float32).contiguous()
     if out is not None:
-        check_out("gdn_preview", out, (B, m, Hv, dv), mixed.dtype)
-    o = torch.empty(B, m, Hv, dv, dtype=mixed.dtype, device=mixed.device) if out is None else out
-    p_hist = torch.empty(B, m, Hv, dtype=torch.float32, device=mixed.device)
-    h = torch.empty(B, m, Hv, dv, dtype=torch.float32, device=mixed.device) if return_history else o
+        check_out(name, out, (B, T, Hv, dv), mixed.dtype)
+    o = torch.empty(B, T, Hv, dv, dtype=mixed.dtype, device=mixed.device) if out is None else out
+    p_hist = torch.empty(B, T, Hv, dtype=torch.float32, device=mixed.device)
+    h = torch.empty(B, T, Hv, dv, dtype=torch.float32, device=mixed.device) if return_history else o
+    batch = 0 if varlen else 1  # varlen: the token axis is not per row (its batch strides 0)
     BK = max(16, triton.next_power_of_2(dk))
     BV = min(max(16, triton.next_power_of_2(dv)), 64)
-    BM = max(16, triton.next_power_of_2(m))
-    grid = (triton.cdiv(dv, BV), B * Hv)
+    BM = max(16, triton.next_power_of_2(longest))
+    grid = (triton.cdiv(dv, BV), rows * Hv)
     _preview_kernel[grid](
         mixed, ring, conv_weight.contiguous(), right_weight.contiguous(), s0,
         block_scale.contiguous(), history_bias.contiguous(), history_log_n.contiguous(),
-        o, p_hist, h, m, math.log(m),
-        mixed.stride(0), mixed.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
-        o.stride(0), o.stride(1), o.stride(2), p_hist.stride(0), p_hist.stride(1),
-        h.stride(0), h.stride(1), h.stride(2),
+        o, p_hist, h, cu_seqlens if varlen else s0, T, math.log(max(T, 1)),
+        mixed.stride(0) * batch, mixed.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
+        o.stride(0) * batch, o.stride(1), o.stride(2), p_hist.stride(0) * batch, p_hist.stride(1),
+        h.stride(0) * batch, h.stride(1), h.stride(2),
         Hv, Hv // num_k_heads, num_k_heads * dk, dk ** -0.5,
         K=K, DK=dk, DV=dv, BK=BK, BV=BV, BM=BM, RETURN_H=return_history, PREC=dot_precision(mixed.dtype),
-        num_warps=8 if BK * BM >= 4096 else 4,  # 32 rows at dk=128 on 4 warps: fp32 spills on sm_90
+        VARLEN=varlen, num_warps=8 if BK * BM >= 4096 else 4,  # 32 rows at dk=128 on 4 warps: fp32 spills on sm_90
     )
     return o, p_hist, (h if return_history else None)

@@ -8,10 +8,12 @@ Shapes as in ``naive.py``.
 import torch
 import torch.nn.functional as F
 
+from ..varlen import check_segments, spans
 from . import naive
 from .naive import causal_conv, gdn_preview, recurrent_gated_delta_rule, split_heads
 
-__all__ = ["chunk_gated_delta_rule", "gdn_commit", "gdn_preview", "gdn_commit_blocks"]
+__all__ = ["chunk_gated_delta_rule", "gdn_commit", "gdn_preview", "gdn_commit_blocks", "gdn_commit_varlen",
+           "gdn_preview_varlen"]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64, return_chunk_states: bool = False):
@@ -103,3 +105,50 @@ def gdn_commit_blocks(mixed, conv_weight, g, beta, num_k_heads, head_k_dim, head
     idx = starts[:, None] + torch.arange(K - 1, device=mixed.device)[None]  # [nb, K-1]
     rings = padded[:, idx].permute(0, 1, 3, 2)  # [B, nb, C, K-1]
     return o.to(mixed.dtype), rings, states
+
+
+def gdn_commit_varlen(mixed, ring, conv_weight, g, beta, state, num_k_heads, head_k_dim, head_v_dim, cu_seqlens,
+                      max_seqlen=None, out=None):
+    """The commit of N rows' segments packed on one token axis (``varlen.py``): each segment
+    committed alone by ``gdn_commit`` over its own ring and state. mixed [1, T, C], g, beta
+    [1, T, Hv], ring [N, C, K-1], state [N, Hv, dk, dv], cu_seqlens [N + 1]; returns (o [1, T, Hv, dv],
+    new ring [N, C, K-1], new state [N, Hv, dk, dv] fp32). ``max_seqlen``: taken for the kernel's
+    signature (the reference reads the segments on the host)."""
+    check_segments("gdn_commit_varlen", mixed, cu_seqlens, None, ring=ring, state=state)
+    Hv = state.shape[1]
+    o = mixed.new_empty(1, mixed.shape[1], Hv, head_v_dim) if out is None else out
+    rings, states = [], []
+    for n, (b, e) in enumerate(spans(cu_seqlens)):
+        if b == e:  # an empty segment commits nothing
+            rings.append(ring[n:n + 1].clone())
+            states.append(state[n:n + 1].float().clone())
+            continue
+        _, r, st = gdn_commit(mixed[:, b:e], ring[n:n + 1], conv_weight, g[:, b:e], beta[:, b:e], state[n:n + 1],
+                              num_k_heads, head_k_dim, head_v_dim, out=o[:, b:e])
+        rings.append(r)
+        states.append(st)
+    return o, torch.cat(rings), torch.cat(states)
+
+
+def gdn_preview_varlen(mixed, ring, conv_weight, right_weight, state, block_scale, history_bias, history_log_n,
+                       num_k_heads, head_k_dim, head_v_dim, cu_seqlens, max_seqlen=None, return_history=False,
+                       out=None):
+    """The previews of N rows' blocks packed on one token axis (``varlen.py``): each block previewed
+    alone by ``gdn_preview`` over its row's ring and state (its history logit at its own length).
+    mixed [1, T, C], ring [N, C, K-1], state [N, Hv, dk, dv], cu_seqlens [N + 1], every block at least
+    one row; returns (o [1, T, Hv, dv], p_hist [1, T, Hv] fp32, h [1, T, Hv, dv] fp32 or None)."""
+    check_segments("gdn_preview_varlen", mixed, cu_seqlens, None, ring=ring, state=state)
+    T, Hv = mixed.shape[1], state.shape[1]
+    o = mixed.new_empty(1, T, Hv, head_v_dim) if out is None else out
+    p_hist = torch.empty(1, T, Hv, dtype=torch.float32, device=mixed.device)
+    h = torch.empty(1, T, Hv, head_v_dim, dtype=torch.float32, device=mixed.device) if return_history else None
+    for n, (b, e) in enumerate(spans(cu_seqlens)):
+        if b == e:
+            raise ValueError(f"gdn_preview_varlen: segment {n} is empty (a preview needs a block of at least one row)")
+        _, p, hn = gdn_preview(mixed[:, b:e], ring[n:n + 1], conv_weight, right_weight, state[n:n + 1], block_scale,
+                               history_bias, history_log_n, num_k_heads, head_k_dim, head_v_dim, return_history,
+                               out=o[:, b:e])
+        p_hist[:, b:e] = p
+        if return_history:
+            h[:, b:e] = hn
+    return o, p_hist, h

@@ -5,7 +5,7 @@ when triton is first imported (its standard library is decorated then) and when 
 decorated, so it is set here, at conftest import. In a plain ``pytest`` run this directory is
 collected before the other test modules, so that comes first. It changes nothing for code
 that does not run Triton on CPU tensors (the dispatch still sends CPU tensors to the torch
-references unless CLOVER_KERNELS=triton). If triton was already imported without the
+references unless the Triton backend is forced: ``dispatch.use_backend("triton")``). If triton was already imported without the
 interpreter (another module imported it first, e.g. through torch._dynamo), the kernels
 cannot run on CPU in this process and these tests skip, saying so.
 """
@@ -54,8 +54,12 @@ def device():
 def _no_forced_backend(monkeypatch):
     if INTERPRETER_UNAVAILABLE:
         pytest.skip(INTERPRETER_UNAVAILABLE)
-    # a CLOVER_KERNELS from the caller's shell must not change what these tests compare
-    monkeypatch.delenv("CLOVER_KERNELS", raising=False)
+    # a CLOVER_KERNELS from the caller's shell (the dispatch's default, read at import) must not
+    # change what these tests compare; a test forces a path with dispatch.use_backend
+    from clover_kernels import dispatch
+
+    with dispatch.use_backend(None):
+        yield
 
 
 def pytest_generate_tests(metafunc):

@@ -38,6 +38,11 @@ class RandomTensors(Tensors):
         rows = [torch.randperm(high, generator=self.generator)[:n] for _ in range(math.prod(lead))]
         return self._put(torch.stack(rows).reshape(shape), torch.int64)
 
+    def offsets(self, lengths):
+        from clover_kernels.varlen import offsets
+
+        return offsets(lengths, self.device)
+
     def mask(self, *shape, keep):
         mask = torch.rand(shape, generator=self.generator) < 0.5
         mask[..., :keep] = True

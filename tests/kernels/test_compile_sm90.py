@@ -35,8 +35,8 @@ _spec.loader.exec_module(compile_check)
 
 @pytest.fixture(autouse=True)
 def _no_forced_backend(monkeypatch):
-    """Replaces the kernel conftest's fixture of this name: these tests need no interpreter."""
-    monkeypatch.delenv("CLOVER_KERNELS", raising=False)
+    """Replaces the kernel conftest's fixture of this name: these tests need no interpreter (their
+    subprocesses start without CLOVER_KERNELS: ``_env``)."""
 
 
 def _env():

@@ -102,9 +102,9 @@ def test_bad_shapes_are_named():
         split_kv.cache_attention(q, k, v, last, gate)
 
 
-def test_the_op_dispatches_to_the_kernel(monkeypatch, device, close):
+def test_the_op_dispatches_to_the_kernel(device, close):
     args = _case([[5, 8]], device=device)
-    monkeypatch.setenv("CLOVER_KERNELS", "triton")
+    dispatch.set_backend("triton")  # the conftest's fixture restores the setting
     assert dispatch.backend_for("cache_attention", args[0]) == "triton"
     close(ops.cache_attention(*args), _expected(*args), torch.float32, what="op")
 
@@ -114,9 +114,7 @@ def test_static_steps_through_the_kernel_equal_the_forward(tiny_model, monkeypat
     kernel (every other op on its torch path) give the plain forward's logits."""
     from clover_lab.engine.graphs import StepGraphs
 
-    chosen = dispatch.backend_for
-    monkeypatch.setattr(dispatch, "backend_for",
-                        lambda name, *t: "triton" if name == "cache_attention" else chosen(name, *t))
+    dispatch.set_backend("triton", ops=("cache_attention",))  # the conftest's fixture restores the setting
     calls = []
     kernel = dispatch.kernel_table()["cache_attention"]
     monkeypatch.setitem(dispatch.kernel_table(), "cache_attention", lambda *a: calls.append(1) or kernel(*a))

@@ -57,12 +57,18 @@ def _leaves(x):
         yield x
 
 
-@OPS
+# the varlen ops' calls (several rows' segments each) take about 15 s in the interpreter: slow tier
+# (tests/kernels/test_kernel_varlen.py holds them on ragged lengths there too; their dispatch is fast)
+SLOW_IN_THE_INTERPRETER = {"gdn_commit_varlen", "gdn_preview_varlen", "cache_attention_varlen"}
+
+
+@pytest.mark.parametrize("op", [pytest.param(op, marks=pytest.mark.slow) if op.name in SLOW_IN_THE_INTERPRETER
+                                else op for op in ops.TABLE], ids=lambda op: op.name)
 def test_the_kernel_equals_the_reference(op, dtype, device, close, monkeypatch):
     """Each call the table describes (the 35B calls' views and options at small sizes), through the
     op with the Triton backend forced, against the reference on equal inputs: the outputs, and every
     tensor the call writes into (a coreset record, the static cache), in dtype, shape and value."""
-    monkeypatch.setenv("CLOVER_KERNELS", "triton")
+    dispatch.set_backend("triton")  # the conftest's fixture restores the setting
     ran = []
     kernel = dispatch.kernel_table()[op.name]
     monkeypatch.setitem(dispatch.kernel_table(), op.name, lambda *a, **k: ran.append(1) or kernel(*a, **k))
@@ -96,6 +102,7 @@ def rms_kernel_broken(monkeypatch):
     triton_ops._load()
     monkeypatch.setattr(dispatch, "_triton_ops", None)
     monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_decisions", {})
     return triton_ops
 
 
@@ -108,6 +115,7 @@ def test_a_kernel_that_fails_to_import_warns_once_when_needed_on_cuda(rms_kernel
         warnings.simplefilter("error")
         torch.testing.assert_close(ops.rms_norm(x, w), ref)  # CPU: the kernel is not needed
     monkeypatch.setattr(dispatch, "_on_gpu", lambda t: True)  # as if x were a CUDA tensor
+    monkeypatch.setattr(dispatch, "_decisions", {})  # (the CPU's decision was kept)
     with pytest.warns(RuntimeWarning, match=r"'rms_norm'.*clover_kernels\.norm\.rms.*torch path"):
         torch.testing.assert_close(ops.rms_norm(x, w), ref)
     with warnings.catch_warnings():
@@ -117,8 +125,8 @@ def test_a_kernel_that_fails_to_import_warns_once_when_needed_on_cuda(rms_kernel
         ops.gated_rms_norm(x, x, w)
 
 
-def test_a_missing_kernel_warns_when_the_triton_backend_is_forced(rms_kernel_broken, monkeypatch):
-    monkeypatch.setenv("CLOVER_KERNELS", "triton")
+def test_a_missing_kernel_warns_when_the_triton_backend_is_forced(rms_kernel_broken):
+    dispatch.set_backend("triton")
     x, w = torch.randn(3, 16), torch.randn(16)
     with pytest.warns(RuntimeWarning, match="'rms_norm'"):
         assert dispatch.backend_for("rms_norm", x, w) == "torch"
@@ -129,7 +137,7 @@ def test_torch_only_arguments_never_reach_the_kernel(monkeypatch):
     """moe_experts's packed (the CPU path's oneDNN weights) goes to the reference only."""
     seen = []
     monkeypatch.setitem(dispatch.kernel_table(), "moe_experts", lambda *a, **k: seen.append((len(a), k)) or a[0])
-    monkeypatch.setenv("CLOVER_KERNELS", "triton")
+    dispatch.set_backend("triton")
     x = torch.randn(2, 8)
     ids, wts = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
     gu, dn = torch.randn(1, 8, 8), torch.randn(1, 8, 4)

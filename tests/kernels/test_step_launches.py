@@ -43,16 +43,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def counts(model):
-    if not torch.cuda.is_available():
-        mp = pytest.MonkeyPatch()
-        mp.setenv("CLOVER_KERNELS", "triton")  # the kernels' interpreter run (tests/kernels/conftest.py)
-    else:
-        mp = None
-    try:
+    from clover_kernels import dispatch
+
+    # on a CPU the kernels' interpreter run (tests/kernels/conftest.py); on a GPU the device decides
+    with dispatch.use_backend(None if torch.cuda.is_available() else "triton"):
         return step_launches.count_static_steps(model, outputs=OUTPUTS)
-    finally:
-        if mp is not None:
-            mp.undo()
 
 
 def test_static_steps_through_the_kernels_equal_the_torch_path(model, counts):
