@@ -17,6 +17,7 @@ README's pictures (dashboard.png, patching.png, logit_lens.png, features.png) go
 
     CLOVER_LAB_SCREENSHOTS=1 python -m pytest -q tests/test_browser.py
 """
+import importlib.util
 import os
 import shutil
 import socket
@@ -41,6 +42,13 @@ README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
 # notebooks whose views watch a generation live (their content must change while it runs: their
 # figures' drawn marks, grids and tables, polled every 150 ms); 01: its dashboard test
 LIVE = {"02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed"}
+# the kernels run the notebooks' shorter versions (every cell, smaller sweeps; docs/notebooks.md says
+# which), unless CLOVER_LAB_NOTEBOOK_QUICK is set already (=0: the full notebooks) or the notebooks
+# are saved for the documentation (full size)
+# CLOVER_LAB_EXECUTED_DIR=DIR: each notebook as the page holds it after Run All is saved into DIR, every
+# view and figure as its picture (notebooks/execute.py --browser: the documentation's notebook pages)
+EXECUTED_DIR = os.environ.get("CLOVER_LAB_EXECUTED_DIR")
+QUICK = {"CLOVER_LAB_NOTEBOOK_QUICK": os.environ.get("CLOVER_LAB_NOTEBOOK_QUICK", "0" if EXECUTED_DIR else "1")}
 
 # where this skips, tests/test_notebooks.py runs every notebook headless instead (browser_runs.py)
 NO_BROWSER = why_no_browser()
@@ -50,6 +58,10 @@ pytestmark = [
 ]
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+
+_spec = importlib.util.spec_from_file_location("execute_notebooks", ROOT / "notebooks" / "execute.py")
+execute = importlib.util.module_from_spec(_spec)  # what an executed notebook keeps (notebooks/execute.py)
+_spec.loader.exec_module(execute)
 
 
 def _free_port() -> int:
@@ -69,7 +81,8 @@ def lab(tmp_path_factory):
     for notebook in NOTEBOOKS:
         shutil.copy(notebook, root / notebook.name)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"))
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+               **QUICK)
     # no "get notified about Jupyter news?" toast over the screenshots
     news = tmp / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
     news.parent.mkdir(parents=True)
@@ -254,6 +267,39 @@ def check_outputs(page, notebook: Path) -> None:
     assert not clipped, f"{notebook.name}: " + "; ".join(clipped[:8])
 
 
+# each code cell's outputs in the page marked with their place in the notebook's model
+# (data-clover-output="cell-output"); returns the model as nbformat JSON, outputs included
+MARK_OUTPUTS = """() => { const panel = window.jupyterapp.shell.currentWidget;
+  panel.content.widgets.forEach((cell, i) => { if (cell.model.type !== 'code') return;
+    cell.outputArea.widgets.forEach((w, j) => {
+      const out = w.node.querySelector('.jp-OutputArea-output') || w.node;
+      out.setAttribute('data-clover-output', `${i}-${j}`); }); });
+  return panel.content.model.toJSON(); }"""
+
+
+def save_executed(page, notebook: Path, tmp_path: Path) -> None:
+    """With CLOVER_LAB_EXECUTED_DIR: the notebook as the page holds it now, every output a static page
+    cannot draw (a view, a plotly figure) replaced by its picture, saved as DIR/NAME (atomically;
+    notebooks/execute.py strips what differs between two runs of the same code)."""
+    if not EXECUTED_DIR:
+        return
+    import nbformat
+
+    assert QUICK["CLOVER_LAB_NOTEBOOK_QUICK"] == "0", "the documentation's notebooks are the full ones: unset CLOVER_LAB_NOTEBOOK_QUICK"
+    nb = nbformat.from_dict(page.evaluate(MARK_OUTPUTS))
+    pictures = {}
+    for i, cell in enumerate(nb.cells):
+        for j, output in enumerate(cell.get("outputs", [])):
+            if execute.drawn_only_in_a_page(output):
+                element = page.locator(f'[data-clover-output="{i}-{j}"]')
+                shot = tmp_path / f"output-{i}-{j}.png"
+                photograph(page, element, shot, min_bytes=1_000)
+                pictures[i, j] = shot.read_bytes()
+    nb = execute.strip_volatile(execute.with_pictures(nb, pictures))
+    nbformat.validate(nb)
+    execute.save(nb, Path(EXECUTED_DIR) / notebook.name)
+
+
 def photograph_everything(page, folder: Path, name: str) -> list[Path]:
     """Every view and every figure outside a view, in notebook order."""
     paths = []
@@ -285,6 +331,7 @@ def test_notebook_in_jupyterlab(lab, page, tmp_path, notebook):
     assert not undrawn_views(page), f"{notebook.name}: views with empty figures: {undrawn_views(page)}"
     folder = shots_dir(tmp_path, notebook.stem)
     photograph_everything(page, folder, notebook.stem)  # 07 shows plain figures (fig.show()), not widgets
+    save_executed(page, notebook, tmp_path)
     readme = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else folder
     for selector, file in README_SHOTS.get(notebook.stem, []):
         view = page.locator(selector).first
@@ -310,6 +357,7 @@ def test_dashboard_in_jupyterlab(lab, page, tmp_path):
     # plotly figures rendered (FigureWidget via anywidget): speed x3, experts x3, memory x3
     page.wait_for_function("() => document.querySelectorAll('.clover-dashboard .js-plotly-plot').length >= 9",
                            timeout=60_000)
+    save_executed(page, notebook, tmp_path)  # as Run All left it, before the clicks below
     # a code model: the prompt goes in as plain text, not as a chat message
     assert not dash.locator(".widget-checkbox input").first.is_checked()
 
