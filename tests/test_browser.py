@@ -198,7 +198,7 @@ WATCH_VIEWS = """() => {
     cells.forEach((cell, i) => { const p = cell.node.querySelector('.jp-InputPrompt');
       const text = p ? p.textContent : '';
       if (text.includes('*')) running.add(i);
-      else if (running.has(i) && /\d/.test(text) && !(i in window.__cellDone)) window.__cellDone[i] = now; });
+      else if (running.has(i) && /[0-9]/.test(text) && !(i in window.__cellDone)) window.__cellDone[i] = now; });
   };
   const record_all = () => { record(); timing(); };
   window.__cloverWatch = new MutationObserver(record_all);
