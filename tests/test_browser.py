@@ -278,7 +278,7 @@ FIRST_RUN_CELL = """() => window.jupyterapp.shell.currentWidget.content.widgets
 def first_view_saw_its_run(page, notebook: Path) -> None:
     """The notebook's first view drew its first frame before the cell of its first run ended (in the
     page's time: Run All had reached that cell while the page still loaded plotly, and the run ended
-    before its view was drawn, 2-14 s later)."""
+    before its view was drawn)."""
     cell = page.evaluate(FIRST_RUN_CELL)
     assert cell >= 0, f"{notebook.name}: no cell awaits its view's first draw (view.drawn())"
     drawn, done = page.evaluate(f"() => [window.__firstViewDrawn, window.__cellDone[{cell}]]")

@@ -233,7 +233,7 @@ class Dashboard:
         self.status.value = text
 
     # ---------------------------------------------------------------- display, export, close
-    async def drawn(self, timeout: float = 60.0, page: float = 5.0) -> bool:
+    async def drawn(self, timeout: float = 15.0, page: float = 5.0) -> bool:
         """``await dash.drawn()``: every view's figures drawn by a page (see ``View.drawn``)."""
         from clover_lab.widgets.figure import figures_drawn
 

@@ -169,13 +169,15 @@ def figures_in(widget) -> list[Figure]:
     return found
 
 
-async def figures_drawn(widget, timeout: float = 60.0, page: float = 5.0) -> bool:
+async def figures_drawn(widget, timeout: float = 15.0, page: float = 5.0) -> bool:
     """Wait until a page has drawn every figure in ``widget``'s tree: True once it has; False when
     no page took the figures within ``page`` seconds (a headless run: nbclient draws nothing) or they
     were not all drawn within ``timeout``. The page's messages reach the kernel only while the
     cell awaits (an ``await`` in the cell: ipykernel then dispatches them; a blocking wait would
-    hold them until the cell ends). A page parses plotly.js once, 2-14 s after its first view
-    appears (measured in Chromium, by load): a run started before then ends before it is seen."""
+    hold them until the cell ends). A page parses plotly.js once, when its first view appears
+    (seconds on a busy machine): a short run started meanwhile ends before it is seen. A page that
+    holds the figures but never draws them (a front end that renders only the cells in view) costs
+    ``timeout`` seconds, not a hang."""
     import asyncio
 
     figures = figures_in(widget)
