@@ -328,7 +328,16 @@ def save_executed(page, notebook: Path, tmp_path: Path) -> None:
     import nbformat
 
     assert QUICK["CLOVER_LAB_NOTEBOOK_QUICK"] == "0", "the documentation's notebooks are the full ones: unset CLOVER_LAB_NOTEBOOK_QUICK"
-    nb = nbformat.from_dict(page.evaluate(MARK_OUTPUTS))
+    # the repository's notebook with the page's outputs: JupyterLab's own JSON adds fields of its own
+    # (a markdown cell's "attachments": null fails nbformat's schema)
+    held = page.evaluate(MARK_OUTPUTS)["cells"]
+    nb = nbformat.read(notebook, as_version=4)
+    assert [c["source"] if isinstance(c["source"], str) else "".join(c["source"]) for c in held] == \
+        [c.source for c in nb.cells], f"{notebook.name}: the page holds other cells than the file"
+    for cell, shown in zip(nb.cells, held):
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.from_dict(o) for o in shown.get("outputs", [])]
+            cell.execution_count = shown.get("execution_count")
     pictures = {}
     for i, cell in enumerate(nb.cells):
         for j, output in enumerate(cell.get("outputs", [])):
