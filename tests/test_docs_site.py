@@ -101,9 +101,10 @@ def test_a_notebook_page_is_its_executed_copy_only_while_the_copy_is_current(tmp
         (tmp_path / source.name).write_text(json.dumps(nb))
     monkeypatch.setenv(hook.EXECUTED, str(tmp_path))
     files = hook.on_files(Files([]), config)
-    pages = {f.src_uri: f.abs_src_path for f in files if f.src_uri.startswith("notebooks/")}
-    assert pages and all(Path(p).parent == tmp_path for p in pages.values())
-    assert pages["notebooks/04_gdn_memory.ipynb"] == str(tmp_path / "04_gdn_memory.ipynb")
+    pages = {f.src_uri: Path(f.abs_src_path) for f in files if f.src_uri.startswith("notebooks/")}
+    assert len(pages) == len(list((REPO / "notebooks").glob("*.ipynb")))
+    for uri, page in pages.items():  # what the page is rendered from: the executed copy's content
+        assert page.read_text() == (tmp_path / Path(uri).name).read_text(), uri
 
     stale = json.loads((tmp_path / "04_gdn_memory.ipynb").read_text())
     stale["cells"][3]["source"] = "an older version of the cell"
@@ -117,3 +118,6 @@ def test_a_notebook_page_is_its_executed_copy_only_while_the_copy_is_current(tmp
     monkeypatch.delenv(hook.EXECUTED)  # without it: the repository's notebooks
     files = hook.on_files(Files([]), config)
     assert all(Path(f.abs_src_path).parent == REPO / "notebooks" for f in files if f.src_uri.startswith("notebooks/"))
+    staged = [p.parent.parent for p in pages.values()]
+    hook.on_shutdown()  # a build's end removes its staged copies
+    assert not any(p.exists() for p in staged)

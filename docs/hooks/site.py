@@ -21,6 +21,8 @@ import importlib.util
 import json
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
@@ -39,6 +41,12 @@ ARGUMENT = re.compile(r'\s*"([^"]*)"\s*(?:,|$)')
 
 
 EXECUTED = "CLOVER_LAB_EXECUTED_NOTEBOOKS"
+STAGED: list[Path] = []  # this build's folders of executed copies, removed when it ends
+
+
+def on_shutdown():
+    while STAGED:
+        shutil.rmtree(STAGED.pop(), ignore_errors=True)
 
 
 def cell_sources(path: Path) -> list[tuple[str, str]]:
@@ -64,13 +72,18 @@ def executed_copy(source: Path, folder: Path) -> Path:
 @event_priority(100)  # before mkdocs-jupyter's on_files, which claims the notebooks among the files
 def on_files(files, config):
     executed = os.environ.get(EXECUTED)
+    if executed:  # the same pages, read from the executed copies: staged as notebooks/NAME under a folder of
+        # their own (mkdocs-jupyter's wrapper of a File finds its source by src_dir and src_uri alone)
+        staged = Path(tempfile.mkdtemp(prefix="clover-lab-site-"))
+        STAGED.append(staged)
+        (staged / "notebooks").mkdir()
+        for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+            shutil.copyfile(executed_copy(path, Path(executed).resolve()), staged / "notebooks" / path.name)
     for folder, pattern in FROM_REPOSITORY.items():
         for path in sorted((ROOT / folder).glob(pattern)):
-            file = File(f"{folder}/{path.name}", src_dir=str(ROOT), dest_dir=config["site_dir"],
-                        use_directory_urls=config["use_directory_urls"])
-            if folder == "notebooks" and executed:  # the same page, read from the executed copy
-                file.abs_src_path = str(executed_copy(path, Path(executed).resolve()))
-            files.append(file)
+            src = staged if folder == "notebooks" and executed else ROOT
+            files.append(File(f"{folder}/{path.name}", src_dir=str(src), dest_dir=config["site_dir"],
+                              use_directory_urls=config["use_directory_urls"]))
     return files
 
 
