@@ -6,6 +6,7 @@ open), Run All, and what a reader needs checked:
 - no error and no stderr output in any cell;
 - live views redraw while a generation runs (their content changes several times before the
   notebook is done), and the dashboard's Generate button starts a run that lands in its views;
+- the first run of 01 and 03 is seen live: its view drawn before the run's cell ends;
 - every widget and figure is photographed after scrolling it into view inside JupyterLab's own
   panel (the viewport made as tall as the element first, so that the picture is not clipped), and
   no legend is clipped: each plotly legend's box, and every legend entry's text, lies within its
@@ -16,6 +17,10 @@ per notebook), so that a test run leaves the work tree clean; with CLOVER_LAB_SC
 README's pictures (dashboard.png, patching.png, logit_lens.png, features.png) go to assets/ instead:
 
     CLOVER_LAB_SCREENSHOTS=1 python -m pytest -q tests/test_browser.py
+
+The kernels run the notebooks' shorter versions (CLOVER_LAB_NOTEBOOK_QUICK=1). With
+CLOVER_LAB_EXECUTED_DIR=DIR each notebook is saved from the page into DIR, full size, every view as
+its picture: the documentation's pages (notebooks/execute.py --browser).
 """
 import importlib.util
 import os
