@@ -3,6 +3,7 @@
     python notebooks/execute.py                      # every notebook, written back in place
     python notebooks/execute.py --out site_nb 04 06  # notebooks 04 and 06, written to site_nb/
     python notebooks/execute.py --pictures docs/images/notebooks   # also the widgets' pictures
+    python notebooks/execute.py --browser --out build/notebooks     # Run All in JupyterLab: the site's pages
 
 Each notebook runs top to bottom in a fresh python3 kernel started in notebooks/ (as a reader's
 would), with the same seeds every time (a first cell, removed again before saving, seeds python's
@@ -20,8 +21,16 @@ and each file is replaced atomically (clover_lab/writes.py).
 chromium at about 1000 px of notebook width) with CLOVER_LAB_SHOTS_DIR=DIR: one folder per notebook
 holding every view and figure it drew, the pictures the docs show beside the executed notebooks.
 
-Notebooks are committed WITHOUT outputs (tests/test_notebooks.py checks it): write the executed
-copies for the docs with ``--out``, or run this on a checkout made for publishing.
+``--browser --out DIR`` executes them the way a reader does instead: the browser tier opens each in
+JupyterLab in Chromium, Run All (full size: CLOVER_LAB_NOTEBOOK_QUICK=0), and saves what the page holds
+into DIR (CLOVER_LAB_EXECUTED_DIR), every view and plotly figure replaced by its picture as drawn
+there (a static page has no kernel to draw a widget from): the documentation site's notebook pages
+(``CLOVER_LAB_EXECUTED_NOTEBOOKS=DIR mkdocs build``; docs/hooks/site.py refuses a copy whose cells
+are not the repository's).
+
+Notebooks are committed WITHOUT outputs (tests/test_notebooks.py checks it): outputs would be
+rewritten by every run (timings), go stale with every edit of the code, and collide in every merge;
+write the executed copies for the docs with ``--out``.
 """
 from __future__ import annotations
 
@@ -89,12 +98,52 @@ def strip_volatile(nb):
     return nb
 
 
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def drawn_only_in_a_page(output) -> bool:
+    """An output a static page cannot draw from the file: a widget (its state is not saved) or a
+    plotly figure's JSON (drawn by JupyterLab's plotly renderer)."""
+    data = output.get("data") or {}
+    return WIDGET_VIEW in data or PLOTLY in data
+
+
+def with_pictures(nb, pictures: dict):
+    """``nb`` (in place; returned) with every output :func:`drawn_only_in_a_page` replaced by its picture
+    as the page drew it: ``pictures[(cell index, output index)]`` is its PNG. The output keeps its
+    text form beside the picture; one without a picture raises ValueError naming its cell."""
+    import base64
+
+    for i, cell in enumerate(nb.cells):
+        for j, output in enumerate(cell.get("outputs", [])):
+            if not drawn_only_in_a_page(output):
+                continue
+            if (i, j) not in pictures:
+                raise ValueError(f"cell {i}, output {j}: a view or figure with no picture of it")
+            text = output["data"].get("text/plain", "a view: run the notebook to use it")
+            output["data"] = {"image/png": base64.b64encode(pictures[i, j]).decode("ascii"), "text/plain": text}
+            output["metadata"] = {}
+    return nb
+
+
 def save(nb, target: Path) -> None:
     import nbformat
 
     from clover_lab.writes import write_text
 
     write_text(target, nbformat.writes(nb) + "\n")
+
+
+def in_the_browser(folder: Path, names: list[str]) -> int:
+    """Every notebook (or those named) Run All in JupyterLab by the browser tier, full size
+    (CLOVER_LAB_NOTEBOOK_QUICK=0), saved into ``folder`` with its outputs and each view's picture."""
+    env = dict(os.environ, CLOVER_LAB_EXECUTED_DIR=str(folder.resolve()), CLOVER_LAB_NOTEBOOK_QUICK="0",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # notebook 01 is the dashboard's test; the others are parametrized by their name
+    pick = ["-k", " or ".join("dashboard_in_jupyterlab" if p.stem == "01_quickstart" else p.stem
+                              for p in notebooks(names))] if names else []
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "slow", "-p", "no:cacheprovider",
+                            str(ROOT / "tests" / "test_browser.py"), *pick], cwd=ROOT, env=env)
 
 
 def pictures(folder: Path) -> int:
@@ -110,10 +159,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="write the executed notebooks here (default: over the sources)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds a cell may take (default 600)")
     ap.add_argument("--pictures", type=Path, help="also photograph every view in Chromium, into this folder")
+    ap.add_argument("--browser", action="store_true",
+                    help="Run All in JupyterLab in Chromium instead (the browser tier), views saved as their pictures; "
+                         "needs --out")
     args = ap.parse_args(argv)
     chosen = notebooks(args.names)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
+    if args.browser:
+        if not args.out:
+            ap.error("--browser writes the executed notebooks to --out DIR (the sources stay without outputs)")
+        return in_the_browser(args.out, args.names)
     total = time.perf_counter()
     for path in chosen:
         start = time.perf_counter()

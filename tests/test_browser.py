@@ -6,6 +6,7 @@ open), Run All, and what a reader needs checked:
 - no error and no stderr output in any cell;
 - live views redraw while a generation runs (their content changes several times before the
   notebook is done), and the dashboard's Generate button starts a run that lands in its views;
+- the first run of 01 and 03 is seen live: its view drawn before the run's cell ends;
 - every widget and figure is photographed after scrolling it into view inside JupyterLab's own
   panel (the viewport made as tall as the element first, so that the picture is not clipped), and
   no legend is clipped: each plotly legend's box, and every legend entry's text, lies within its
@@ -16,7 +17,12 @@ per notebook), so that a test run leaves the work tree clean; with CLOVER_LAB_SC
 README's pictures (dashboard.png, patching.png, logit_lens.png, features.png) go to assets/ instead:
 
     CLOVER_LAB_SCREENSHOTS=1 python -m pytest -q tests/test_browser.py
+
+The kernels run the notebooks' shorter versions (CLOVER_LAB_NOTEBOOK_QUICK=1). With
+CLOVER_LAB_EXECUTED_DIR=DIR each notebook is saved from the page into DIR, full size, every view as
+its picture: the documentation's pages (notebooks/execute.py --browser).
 """
+import importlib.util
 import os
 import shutil
 import socket
@@ -41,6 +47,17 @@ README_SHOTS = {"01_quickstart": [(".clover-dashboard", "dashboard.png")],
 # notebooks whose views watch a generation live (their content must change while it runs: their
 # figures' drawn marks, grids and tables, polled every 150 ms); 01: its dashboard test
 LIVE = {"02_denoising", "03_expert_routing", "04_gdn_memory", "05_speed"}
+# notebooks whose first run is short and starts in the cell after its view's: Run All reached it
+# while the page was still loading plotly, and the run ended before its view was first drawn (the
+# cell now awaits view.drawn())
+FIRST_RUN_SEEN = {"01_quickstart", "03_expert_routing"}
+# the kernels run the notebooks' shorter versions (every cell, smaller sweeps; docs/notebooks.md says
+# which), unless CLOVER_LAB_NOTEBOOK_QUICK is set already (=0: the full notebooks) or the notebooks
+# are saved for the documentation (full size)
+# CLOVER_LAB_EXECUTED_DIR=DIR: each notebook as the page holds it after Run All is saved into DIR, every
+# view and figure as its picture (notebooks/execute.py --browser: the documentation's notebook pages)
+EXECUTED_DIR = os.environ.get("CLOVER_LAB_EXECUTED_DIR")
+QUICK = {"CLOVER_LAB_NOTEBOOK_QUICK": os.environ.get("CLOVER_LAB_NOTEBOOK_QUICK", "0" if EXECUTED_DIR else "1")}
 
 # where this skips, tests/test_notebooks.py runs every notebook headless instead (browser_runs.py)
 NO_BROWSER = why_no_browser()
@@ -50,6 +67,10 @@ pytestmark = [
 ]
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+
+_spec = importlib.util.spec_from_file_location("execute_notebooks", ROOT / "notebooks" / "execute.py")
+execute = importlib.util.module_from_spec(_spec)  # what an executed notebook keeps (notebooks/execute.py)
+_spec.loader.exec_module(execute)
 
 
 def _free_port() -> int:
@@ -69,7 +90,8 @@ def lab(tmp_path_factory):
     for notebook in NOTEBOOKS:
         shutil.copy(notebook, root / notebook.name)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"))
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+               **QUICK)
     # no "get notified about Jupyter news?" toast over the screenshots
     news = tmp / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
     news.parent.mkdir(parents=True)
@@ -167,11 +189,30 @@ WATCH_VIEWS = """() => {
     states.get(v).add(h);
   });
   window.__cloverViewStates = states;
-  window.__cloverWatch = new MutationObserver(record);
+  // when the first view's first figure was first drawn, and when each code cell finished (its prompt
+  // went from [*] to a number): a run is seen live when its view was drawn before its cell ended
+  const cells = window.jupyterapp.shell.currentWidget.content.widgets;
+  window.__cellDone = {};
+  window.__firstViewDrawn = null;
+  const running = new Set();
+  const timing = () => {
+    const now = performance.now();
+    const first = document.querySelector('.clover-view .js-plotly-plot');  // the first view's first figure
+    if (window.__firstViewDrawn === null && first && [...first.querySelectorAll('.trace path, .hm image')]
+        .some(e => e.tagName === 'image' || (e.getAttribute('d') || '').length > 2)) window.__firstViewDrawn = now;
+    cells.forEach((cell, i) => { const p = cell.node.querySelector('.jp-InputPrompt');
+      const text = p ? p.textContent : '';
+      if (text.includes('*')) running.add(i);
+      else if (running.has(i) && /[0-9]/.test(text) && !(i in window.__cellDone)) window.__cellDone[i] = now; });
+  };
+  const record_all = () => { record(); timing(); };
+  window.__cloverWatch = new MutationObserver(record_all);
   window.__cloverWatch.observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true});
+  timing();
 }"""
+# per view in the page's order (the notebook's): how many states it showed
 VIEW_STATE_COUNTS = """() => { window.__cloverWatch.disconnect();
-  return [...window.__cloverViewStates.values()].map(s => s.size); }"""
+  return [...document.querySelectorAll('.clover-view')].map(v => (window.__cloverViewStates.get(v) || new Set()).size); }"""
 
 # every plotly legend (and every entry's text) against its figure's box, in page pixels
 CLIPPED_LEGENDS = """() => {
@@ -214,9 +255,9 @@ def undrawn_views(page) -> list[str]:
     return [v for v, n in views.items() if n == 0]
 
 
-def run_all(page, lab, notebook: Path, watch_live: bool) -> int:
-    """Open ``notebook`` in JupyterLab, Run All and wait for every cell; returns how many times the
-    most changing view redrew meanwhile (0 when not watched). Fails on any traceback."""
+def run_all(page, lab, notebook: Path, watch_live: bool) -> list[int]:
+    """Open ``notebook`` in JupyterLab, Run All and wait for every cell; returns how many states each
+    view showed meanwhile, in the notebook's order (empty when not watched). Fails on any traceback."""
     page.goto(f"{lab}/lab/tree/{notebook.name}?reset")  # ?reset: not the tabs the last test left open
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     page.wait_for_function(KERNEL_IDLE, timeout=90_000)
@@ -231,7 +272,26 @@ def run_all(page, lab, notebook: Path, watch_live: bool) -> int:
         page.wait_for_timeout(150)
     tracebacks = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']").all_inner_texts()
     assert not tracebacks, tracebacks[0][-2000:]
-    return max(page.evaluate(VIEW_STATE_COUNTS), default=0) if watch_live else 0
+    return page.evaluate(VIEW_STATE_COUNTS) if watch_live else []
+
+
+# the code cell of the notebook's first run: the one that awaits its view's first draw
+FIRST_RUN_CELL = """() => window.jupyterapp.shell.currentWidget.content.widgets
+    .findIndex(c => c.model.type === 'code' && c.model.sharedModel.getSource().includes('.drawn()'))"""
+
+
+def first_view_saw_its_run(page, notebook: Path) -> None:
+    """The notebook's first view drew its first frame before the cell of its first run ended (in the
+    page's time: Run All had reached that cell while the page still loaded plotly, and the run ended
+    before its view was drawn)."""
+    cell = page.evaluate(FIRST_RUN_CELL)
+    assert cell >= 0, f"{notebook.name}: no cell awaits its view's first draw (view.drawn())"
+    drawn, done = page.evaluate(f"() => [window.__firstViewDrawn, window.__cellDone[{cell}]]")
+    assert done is not None, f"{notebook.name}: cell {cell}'s end was not seen"
+    assert drawn is not None and drawn < done, (
+        f"{notebook.name}: the first view was drawn {'never' if drawn is None else f'{(drawn - done) / 1000:.2f} s after'} "
+        f"its run's cell {cell} ended")
+    print(f"{notebook.name}: the first view drawn {(done - drawn) / 1000:.2f} s before cell {cell} (its run) ended")
 
 
 def photograph(page, element, path: Path, min_bytes: int = 3_000) -> None:
@@ -252,6 +312,48 @@ def check_outputs(page, notebook: Path) -> None:
     assert not stderr, f"{notebook.name} wrote to stderr: {stderr[0][:1000]}"
     clipped = page.evaluate(CLIPPED_LEGENDS)
     assert not clipped, f"{notebook.name}: " + "; ".join(clipped[:8])
+
+
+# each code cell's outputs in the page marked with their place in the notebook's model
+# (data-clover-output="cell-output"); returns the model as nbformat JSON, outputs included
+MARK_OUTPUTS = """() => { const panel = window.jupyterapp.shell.currentWidget;
+  panel.content.widgets.forEach((cell, i) => { if (cell.model.type !== 'code') return;
+    cell.outputArea.widgets.forEach((w, j) => {
+      const out = w.node.querySelector('.jp-OutputArea-output') || w.node;
+      out.setAttribute('data-clover-output', `${i}-${j}`); }); });
+  return panel.content.model.toJSON(); }"""
+
+
+def save_executed(page, notebook: Path, tmp_path: Path) -> None:
+    """With CLOVER_LAB_EXECUTED_DIR: the notebook as the page holds it now, every output a static page
+    cannot draw (a view, a plotly figure) replaced by its picture, saved as DIR/NAME (atomically;
+    notebooks/execute.py strips what differs between two runs of the same code)."""
+    if not EXECUTED_DIR:
+        return
+    import nbformat
+
+    assert QUICK["CLOVER_LAB_NOTEBOOK_QUICK"] == "0", "the documentation's notebooks are the full ones: unset CLOVER_LAB_NOTEBOOK_QUICK"
+    # the repository's notebook with the page's outputs: JupyterLab's own JSON adds fields of its own
+    # (a markdown cell's "attachments": null fails nbformat's schema)
+    held = page.evaluate(MARK_OUTPUTS)["cells"]
+    nb = nbformat.read(notebook, as_version=4)
+    assert [c["source"] if isinstance(c["source"], str) else "".join(c["source"]) for c in held] == \
+        [c.source for c in nb.cells], f"{notebook.name}: the page holds other cells than the file"
+    for cell, shown in zip(nb.cells, held):
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.from_dict(o) for o in shown.get("outputs", [])]
+            cell.execution_count = shown.get("execution_count")
+    pictures = {}
+    for i, cell in enumerate(nb.cells):
+        for j, output in enumerate(cell.get("outputs", [])):
+            if execute.drawn_only_in_a_page(output):
+                element = page.locator(f'[data-clover-output="{i}-{j}"]')
+                shot = tmp_path / f"output-{i}-{j}.png"
+                photograph(page, element, shot, min_bytes=1_000)
+                pictures[i, j] = shot.read_bytes()
+    nb = execute.strip_volatile(execute.with_pictures(nb, pictures))
+    nbformat.validate(nb)
+    execute.save(nb, Path(EXECUTED_DIR) / notebook.name)
 
 
 def photograph_everything(page, folder: Path, name: str) -> list[Path]:
@@ -276,15 +378,18 @@ def photograph_everything(page, folder: Path, name: str) -> list[Path]:
 
 @pytest.mark.parametrize("notebook", [n for n in NOTEBOOKS if n.stem != "01_quickstart"], ids=lambda p: p.stem)
 def test_notebook_in_jupyterlab(lab, page, tmp_path, notebook):
-    redraws = run_all(page, lab, notebook, watch_live=notebook.stem in LIVE)
+    states = run_all(page, lab, notebook, watch_live=notebook.stem in LIVE | FIRST_RUN_SEEN)
     if notebook.stem in LIVE:
-        assert redraws >= 3, f"{notebook.name}: no view redrew while the generation ran ({redraws} states)"
+        assert max(states, default=0) >= 3, f"{notebook.name}: no view redrew while the generation ran ({states} states)"
+    if notebook.stem in FIRST_RUN_SEEN:
+        first_view_saw_its_run(page, notebook)
     # after Run All every view is still on screen with its figure (detaching closes nothing)
     page.wait_for_timeout(1000)
     check_outputs(page, notebook)
     assert not undrawn_views(page), f"{notebook.name}: views with empty figures: {undrawn_views(page)}"
     folder = shots_dir(tmp_path, notebook.stem)
     photograph_everything(page, folder, notebook.stem)  # 07 shows plain figures (fig.show()), not widgets
+    save_executed(page, notebook, tmp_path)
     readme = ROOT / "assets" if os.environ.get("CLOVER_LAB_SCREENSHOTS") == "1" else folder
     for selector, file in README_SHOTS.get(notebook.stem, []):
         view = page.locator(selector).first
@@ -294,9 +399,10 @@ def test_notebook_in_jupyterlab(lab, page, tmp_path, notebook):
 
 def test_dashboard_in_jupyterlab(lab, page, tmp_path):
     notebook = ROOT / "notebooks" / "01_quickstart.ipynb"
-    # its live check is the run started from the browser below (Run All's first generation can end
-    # before the first poll: 0 states were seen on a 2-core machine)
-    run_all(page, lab, notebook, watch_live=False)
+    # Run All's first generation is seen live (its cell awaits the dashboard's first draw), and the
+    # run started from the browser below too
+    run_all(page, lab, notebook, watch_live=True)
+    first_view_saw_its_run(page, notebook)
 
     dash = page.locator(".clover-dashboard").first
     dash.wait_for(timeout=60_000)
@@ -310,6 +416,7 @@ def test_dashboard_in_jupyterlab(lab, page, tmp_path):
     # plotly figures rendered (FigureWidget via anywidget): speed x3, experts x3, memory x3
     page.wait_for_function("() => document.querySelectorAll('.clover-dashboard .js-plotly-plot').length >= 9",
                            timeout=60_000)
+    save_executed(page, notebook, tmp_path)  # as Run All left it, before the clicks below
     # a code model: the prompt goes in as plain text, not as a chat message
     assert not dash.locator(".widget-checkbox input").first.is_checked()
 

@@ -71,3 +71,53 @@ def test_the_site_builds_strictly(tmp_path):
     assert "clover_lab.engine.engine.Engine" in engine_api and "clover_lab.engine.requests.Request" in engine_api
     batch = (site / "guides" / "generation" / "index.html").read_text()
     assert "{{ bench_table" not in batch and "<td>272.8</td>" in batch  # the eager batch table, from its JSON
+
+
+def _site_hook():
+    pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
+    spec = importlib.util.spec_from_file_location("site_hook", REPO / "docs" / "hooks" / "site.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def test_a_notebook_page_is_its_executed_copy_only_while_the_copy_is_current(tmp_path, monkeypatch):
+    """CLOVER_LAB_EXECUTED_NOTEBOOKS=DIR: each notebook page is DIR's executed copy (outputs and
+    pictures), and a copy whose cells are not the repository's, or a missing one, stops the build."""
+    import json
+
+    from mkdocs.config.defaults import MkDocsConfig
+    from mkdocs.exceptions import PluginError
+    from mkdocs.structure.files import Files
+
+    hook = _site_hook()
+    config = MkDocsConfig()
+    config.load_dict({"site_dir": str(tmp_path / "site"), "docs_dir": str(REPO / "docs")})
+    for source in sorted((REPO / "notebooks").glob("*.ipynb")):
+        nb = json.loads(source.read_text())
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code":
+                cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": ["ran\n"]}]
+        (tmp_path / source.name).write_text(json.dumps(nb))
+    monkeypatch.setenv(hook.EXECUTED, str(tmp_path))
+    files = hook.on_files(Files([]), config)
+    pages = {f.src_uri: Path(f.abs_src_path) for f in files if f.src_uri.startswith("notebooks/")}
+    assert len(pages) == len(list((REPO / "notebooks").glob("*.ipynb")))
+    for uri, page in pages.items():  # what the page is rendered from: the executed copy's content
+        assert page.read_text() == (tmp_path / Path(uri).name).read_text(), uri
+
+    stale = json.loads((tmp_path / "04_gdn_memory.ipynb").read_text())
+    stale["cells"][3]["source"] = "an older version of the cell"
+    (tmp_path / "04_gdn_memory.ipynb").write_text(json.dumps(stale))
+    with pytest.raises(PluginError, match=r"04_gdn_memory.ipynb is not notebooks/04_gdn_memory.ipynb as it is now \(cell 3"):
+        hook.on_files(Files([]), config)
+    (tmp_path / "04_gdn_memory.ipynb").unlink()
+    with pytest.raises(PluginError, match="no executed copy of notebooks/04_gdn_memory.ipynb"):
+        hook.on_files(Files([]), config)
+
+    monkeypatch.delenv(hook.EXECUTED)  # without it: the repository's notebooks
+    files = hook.on_files(Files([]), config)
+    assert all(Path(f.abs_src_path).parent == REPO / "notebooks" for f in files if f.src_uri.startswith("notebooks/"))
+    staged = [p.parent.parent for p in pages.values()]
+    hook.on_shutdown()  # a build's end removes its staged copies
+    assert not any(p.exists() for p in staged)

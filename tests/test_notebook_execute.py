@@ -39,3 +39,25 @@ def test_notebooks_are_picked_by_the_start_of_their_name():
         execute.notebooks(["zz"])
     with pytest.raises(SystemExit, match="notebook '0'"):  # every notebook starts with 0: not one
         execute.notebooks(["0"])
+
+
+def test_a_view_or_plotly_figure_becomes_its_picture():
+    import base64
+
+    view = nbformat.v4.new_output("display_data", data={
+        "text/plain": "VBox(...)", "application/vnd.jupyter.widget-view+json": {"model_id": "4f1c", "version_major": 2}})
+    figure = nbformat.v4.new_output("display_data", data={"application/vnd.plotly.v1+json": {"data": []},
+                                                          "text/html": "<div></div>"})
+    text = nbformat.v4.new_output("stream", name="stdout", text="12 tokens\n")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# t"), nbformat.v4.new_code_cell("v", outputs=[text, view, figure])]
+    out = execute.with_pictures(nb, {(1, 1): b"\x89PNG view", (1, 2): b"\x89PNG figure"})
+    got = out.cells[1].outputs
+    assert got[0] == text  # text stays as printed
+    assert base64.b64decode(got[1]["data"]["image/png"]) == b"\x89PNG view" and got[1]["data"]["text/plain"] == "VBox(...)"
+    assert set(got[2]["data"]) == {"image/png", "text/plain"}  # no plotly JSON or HTML left that a static page cannot draw
+    nbformat.validate(out)
+    nb.cells[1].outputs.append(nbformat.v4.new_output("display_data", data={
+        "application/vnd.jupyter.widget-view+json": {"model_id": "77", "version_major": 2}}))
+    with pytest.raises(ValueError, match="cell 1, output 3: a view or figure with no picture"):
+        execute.with_pictures(nb, {})

@@ -2,6 +2,7 @@
 default model, or on $CLOVER_LAB_MODEL when set: notebook 01 always (its dashboard with no page to
 draw it), the others where the browser test cannot run them in JupyterLab (browser_runs.py), so
 that the slow tier runs each notebook once; CLOVER_LAB_HEADLESS_NOTEBOOKS=1 runs them all here."""
+import os
 import time
 from pathlib import Path
 
@@ -39,9 +40,11 @@ def test_notebooks_exist_with_a_kernelspec():
 @needs_model
 @pytest.mark.slow  # a notebook kernel
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path):
+def test_notebook_runs(path, monkeypatch):
     if path.stem not in ALWAYS_HEADLESS and IN_THE_BROWSER:
         pytest.skip("run in JupyterLab by tests/test_browser.py (CLOVER_LAB_HEADLESS_NOTEBOOKS=1 runs it here too)")
+    # the notebooks' shorter versions (every cell, smaller sweeps), unless set already (=0: the full ones)
+    monkeypatch.setenv("CLOVER_LAB_NOTEBOOK_QUICK", os.environ.get("CLOVER_LAB_NOTEBOOK_QUICK", "1"))
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})

@@ -270,6 +270,15 @@ class View:
         return self._live
 
     # ---------------------------------------------------------------- display and export
+    async def drawn(self, timeout: float = 15.0, page: float = 5.0) -> bool:
+        """``await view.drawn()`` before a run in the next cell: under Run All the page is still
+        loading plotly when a short run ends, and the run would never be seen live. True once a page
+        has drawn every figure of the view; False after ``page`` seconds with no page (headless) or
+        after ``timeout`` (clover_lab.widgets.figure.figures_drawn)."""
+        from clover_lab.widgets.figure import figures_drawn
+
+        return await figures_drawn(self.widget, timeout, page)
+
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
 

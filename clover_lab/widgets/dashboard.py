@@ -233,6 +233,12 @@ class Dashboard:
         self.status.value = text
 
     # ---------------------------------------------------------------- display, export, close
+    async def drawn(self, timeout: float = 15.0, page: float = 5.0) -> bool:
+        """``await dash.drawn()``: every view's figures drawn by a page (see ``View.drawn``)."""
+        from clover_lab.widgets.figure import figures_drawn
+
+        return await figures_drawn(self.widget, timeout, page)
+
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
 

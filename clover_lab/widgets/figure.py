@@ -66,6 +66,7 @@ export default () => {
     // plotly.js can take longer on a busy machine
     initialize(ctx) {
       const model = ctx.model;
+      model.send({event: "in_page"});  // this page holds the figure (what View.drawn() waits for first)
       const early = [];  // the kernel's edits that arrive before plotly listens, in order
       const keep = [];
       for (const name of MESSAGES) {
@@ -85,7 +86,9 @@ export default () => {
     },
     async render(ctx) {
       await ready;
-      return figure.render(ctx);
+      const cleanup = await figure.render(ctx);
+      ctx.model.send({event: "drawn"});  // its first frame is on the page
+      return cleanup;
     },
   };
 };
@@ -118,11 +121,71 @@ class PlotlySource(ipywidgets.Widget):
 
 
 class Figure(_figure_widget_class()):
-    """``go.FigureWidget`` with plotly.js imported once per page (see the module's docstring)."""
+    """``go.FigureWidget`` with plotly.js imported once per page (see the module's docstring). The
+    page says when it holds the figure (``in_page``) and when it has drawn it (``drawn``)."""
 
     _esm = _LOADER % _bundle()[1]
     _plotly_source = traitlets.Instance(PlotlySource).tag(sync=True, **ipywidgets.widget_serialization)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._in_page = False  # plotly's figures take only _-names beside their properties
+        self._drawn = False
+        self.on_msg(self._from_page)
+
+    @property
+    def in_page(self) -> bool:
+        """A page created this figure's model."""
+        return self._in_page
+
+    @property
+    def drawn(self) -> bool:
+        """A page drew this figure."""
+        return self._drawn
+
+    def _from_page(self, _widget, content, _buffers) -> None:
+        event = content.get("event") if isinstance(content, dict) else None
+        if event == "in_page":
+            self._in_page = True
+        elif event == "drawn":
+            self._in_page = self._drawn = True
+
     @traitlets.default("_plotly_source")
     def _shared_source(self):
         return PlotlySource.shared()
+
+
+def figures_in(widget) -> list[Figure]:
+    """Every :class:`Figure` in ``widget``'s tree of children."""
+    found, seen, todo = [], set(), [widget]
+    while todo:
+        w = todo.pop()
+        if id(w) in seen:
+            continue
+        seen.add(id(w))
+        if isinstance(w, Figure):
+            found.append(w)
+        todo.extend(getattr(w, "children", ()) or ())
+    return found
+
+
+async def figures_drawn(widget, timeout: float = 15.0, page: float = 5.0) -> bool:
+    """Wait until a page has drawn every figure in ``widget``'s tree: True once it has; False when
+    no page took the figures within ``page`` seconds (a headless run: nbclient draws nothing) or they
+    were not all drawn within ``timeout``. The page's messages reach the kernel only while the
+    cell awaits (an ``await`` in the cell: ipykernel then dispatches them; a blocking wait would
+    hold them until the cell ends). A page parses plotly.js once, when its first view appears
+    (seconds on a busy machine): a short run started meanwhile ends before it is seen. A page that
+    holds the figures but never draws them (a front end that renders only the cells in view) costs
+    ``timeout`` seconds, not a hang."""
+    import asyncio
+
+    figures = figures_in(widget)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not all(f.drawn for f in figures):
+        waited = loop.time() - start
+        if waited > timeout or (waited > page and not any(f.in_page for f in figures)):
+            return False
+        await asyncio.sleep(0.05)
+    return True

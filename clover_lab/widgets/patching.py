@@ -114,8 +114,8 @@ class PatchingView(View):
         self.fig.layout.annotations = [dict(text=BLANK_NOTE, showarrow=False, xref="paper", yref="paper", x=0, y=-0.2,
                                             xanchor="left", yanchor="top", font=dict(size=10, color="#666"))
                                        ] if blank else []
-        self.caption.value = (f"{html.escape(d.get('title', ''))}<br>clean {d['clean']:.4g} · corrupted "
-                              f"{d['corrupt']:.4g}" + (" · 1 = clean, 0 = corrupted" if self.normalized else "")
+        self.caption.value = (f"{html.escape(d.get('title', ''))}<br>clean {d['clean']:.3f} · corrupted "
+                              f"{d['corrupt']:.3f}" + (" · 1 = clean, 0 = corrupted" if self.normalized else "")
                               + (f"<br>{blank} blank cells (why: under the plot)" if blank else ""))
 
     def _html_parts(self, state, frame):

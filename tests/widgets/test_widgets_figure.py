@@ -55,3 +55,38 @@ def test_every_view_draws_with_the_figure(cls):
         assert figures and all(isinstance(f, Figure) for f in figures)
     finally:
         view.close()
+
+
+def test_a_run_can_wait_for_its_view_to_be_drawn():
+    """``await view.drawn()``: True once the page says it drew every figure of the view; False at
+    once after ``page`` seconds when no page took the figures (headless), or after ``timeout`` when
+    one took them but did not draw them all."""
+    import asyncio
+
+    from clover_lab.widgets.figure import figures_in
+
+    view = ExpertView()
+    figures = figures_in(view.widget)
+    assert len(figures) == 3 and all(isinstance(f, Figure) for f in figures)
+    esm = figures[0].get_state()["_esm"]
+    assert 'model.send({event: "in_page"})' in esm[esm.index("initialize(ctx)"):esm.index("async render")]
+    assert 'send({event: "drawn"})' in esm[esm.index("async render"):]
+
+    async def page_says(events, after=0.05):
+        await asyncio.sleep(after)
+        for fig, event in events:
+            fig._from_page(fig, {"event": event}, [])
+
+    async def waits(events, **kw):
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        told = asyncio.ensure_future(page_says(events))
+        got = await view.drawn(**kw)
+        await told
+        return got, loop.time() - start
+
+    assert asyncio.run(waits([], timeout=5, page=0.2))[0] is False  # no page: given up after `page`
+    got, took = asyncio.run(waits([(figures[0], "in_page"), (figures[1], "drawn")], timeout=0.5, page=0.2))
+    assert got is False and took >= 0.5  # a page holds them: waited for the timeout, one figure undrawn
+    got, took = asyncio.run(waits([(f, "drawn") for f in figures], timeout=5, page=0.2))
+    assert got is True and took < 2
