@@ -174,10 +174,11 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
     prompt_logprobs = logprobs[0] if echo and logprobs[0] is not None else (0 if max_new == 0 else None)
     settings = sampler_settings(engine, request)
     given = {name: getattr(opts, name) for name in CLOVER_SAMPLER if getattr(opts, name) is not None}
-    for names, why in ignored_settings(mode, given, policy=opts.policy, block_size=opts.block_size):
-        # the API and the command line warn; a response has no place for a warning a client would see
-        raise RequestError(f"{why}; leave {'them' if len(names) > 1 else 'it'} out, or use mode diffusion",
-                           f"clover.{names[0]}", code="ignored_setting")
+    for names, why in ignored_settings(mode, given, policy=opts.policy, block_size=opts.block_size,
+                                       draft_passes=settings.draft_passes):
+        # as the API and the command line refuse them; the field is the body's
+        raise RequestError(f"{why}; leave {'them' if len(names) > 1 else 'it'} out, or use a mode that reads "
+                           f"{'them' if len(names) > 1 else 'it'}", f"clover.{names[0]}", code="ignored_setting")
     if logprobs[0] is not None:
         settings = SamplerSettings.from_kwargs(settings, logprobs=logprobs[0])
     ends = set(engine.eos_token_ids or ())
