@@ -73,11 +73,13 @@ def begin_cycle(row, m: int, filler: int | None = None) -> None:
     c0, row.next_token = row.next_token, None
     if c0 is None:
         logits = row.logits
-        t, conf, _ = sampling.decide(row.keep_going(row.allowed(logits[None]), [len(row.committed)]), row.counts,
-                                     row.s, row.generator)
+        shaped = row.keep_going(row.allowed(logits[None]), [len(row.committed)])
+        t, conf, _ = sampling.decide(shaped, row.counts, row.s, row.generator)
         c0, health = torch.stack([t[0], logits_health(collapsed(logits[None]), conf)]).tolist()
         if health != OK:
             check_logits(row, health, "the prompt's next token")
+        # its log-probabilities, as AR's (None unless asked for: nothing computed)
+        row.next_details = row.info.chosen(row.info.distribution(shaped, row.counts, row.s), [0], [c0])[0]
     block = Block(row.stats.blocks, m, row.engine.mask_token_id if filler is None else filler, row.device,
                   row.s.draft_passes)
     block.canvas[0] = c0
@@ -174,10 +176,15 @@ def accept(row, block: Block, logits: torch.Tensor) -> tuple[int, str]:
         q = block.q[:d] if d else p[:0]  # nothing drafted (a block of one): the causal token only
         n, row.next_token = speculative_accept(torch.tensor(drafted, device=rows.device, dtype=torch.long),
                                                      q, p, row.generator)
+    # log-probabilities (when asked for) under the causal pass's distribution, as AR's: row i of ``rows``
+    # chose the token at position i + 1, drafted[i] where accepted, the next c0 at the first difference
+    details = row.info.chosen(row.info.distribution(rows, counts, row.s), list(range(n + 1)),
+                              drafted[:n] + [row.next_token])
+    details, row.next_details = [row.next_details] + details[:n], details[n]
     kept, reason = 0, "length"
     row.info.forget()  # the draft's unmask notes: its tokens join as the causal pass's
-    for t in [block.host[0]] + drafted[:n]:
-        row.info.add(None)  # no denoising step unmasked it; log-probabilities are refused up front
+    for t, (lp, top) in zip([block.host[0]] + drafted[:n], details):
+        row.info.add(None, lp, top)  # no denoising step unmasked it
         if row.counts is not None:
             row.counts[t] += 1
         row.committed.append(t)
