@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import clover_lab
-from clover_lab import Engine, GenerationError, SamplerSettings
+from clover_lab import Engine, GenerationError, SamplerSettings, StopGeneration
 from clover_lab.engine.requests import settings_for_mode
 from clover_lab.engine.sampling import SettingsError
 
@@ -131,3 +131,46 @@ def test_the_denoising_view_shows_accepted_and_rejected_drafts(default_engine):
     assert page.count("accepted by the causal check") == sum(min(c["accepted"], len(c["tokens"]) - 1) for c in commits)
     assert page.count("rejected by the causal check") == sum(
         c["drafted"] - c["accepted"] for c in commits if len(c["tokens"]) == c["accepted"] + 1)
+
+
+STOPS = [(trigger, at, how) for trigger in ("commit", "rejected") for at, how in ((0, "stop"), (1, "raise"), (2, "stop"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, kw", [("speculative", {}), ("speculative", dict(draft_passes=2, threshold=0.5)),
+                                      ("mtp", {}), ("mtp", dict(mtp_draft_tokens=1))])
+def test_a_run_stopped_at_a_commit_keeps_a_prefix_of_ars_tokens(default_engine, mode, kw):
+    """Issue 52 reported a speculative run stopped by a block.commit hook returning tokens that were not
+    a prefix of AR's (a rejected draft token kept); not reproduced. The property over a sweep, in both
+    drafting modes: stopped at the first, second or third verify, or at the first, second or third
+    that rejected drafts, by ``event.stop()`` or StopGeneration, alone or one row of a batch, the
+    tokens are a prefix of AR's, exactly the stopping row's committed events' tokens, and the other
+    row goes on to AR's whole answer."""
+    prompts = ["def parse(line):\n", "class Stack:\n    def push(self, item):\n"]
+    greedy = dict(max_new_tokens=20, temperature=0, repetition_penalty=1.0)
+    ar = [default_engine.generate(p, mode="ar", **greedy).token_ids for p in prompts]
+    rejections = 0
+    for (trigger, at, how), batch in [(stop, batch) for stop in STOPS for batch in (False, True)]:
+        events = []
+
+        def stop_there(ev):
+            if batch and ev.where.rows != (1,):  # a batch: only row 1 stops
+                return
+            events.append(ev)
+            hits = [e for e in events if trigger == "commit" or e.rejected]
+            if (trigger == "commit" or ev.rejected) and len(hits) == at + 1:
+                if how == "raise":
+                    raise StopGeneration
+                ev.stop()
+
+        with default_engine.hooks({"block.commit": stop_there}):
+            out = default_engine.generate(prompts if batch else prompts[0], mode=mode, **greedy, **kw)
+        results = list(out) if batch else [out]
+        stopped, want = results[-1], ar[1] if batch else ar[0]
+        where = (trigger, at, how, batch)
+        assert stopped.token_ids == want[:len(stopped.token_ids)], where
+        assert stopped.token_ids == [t for e in events for t in e.tokens], where
+        assert stopped.stop_reason == "hook" or stopped.token_ids == want, where
+        assert not batch or results[0].token_ids == ar[0], where
+        rejections += sum(bool(e.rejected) for e in events)
+    assert rejections  # the sweep stopped at verifies that rejected drafts
