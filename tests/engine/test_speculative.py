@@ -147,7 +147,7 @@ def test_a_run_stopped_at_a_commit_keeps_a_prefix_of_ars_tokens(default_engine, 
     tokens are a prefix of AR's, exactly the stopping row's committed events' tokens, and the other
     row goes on to AR's whole answer."""
     prompts = ["def parse(line):\n", "class Stack:\n    def push(self, item):\n"]
-    greedy = dict(max_new_tokens=20, temperature=0, repetition_penalty=1.0)
+    greedy = dict(max_new_tokens=16, temperature=0, repetition_penalty=1.0)
     ar = [default_engine.generate(p, mode="ar", **greedy).token_ids for p in prompts]
     rejections = 0
     for (trigger, at, how), batch in [(stop, batch) for stop in STOPS for batch in (False, True)]:
