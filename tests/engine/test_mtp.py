@@ -307,6 +307,11 @@ def test_the_server_takes_mode_mtp_per_request_and_the_start_switch(mtp_engine, 
         got = client.post("/v1/completions", json={**body, "clover": {"mode": "mtp"}})
         assert ar.status_code == got.status_code == 200, got.text
         assert got.json()["choices"][0]["text"] == ar.json()["choices"][0]["text"]
+        scored = [client.post("/v1/completions", json={**body, "logprobs": 2, "clover": {"mode": mode}}).json()
+                  for mode in ("ar", "mtp")]  # refused (a 400) before
+        assert scored[1]["choices"][0]["logprobs"]["tokens"] == scored[0]["choices"][0]["logprobs"]["tokens"]
+        assert scored[1]["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+            scored[0]["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
         engine.default_mode = "mtp"  # what serve --speculative-config sets
         assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == ar.json()["choices"][0]["text"]
     assert speculative_config('{"method": "mtp", "num_speculative_tokens": 4}') == 4
