@@ -92,12 +92,9 @@ def advance(loop, rows: list) -> None:
     """One cycle of a cohort's mtp rows: the rows draft with the head (one head forward per draft
     position for all of them), then commit their drafts (one trunk forward per draft length) and
     each accepts on its own."""
-    longest = max(len(row.prompt_ids) + len(row.committed) for row in rows)
-    room = loop.runner.cache.max_len - longest
     model = loop.engine.model
     for row in rows:
-        k = row.s.mtp_draft_tokens
-        speculative.begin_cycle(row, max(1, min(k + 1, room)), filler=FILLER)
+        speculative.begin_cycle(row, min(row.s.mtp_draft_tokens + 1, speculative.room(loop, row)), filler=FILLER)
     draft(loop, model, rows)
     groups: dict[int, list] = {}
     for row in rows:

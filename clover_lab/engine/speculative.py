@@ -42,10 +42,8 @@ def advance(loop, rows: list) -> None:
     preview forward per block length); when none is drafting any more, the rows commit their
     drafts (one forward per block length) and each accepts on its own, and leaves on its own."""
     if not any(row.block is not None for row in rows):
-        longest = max(len(row.prompt_ids) + len(row.committed) for row in rows)
-        room = loop.runner.cache.max_len - longest
         for row in rows:
-            begin_cycle(row, max(1, min(row.block_size, room)))
+            begin_cycle(row, min(row.block_size, room(loop, row)))
     groups: dict[int, list] = {}
     for row in rows:
         if drafting(row):
@@ -63,6 +61,15 @@ def advance(loop, rows: list) -> None:
 
 def drafting(row) -> bool:
     return row.block is not None and bool(row.block.masked) and not row.stopped
+
+
+def room(loop, row) -> int:
+    """Positions the row's next block may take: what its own length leaves (at least 1), within the
+    cache. The row's own, not the cohort's: the blocks, and with them a sampled row's draws, of a
+    row beside others are the ones it drafts alone (they followed the batch's longest row, so a
+    row that ended, a ``block.commit`` hook's stop among them, changed the others' samples)."""
+    own = len(row.prompt_ids) + len(row.committed)
+    return max(1, min(row.max_new - len(row.committed), loop.runner.cache.max_len - own))
 
 
 def begin_cycle(row, m: int, filler: int | None = None) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import clover_lab
-from clover_lab import Engine, GenerationError, SamplerSettings, StopGeneration
+from clover_lab import CloverConfig, CloverModel, Engine, GenerationError, SamplerSettings, StopGeneration
 from clover_lab.engine.requests import settings_for_mode
 from clover_lab.engine.sampling import SettingsError
 
@@ -131,6 +131,29 @@ def test_the_denoising_view_shows_accepted_and_rejected_drafts(default_engine):
     assert page.count("accepted by the causal check") == sum(min(c["accepted"], len(c["tokens"]) - 1) for c in commits)
     assert page.count("rejected by the causal check") == sum(
         c["drafted"] - c["accepted"] for c in commits if len(c["tokens"]) == c["accepted"] + 1)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "mtp"])
+def test_sampled_rows_beside_a_row_a_commit_hook_stopped_are_their_own(tiny_engine, mode):
+    """A row's draft block took what the batch's longest row left of the cache: a row that ended (here
+    stopped by a block.commit hook at its first verify) changed the other sampled rows' blocks, so
+    their draws and their tokens. Each row's blocks are its own now: its tokens are its alone."""
+    engine = tiny_engine
+    if mode == "mtp":  # clover-tiny with a head
+        model = CloverModel.random(CloverConfig.preset("clover-tiny", mtp_num_hidden_layers=1), seed=2)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(30.0)
+        engine = Engine(model)
+    kw = dict(mode=mode, max_new_tokens=7, temperature=0.8, seed=5, repetition_penalty=1.0)
+
+    def stop_row_1(ev):
+        if ev.where.rows == (1,):
+            ev.stop()
+
+    with engine.hooks({"block.commit": stop_row_1}):
+        batch = [r.token_ids for r in engine.generate(PROMPTS, **kw)]
+    alone = [engine.generate(p, **kw).token_ids for p in PROMPTS]
+    assert batch[0] == alone[0] and batch[2] == alone[2] and batch[1] == alone[1][:1]
 
 
 STOPS = [(trigger, at, how) for trigger in ("commit", "rejected") for at, how in ((0, "stop"), (1, "raise"), (2, "stop"))]
