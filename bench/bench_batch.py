@@ -27,6 +27,7 @@ import torch
 from result_file import RESULTS, run_fields, write_result
 
 from clover_lab import CloverConfig, CloverModel, Engine, load
+from clover_lab.engine.requests import settings_for_mode
 
 
 def parse_args(argv=None):
@@ -76,7 +77,8 @@ def build(args) -> tuple[Engine, list[list[int]]]:
 
 def generate_all(engine: Engine, prompts, batch_size: int, mode: str, args):
     """(seconds, token ids per prompt, shared forwards) for every prompt at this batch size."""
-    kw = dict(mode=mode, max_new_tokens=args.max_new_tokens, threshold=args.threshold, temperature=0)
+    kw = dict(mode=mode, max_new_tokens=args.max_new_tokens, temperature=0,
+              **settings_for_mode(mode, {"threshold": args.threshold}))  # AR reads no threshold
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     t = time.perf_counter()

@@ -31,6 +31,8 @@ from bench_batch import best_rounds, build, model_name, parse_args
 from result_file import run_fields, write_result
 from torch.profiler import ProfilerActivity, profile
 
+from clover_lab.engine.requests import settings_for_mode
+
 GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
                    "mkldnn::_linear_pointwise"})
 STEPS = {"diffusion": ("clover_lab.preview", "preview_seconds"),  # the runner's regions (engine/runner.py)
@@ -39,7 +41,8 @@ STEPS = {"diffusion": ("clover_lab.preview", "preview_seconds"),  # the runner's
 
 def one_pass(engine, prompts, b: int, mode: str, args) -> dict:
     """Every prompt at batch ``b``: (wall seconds, the batches' step seconds, their tokens)."""
-    kw = dict(mode=mode, max_new_tokens=args.max_new_tokens, threshold=args.threshold, temperature=0)
+    kw = dict(mode=mode, max_new_tokens=args.max_new_tokens, temperature=0,
+              **settings_for_mode(mode, {"threshold": args.threshold}))  # AR reads no threshold
     t, steps, tokens = time.perf_counter(), 0.0, []
     for i in range(0, len(prompts), b):
         batch = engine.generate(prompts[i:i + b], **kw)

@@ -27,6 +27,7 @@ import torch
 from result_file import RESULTS, run_fields, write_result
 
 from clover_lab import CloverConfig, CloverModel, Engine
+from clover_lab.engine.requests import settings_for_mode
 
 
 def parse_args(argv=None):
@@ -75,7 +76,7 @@ SETTINGS = ("none", "observing", "capture")
 
 def run_once(engine: Engine, prompt, args, setting: str, mode: str):
     """(seconds, result, records captured)."""
-    kw = dict(mode=mode, max_new_tokens=args.max_new_tokens, threshold=args.threshold)
+    kw = dict(mode=mode, max_new_tokens=args.max_new_tokens, **settings_for_mode(mode, {"threshold": args.threshold}))
     records = None
     sync(args.device)
     t = time.perf_counter()

@@ -16,6 +16,7 @@ import torch
 from result_file import RESULTS, write_result
 
 from clover_lab import load
+from clover_lab.engine.requests import settings_for_mode
 from clover_lab.model.decoder import CloverModel, DecoderLayer
 
 
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
                 DecoderLayer.forward, CloverModel.head = shipped if setting == "with points" else (bare_layer_forward,
                                                                                                bare_head)
                 t = time.perf_counter()
-                r = engine.generate(prompt, mode=mode, max_new_tokens=args.max_new_tokens, threshold=0.9)
+                r = engine.generate(prompt, mode=mode, max_new_tokens=args.max_new_tokens,
+                                    **settings_for_mode(mode, {"threshold": 0.9}))
                 if i:
                     times[setting].append(time.perf_counter() - t)
         DecoderLayer.forward, CloverModel.head = shipped

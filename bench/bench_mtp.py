@@ -16,10 +16,9 @@ there); on a CPU only the ratios measured side by side do. A benchmark, not a te
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from bench_policies import GREEDY, held_out_prompts
+from bench_policies import best_of_rounds, held_out_prompts
 from result_file import RESULTS, run_fields, slug, write_result
 
 from clover_lab import load
@@ -43,16 +42,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run_mode(engine, prompts, kw, max_new):
-    if engine.model.device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    results = [engine.generate(p, max_new_tokens=max_new, **GREEDY, **kw) for p in prompts]
-    if engine.model.device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t, results
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -61,14 +50,7 @@ def main(argv=None) -> int:
     prompts = held_out_prompts(engine, args.prompts)
     modes = [(name, {**kw, "mtp_draft_tokens": args.draft_tokens} if kw["mode"] == "mtp" else kw)
              for name, kw in MODES if kw["mode"] != "mtp" or engine.model.mtp is not None]
-    for _, kw in modes:  # warm-up
-        run_mode(engine, prompts[:1], kw, 8)
-    best: dict[str, tuple] = {}
-    for _ in range(args.rounds):
-        for name, kw in modes:
-            seconds, results = run_mode(engine, prompts, kw, args.max_new_tokens)
-            if name not in best or seconds < best[name][0]:
-                best[name] = (seconds, results)
+    best = best_of_rounds(engine, prompts, modes, args.max_new_tokens, args.rounds)
     ar = [r.token_ids for r in best["ar"][1]]
     rows = []
     for name, kw in modes:

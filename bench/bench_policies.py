@@ -81,10 +81,32 @@ def edit_distance(a: list[int], b: list[int]) -> int:
     return prev[-1]
 
 
-def run_policy(engine, prompts, kw, max_new):
+def time_generations(engine, prompts, kw, max_new):
+    """(seconds, results): every prompt generated greedily with ``kw``, one after the other, timed
+    (a GPU synchronised before and after)."""
+    cuda = engine.model.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     t = time.perf_counter()
     results = [engine.generate(p, max_new_tokens=max_new, **GREEDY, **kw) for p in prompts]
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t, results
+
+
+def best_of_rounds(engine, prompts, settings, max_new: int, rounds: int) -> dict:
+    """{label: (seconds, results)} of the fastest of ``rounds`` runs of each (label, keyword
+    arguments) in ``settings``, interleaved round by round (a slow moment of the machine spread
+    over all of them), after a short warm-up of each (bench_mtp.py's side by side too)."""
+    for _, kw in settings:
+        time_generations(engine, prompts[:1], kw, 8)
+    best: dict[str, tuple] = {}
+    for _ in range(rounds):
+        for name, kw in settings:
+            seconds, results = time_generations(engine, prompts, kw, max_new)
+            if name not in best or seconds < best[name][0]:
+                best[name] = (seconds, results)
+    return best
 
 
 def main(argv=None) -> int:
@@ -94,14 +116,7 @@ def main(argv=None) -> int:
     engine = load(dtype=torch.float32, threads=args.threads)
     prompts = held_out_prompts(engine, args.prompts)
     policies = [(n, kw) for n, kw in POLICIES if args.only is None or n in args.only or n == "ar"]
-    for _, kw in policies:  # warm-up
-        run_policy(engine, prompts[:1], kw, 8)
-    best: dict[str, tuple] = {}
-    for _ in range(args.rounds):
-        for name, kw in policies:
-            seconds, results = run_policy(engine, prompts, kw, args.max_new_tokens)
-            if name not in best or seconds < best[name][0]:
-                best[name] = (seconds, results)
+    best = best_of_rounds(engine, prompts, policies, args.max_new_tokens, args.rounds)
     ar = [r.token_ids for r in best["ar"][1]]
     rows = []
     for name, kw in policies:

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clover_lab import CloverError, Engine, SamplerSettings, StopGeneration
+from clover_lab.engine.requests import settings_for_mode
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64]
@@ -213,8 +214,8 @@ def test_hook_actions_end_in_a_result_or_a_clover_error(engine_and_base, plan, m
 
     def run():
         with engine.hooks(build_hooks(plan)):
-            return engine.generate(PROMPT, mode=mode, max_new_tokens=10, threshold=threshold, coreset_size=coreset,
-                                   **extra)
+            return engine.generate(PROMPT, mode=mode, max_new_tokens=10, **extra,  # AR reads neither setting
+                                   **settings_for_mode(mode, dict(threshold=threshold, coreset_size=coreset)))
 
     check_outcome(engine, base, run)
 
@@ -235,8 +236,8 @@ def test_hook_actions_in_the_newer_modes_end_in_a_result_or_a_clover_error(engin
 
     def run():
         with engine.hooks(build_hooks(plan)):
-            return engine.generate([PROMPT, PROMPT[:4]] if batch else PROMPT, max_new_tokens=10, threshold=0.3,
-                                   **how, **extra)
+            return engine.generate([PROMPT, PROMPT[:4]] if batch else PROMPT, max_new_tokens=10, **extra,
+                                   **settings_for_mode(how.get("mode", "diffusion"), dict(threshold=0.3, **how)))
 
     check_outcome(engine, base, run)
 

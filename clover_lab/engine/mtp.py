@@ -19,9 +19,11 @@ A cycle, per row:
    rejection sampling, ``acceptance.py``).
 
 So a cycle costs one trunk forward (and k small head forwards) and yields 1 + accepted tokens. The
-head's K,V cache is the row's own (a batch of one, slots = trunk positions); after the verify it is
-cut back to the trunk positions whose states it was given, the drafted slots being written over
-by the next cycle's first head forward.
+head's forwards of a step's rows are one forward each (``HeadCache``: a batch row of the head's
+K,V cache per row, slots = trunk positions); a row's slots hold the trunk positions whose states
+it was given, the drafted slots past them being scratch, written over by the next cycle's first
+head forward. The prompt's states go in at the prefill, so that a cycle's first head forward
+takes at most k + 1 positions per row (the rows' pending states, padded to the longest).
 """
 from __future__ import annotations
 
@@ -37,25 +39,63 @@ FILLER = 0  # the id of a block's positions past a drafted EOS (committed, never
 
 @dataclass
 class HeadState:
-    """A row's place in its head: ``cache`` (slots 0..n-1 hold trunk positions), the trunk's
-    states not yet given to the head ``hidden`` [P, H] (before the final norm), and the tokens
-    after each of them but the last ``tokens`` (P - 1; the last one's is the next c0)."""
-    cache: object
+    """A row's place in the head: the trunk's states not yet given to the head ``hidden`` [P, H]
+    (before the final norm), the tokens after each of them but the last ``tokens`` (P - 1; the
+    last one's is the next c0), and ``slots``: the head's slots the row holds (its trunk
+    positions given to the head)."""
     hidden: torch.Tensor
     tokens: list
-    slots: int = 0  # the head's cache length once this cycle's trunk states are in it
+    slots: int = 0
+
+
+class HeadCache:
+    """The head's K,V cache of a step loop's mtp rows (``loop.heads``), a batch row per row, in
+    ``rows``' order: a step's head forwards run all its rows at once. Rows join at their prefill
+    (the cache grows: a copy); rows that have left are dropped when rows next draft."""
+
+    def __init__(self, cache, rows: list):
+        self.cache, self.rows = cache, rows
+
+    @classmethod
+    def joined(cls, model, pool: "HeadCache | None", rows: list, part) -> "HeadCache":
+        """``pool``'s rows going on, then ``rows``, whose slots ``part`` holds (a cache of their own)."""
+        going = [] if pool is None else [row for row in pool.rows if row.live]
+        if not going:
+            return cls(part, list(rows))
+        cache = model.mtp.new_cache(slots_needed(going + list(rows)), len(going) + len(rows), model.device,
+                                    model.dtype)
+        cache.put(list(range(len(going))), pool.cache.select([pool.rows.index(row) for row in going]))
+        cache.put(list(range(len(going), len(going) + len(rows))), part)
+        return cls(cache, going + list(rows))
+
+    def part(self, rows: list):
+        """(a cache of ``rows``' slots, in their order; a function that writes it back): the cache
+        itself when they are all its rows, else a copy of theirs (rows of another cohort)."""
+        if any(not row.live for row in self.rows):
+            going = [i for i, row in enumerate(self.rows) if row.live]
+            self.cache, self.rows = self.cache.select(going), [self.rows[i] for i in going]
+        if rows == self.rows:
+            return self.cache, lambda: None
+        index = [self.rows.index(row) for row in rows]
+        part = self.cache.select(index)
+        return part, lambda: self.cache.put(index, part)
+
+
+def slots_needed(rows: list) -> int:
+    """The head's slots per row for these rows: a row's trunk positions, then a cycle's scratch
+    (its pending states padded to the most any row has, k + 1, and k - 1 chained drafts)."""
+    k = max(row.s.mtp_draft_tokens for row in rows)
+    return max(len(row.prompt_ids) + row.max_new for row in rows) + 2 * k + 2
 
 
 def advance(loop, rows: list) -> None:
-    """One cycle of a cohort's mtp rows: each row drafts with the head, then the rows commit their
-    drafts (one trunk forward per draft length) and each accepts on its own."""
-    longest = max(len(row.prompt_ids) + len(row.committed) for row in rows)
-    room = loop.runner.cache.max_len - longest
+    """One cycle of a cohort's mtp rows: the rows draft with the head (one head forward per draft
+    position for all of them), then commit their drafts (one trunk forward per draft length) and
+    each accepts on its own."""
     model = loop.engine.model
     for row in rows:
-        k = row.s.mtp_draft_tokens
-        speculative.begin_cycle(row, max(1, min(k + 1, room)), filler=FILLER)
-        draft(model, row)
+        speculative.begin_cycle(row, min(row.s.mtp_draft_tokens + 1, speculative.room(loop, row)), filler=FILLER)
+    draft(loop, model, rows)
     groups: dict[int, list] = {}
     for row in rows:
         groups.setdefault(len(row.block), []).append(row)
@@ -64,35 +104,57 @@ def advance(loop, rows: list) -> None:
 
 
 @torch.no_grad()
-def draft(model, row) -> None:
-    """The head's draft of the row's block ``[c0, mask, ...]`` (positions ``block.masked``). The
-    first head forward also gives the head the trunk states the last cycle kept (it runs even
-    when nothing is drafted: an EOS c0, a block of one)."""
-    block, st = row.block, row.mtp
+def draft(loop, model, rows: list) -> None:
+    """The head's drafts of the rows' blocks ``[c0, mask, ...]`` (positions ``block.masked``), one
+    head forward per draft position over every row. The first gives the head each row's trunk
+    states the last cycle kept, with c0 after the last (it runs even when a row drafts nothing:
+    an EOS c0, a block of one); rows whose draft has ended ride along until the last has."""
     head = model.require_mtp()
-    ids = torch.tensor([st.tokens + [block.host[0]]], device=model.input_device)
-    hidden = model.model.norm(st.hidden[None])  # the trunk's states after its final norm
-    out, logits = head(model, st.cache, hidden, ids, 0)
-    st.slots = st.cache.length  # the trunk positions the head has been given
-    qs, t = [], None
-    for step, p in enumerate(block.masked):
-        if step:
-            out, logits = head(model, st.cache, out[:, -1:], torch.tensor([[t]], device=model.input_device), step)
-        last = logits[0, -1].float()
-        if row.s.greedy:
-            t = int(last.argmax())
-        else:
-            q = sampling.sampling_probs(last[None], row.counts, row.s)[0]
-            t = int(torch.multinomial(q, 1, generator=row.generator))
-            qs.append(q)
-        block.canvas[p] = t
-        block.place({p: t}, row.eos)  # past a drafted EOS nothing is drafted
-        if p + 1 >= block.end:
-            break
-    block.masked = []
-    block.step = 1
-    if qs:
-        block.q = torch.stack(qs)
+    cache, write_back = loop.heads.part(rows)
+    R, device = len(rows), model.input_device
+    counts = [len(row.mtp.hidden) for row in rows]  # pending states per row (1 + the last accepted)
+    T = max(counts)
+    hidden = torch.zeros(R, T, model.config.hidden_size, device=device, dtype=rows[0].mtp.hidden.dtype)
+    ids = torch.full((R, T), FILLER, device=device, dtype=torch.long)
+    for i, row in enumerate(rows):  # padded past a row's own: scratch slots past its length
+        hidden[i, :counts[i]] = row.mtp.hidden
+        ids[i, :counts[i]] = torch.tensor(row.mtp.tokens + [row.block.host[0]], device=device)
+    cache.set_row_lengths([row.mtp.slots for row in rows])
+    out, logits = head(model, cache, model.model.norm(hidden), ids, 0)  # the trunk's states after its final norm
+    last = torch.tensor([n - 1 for n in counts], device=device)
+    out, logits = out[torch.arange(R), last][:, None], logits[torch.arange(R), last]  # [R, 1, H], [R, V]
+    for row, n in zip(rows, counts):
+        row.mtp.slots += n  # the trunk positions the head has been given
+    cache.set_row_lengths([row.mtp.slots for row in rows])
+    qs = [[] for _ in rows]
+    going = [i for i, row in enumerate(rows) if row.block.masked]
+    step, tokens = 0, [FILLER] * R
+    while going:
+        greedy = logits.argmax(-1).tolist() if any(rows[i].s.greedy for i in going) else None
+        for i in going:
+            row, block = rows[i], rows[i].block
+            if row.s.greedy:
+                t = greedy[i]
+            else:
+                q = sampling.sampling_probs(logits[i][None].float(), row.counts, row.s)[0]
+                t = int(torch.multinomial(q, 1, generator=row.generator))
+                qs[i].append(q)
+            p = block.masked[step]
+            block.canvas[p] = t
+            block.place({p: t}, row.eos)  # past a drafted EOS nothing is drafted
+            tokens[i] = t
+        going = [i for i in going if step + 1 < len(rows[i].block.masked)
+                 and rows[i].block.masked[step] + 1 < rows[i].block.end]
+        if going:
+            step += 1
+            out, logits = head(model, cache, out, torch.tensor(tokens, device=device)[:, None], step)
+            logits = logits[:, -1]
+    write_back()
+    for row, q in zip(rows, qs):
+        row.block.masked = []
+        row.block.step = 1
+        if q:
+            row.block.q = torch.stack(q)
 
 
 def verify(loop, model, rows: list) -> None:
@@ -106,7 +168,6 @@ def verify(loop, model, rows: list) -> None:
         if not row.live or states is None:
             continue
         st, n = row.mtp, len(row.committed) - before[j]
-        st.cache.set_row_lengths([st.slots])  # the drafted slots are written over next cycle
         st.hidden = states[j, :n]
         st.tokens = row.committed[len(row.committed) - n + 1:]
 
@@ -146,8 +207,9 @@ def speculative_config(text: str) -> int:
 
 @contextlib.contextmanager
 def prefill(loop, rows: list):
-    """Around the prefill of ``rows``: the mtp rows among them keep their prompts' trunk states,
-    the head's first input (the head's cache is allocated here, for the row's whole length)."""
+    """Around the prefill of ``rows``: the mtp rows among them keep their prompts' trunk states and
+    give the head all but the last (one head forward; the last waits for c0), and join the loop's
+    head cache (``loop.heads``) with slots for their whole length."""
     mine = [i for i, row in enumerate(rows) if row.mode == "mtp"]
     if not mine:
         yield
@@ -155,9 +217,15 @@ def prefill(loop, rows: list):
     model = loop.engine.model
     with model.keeping_hidden() as kept:
         yield
-    states = torch.cat(kept, dim=1)  # [R, T, H], the chunks joined
-    head = model.require_mtp()
-    for i in mine:
-        row = rows[i]
-        length = len(row.prompt_ids) + row.max_new + row.s.mtp_draft_tokens + 2
-        row.mtp = HeadState(head.new_cache(length, 1, model.device, model.dtype), states[i], list(row.prompt_ids[1:]))
+    states = torch.cat(kept, dim=1)[mine]  # [R, T, H] of the mtp rows, the chunks joined
+    head, new = model.require_mtp(), [rows[i] for i in mine]
+    part = head.new_cache(slots_needed(new), len(new), model.device, model.dtype)
+    T = states.shape[1]
+    if T > 1:  # the prompt's states but the last, with the tokens after them (the last waits for c0)
+        part.set_row_lengths([0] * len(new))
+        ids = torch.tensor([row.prompt_ids[1:] for row in new], device=model.input_device)
+        with torch.no_grad():
+            head(model, part, model.model.norm(states[:, :-1]), ids, 0)
+    for i, row in enumerate(new):
+        row.mtp = HeadState(states[i, -1:], [], T - 1)
+    loop.heads = HeadCache.joined(model, loop.heads, new, part)

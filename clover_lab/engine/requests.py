@@ -6,7 +6,6 @@ rows need. Whatever is wrong is a GenerationError naming the field (``error.fiel
 from __future__ import annotations
 
 import numbers
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -217,59 +216,77 @@ def checkpoint_named(model) -> str:
     return f" ({where})" if where is not None else ""
 
 
-class IgnoredSettingWarning(UserWarning):
-    """A setting given to a request that its mode does not read (block-diffusion settings in AR)."""
-
-
 class IgnoredSettingError(GenerationError):
-    """A setting given to a request that could have no effect at all (``thinking`` on a tokenizer
-    without a thinking mode); ``setting`` names it."""
+    """A setting given to a request that could have no effect: one its mode does not read (a
+    decoding policy with mode "ar", ``draft_passes`` outside speculative mode: :func:`ignored_settings`)
+    or ``thinking`` on a tokenizer without a thinking mode; ``setting`` names it."""
 
     def __init__(self, setting: str, message: str):
         super().__init__(message, setting)
         self.setting = setting
 
 
-def ignored_settings(mode: str, sampler: dict, policy=None, block_size=None) -> list[tuple[list[str], str]]:
+# what each mode's decoder never reads (beside the other modes' own settings, below)
+SPECULATIVE_IGNORES = ("coreset_size", "max_steps_per_block")  # draft_passes is its step limit
+ONE_PASS_IGNORES = ("threshold", "max_tokens_per_step")  # a one-pass draft unmasks every position at once
+
+
+def ignored_settings(mode: str, sampler: dict, policy=None, block_size=None,
+                     draft_passes: int | None = None) -> list[tuple[list[str], str]]:
     """The settings given to a ``mode`` request that it does not read, as (names, why) groups:
-    block-diffusion settings, a decoding policy and a block size in AR, a coreset in speculative
-    mode, ``draft_passes`` outside it. One list for the API and the command line (a warning each)
-    and the server (a 400 naming the field)."""
+    block-diffusion settings, a decoding policy and a block size in AR and in mode "mtp"; a
+    coreset or a step limit in speculative mode, a threshold or a cap per step where its draft
+    takes one pass (``draft_passes``: the request's resolved value; None: the given one, or 1);
+    ``draft_passes`` outside speculative mode, ``mtp_draft_tokens`` outside mode "mtp". One list
+    for the API (:func:`refuse_ignored`), the command line (a usage error) and the server (a 400
+    naming the field)."""
     out = []
     given = [name for name in DIFFUSION_SETTINGS if sampler.get(name) is not None]
     given += ["policy"] if policy is not None else []
     given += ["block_size"] if block_size is not None else []
     if mode == "ar" and given:
-        names = given
-        out.append((names, f"mode='ar' decodes one token per forward and ignores the block-diffusion setting(s) "
-                           f"{', '.join(names)}: they have no effect on this run"))
-    if mode == "speculative" and sampler.get("coreset_size"):
-        out.append((["coreset_size"], "mode='speculative' drafts without an expert coreset: coreset_size has no "
-                                      "effect on this run"))
+        out.append((given, f"mode='ar' decodes one token per forward and ignores the block-diffusion setting(s) "
+                           f"{', '.join(given)}: they have no effect on this run"))
+    if mode == "mtp" and given:
+        out.append((given, f"mode='mtp' drafts with the MTP head (mtp_draft_tokens tokens per verify) and ignores "
+                           f"the block-diffusion setting(s) {', '.join(given)}: they have no effect on this run"))
+    if mode == "speculative":
+        one_pass = (sampler.get("draft_passes") if draft_passes is None else draft_passes) in (None, 1)
+        why = {"coreset_size": "it drafts without an expert coreset",
+               "max_steps_per_block": "draft_passes sets its steps per block",
+               "threshold": "a one-pass draft (draft_passes=1) unmasks every position at once",
+               "max_tokens_per_step": "a one-pass draft (draft_passes=1) unmasks every position at once"}
+        names = [n for n in SPECULATIVE_IGNORES if sampler.get(n)]
+        names += [n for n in ONE_PASS_IGNORES if sampler.get(n) is not None and one_pass]
+        if names:
+            reasons = "; ".join(dict.fromkeys(why[n] for n in names))
+            out.append((names, f"mode='speculative' ignores {', '.join(names)} ({reasons}): "
+                               f"{'they have' if len(names) > 1 else 'it has'} no effect on this run"))
     if mode != "mtp" and sampler.get("mtp_draft_tokens") is not None:
         out.append((["mtp_draft_tokens"], f"mtp_draft_tokens sets the MTP head's drafts in mode='mtp'; mode={mode!r} "
                                           f"ignores it: it has no effect on this run"))
-    if mode == "mtp" and [n for n in DIFFUSION_SETTINGS if sampler.get(n) is not None]:
-        names = [n for n in DIFFUSION_SETTINGS if sampler.get(n) is not None]
-        out.append((names, f"mode='mtp' drafts with the MTP head and ignores the block-diffusion setting(s) "
-                           f"{', '.join(names)}: they have no effect on this run"))
     if mode != "speculative" and sampler.get("draft_passes") is not None:
         out.append((["draft_passes"], f"draft_passes drafts blocks in mode='speculative'; mode={mode!r} ignores it: "
                                       f"it has no effect on this run"))
     return out
 
 
-def check_mode_settings(mode: str, sampler: dict, policy=None) -> None:
-    """Settings a request's mode does not read (:func:`ignored_settings`) are said, once per
-    request (a warning, not an error: one set of settings may serve both modes, as comparisons do)."""
-    for _, why in ignored_settings(mode, sampler, policy):
-        warnings.warn(why, IgnoredSettingWarning, stacklevel=6)  # the caller of generate / stream
+def refuse_ignored(mode: str, sampler: dict, policy=None, block_size=None, draft_passes: int | None = None) -> None:
+    """An :class:`IgnoredSettingError` naming the first setting ``mode`` would ignore and the mode
+    (:func:`ignored_settings`): a setting given is meant to act, so one that could not is refused
+    (it was a warning in process, which a notebook or a script's log easily loses)."""
+    for names, why in ignored_settings(mode, sampler, policy, block_size, draft_passes):
+        raise IgnoredSettingError(names[0], f"{why}; leave {'them' if len(names) > 1 else 'it'} out, or use a mode "
+                                            f"that reads {'them' if len(names) > 1 else 'it'}")
 
 
 def settings_for_mode(mode: str, sampler: dict) -> dict:
-    """``sampler`` without the block-diffusion settings when ``mode`` is "ar": for callers (a view
-    comparing both modes, a dashboard's sliders) that hold one set of settings for either mode."""
-    return sampler if mode != "ar" else {k: v for k, v in sampler.items() if k not in DIFFUSION_SETTINGS}
+    """``sampler`` without the settings ``mode`` ignores (:func:`ignored_settings`; ``policy`` and
+    ``block_size`` among them when ``sampler`` holds them): for callers (a view comparing modes, a
+    dashboard's sliders) that hold one set of settings for any mode."""
+    drop = {n for names, _ in ignored_settings(mode, sampler, sampler.get("policy"), sampler.get("block_size"))
+            for n in names}
+    return {k: v for k, v in sampler.items() if k not in drop}
 
 
 def is_batch(prompt) -> bool:
@@ -450,17 +467,11 @@ def plan(engine, request: Request) -> Plan:
     if bad:
         raise GenerationError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, "
                               f"{engine.model.config.vocab_size})", "logit_bias")
-    if mode == "mtp" and s.logprobs is not None:
-        raise GenerationError("logprobs: not reported in mode 'mtp' yet; its greedy tokens are AR's, and "
-                              "mode='ar' reports them with their log-probabilities", "logprobs")
-    if mode == "speculative" and s.logprobs is not None:
-        raise GenerationError("logprobs: not reported in speculative mode yet; its greedy tokens are AR's, and "
-                              "mode='ar' reports them with their log-probabilities", "logprobs")
     try:
         check_coreset(engine.model.config, s.coreset_size)
     except GenerationError as e:
         raise GenerationError(str(e), "coreset_size") from None
-    check_mode_settings(mode, request.sampler, request.policy)
+    refuse_ignored(mode, request.sampler, request.policy, request.block_size, s.draft_passes)
     try:
         stop = stop_list(request.stop, engine.tokenizer)
     except GenerationError as e:

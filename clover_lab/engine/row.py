@@ -173,6 +173,7 @@ class Row:
         self.produced = 0  # response tokens before the current block
         self.logits: torch.Tensor | None = None  # [V]: the causal logits at the next position (AR, speculative)
         self.next_token: int | None = None  # speculative: the causal token at the next position, when known
+        self.next_details: tuple = (None, None)  # its (log-probability, top alternatives), when asked for
         self.draft = None  # speculative: what a draft must give back (penalty counts, the stop strings' scan)
         self.stopped = False  # speculative: a step hook asked to stop; the row ends after this cycle
         # AR and speculative rows' place in the request's grammar (diffusion's is its GrammarPolicy's)

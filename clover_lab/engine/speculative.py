@@ -42,10 +42,8 @@ def advance(loop, rows: list) -> None:
     preview forward per block length); when none is drafting any more, the rows commit their
     drafts (one forward per block length) and each accepts on its own, and leaves on its own."""
     if not any(row.block is not None for row in rows):
-        longest = max(len(row.prompt_ids) + len(row.committed) for row in rows)
-        room = loop.runner.cache.max_len - longest
         for row in rows:
-            begin_cycle(row, max(1, min(row.block_size, room)))
+            begin_cycle(row, min(row.block_size, room(loop, row)))
     groups: dict[int, list] = {}
     for row in rows:
         if drafting(row):
@@ -65,6 +63,15 @@ def drafting(row) -> bool:
     return row.block is not None and bool(row.block.masked) and not row.stopped
 
 
+def room(loop, row) -> int:
+    """Positions the row's next block may take: what its own length leaves (at least 1), within the
+    cache. The row's own, not the cohort's: the blocks, and with them a sampled row's draws, of a
+    row beside others are the ones it drafts alone (they followed the batch's longest row, so a
+    row that ended, a ``block.commit`` hook's stop among them, changed the others' samples)."""
+    own = len(row.prompt_ids) + len(row.committed)
+    return max(1, min(row.max_new - len(row.committed), loop.runner.cache.max_len - own))
+
+
 def begin_cycle(row, m: int, filler: int | None = None) -> None:
     """The block ``[c0, mask, ...]`` of ``m`` positions. c0, the causal token, is the last
     verify's choice at the first difference, or (after the prefill) decided here exactly as
@@ -73,11 +80,13 @@ def begin_cycle(row, m: int, filler: int | None = None) -> None:
     c0, row.next_token = row.next_token, None
     if c0 is None:
         logits = row.logits
-        t, conf, _ = sampling.decide(row.keep_going(row.allowed(logits[None]), [len(row.committed)]), row.counts,
-                                     row.s, row.generator)
+        shaped = row.keep_going(row.allowed(logits[None]), [len(row.committed)])
+        t, conf, _ = sampling.decide(shaped, row.counts, row.s, row.generator)
         c0, health = torch.stack([t[0], logits_health(collapsed(logits[None]), conf)]).tolist()
         if health != OK:
             check_logits(row, health, "the prompt's next token")
+        # its log-probabilities, as AR's (None unless asked for: nothing computed)
+        row.next_details = row.info.chosen(row.info.distribution(shaped, row.counts, row.s), [0], [c0])[0]
     block = Block(row.stats.blocks, m, row.engine.mask_token_id if filler is None else filler, row.device,
                   row.s.draft_passes)
     block.canvas[0] = c0
@@ -174,10 +183,15 @@ def accept(row, block: Block, logits: torch.Tensor) -> tuple[int, str]:
         q = block.q[:d] if d else p[:0]  # nothing drafted (a block of one): the causal token only
         n, row.next_token = speculative_accept(torch.tensor(drafted, device=rows.device, dtype=torch.long),
                                                      q, p, row.generator)
+    # log-probabilities (when asked for) under the causal pass's distribution, as AR's: row i of ``rows``
+    # chose the token at position i + 1, drafted[i] where accepted, the next c0 at the first difference
+    details = row.info.chosen(row.info.distribution(rows, counts, row.s), list(range(n + 1)),
+                              drafted[:n] + [row.next_token])
+    details, row.next_details = [row.next_details] + details[:n], details[n]
     kept, reason = 0, "length"
     row.info.forget()  # the draft's unmask notes: its tokens join as the causal pass's
-    for t in [block.host[0]] + drafted[:n]:
-        row.info.add(None)  # no denoising step unmasked it; log-probabilities are refused up front
+    for t, (lp, top) in zip([block.host[0]] + drafted[:n], details):
+        row.info.add(None, lp, top)  # no denoising step unmasked it
         if row.counts is not None:
             row.counts[t] += 1
         row.committed.append(t)

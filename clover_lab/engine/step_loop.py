@@ -45,6 +45,7 @@ class StepLoop:
         self.queue: deque[Row] = deque()  # rows waiting for room, oldest first
         self.rows: list[Row] = []  # the rows going on, in the order they were admitted
         self.runner: Runner | None = None
+        self.heads = None  # the MTP head's cache of the mtp rows (``mtp.HeadCache``), beside the runner's
         self.max_rows = 64  # rows going on at once (the server sets its --max-batch)
         self.capacity = 0  # positions per row the runner's cache holds at least (the server's)
         self.in_step = False  # diffusion rows begin their blocks together even where not needed (a comparison)
@@ -358,7 +359,7 @@ class StepLoop:
     def _release(self) -> None:
         """The last row has left: the cache goes (and the fast path's graphs are free)."""
         if not self.rows and self.runner is not None:
-            self.runner = None
+            self.runner = self.heads = None
             self.engine.fast_path.release(self)
 
 

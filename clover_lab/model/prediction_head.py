@@ -63,8 +63,12 @@ class MTPHead(nn.Module):
         self.norm = RMSNorm(H, eps)
 
     def new_cache(self, max_len: int, batch_size: int, device, dtype) -> CloverCache:
-        """An empty K,V cache of the head's layers, ``max_len`` slots per row."""
-        return CloverCache.allocate(self.head_config, max_len, batch_size, device=device, dtype=dtype)
+        """An empty K,V cache of the head's layers, ``max_len`` slots per row (past the context's
+        length too: a drafting cycle's scratch slots after a row's last position)."""
+        config = self.head_config
+        if max_len > config.max_position_embeddings:
+            config = config.replace(max_position_embeddings=max_len)
+        return CloverCache.allocate(config, max_len, batch_size, device=device, dtype=dtype)
 
     def forward(self, model, cache: CloverCache, hidden: torch.Tensor, ids: torch.Tensor,
                 step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

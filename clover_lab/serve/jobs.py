@@ -166,10 +166,11 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
     if logprobs[0] is not None:
         sampler["logprobs"], params["logprobs"] = logprobs[0], logprobs[1]
     given = {name: getattr(opts, name) for name in CLOVER_SAMPLER if getattr(opts, name) is not None}
-    for names, why in ignored_settings(mode, given, policy=opts.policy, block_size=opts.block_size):
-        # the API and the command line warn; a response has no place for a warning a client would see
-        raise RequestError(f"{why}; leave {'them' if len(names) > 1 else 'it'} out, or use mode diffusion",
-                           f"clover.{names[0]}", code="ignored_setting")
+    for names, why in ignored_settings(mode, given, policy=opts.policy, block_size=opts.block_size,
+                                       draft_passes=sampler.get("draft_passes")):
+        # as the API and the command line refuse them; the field is the body's
+        raise RequestError(f"{why}; leave {'them' if len(names) > 1 else 'it'} out, or use a mode that reads "
+                           f"{'them' if len(names) > 1 else 'it'}", f"clover.{names[0]}", code="ignored_setting")
     ends = set(engine.eos_token_ids or ())
     odd = [t for t in request.stop_token_ids or () if t not in ends]
     if odd:
@@ -217,7 +218,8 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
                      "block_size": "clover.block_size", "policy": "clover.policy", "n": "n",
                      "prompt_logprobs": logprobs[1]}.get(field)
             param = param or params.get(field) or (f"clover.{field}" if field else max_tokens_param)
-            raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
+            code = "context_length_exceeded" if over else "ignored_setting" if isinstance(e, IgnoredSettingError) else None
+            raise RequestError(str(e), param, code=code) from None
         for k in range(n):  # n rows of one request (the Plan's: sampled with a seed, row k takes seed + k), a job each
             probe = None if not (opts.step_map or opts.experts) else Probe(
                 opts.step_map, ExpertRecorder(engine.model.config, len(ids), max_new) if opts.experts else None)

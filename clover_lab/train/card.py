@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from clover_lab.engine import load
+from clover_lab.engine.requests import settings_for_mode
 from clover_lab.hooks import points
 from clover_lab.train.measure import LOOP_REPEATS, NEW_TOKENS, measure
 from clover_lab.train.objective import evaluate, unigram_accuracy
@@ -56,7 +57,7 @@ def speed(engine, tokens: torch.Tensor, prompts: int = 6, prompt_len: int = 48, 
     for s in torch.randint(0, len(tokens) - prompt_len, (prompts,), generator=gen).tolist():
         ids = tokens[s:s + prompt_len].tolist()
         for mode in out:
-            r = engine.generate(ids, mode=mode, max_new_tokens=new, threshold=threshold)
+            r = engine.generate(ids, mode=mode, max_new_tokens=new, **settings_for_mode(mode, {"threshold": threshold}))
             out[mode].append((len(r.token_ids), r.stats["forwards"], r.stats["tokens_per_second"]))
     figures = {}
     for mode, runs in out.items():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from clover_lab import BatchResult, Engine, GenerationError, StopGeneration, load_trace
+from clover_lab.engine.requests import settings_for_mode
 from clover_lab.model.context import Coreset
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
@@ -62,8 +63,8 @@ def test_rows_at_different_lengths_forward_as_they_would_alone(tiny_model):
 # --------------------------------------------------------------------------- equality with one by one
 @pytest.mark.parametrize("mode", ["diffusion", "ar"])
 def test_greedy_batch_equals_one_by_one(tiny_engine, mode):
-    singles = one_by_one(tiny_engine, PROMPTS, mode=mode, **KW)
-    batch = tiny_engine.generate(PROMPTS, mode=mode, **KW)
+    singles = one_by_one(tiny_engine, PROMPTS, mode=mode, **settings_for_mode(mode, KW))
+    batch = tiny_engine.generate(PROMPTS, mode=mode, **settings_for_mode(mode, KW))
     assert_rows_equal(batch, singles)
     if mode == "diffusion":  # the rows did progress on their own: not every row took as many steps
         assert len({tuple(r.stats.steps_per_block) for r in batch}) > 1
@@ -106,12 +107,12 @@ def test_text_prompts_chat_and_a_batch_of_one(tiny_text_engine):
 
 @pytest.mark.parametrize("mode", ["diffusion", "ar"])
 def test_eos_ends_one_row_mid_batch(tiny_engine, mode):
-    base = one_by_one(tiny_engine, PROMPTS, mode=mode, **KW)
+    base = one_by_one(tiny_engine, PROMPTS, mode=mode, **settings_for_mode(mode, KW))
     # an EOS that row 1 produces in its second block and row 3 never does
     eos = next(t for t in base[1].token_ids[18:] if t not in base[3].token_ids)
     tiny_engine.eos_token_ids = [eos]
-    singles = one_by_one(tiny_engine, PROMPTS, mode=mode, **KW)
-    batch = tiny_engine.generate(PROMPTS, mode=mode, **KW)
+    singles = one_by_one(tiny_engine, PROMPTS, mode=mode, **settings_for_mode(mode, KW))
+    batch = tiny_engine.generate(PROMPTS, mode=mode, **settings_for_mode(mode, KW))
     assert_rows_equal(batch, singles)
     assert batch[1].stop_reason == "eos" and len(batch[1].token_ids) < 40
     assert batch[3].stop_reason == "length" and len(batch[3].token_ids) == 40
@@ -122,11 +123,11 @@ def test_eos_ends_one_row_mid_batch(tiny_engine, mode):
 @pytest.mark.parametrize("mode", ["diffusion", "ar"])
 def test_stop_strings_end_rows_independently(tiny_text_engine, gen_tokenizer, mode):
     prompts = ["w5 w17 w33 w100 w2", "w7", "w300 w301 w302 w303 w304 w305 w306"]
-    base = one_by_one(tiny_text_engine, prompts, mode=mode, **KW)
+    base = one_by_one(tiny_text_engine, prompts, mode=mode, **settings_for_mode(mode, KW))
     # a word row 1 writes in its second block and the other rows never do
     stop = next(w for w in base[1].text.split()[18:] if w not in base[0].text and w not in base[2].text)
-    singles = one_by_one(tiny_text_engine, prompts, mode=mode, stop=[stop], **KW)
-    batch = tiny_text_engine.generate(prompts, mode=mode, stop=[stop], **KW)
+    singles = one_by_one(tiny_text_engine, prompts, mode=mode, stop=[stop], **settings_for_mode(mode, KW))
+    batch = tiny_text_engine.generate(prompts, mode=mode, stop=[stop], **settings_for_mode(mode, KW))
     assert_rows_equal(batch, singles)
     assert batch[1].stop_reason == "stop_string" and stop not in batch[1].text
     assert batch[0].stop_reason == batch[2].stop_reason == "length"
@@ -299,8 +300,8 @@ def test_events_narrowed_to_a_row_equal_the_row_alone(tiny_engine):
 ])
 def test_prompts_as_long_prefill_in_one_forward(tiny_engine, mode, prompts, groups):
     with tiny_engine.capture("layers.3.moe.route") as cap:
-        batch = tiny_engine.generate(prompts, mode=mode, **KW)
-    assert_rows_equal(batch, one_by_one(tiny_engine, prompts, mode=mode, **KW))
+        batch = tiny_engine.generate(prompts, mode=mode, **settings_for_mode(mode, KW))
+    assert_rows_equal(batch, one_by_one(tiny_engine, prompts, mode=mode, **settings_for_mode(mode, KW)))
     assert batch.stats.prefill_forwards == len(groups)
     prefill = [rec for rec in cap["layers.3.moe.route"] if rec.phase == "prefill"]
     assert [rec.rows for rec in prefill] == groups
@@ -374,8 +375,8 @@ def test_a_prompt_and_a_batch_of_it_alone_are_the_same_generation(tiny_engine, m
     tiny_engine.step_graphs = fast
     kw = dict(KW, coreset_size=4) if mode == "diffusion" else KW
     for prompt in PROMPTS[1:3]:
-        single = tiny_engine.generate(prompt, mode=mode, **kw)
-        (one,) = tiny_engine.generate([prompt], mode=mode, **kw)
+        single = tiny_engine.generate(prompt, mode=mode, **settings_for_mode(mode, kw))
+        (one,) = tiny_engine.generate([prompt], mode=mode, **settings_for_mode(mode, kw))
         assert one.token_ids == single.token_ids and one.text == single.text
         a, b = single.stats.to_dict(), one.stats.to_dict()
         assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
@@ -387,14 +388,14 @@ def test_batches_take_the_fast_path_and_give_the_eager_batchs_tokens(tiny_engine
     """The static steps serve any number of rows at their own lengths: a batch of 4, then of 3
     (a bucket of 4 with a padded row), rows leaving one by one at an EOS (the bucket shrinks
     to 2 and 1), with a coreset, give the eager batch's tokens and figures."""
-    base = one_by_one(tiny_engine, PROMPTS, mode=mode, **KW)
+    base = one_by_one(tiny_engine, PROMPTS, mode=mode, **settings_for_mode(mode, KW))
     tiny_engine.eos_token_ids = [next(t for t in base[1].token_ids[18:] if t not in base[3].token_ids)]
     kw = dict(KW, coreset_size=4) if mode == "diffusion" else KW
     for prompts in (PROMPTS, PROMPTS[1:]):
         tiny_engine.step_graphs = False
-        eager = tiny_engine.generate(prompts, mode=mode, **kw)
+        eager = tiny_engine.generate(prompts, mode=mode, **settings_for_mode(mode, kw))
         tiny_engine.step_graphs = True
-        fast = tiny_engine.generate(prompts, mode=mode, **kw)
+        fast = tiny_engine.generate(prompts, mode=mode, **settings_for_mode(mode, kw))
         assert_rows_equal(fast, eager)
         assert fast.stats.forwards == eager.stats.forwards
         for a, b in zip(fast, eager):
@@ -504,7 +505,7 @@ def test_a_batch_times_its_forwards_by_kind_and_a_profile_names_them(tiny_engine
     from clover_lab.engine.runner import NO_REGION, region
 
     with profile() as prof:
-        batch = tiny_engine.generate(PROMPTS[:2], mode=mode, **KW)
+        batch = tiny_engine.generate(PROMPTS[:2], mode=mode, **settings_for_mode(mode, KW))
     st = batch.stats
     steps = st.preview_seconds if mode == "diffusion" else st.commit_seconds
     assert steps > 0 and st.preview_seconds + st.commit_seconds <= st.decode_seconds

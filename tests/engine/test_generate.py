@@ -11,6 +11,7 @@ from clover_lab import (
     GenerationError,
     HookError,
 )
+from clover_lab.engine.requests import settings_for_mode
 from clover_lab.model.cache import cache_bytes
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
@@ -145,11 +146,11 @@ def test_eos_ends_the_block_and_the_run(tiny_engine):
 @pytest.mark.parametrize("mode", ["diffusion", "ar"])
 def test_stop_strings(tiny_text_engine, gen_tokenizer, mode):
     prompt = "w5 w17 w33 w100 w2"
-    base = tiny_text_engine.generate(prompt, mode=mode, max_new_tokens=40, threshold=0.3)
+    base = tiny_text_engine.generate(prompt, mode=mode, max_new_tokens=40, **settings_for_mode(mode, {"threshold": 0.3}))
     assert base.text == gen_tokenizer.decode(base.token_ids, skip_special_tokens=True)
     stop = gen_tokenizer.decode([base.token_ids[21]])
     k = next(k for k in range(1, 41) if stop in gen_tokenizer.decode(base.token_ids[:k]))
-    r = tiny_text_engine.generate(prompt, mode=mode, max_new_tokens=40, threshold=0.3, stop=[stop])
+    r = tiny_text_engine.generate(prompt, mode=mode, max_new_tokens=40, stop=[stop], **settings_for_mode(mode, {"threshold": 0.3}))
     assert r.stats.stop_reason == "stop_string"
     assert r.token_ids == base.token_ids[:k]  # everything before the stop string was already final
     full = gen_tokenizer.decode(base.token_ids[:k])

@@ -7,6 +7,7 @@ import torch
 
 from clover_lab import Engine
 from clover_lab.engine.graphs import StepGraphs
+from clover_lab.engine.requests import settings_for_mode
 from clover_lab.model.decoder import Coreset
 
 PROMPT = [5, 17, 33, 100, 2, 9, 77, 301, 12, 64, 8, 400, 23]
@@ -109,8 +110,8 @@ def test_engine_fast_path_generates_the_same(gen_model, mode):
     fast = Engine(gen_model)
     fast.step_graphs = True
     for max_new in (37, 16):
-        a = plain.generate(PROMPT, mode=mode, max_new_tokens=max_new, threshold=0.3)
-        b = fast.generate(PROMPT, mode=mode, max_new_tokens=max_new, threshold=0.3)
+        a = plain.generate(PROMPT, mode=mode, max_new_tokens=max_new, **settings_for_mode(mode, {"threshold": 0.3}))
+        b = fast.generate(PROMPT, mode=mode, max_new_tokens=max_new, **settings_for_mode(mode, {"threshold": 0.3}))
         assert b.token_ids == a.token_ids
         assert b.stats.forwards == a.stats.forwards
     assert fast.fast_path.graphs is not None and fast.fast_path.graphs.cache.length == len(PROMPT) + 16
@@ -209,8 +210,9 @@ def test_compiled_steps_equal_the_forward_and_generate_the_same(gen_model):
     plain, fast = Engine(gen_model), Engine(gen_model)
     plain.step_graphs, fast.compile_steps = False, True
     for mode, coreset in (("ar", None), ("diffusion", None), ("diffusion", 3)):
-        a = plain.generate(PROMPT, mode=mode, max_new_tokens=32, threshold=0.3, coreset_size=coreset)
-        b = fast.generate(PROMPT, mode=mode, max_new_tokens=32, threshold=0.3, coreset_size=coreset)
+        kw = {} if mode == "ar" else dict(threshold=0.3, coreset_size=coreset)  # AR reads neither
+        a = plain.generate(PROMPT, mode=mode, max_new_tokens=32, **settings_for_mode(mode, kw))
+        b = fast.generate(PROMPT, mode=mode, max_new_tokens=32, **settings_for_mode(mode, kw))
         assert a.token_ids == b.token_ids
     assert fast.fast_path.graphs.compile and fast.fast_path.graphs.compile_failed is None
     assert len(fast.fast_path.graphs.coreset(3).buffers(1)) == gen_model.config.num_hidden_layers

@@ -77,13 +77,12 @@ def test_nothing_computed_without_logprobs(tiny_engine, monkeypatch):
         tiny_engine.generate(PROMPT, max_new_tokens=4, logprobs=0)
 
 
-def test_speculative_mode_refuses_logprobs_and_reports_no_unmask_step(tiny_engine):
+def test_speculative_tokens_carry_ars_logprobs_and_no_unmask_step(tiny_engine):
     """Speculative tokens are the causal pass's: no denoising step unmasked them, and their
-    log-probabilities are not reported yet (refused up front, not a list of the wrong length)."""
-    from clover_lab.engine.requests import GenerationError
-
-    with pytest.raises(GenerationError, match="logprobs"):
-        tiny_engine.generate([1, 2, 3], mode="speculative", max_new_tokens=8, logprobs=1)
-    r = tiny_engine.generate([1, 2, 3], mode="speculative", max_new_tokens=8)
-    assert r.unmask_steps == [None] * len(r.token_ids) and r.logprobs is None
-    assert tiny_engine.generate([1, 2, 3], mode="ar", max_new_tokens=4).token_ids  # still usable
+    log-probabilities are AR's (they were refused; mode "mtp" shares the verify: test_mtp.py)."""
+    r = tiny_engine.generate([1, 2, 3], mode="speculative", max_new_tokens=8, logprobs=1)
+    ar = tiny_engine.generate([1, 2, 3], mode="ar", max_new_tokens=8, logprobs=1)
+    assert r.token_ids == ar.token_ids and r.unmask_steps == [None] * len(r.token_ids)
+    torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(ar.logprobs), rtol=0, atol=1e-4)
+    assert [[t for t, _ in top] for top in r.top_logprobs] == [[t for t, _ in top] for top in ar.top_logprobs]
+    assert tiny_engine.generate([1, 2, 3], mode="speculative", max_new_tokens=8).logprobs is None

@@ -153,13 +153,134 @@ def test_greedy_in_a_batch_beside_the_other_modes(mtp_engine):
 def test_settings_and_errors(mtp_engine):
     with pytest.raises(SettingsError, match="mtp_draft_tokens=0"):
         mtp_engine.generate(PROMPTS[0], mode="mtp", max_new_tokens=4, mtp_draft_tokens=0)
-    with pytest.warns(UserWarning, match="mtp_draft_tokens"):
+    with pytest.raises(GenerationError, match="mtp_draft_tokens.*mode='ar' ignores it"):
         mtp_engine.generate(PROMPTS[0], mode="ar", max_new_tokens=2, mtp_draft_tokens=2)
-    with pytest.raises(GenerationError, match="logprobs"):
-        mtp_engine.generate(PROMPTS[0], mode="mtp", max_new_tokens=4, logprobs=1)
     a = mtp_engine.generate(PROMPTS[2], mode="mtp", max_new_tokens=12, temperature=0.9, seed=3)
     b = mtp_engine.generate(PROMPTS[2], mode="mtp", max_new_tokens=12, temperature=0.9, seed=3)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+
+
+def assert_same_logprobs(got, want):
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), rtol=0, atol=1e-4)
+    assert [[t for t, _ in top] for top in got.top_logprobs] == [[t for t, _ in top] for top in want.top_logprobs]
+    torch.testing.assert_close(torch.tensor([[v for _, v in top] for top in got.top_logprobs]),
+                               torch.tensor([[v for _, v in top] for top in want.top_logprobs]), rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded model with its trained head (its drafts are often accepted; the random head
+    of ``mtp_engine`` has its drafts rejected)."""
+    import clover_lab
+
+    return clover_lab.load(dtype=torch.float32)
+
+
+CODE = ["def parse(line):\n", "class Stack:\n    def push(self, item):\n", "import os\n"]
+
+
+def test_logprobs_are_ars(embedded):
+    """Mode "mtp" (and speculative) refused logprobs. Each kept token carries the verifier's
+    log-probability and top alternatives, AR's for the same tokens: drafted tokens accepted, the
+    verifier's own at a first difference, with penalties, in a batch; sampled, a plain forward's."""
+    greedy = dict(temperature=0, repetition_penalty=1.3, logprobs=2)
+    ar = embedded.generate(CODE[1], mode="ar", max_new_tokens=12, **greedy)
+    for mode in ("mtp", "speculative"):
+        got = embedded.generate(CODE[1], mode=mode, max_new_tokens=12, **greedy)
+        assert got.token_ids == ar.token_ids and len(got.logprobs) == len(got.token_ids)
+        assert sum(got.stats.accepted) > 0, mode  # drafted tokens among them
+        assert_same_logprobs(got, ar)
+    batch = embedded.generate(CODE[:2], mode="mtp", max_new_tokens=6, **greedy)
+    for p, row in zip(CODE[:2], batch):
+        assert_same_logprobs(row, embedded.generate(p, mode="ar", max_new_tokens=6, **greedy))
+    s = embedded.generate(CODE[2], mode="mtp", max_new_tokens=10, temperature=0.9, repetition_penalty=1.0, seed=3,
+                          logprobs=0)
+    ids = embedded.encode(CODE[2])
+    with torch.no_grad():
+        logits = embedded.model.logits(torch.tensor([ids + s.token_ids]))[0, len(ids) - 1:-1]
+    want = logits.float().log_softmax(-1).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-4)
+    assert s.top_logprobs is None  # logprobs=0: the token's own only
+
+
+def test_hooks_on_mtp_rows_act_as_on_ar_rows(embedded):
+    """A residual edit at every position is AR's under the same edit (the verify forward applies it to
+    each kept position once, as AR's forwards do; the head's own layer fires no trunk point);
+    block.commit events carry the response in order with the acceptance, and stopping at one, or a
+    StopGeneration from inside the model, ends the row with a prefix of AR's tokens."""
+    from clover_lab.hooks.registry import StopGeneration
+
+    greedy = dict(max_new_tokens=12, temperature=0, repetition_penalty=1.0)
+    push = torch.randn(embedded.model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 2
+
+    def steer(ev):
+        ev.value = ev.value + push.to(ev.value.dtype)
+
+    plain = embedded.generate(CODE[0], mode="ar", **greedy)
+    with embedded.hooks({"layers.1.output": steer}):
+        ar = embedded.generate(CODE[0], mode="ar", **greedy)
+        got = embedded.generate(CODE[0], mode="mtp", **greedy)
+    assert got.token_ids == ar.token_ids != plain.token_ids
+    events = []
+    with embedded.hooks({"block.commit": events.append}):
+        got = embedded.generate(CODE[0], mode="mtp", **greedy)
+    assert [t for ev in events for t in ev.tokens] == got.token_ids == plain.token_ids
+    assert all(ev.accepted + ev.rejected == ev.drafted and len(ev.tokens) <= 1 + ev.accepted for ev in events)
+    assert any(ev.accepted for ev in events)
+
+    def second(ev):
+        if ev.block == 1:
+            ev.stop()
+
+    with embedded.hooks({"block.commit": second}):
+        stopped = embedded.generate(CODE[0], mode="mtp", **greedy)
+    assert stopped.stop_reason == "hook" and stopped.token_ids == [t for ev in events[:2] for t in ev.tokens]
+    forwards = []
+
+    def third_decode(ev):
+        if ev.phase == "decode" and ev.layer == 0:
+            forwards.append(ev)
+            if len(forwards) == 3:
+                raise StopGeneration
+
+    with embedded.hooks({"layers.0.input": third_decode}):
+        stopped = embedded.generate(CODE[0], mode="mtp", **greedy)
+    assert stopped.stop_reason == "hook" and stopped.token_ids == plain.token_ids[:len(stopped.token_ids)]
+    assert stopped.token_ids == [t for ev in events[:2] for t in ev.tokens]  # the third verify changed nothing
+
+
+def test_a_steps_rows_draft_in_one_head_forward(embedded):
+    """The head ran row by row. A step's mtp rows (different prompts, lengths and draft lengths, beside
+    an AR row) now draft together, one head forward per draft position: each row's tokens and its
+    drafts' acceptance are the row's alone, in fewer head forwards."""
+    greedy = dict(temperature=0, repetition_penalty=1.0)
+    reqs = [Request(CODE[0], mode="mtp", max_new_tokens=10, **greedy),
+            Request(CODE[1], mode="mtp", max_new_tokens=8, mtp_draft_tokens=2, **greedy),
+            Request(CODE[2], mode="ar", max_new_tokens=6, **greedy)]
+    sizes = []
+    hook = embedded.model.mtp.register_forward_hook(lambda m, args, out: sizes.append(args[2].shape[0]))
+    try:
+        alone = [embedded.generate(r) for r in reqs]
+        forwards_alone, sizes[:] = len(sizes), []
+        handles = [embedded.submit(r, emit=False) for r in reqs]
+        while not all(h.done for h in handles):
+            embedded.step()
+    finally:
+        hook.remove()
+    for h, a in zip(handles, alone):
+        assert h.error is None and h.result.token_ids == a.token_ids
+        assert h.result.stats.accepted == a.stats.accepted  # the same drafts
+    assert max(sizes) == 2 and len(sizes) < forwards_alone
+
+
+def test_mtp_runs_up_to_the_context_length():
+    """The head's cache was allocated for the row's positions plus scratch, past the context: a
+    prompt and max_new_tokens filling the context failed with a CacheFullError."""
+    model = CloverModel.random(CloverConfig.preset("clover-tiny", mtp_num_hidden_layers=1,
+                                                   max_position_embeddings=48), seed=2)
+    engine, prompt = Engine(model), list(range(5, 49))
+    got = engine.generate(prompt, mode="mtp", max_new_tokens=4)
+    assert got.token_ids == engine.generate(prompt, mode="ar", max_new_tokens=4).token_ids
 
 
 def test_cancel_and_stream(mtp_engine):
@@ -186,6 +307,11 @@ def test_the_server_takes_mode_mtp_per_request_and_the_start_switch(mtp_engine, 
         got = client.post("/v1/completions", json={**body, "clover": {"mode": "mtp"}})
         assert ar.status_code == got.status_code == 200, got.text
         assert got.json()["choices"][0]["text"] == ar.json()["choices"][0]["text"]
+        scored = [client.post("/v1/completions", json={**body, "logprobs": 2, "clover": {"mode": mode}}).json()
+                  for mode in ("ar", "mtp")]  # refused (a 400) before
+        assert scored[1]["choices"][0]["logprobs"]["tokens"] == scored[0]["choices"][0]["logprobs"]["tokens"]
+        assert scored[1]["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+            scored[0]["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
         engine.default_mode = "mtp"  # what serve --speculative-config sets
         assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == ar.json()["choices"][0]["text"]
     assert speculative_config('{"method": "mtp", "num_speculative_tokens": 4}') == 4
@@ -197,10 +323,8 @@ def test_the_server_takes_mode_mtp_per_request_and_the_start_switch(mtp_engine, 
             speculative_config(bad)
 
 
-def test_the_embedded_model_has_a_trained_head():
-    import clover_lab
-
-    engine = clover_lab.load(dtype=torch.float32)
+def test_the_embedded_model_has_a_trained_head(embedded):
+    engine = embedded
     assert engine.model.mtp is not None
     greedy = dict(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
     ar = engine.generate("def parse(line):\n", mode="ar", **greedy)

@@ -82,17 +82,17 @@ OTHER = [7, 8, 9, 200, 300]
 
 
 # --------------------------------------------------------------------------- 5. the first harness's remainder
-def test_diffusion_settings_in_an_ar_request_are_said_and_stats_true(tiny_engine):
-    from clover_lab.engine.requests import IgnoredSettingWarning
-
-    with pytest.warns(IgnoredSettingWarning, match="coreset_size, threshold|threshold, .*coreset_size"):
-        r = tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4, threshold=0.5, coreset_size=4)
-    assert r.stats.coreset_size is None and r.stats.mode == "ar"
-    with pytest.warns(IgnoredSettingWarning, match="threshold"):
+def test_diffusion_settings_in_an_ar_request_are_refused_naming_both(tiny_engine):
+    """They were a warning and the run went on without them; now an error naming the settings and
+    the mode (``field`` the first setting), and the engine runs the next request as before."""
+    with pytest.raises(IgnoredSettingError, match="mode='ar' .*threshold, coreset_size") as e:
+        tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4, threshold=0.5, coreset_size=4)
+    assert e.value.field == "threshold" and e.value.setting == "threshold"
+    with pytest.raises(IgnoredSettingError, match="threshold"):
         tiny_engine.generate([PROMPT, OTHER], mode="ar", max_new_tokens=4, threshold=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # settings AR reads, or diffusion with its own: not a word
-        tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4, temperature=0)
+        assert tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4, temperature=0).stats.mode == "ar"
         assert tiny_engine.generate(PROMPT, max_new_tokens=4, coreset_size=4).stats.coreset_size == 4
 
 
@@ -116,22 +116,37 @@ def test_a_list_that_is_neither_a_prompt_nor_a_batch_names_its_item(tiny_text_en
 
 
 # --------------------------------------------------------------------------- settings a mode or tokenizer ignores
-from clover_lab.engine.requests import IgnoredSettingError, IgnoredSettingWarning  # noqa: E402
+from clover_lab.engine.requests import IgnoredSettingError, settings_for_mode  # noqa: E402
+
+# (mode, settings given, the setting the error names): each a setting the mode's decoder never reads
+IGNORED = [("ar", dict(policy="topk:k=2"), "policy"), ("ar", dict(block_size=4), "block_size"),
+           ("diffusion", dict(draft_passes=2), "draft_passes"), ("ar", dict(draft_passes=2), "draft_passes"),
+           ("diffusion", dict(mtp_draft_tokens=2), "mtp_draft_tokens"),
+           ("speculative", dict(max_steps_per_block=2, draft_passes=2), "max_steps_per_block"),
+           ("speculative", dict(threshold=0.5), "threshold"), ("speculative", dict(coreset_size=4), "coreset_size"),
+           ("mtp", dict(policy="topk:k=2"), "policy"), ("mtp", dict(block_size=4), "block_size")]
 
 
-def test_a_policy_in_ar_and_draft_passes_outside_speculative_are_said(tiny_engine):
-    """A policy with mode "ar" and draft_passes outside speculative mode were silently ignored."""
-    with pytest.warns(IgnoredSettingWarning, match="ignores the block-diffusion setting.*policy"):
-        r = tiny_engine.generate(PROMPT, mode="ar", max_new_tokens=4, policy="topk:k=2")
-    assert r.stats.mode == "ar"
-    for mode in ("diffusion", "ar"):
-        with pytest.warns(IgnoredSettingWarning, match=f"draft_passes drafts blocks in mode='speculative'; "
-                                                       f"mode='{mode}' ignores it"):
-            tiny_engine.generate(PROMPT, mode=mode, max_new_tokens=4, draft_passes=2)
+@pytest.mark.parametrize("mode,given,name", IGNORED, ids=[f"{m}-{n}" for m, _, n in IGNORED])
+def test_a_setting_the_mode_ignores_is_refused_naming_both(tiny_engine, mode, given, name):
+    """A top-k policy with mode "ar" and draft_passes with mode "diffusion" were accepted with a
+    warning and ignored (the command line and the server refused them): refused in process too,
+    before anything runs, naming the setting and the mode."""
+    kw = {k: v for k, v in given.items() if k not in ("policy", "block_size")}
+    with pytest.raises(IgnoredSettingError, match=f"mode={mode!r}") as e:
+        tiny_engine.check(clover_lab.Request(PROMPT, mode=mode, max_new_tokens=4, policy=given.get("policy"),
+                                             block_size=given.get("block_size"), **kw))
+    assert e.value.field == name and name in str(e.value)
+    assert name not in settings_for_mode(mode, given)  # what a view holding one set for every mode drops
+
+
+def test_settings_a_mode_reads_are_not_refused(tiny_engine):
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # where they apply: not a word
-        tiny_engine.generate(PROMPT, mode="speculative", max_new_tokens=4, draft_passes=2, policy="topk:k=2")
-        tiny_engine.generate(PROMPT, max_new_tokens=4, policy="eb:gamma=0.5")
+        warnings.simplefilter("error")
+        tiny_engine.generate(PROMPT, mode="speculative", max_new_tokens=4, draft_passes=2, policy="topk:k=2",
+                             threshold=0.5)  # two passes: the threshold decides the first
+        tiny_engine.generate(PROMPT, max_new_tokens=4, policy="eb:gamma=0.5", block_size=4)
+    assert settings_for_mode("speculative", dict(threshold=0.5, draft_passes=2)) == dict(threshold=0.5, draft_passes=2)
 
 
 def no_thinking_tokenizer(gen_tokenizer, template_reads_it: bool):

@@ -193,6 +193,19 @@ def test_every_mode_follows_the_grammar(engine, mode):
                                                       max_new_tokens=96)).token_ids == ar.token_ids
 
 
+def test_mtp_rows_follow_the_grammar_as_ar_rows(engine):
+    """Mode "mtp" checks the head's drafts against the trunk's masked choice: greedy, AR's answer under
+    the grammar (drafts accepted among it); sampled, a valid value."""
+    grammar = Grammar.json_schema(PERSON, engine)
+    ar = engine.generate(clover_lab.Request(PROMPTS[0], mode="ar", grammar=grammar, max_new_tokens=96))
+    got = engine.generate(clover_lab.Request(PROMPTS[0], mode="mtp", grammar=grammar, max_new_tokens=96))
+    assert got.token_ids == ar.token_ids and got.stop_reason == "eos" and sum(got.stats.accepted) > 0
+    sampled = engine.generate(clover_lab.Request(PROMPTS[1], mode="mtp", grammar=grammar, max_new_tokens=96,
+                                                 temperature=0.8, seed=3))
+    assert sampled.stop_reason == "eos"
+    jsonschema.validate(json.loads(sampled.text), PERSON)
+
+
 # --------------------------------------------------------------------------- grammars that could not run
 @pytest.mark.parametrize("make,fragment", [
     (lambda e: Grammar.json_schema({"$ref": "#"}, e, what="response_format"), "only an empty response"),

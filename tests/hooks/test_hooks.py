@@ -13,6 +13,7 @@ from clover_lab import (
     StepEvent,
     StopGeneration,
 )
+from clover_lab.engine.requests import settings_for_mode
 from clover_lab.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("gen_one_thread")
@@ -217,20 +218,20 @@ def test_banned_expert_never_appears_in_later_route_events(tiny_engine):
 
 @pytest.mark.parametrize("mode", ["diffusion", "ar"])
 def test_editing_gdn_state_changes_the_output(tiny_engine, mode):
-    base = tiny_engine.generate(PROMPT, mode=mode, **KW)
+    base = tiny_engine.generate(PROMPT, mode=mode, **settings_for_mode(mode, KW))
 
     def wipe(ev):
         ev.state.zero_()
 
     with tiny_engine.hooks({"layers.*.gdn.state": wipe}):
-        wiped = tiny_engine.generate(PROMPT, mode=mode, **KW)
+        wiped = tiny_engine.generate(PROMPT, mode=mode, **settings_for_mode(mode, KW))
     assert wiped.token_ids != base.token_ids
 
     def scale(ev):
         ev.state = ev.state * 10.0  # assigning a new tensor works too
 
     with tiny_engine.hooks({"layers.*.gdn.state": scale}):
-        scaled = tiny_engine.generate(PROMPT, mode=mode, **KW)
+        scaled = tiny_engine.generate(PROMPT, mode=mode, **settings_for_mode(mode, KW))
     assert scaled.token_ids != base.token_ids
 
 
@@ -336,7 +337,7 @@ def test_observing_hooks_add_no_host_syncs(tiny_engine, monkeypatch):
 
     def run(mode):
         count.clear()
-        r = tiny_engine.generate(PROMPT, mode=mode, **KW)
+        r = tiny_engine.generate(PROMPT, mode=mode, **settings_for_mode(mode, KW))
         return dict(count), r
 
     for mode in ("diffusion", "ar"):
@@ -399,18 +400,18 @@ def test_hooks_writing_nan_are_hook_errors(tiny_engine):
 # --------------------------------------------------------------------------- 3. StopGeneration in the prefill
 @pytest.mark.parametrize("mode", ["diffusion", "ar"])
 def test_stop_generation_during_the_prefill_ends_the_run_cleanly(tiny_engine, mode):
-    base = tiny_engine.generate(PROMPT, mode=mode, **KW_20)
+    base = tiny_engine.generate(PROMPT, mode=mode, **settings_for_mode(mode, KW_20))
 
     def stop_in_prefill(ev):
         if ev.phase == "prefill":
             raise StopGeneration
 
     with tiny_engine.hooks({"layers.0.moe.route": stop_in_prefill}):
-        r = tiny_engine.generate(PROMPT, mode=mode, **KW_20)
-        updates = list(tiny_engine.stream(PROMPT, mode=mode, **KW_20))
+        r = tiny_engine.generate(PROMPT, mode=mode, **settings_for_mode(mode, KW_20))
+        updates = list(tiny_engine.stream(PROMPT, mode=mode, **settings_for_mode(mode, KW_20)))
     assert r.token_ids == [] and r.stop_reason == "hook" and not r.stats.cache_complete
     assert [u.kind for u in updates] == ["done"] and updates[0].result.token_ids == []
-    assert tiny_engine.generate(PROMPT, mode=mode, **KW_20).token_ids == base.token_ids
+    assert tiny_engine.generate(PROMPT, mode=mode, **settings_for_mode(mode, KW_20)).token_ids == base.token_ids
 
 
 # --------------------------------------------------------------------------- 5. hooks and captures per thread

@@ -7,6 +7,7 @@ import torch
 
 import clover_lab
 from clover_lab import CheckpointError, CloverConfig, CloverModel
+from clover_lab.engine.requests import settings_for_mode
 from clover_lab.placement import ElsewhereExperts, Placement, meta_model, plan_placement
 
 OFFLOADED = {"": "cpu", "model.layers.0.mlp.experts": "offload", "model.layers.2.mlp.experts": "offload"}
@@ -41,7 +42,8 @@ def test_offloaded_experts_give_the_unplaced_models_logits_and_tokens(engines, g
     torch.testing.assert_close(logits[1].commit_logits, logits[0].commit_logits, atol=0, rtol=0)
     torch.testing.assert_close(logits[1].preview_logits, logits[0].preview_logits, atol=0, rtol=0)
     for mode in ("diffusion", "ar"):
-        results = [e.generate(ids[0].tolist(), mode=mode, max_new_tokens=40, threshold=0.95, coreset_size=coreset)
+        results = [e.generate(ids[0].tolist(), mode=mode, max_new_tokens=40,
+                                **settings_for_mode(mode, dict(threshold=0.95, coreset_size=coreset)))
                    for e in (plain, placed)]
         assert results[1].token_ids == results[0].token_ids
 
@@ -52,7 +54,8 @@ def test_a_batch_on_offloaded_experts_gives_the_unplaced_models_tokens(engines, 
     plain, placed = engines
     prompts = [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3], [300]]
     for mode in ("diffusion", "ar"):
-        results = [e.generate(prompts, mode=mode, max_new_tokens=24, threshold=0.5, coreset_size=coreset)
+        results = [e.generate(prompts, mode=mode, max_new_tokens=24,
+                                **settings_for_mode(mode, dict(threshold=0.5, coreset_size=coreset)))
                    for e in (plain, placed)]
         assert [r.token_ids for r in results[1]] == [r.token_ids for r in results[0]]
 

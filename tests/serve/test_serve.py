@@ -422,8 +422,8 @@ IGNORED = [({"mode": "ar", "threshold": 0.5}, "clover.threshold"),
 
 @pytest.mark.parametrize("clover,param", IGNORED, ids=[p for _, p in IGNORED])
 def test_a_setting_the_mode_ignores_is_refused_naming_it(tiny_app, clover, param):
-    """clover.mode "ar" with clover.threshold was answered as if the threshold were not there; the API
-    and the command line warn (IgnoredSettingWarning), the server has no way to warn a client: 400."""
+    """clover.mode "ar" with clover.threshold was answered as if the threshold were not there: 400, as
+    the API and the command line refuse it."""
     client, _ = tiny_app
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 4, "clover": clover})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
