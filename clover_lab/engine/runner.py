@@ -28,7 +28,7 @@ from clover_lab.engine.graphs import StepGraphs, bucket
 from clover_lab.engine.observed import describe, fire_observed, live_layers, observed_points
 from clover_lab.engine.requests import GenerationError
 from clover_lab.model.cache import CloverCache, cache_bytes
-from clover_lab.model.context import Coreset
+from clover_lab.model.context import Coreset, Segment
 
 
 class Runner:
@@ -220,6 +220,25 @@ class Runner:
                 self._took(kind, detail)
             return out
 
+    def run(self, parts: list) -> list[torch.Tensor]:
+        """One forward over the step's segments (``step_loop.Part``: a row's commit tokens and/or
+        its block, whatever its phase and mode), packed (``CloverModel.forward_packed``); each
+        part's logits [len(part.want), V] at the segment positions it wants, in order. The eager
+        forward, with no hook inside the model (the step loop packs only such rows)."""
+        with self.hooks.applied(), region("step"):
+            self._arrange(fast=False)
+            segments, wanted, at = [], [], 0
+            for part in parts:
+                segments.append(Segment(self.slots.index(part.row.key), part.commit, part.preview, at))
+                wanted += [at + j for j in part.want]
+                at += part.commit + part.preview
+            ids = torch.cat([part.ids for part in parts])
+            logits = self.model.forward_packed(self.cache, segments, ids,
+                                               torch.tensor(wanted, device=ids.device, dtype=torch.long))
+            kind, detail = self.plan()
+            self._took("eager", detail if kind == "eager" else "rows in different phases packed into one forward")
+        return list(logits.split([len(part.want) for part in parts]))
+
     def commit_draft(self, rows: list[int], ids: torch.Tensor, where) -> "KeptDraft":
         """Commit these rows' drafted blocks ``ids`` [R, m] on the eager forward; the returned
         draft's ``keep`` then keeps each row's accepted prefix in the cache (``drafts.py``)."""
@@ -303,6 +322,34 @@ class Runner:
             return
         if self.coreset is not None and self.coreset.experts:
             self.coreset.keep(keep)
+
+
+class Part:
+    """A row's segment of a step's one forward: ``ids`` [commit + preview] on the device (its
+    commit tokens, then its block), the segment positions whose logits it ``want``s, its ``kind``
+    ("prefill", "preview", "commit"), whether it commits a finished block beside its preview
+    (``fused``), and ``taken(logits [len(want), V])``: what the row does with them, deciding on
+    the device; it returns the (1-D tensor, reader) pairs the host reads in the step's one
+    transfer, each reader taking the values of its tensor."""
+
+    __slots__ = ("row", "ids", "commit", "preview", "want", "kind", "taken", "fused")
+
+    def __init__(self, row, ids, commit: int, preview: int, want: list[int], kind: str, taken, fused: bool = False):
+        self.row, self.ids, self.commit, self.preview, self.want = row, ids, commit, preview, want
+        self.kind, self.taken, self.fused = kind, taken, fused
+
+
+class Reader:
+    """A reader of a row's values in a step's one host transfer (``Part.taken``): ``fn(values)``."""
+
+    __slots__ = ("row", "fn")
+
+    def __init__(self, row, fn):
+        self.row, self.fn = row, fn
+
+    def __call__(self, values):
+        if self.row.live:
+            return self.fn(values)
 
 
 # --------------------------------------------------------------------------- which step loop holds the graphs
