@@ -37,7 +37,7 @@ from clover_lab.hooks.events import Where
 from clover_lab.hooks.registry import StopGeneration
 
 DECODERS = {"diffusion": diffusion, "ar": ar, "speculative": speculative, "mtp": mtp}
-PACKED = ("diffusion", "ar")  # the modes whose rows share a step's one packed forward (``StepLoop._step_packed``)
+PACKED = ("diffusion", "ar", "speculative")  # the modes whose rows share a step's one packed forward (``StepLoop._step_packed``)
 
 
 

@@ -93,6 +93,7 @@ class Segment:
     commit: int
     preview: int
     offset: int = 0
+    draft: bool = False  # a drafted block's commit: the GDN layers record what keeping a prefix of it needs
 
     @property
     def width(self) -> int:
@@ -111,6 +112,8 @@ class SegmentGroup:
     tokens: torch.Tensor
     lengths: list[int]
     positions: torch.Tensor
+    draft: bool = False  # the segments are drafted blocks' commits (``drafts.py``)
+    members: list = field(default_factory=list)  # the cache rows, on the host
 
 
 class RouterStats:
@@ -185,13 +188,14 @@ class ForwardContext:
         positions, shapes = [], {}
         for s in segments:
             positions += range(lengths[s.row], lengths[s.row] + s.width)
-            shapes.setdefault((s.commit, s.preview), []).append(s)
+            shapes.setdefault((s.commit, s.preview, s.draft), []).append(s)
         groups = []
-        for (c, m), members in shapes.items():
+        for (c, m, draft), members in shapes.items():
             tokens = torch.tensor([list(range(s.offset, s.offset + c + m)) for s in members], device=device)
             at = [lengths[s.row] for s in members]
             groups.append(SegmentGroup(c, m, torch.tensor([s.row for s in members], device=device), tokens, at,
-                                       torch.tensor(at, device=device)[:, None] + torch.arange(c + m, device=device)))
+                                       torch.tensor(at, device=device)[:, None] + torch.arange(c + m, device=device),
+                                       draft, [s.row for s in members]))
         n = len(positions)
         return cls(n, 0, torch.tensor(positions, device=device), cache=cache, n=cache.length, hooks=False,
                    where=where, groups=groups)

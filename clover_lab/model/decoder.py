@@ -334,14 +334,16 @@ class CloverModel(nn.Module):
 
     @torch.no_grad()
     def forward_packed(self, cache: CloverCache, segments: list, ids: torch.Tensor, wanted: torch.Tensor,
-                       where: Where = NOWHERE) -> torch.Tensor:
+                       where: Where = NOWHERE, drafts: dict | None = None) -> torch.Tensor:
         """One forward over rows in different phases (``context.Segment``s of distinct cache rows):
         ``ids`` [N] every segment's tokens one after another (a segment's commit tokens, then its
         block), ``wanted`` [K] the indices of the tokens whose logits are wanted -> logits [K, V].
         The embedding, the norms, the MoE and the LM head run over the step's tokens at once; the
         mixers per group of segments of one shape. Each segment's row commits its commit tokens
         (its length advances by them) only if the whole forward succeeds; no hook inside the model
-        runs (rows with one take forwards of their own)."""
+        runs (rows with one take forwards of their own). ``drafts``: a dict the GDN layers fill,
+        per cache row of a ``draft`` segment, with what keeping only a prefix of its commit needs
+        (``DraftCommit.keep`` on that row, ``drafts.py``)."""
         lengths = cache.row_lengths or [cache.length] * cache.batch_size
         if len({s.row for s in segments}) != len(segments) or not segments:
             raise ValueError(f"forward_packed: one segment per cache row, got rows {[s.row for s in segments]}")
@@ -356,6 +358,7 @@ class CloverModel(nn.Module):
                 raise ValueError(f"positions up to {lengths[s.row] + s.width} exceed the context length "
                                  f"{self.config.max_position_embeddings}")
         ctx = ForwardContext.packed(cache, segments, self.input_device, where)
+        ctx.drafts = drafts
         x = self.hidden_states(self._check_ids(ids[None], "ids", 1), ctx)
         ctx.publish()
         grown = list(lengths)

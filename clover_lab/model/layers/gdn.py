@@ -165,6 +165,10 @@ class GatedDeltaNet(nn.Module):
             x = mixed[0, tokens]  # [G, c + m, C]
             if c:
                 g, beta = self._gates(b[0, tokens[:, :c]], a[0, tokens[:, :c]])
+                if grp.draft and ctx.drafts is not None:  # per cache row: what keeping a prefix of its draft needs
+                    for i, r in enumerate(grp.members):
+                        ctx.drafts.setdefault(r, {})[self.layer] = DraftRows(
+                            ring[i:i + 1], state[i:i + 1], x[i:i + 1, :c], g[i:i + 1], beta[i:i + 1])
                 o_c, ring, state = ops.gdn_commit(x[:, :c], ring, conv_w, g, beta, state, self.num_k_heads,
                                                   self.head_k_dim, self.head_v_dim)
                 o[0, tokens[:, :c]] = o_c.to(o.dtype)
