@@ -14,7 +14,8 @@ that sit a forward out are not in it: the others run against a copy of their own
 and a padded cache is compacted before it. A fused commit of some rows beside others' previews
 is one forward (``committing``: the rows without a commit pad theirs, ``ForwardContext.cached``). Every forward runs inside
 ``hooks.applied()``, so that the model's events see the generation's hooks, and inside a named
-region of torch.profiler's traces (``clover_lab.prefill``, ``.preview``, ``.commit``): a profile
+region of torch.profiler's traces (``clover_lab.prefill``, ``.preview``, ``.commit``; a packed step's
+is named after the widest of its parts: preview, else commit, else prefill): a profile
 of a generation tells the steps' time from the loop's (``bench/bench_batch_bound.py``).
 """
 from __future__ import annotations
@@ -227,7 +228,8 @@ class Runner:
         its block, whatever its phase and mode), packed (``CloverModel.forward_packed``); each
         part's logits [len(part.want), V] at the segment positions it wants, in order. The eager
         forward, with no hook inside the model (the step loop packs only such rows)."""
-        with self.hooks.applied(), region("step"):
+        kinds = {part.kind for part in parts}  # the region: "preview" if a row previews, else "commit", else "prefill"
+        with self.hooks.applied(), region(next(k for k in ("preview", "commit", "prefill") if k in kinds)):
             self._arrange(fast=False)
             segments, wanted, at = [], [], 0
             lengths = self.cache.row_lengths or [self.cache.length] * self.cache.batch_size
@@ -351,12 +353,13 @@ class Part:
     the device; it returns the (1-D tensor, reader) pairs the host reads in the step's one
     transfer, each reader taking the values of its tensor."""
 
-    __slots__ = ("row", "ids", "commit", "preview", "want", "kind", "taken", "fused", "draft")
+    __slots__ = ("row", "ids", "commit", "preview", "want", "kind", "taken", "fused", "draft", "last")
 
     def __init__(self, row, ids, commit: int, preview: int, want: list[int], kind: str, taken, fused: bool = False,
                  draft: bool = False):
         self.row, self.ids, self.commit, self.preview, self.want = row, ids, commit, preview, want
         self.kind, self.taken, self.fused, self.draft = kind, taken, fused, draft
+        self.last = False  # a prompt's chunk: its last
 
 
 class Reader:

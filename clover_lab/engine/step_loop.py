@@ -123,8 +123,11 @@ class StepLoop:
         parts: list[Part] = []
         for row in [r for r in self.rows if r.key in self.filling and r.live]:
             parts += self._fill_part(row, (self.prefill_budget or len(row.prompt_ids)) - sum(p.commit for p in parts))
+        # a diffusion row whose prompt ends in this step begins its first block in the same segment
+        first = {p.row.key: p for p in parts if p.row.mode == "diffusion" and p.last}
         for mode in PACKED:
-            rows = [row for row in self.rows if row.mode == mode and row.live and row.key not in self.filling]
+            rows = [row for row in self.rows if row.mode == mode and row.live
+                    and (row.key not in self.filling or row.key in first)]
             if rows:
                 try:
                     parts += DECODERS[mode].schedule(self, rows)
@@ -132,6 +135,10 @@ class StepLoop:
                     self.fail({row.handle for row in rows}, e)
                     if not isinstance(e, Exception):
                         raise
+        if first:
+            begun = {p.row.key: p for p in parts if p.row.key in first and p.kind != "prefill"}
+            parts = [after_prompt(p, begun[p.row.key]) if p.kind == "prefill" and p.row.key in begun else p
+                     for p in parts if p.kind == "prefill" or p.row.key not in begun]
         parts = [part for part in parts if part.row.live]
         if parts:
             self._run(parts)
@@ -159,7 +166,9 @@ class StepLoop:
             del self.filling[row.key]
             self._prefilled([row], logits if want else None, score=False)
             return []
-        return [Part(row, torch.tensor(ids, device=row.device), len(ids), 0, want, "prefill", taken)]
+        part = Part(row, torch.tensor(ids, device=row.device), len(ids), 0, want, "prefill", taken)
+        part.last = last
+        return [part]
 
     def _run(self, parts: list["Part"]) -> None:
         """The step's one forward over ``parts``, then each part takes its logits, the host reads
@@ -262,12 +271,13 @@ class StepLoop:
         decoding = [row for row in self.rows if row.key not in self.filling]
         self.rows += new
         budget = self.prefill_budget
+        packs = bool(decoding) and self._packs()  # beside decoding rows, in this step's one forward
         groups: dict[tuple, list[Row]] = {}
         for row in new:
             # (not rows scoring their prompt, nor mtp rows: their head reads the whole prompt's trunk states)
-            if (decoding and budget and len(row.prompt_ids) > budget and row.prompt_logprobs is None
+            if (decoding and (packs or (budget and len(row.prompt_ids) > budget)) and row.prompt_logprobs is None
                     and row.mode != "mtp"):
-                self.filling[row.key] = 0  # a long prompt beside decoding rows: a chunk a step (``_fill``)
+                self.filling[row.key] = 0  # beside decoding rows: a chunk a step (``_fill``, ``_fill_part``)
                 continue
             groups.setdefault((row.hooks.scopes, len(row.prompt_ids), row.prompt_logprobs is not None), []).append(row)
         for rows in groups.values():
@@ -467,6 +477,16 @@ class StepLoop:
         if not self.rows and self.runner is not None:
             self.runner = None
             self.engine.fast_path.release(self)
+
+
+def after_prompt(prompt: Part, part: Part) -> Part:
+    """A diffusion row's last prompt chunk and its first block's preview as one segment: the
+    prompt committed, the block previewed after it (a fused commit+preview)."""
+    def taken(logits):
+        prompt.taken(None)
+        return part.taken(logits)
+    return Part(part.row, torch.cat([prompt.ids, part.ids]), prompt.commit + part.commit, part.preview,
+                [prompt.commit + j for j in part.want], part.kind, taken, fused=False)
 
 
 def alone(row: Row) -> bool:

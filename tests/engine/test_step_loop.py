@@ -382,8 +382,8 @@ def test_a_long_prompt_arriving_beside_decoding_rows_is_prefilled_a_chunk_a_step
         handle = layer.register_forward_pre_hook(lambda mod, args: forwards.append(k))
         run = Runner.run
 
-        def counted(runner, parts):  # the prompt's chunk in each step's one forward
-            tokens.extend((k, p.commit) for p in parts if p.kind == "prefill")
+        def counted(runner, parts):  # the prompt's chunk in each step's one forward (its last with its first block)
+            tokens.extend((k, p.commit) for p in parts if p.row.key in engine.loop.filling)
             return run(runner, parts)
         Runner.run = counted
         try:
