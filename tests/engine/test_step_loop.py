@@ -408,3 +408,30 @@ def test_a_long_prompt_arriving_beside_decoding_rows_is_prefilled_a_chunk_a_step
     prefill = [n for _, n in tokens]
     assert sum(prefill) == prompt_tokens and max(prefill) <= budget, prefill
     assert late.result.stats.prefill_forwards == -(-prompt_tokens // budget)
+
+
+def test_rows_in_four_phases_run_one_model_forward_per_step(engine):
+    """A diffusion row mid-block, an AR row, a speculative row and a prompt arriving (sampled, with
+    a seed) run ONE model forward per step (counted with a forward pre-hook on the first decoder
+    layer): their segments packed, each row decided from its own logits; each gives its alone
+    tokens."""
+    reqs = [Request(PROMPTS[0], max_new_tokens=20), Request(PROMPTS[1], mode="ar", max_new_tokens=8),
+            Request(PROMPTS[2], mode="speculative", max_new_tokens=12),
+            Request(PROMPTS[3] * 3, max_new_tokens=8, temperature=0.8, seed=3)]
+    alone = [engine.generate(r).token_ids for r in reqs]
+    handles = [engine.submit(r) for r in reqs[:3]]
+    for _ in range(3):  # admitted and prefilled, then previews, AR tokens, draft passes
+        engine.step()
+    diffusing = next(r for r in engine.loop.rows if r.handle is handles[0])
+    assert diffusing.block is not None and diffusing.block.step > 0  # mid-block
+    handles.append(engine.submit(reqs[3]))
+    forwards, k = [], 0
+    hook = engine.model.model.layers[0].register_forward_pre_hook(lambda mod, args: forwards.append(k))
+    try:
+        while not all(h.done for h in handles):
+            k += 1
+            engine.step()
+    finally:
+        hook.remove()
+    assert forwards == list(range(1, k + 1)), forwards  # one forward in every step, the prompt's prefill in it
+    assert [h.result.token_ids for h in handles] == alone
