@@ -50,6 +50,7 @@ class StepLoop:
         self.max_rows = 64  # rows going on at once (the server sets its --max-batch)
         self.capacity = 0  # positions per row the runner's cache holds at least (the server's)
         self.in_step = False  # diffusion rows begin their blocks together even where not needed (a comparison)
+        self.packed = True  # False: each mode's rows and each prompt take forwards of their own (a comparison)
         # prompt positions prefilled per step while other rows decode (None: every prompt whole at once)
         self.prefill_budget: int | None = 512
         self.filling: dict[int, int] = {}  # row key -> positions of its prompt in the cache, while partly
@@ -109,7 +110,8 @@ class StepLoop:
         (a static step has a layout of its own), with no hook inside the model on any row (its
         events name one request, block and step), no expert coreset and rows not kept in step."""
         runner = self.runner
-        if runner is None or runner.graphs is not None or runner.coreset is not None or self.in_step:
+        if (runner is None or runner.graphs is not None or runner.coreset is not None or self.in_step
+                or not self.packed):
             return False
         return not any(row.hooks.model_hooks_attached() for row in self.rows if row.live)
 
