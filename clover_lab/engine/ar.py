@@ -33,15 +33,7 @@ def advance(loop, rows: list) -> None:
             check_logits(row, host[len(rows) + j], f"token {len(row.committed)} (AR)")
     reasons = {}
     for row, t, logits in zip(rows, host, shaped):
-        row.info.add(0, *row.info.chosen(row.info.distribution(logits, row.counts, row.s), [0], [t])[0])
-        row.follow([t])
-        if row.counts is not None:
-            row.counts[t] += 1
-            window = row.s.penalty_window
-            if window is not None and len(row.committed) >= window:  # the token leaving the window
-                row.counts[row.committed[-window]] -= 1
-        row.committed.append(t)
-        reasons[row.key] = end_reason(row, t)
+        reasons[row.key] = append(row, t, logits)
     last = all(reasons[row.key] != "length" or len(row.committed) >= row.max_new for row in rows)
     ids = torch.tensor([[t] for t in host[:len(rows)]], device=rows[0].device)
     try:
@@ -89,15 +81,7 @@ def committed(loop, row, values: list, shaped: torch.Tensor, out: torch.Tensor) 
     t, health = values
     if health != OK:
         check_logits(row, health, f"token {len(row.committed)} (AR)")
-    row.info.add(0, *row.info.chosen(row.info.distribution(shaped, row.counts, row.s), [0], [t])[0])
-    row.follow([t])
-    if row.counts is not None:
-        row.counts[t] += 1
-        window = row.s.penalty_window
-        if window is not None and len(row.committed) >= window:  # the token leaving the window
-            row.counts[row.committed[-window]] -= 1
-    row.committed.append(t)
-    reason = end_reason(row, t)
+    reason = append(row, t, shaped)
     i = len(row.committed) - 1
     row.stats.blocks += 1
     if row.fire_commit(i, [t], 1, len(row.prompt_ids) + i):
@@ -111,6 +95,21 @@ def committed(loop, row, values: list, shaped: torch.Tensor, out: torch.Tensor) 
 
 def finish(loop, rows: list) -> None:
     """Nothing is left to do after a packed step's reads (:func:`committed` took each token)."""
+
+
+def append(row, t: int, shaped: torch.Tensor) -> str:
+    """Token ``t``, decided from ``shaped`` (the logits after the row's grammar and min_tokens),
+    joins the row's response: its log-probabilities, the grammar, the penalty counts. Returns why
+    the row ends with it, or "length" (it goes on)."""
+    row.info.add(0, *row.info.chosen(row.info.distribution(shaped, row.counts, row.s), [0], [t])[0])
+    row.follow([t])
+    if row.counts is not None:
+        row.counts[t] += 1
+        window = row.s.penalty_window
+        if window is not None and len(row.committed) >= window:  # the token leaving the window
+            row.counts[row.committed[-window]] -= 1
+    row.committed.append(t)
+    return end_reason(row, t)
 
 
 def abandon(loop, rows: list) -> None:
