@@ -2,12 +2,16 @@
 rows; each :meth:`StepLoop.step`
 
 1. ends the rows of cancelled requests (stop reason "cancelled", their partial results intact);
-2. admits queued rows while there is room, prefilling their prompts (a forward per prompt
-   length);
-3. groups the rows going on into cohorts, rows that may share a forward (the same hooks; with a
-   hook inside the model, the same request), and hands each cohort's rows of each mode to that
-   mode's decoder (``diffusion.py``, ``ar.py``, ``speculative.py``), which asks the runner
-   (``runner.py``) for its forwards through :meth:`StepLoop.forward` and decides from their logits;
+2. admits queued rows while there is room, prefilling their prompts (at an idle engine: a forward
+   per prompt length; beside decoding rows: in the step's forward, a chunk a step);
+3. on the eager forward with no hook inside the model, runs the step as schedule -> run -> take
+   (:meth:`StepLoop._step_packed`): every row's decoder (``diffusion.py``, ``ar.py``,
+   ``speculative.py``) gives its segment, the runner (``runner.py``) runs them all as ONE
+   forward, each row decides on the device and the host reads every decision in one transfer;
+   elsewhere (the static steps, a hook inside the model, a coreset, mtp rows) it groups the
+   rows into cohorts, rows that may share a forward (the same hooks; with a hook inside the
+   model, the same request), and hands each cohort's rows of each mode to that mode's decoder,
+   which asks the runner for its forwards through :meth:`StepLoop.forward`;
 4. returns the step's updates (also handed to each request's handle).
 
 Rows join and leave at any step; rows with different settings (mode, sampler, policy, length,
@@ -117,11 +121,12 @@ class StepLoop:
 
     def _step_packed(self) -> None:
         """A step as schedule -> run -> take: each row gives its segment for this step (a prompt's
-        chunk, a diffusion row's preview, fused commit+preview or last commit, an AR token:
-        ``diffusion.schedule``, ``ar.schedule``), the runner runs them as ONE forward
-        (``Runner.run``), and each part takes its row's logits, deciding on the device; the host
-        reads every row's decision in one transfer, then the parts take them (``take``).
-        Speculative and mtp rows still take forwards of their own (``step``)."""
+        chunk, a diffusion row's preview, fused commit+preview or last commit, an AR token, a
+        speculative row's draft pass or verify: ``diffusion.schedule``, ``ar.schedule``,
+        ``speculative.schedule``), the runner runs them as ONE forward (``Runner.run``), and each
+        part takes its row's logits, deciding on the device; the host reads every row's decision
+        in one transfer, then each row takes its values (``_run``). mtp rows still take forwards
+        of their own (``step``)."""
         parts: list[Part] = []
         for row in [r for r in self.rows if r.key in self.filling and r.live]:
             parts += self._fill_part(row, (self.prefill_budget or len(row.prompt_ids)) - sum(p.commit for p in parts))
@@ -187,8 +192,8 @@ class StepLoop:
             return
         reads = []
         for part, mine in zip(parts, logits):
-            got = self._guarded([part.row], part.taken, mine)
-            reads += got or []
+            if part.row.live:  # (a row's error ended its request's other rows)
+                reads += self._guarded([part.row], part.taken, mine) or []
         if not reads:
             return
         values = torch.cat([t for t, _ in reads]).tolist()  # the step's one host transfer
