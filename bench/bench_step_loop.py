@@ -1,14 +1,16 @@
-"""The step loop's schedule: first done, first out against rows kept in step, side by side.
+"""The step loop's schedule: one packed forward per step against a forward per group, side by side.
 
-The same requests are submitted together and stepped to the end twice per round, once with
-diffusion rows kept in step (``engine.loop.in_step = True``: rows begin their blocks together, the
-schedule every step had before first done, first out) and once without (a row whose block is done
-commits it in its next forward, packed beside the others' previews). Workloads: ``rows`` identical
-requests (default 1, 8, 32), and 8 requests whose ``max_tokens`` differ (four lengths, two each).
-Per workload and schedule: the forwards, the steps, the new tokens per second of wall time (the
-best of ``--rounds``), the mean step at which a request ends, the host reads per step (tensor-to-
-host transfers from the engine, ``HostReads``), and whether every request gave the same tokens
-under both. Prints a table and writes JSON to bench/results/. A benchmark, not a test.
+The same requests are submitted together and stepped to the end twice per round, once with each
+mode's rows and each prompt taking forwards of their own (``engine.loop.packed = False``: the step
+as it was before rows in different phases and modes shared one forward; diffusion rows first
+done, first out) and once packed (``StepLoop._step_packed``: every row's segment in one forward).
+Workloads: ``rows`` identical requests (default 1, 8, 32), 8 requests whose ``max_tokens`` differ
+(four lengths, two each), and 8 requests of three modes (diffusion, AR, speculative) with 2
+more prompts arriving while they decode. Per workload and schedule: the forwards, the steps, the
+forwards per step, the new tokens per second of wall time (the best of ``--rounds``), the mean
+step at which a request ends, the host reads per step (tensor-to-host transfers from the engine,
+``HostReads``), and whether every request gave the same tokens under both. Prints a table and
+writes JSON to bench/results/. A benchmark, not a test.
 
     python bench/bench_step_loop.py [--model DIR] [--rows 1 8 32] [--lengths 16 32 64 80]
                                     [--max-new-tokens 48] [--rounds 2] [--threads 2] [--out DIR]
@@ -42,34 +44,44 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run(engine, requests: list[Request], in_step: bool) -> dict:
-    """The requests submitted together and stepped to the end under one schedule."""
-    engine.loop.in_step = in_step
+def run(engine, requests: list[Request], packed: bool, late: list[Request] = (), at: int = 3) -> dict:
+    """The requests submitted together (``late`` ones before step ``at``) and stepped to the end
+    under one schedule."""
+    engine.loop.packed = packed
     forwards, steps = engine.loop.forwards, 0
     handles = [engine.submit(r, emit=False) for r in requests]
     ended, reads = {}, 0
     t = time.perf_counter()
-    while not all(h.done for h in handles):
+    while not all(h.done for h in handles) or steps < at <= len(late) * at:
+        if steps == at:
+            handles += [engine.submit(r, emit=False) for r in late]
         with HostReads() as counted:
             engine.step()
         steps += 1
         reads += sum(w.startswith("engine/") for w in counted.where)
         ended.update({i: steps for i, h in enumerate(handles) if h.done and i not in ended})
     seconds = time.perf_counter() - t
-    engine.loop.in_step = False
+    engine.loop.packed = True
     if any(h.error is not None for h in handles):
         raise next(h.error for h in handles if h.error is not None)
     tokens = [h.result.token_ids for h in handles]
-    return dict(seconds=seconds, forwards=engine.loop.forwards - forwards, steps=steps,
+    n = engine.loop.forwards - forwards
+    return dict(seconds=seconds, forwards=n, steps=steps, forwards_per_step=n / steps,
                 new_tokens=sum(map(len, tokens)), mean_end_step=sum(ended.values()) / len(ended),
                 host_reads_per_step=reads / steps, tokens=tokens)
 
 
-def workloads(args) -> dict[str, list[Request]]:
-    out = {f"{n} identical": [Request(PROMPTS[i % len(PROMPTS)], max_new_tokens=args.max_new_tokens)
-                              for i in range(n)] for n in args.rows}
-    out["8 of four lengths"] = [Request(PROMPTS[i], max_new_tokens=args.lengths[i % len(args.lengths)])
-                                for i in range(8)]
+MODES = ("diffusion", "ar", "speculative")
+
+
+def workloads(args) -> dict[str, tuple[list[Request], list[Request]]]:
+    out = {f"{n} identical": ([Request(PROMPTS[i % len(PROMPTS)], max_new_tokens=args.max_new_tokens)
+                               for i in range(n)], []) for n in args.rows}
+    out["8 of four lengths"] = ([Request(PROMPTS[i], max_new_tokens=args.lengths[i % len(args.lengths)])
+                                 for i in range(8)], [])
+    out["8 of 3 modes + 2 late"] = ([Request(PROMPTS[i], mode=MODES[i % 3], max_new_tokens=args.max_new_tokens)
+                                     for i in range(8)],
+                                    [Request(PROMPTS[i] * 4, max_new_tokens=args.max_new_tokens) for i in (1, 5)])
     return out
 
 
@@ -78,30 +90,32 @@ def main(argv=None) -> int:
     engine = load(args.model, dtype=getattr(torch, args.dtype), threads=args.threads)
     rows = []
     every = workloads(args)
-    for in_step in (True, False):  # warm-up: the first forwards of a shape cost more
-        run(engine, every[next(iter(every))], in_step)
-    for name, requests in every.items():
+    for packed in (False, True):  # warm-up: the first forwards of a shape cost more
+        run(engine, every[next(iter(every))][0], packed)
+    for name, (requests, late) in every.items():
         best: dict[bool, dict] = {}
         for _ in range(args.rounds):
-            for in_step in (True, False):  # side by side, in the same round
-                r = run(engine, requests, in_step)
-                if in_step not in best or r["seconds"] < best[in_step]["seconds"]:
-                    best[in_step] = r
-        before, after = best[True], best[False]
+            for packed in (False, True):  # side by side, in the same round
+                r = run(engine, requests, packed, late)
+                if packed not in best or r["seconds"] < best[packed]["seconds"]:
+                    best[packed] = r
+        before, after = best[False], best[True]
         row = dict(workload=name, same_tokens=before["tokens"] == after["tokens"])
-        for label, r in (("in_step", before), ("first_done", after)):
+        for label, r in (("per_group", before), ("packed", after)):
             row.update({f"{label}_{k}": v for k, v in r.items() if k != "tokens"})
             row[f"{label}_tokens_per_second"] = r["new_tokens"] / r["seconds"]
         rows.append(row)
-    print(f"{'workload':<20} {'forwards':>15} {'steps':>11} {'tokens/s':>15} {'mean end step':>15} "
-          f"{'reads/step':>10} same")
-    print(f"{'':<20} {'in step -> fdfo':>15} {'':>11} {'':>15} {'':>15} {'(fdfo)':>10}")
+    print(f"{'workload':<22} {'forwards':>15} {'steps':>11} {'forwards/step':>15} {'tokens/s':>15} "
+          f"{'mean end step':>15} {'reads/step':>13} same")
+    print(f"{'':<22} {'group -> packed':>15}")
     for r in rows:
-        print(f"{r['workload']:<20} {r['in_step_forwards']:>6} -> {r['first_done_forwards']:<6} "
-              f"{r['in_step_steps']:>4} -> {r['first_done_steps']:<4} "
-              f"{r['in_step_tokens_per_second']:>6.1f} -> {r['first_done_tokens_per_second']:<6.1f} "
-              f"{r['in_step_mean_end_step']:>6.1f} -> {r['first_done_mean_end_step']:<6.1f} "
-              f"{r['first_done_host_reads_per_step']:>10.2f} {r['same_tokens']}")
+        print(f"{r['workload']:<22} {r['per_group_forwards']:>6} -> {r['packed_forwards']:<6} "
+              f"{r['per_group_steps']:>4} -> {r['packed_steps']:<4} "
+              f"{r['per_group_forwards_per_step']:>6.2f} -> {r['packed_forwards_per_step']:<6.2f} "
+              f"{r['per_group_tokens_per_second']:>6.1f} -> {r['packed_tokens_per_second']:<6.1f} "
+              f"{r['per_group_mean_end_step']:>6.1f} -> {r['packed_mean_end_step']:<6.1f} "
+              f"{r['per_group_host_reads_per_step']:>5.2f} -> {r['packed_host_reads_per_step']:<5.2f} "
+              f"{r['same_tokens']}")
     write_result(args.out, "step-loop-default-model-cpu" if args.model is None else "step-loop-cpu",
                  dict(run_fields("bench_step_loop", "cpu"), settings=vars(args), rows=rows))
     return 0

@@ -9,6 +9,7 @@ import torch
 
 from clover_lab.engine import sampling
 from clover_lab.engine.faults import check_logits
+from clover_lab.engine.runner import Part, Reader
 from clover_lab.engine.sampling import OK, collapsed, logits_health
 from clover_lab.hooks.registry import StopGeneration
 
@@ -32,15 +33,7 @@ def advance(loop, rows: list) -> None:
             check_logits(row, host[len(rows) + j], f"token {len(row.committed)} (AR)")
     reasons = {}
     for row, t, logits in zip(rows, host, shaped):
-        row.info.add(0, *row.info.chosen(row.info.distribution(logits, row.counts, row.s), [0], [t])[0])
-        row.follow([t])
-        if row.counts is not None:
-            row.counts[t] += 1
-            window = row.s.penalty_window
-            if window is not None and len(row.committed) >= window:  # the token leaving the window
-                row.counts[row.committed[-window]] -= 1
-        row.committed.append(t)
-        reasons[row.key] = end_reason(row, t)
+        reasons[row.key] = append(row, t, logits)
     last = all(reasons[row.key] != "length" or len(row.committed) >= row.max_new for row in rows)
     ids = torch.tensor([[t] for t in host[:len(rows)]], device=rows[0].device)
     try:
@@ -63,6 +56,60 @@ def advance(loop, rows: list) -> None:
         else:
             row.logits = out[j, -1]
     loop.end(ending, reasons)
+
+
+def schedule(loop, rows: list) -> list:
+    """A packed step (``StepLoop._step_packed``): each row decides its token on the device from the
+    logits at its next position, and its segment of the step's one forward commits it (the
+    forward gives the logits for the next one); the host reads the token with the step's other
+    decisions (:func:`committed`)."""
+    parts = []
+    for row in rows:
+        logits = row.keep_going(row.allowed(row.logits[None]), [len(row.committed)])  # grammar; min_tokens
+        t, conf, _ = sampling.decide(logits, row.counts, row.s, row.generator)
+        health = logits_health(collapsed(row.logits[None]), conf)
+        parts.append(Part(row, t[:1], 1, 0, [0], "commit",
+                          lambda out, row=row, t=t, health=health, logits=logits:
+                          [(torch.stack([t[0], health]), Reader(row, lambda v: committed(loop, row, v, logits, out)))]))
+    return parts
+
+
+def committed(loop, row, values: list, shaped: torch.Tensor, out: torch.Tensor) -> None:
+    """A packed step committed the row's token, whose value and logits' health the host read
+    (``values``): the token joins the response, ``block.commit`` fires; the row ends (EOS, a stop
+    string, its length, a hook) or keeps the logits ``out`` [1, V] for its next token."""
+    t, health = values
+    if health != OK:
+        check_logits(row, health, f"token {len(row.committed)} (AR)")
+    reason = append(row, t, shaped)
+    i = len(row.committed) - 1
+    row.stats.blocks += 1
+    if row.fire_commit(i, [t], 1, len(row.prompt_ids) + i):
+        reason = "hook"
+    row.update("commit", i, None)
+    if reason != "length" or len(row.committed) >= row.max_new:
+        loop.end([row], reason)
+    else:
+        row.logits = out[0]
+
+
+def finish(loop, rows: list) -> None:
+    """Nothing is left to do after a packed step's reads (:func:`committed` took each token)."""
+
+
+def append(row, t: int, shaped: torch.Tensor) -> str:
+    """Token ``t``, decided from ``shaped`` (the logits after the row's grammar and min_tokens),
+    joins the row's response: its log-probabilities, the grammar, the penalty counts. Returns why
+    the row ends with it, or "length" (it goes on)."""
+    row.info.add(0, *row.info.chosen(row.info.distribution(shaped, row.counts, row.s), [0], [t])[0])
+    row.follow([t])
+    if row.counts is not None:
+        row.counts[t] += 1
+        window = row.s.penalty_window
+        if window is not None and len(row.committed) >= window:  # the token leaving the window
+            row.counts[row.committed[-window]] -= 1
+    row.committed.append(t)
+    return end_reason(row, t)
 
 
 def abandon(loop, rows: list) -> None:

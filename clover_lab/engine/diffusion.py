@@ -30,6 +30,7 @@ import torch
 from clover_lab.engine.faults import check_logits
 from clover_lab.engine.policies import blame_confidences, check_proposal_values, checked_proposal, policy_flag
 from clover_lab.engine.requests import GenerationError
+from clover_lab.engine.runner import Part, Reader
 from clover_lab.engine.sampling import NONFINITE, OK, apply_penalties, collapsed, logits_health
 from clover_lab.hooks import points
 from clover_lab.hooks.events import StepEvent
@@ -139,6 +140,80 @@ def advance(loop, rows: list) -> None:
     if lockstep and any(resolving(row) for row in rows if row.live):
         return  # rows in step end their blocks together
     end_blocks(loop, [row for row in rows if row.live and row.block is not None and not resolving(row)])
+
+
+def schedule(loop, rows: list) -> list:
+    """A packed step (``StepLoop._step_packed``): each row's segment of the step's one forward,
+    first done, first out: a row that ends commits its last block (and leaves, :func:`closed`);
+    the others preview their block (and the next one, looking ahead), committing the finished
+    block before it in the same segment on the block's first step (a block the look-ahead
+    resolved entirely only commits that one)."""
+    parts = []
+    for row in rows:
+        if row.closing is not None:
+            tokens = row.pending[0]
+            parts.append(Part(row, torch.tensor(tokens, device=row.device), len(tokens), 0, [], "commit",
+                              lambda logits, row=row: closed(loop, row)))
+            continue
+        begin_block(row)
+        if not resolving(row):
+            continue
+        block = row.block
+        ahead = looks_ahead(row)
+        commit = row.pending[0] if row.pending is not None else []
+        if not block.masked:  # resolved by the look-ahead: only the finished block's commit is left
+            canvas, want = block.canvas[:0], []
+        elif ahead:
+            canvas = torch.cat([block.canvas, row.ahead.canvas])
+            want = block.masked + [len(block) + p for p in row.ahead.masked]
+        else:
+            canvas, want = block.canvas, list(block.masked)
+        ids = torch.cat([torch.tensor(commit, device=row.device, dtype=torch.long), canvas]) if commit else canvas
+        parts.append(Part(row, ids, len(commit), canvas.shape[0], [len(commit) + p for p in want], "preview" if want else "commit",
+                          lambda logits, row=row, ahead=bool(ahead): previewed(loop, row, logits, ahead),
+                          fused=bool(commit) and bool(want)))
+    return parts
+
+
+def previewed(loop, row, logits: torch.Tensor, ahead: bool) -> list:
+    """A packed step's preview of the row's block (``logits`` [N, V] at its masked positions, then
+    its next block's when looking ahead): the finished block it committed joins the response,
+    and the row's policy decides on the device; returns what the host reads (:func:`schedule`)."""
+    if row.pending is not None:
+        publish_pending(loop, [row])
+    block = row.block
+    if not row.live or not block.masked:
+        return []
+    n = len(block.masked)
+    after = look_ahead_step(row, logits[None, n:], True) if ahead else None
+    d = decide(row, block, logits[None, :n], block.masked_index())
+
+    def read(values):
+        unmask, _ = take(d, values)
+        row.update("step", block.index, block.step - 1, block.host, unmask)
+        if after is not None:
+            after()
+    return [(d.host, Reader(row, read))]
+
+
+def closed(loop, row) -> list:
+    """A packed step committed the row's last block: it joins the response, ``block.commit``
+    fires, and the row leaves."""
+    (tokens, steps), row.pending = row.pending, None
+    reason, row.closing = row.closing, None
+    index, start = row.stats.blocks, len(row.prompt_ids) + len(row.committed)
+    row.record_block(tokens, steps)
+    row.fire_commit(index, tokens, steps, start)  # the row ends anyway
+    row.update("commit", index, None)
+    loop.end([row], reason)
+    return []
+
+
+def finish(loop, rows: list) -> None:
+    """After a packed step's reads: the rows whose blocks are resolved end them; one that ends
+    commits its last block in the next step's forward (:func:`end_blocks`, ``defer``)."""
+    end_blocks(loop, [row for row in rows if row.live and row.closing is None and row.block is not None
+                      and not resolving(row)], defer=True)
 
 
 def by_commit_length(rows: list) -> list[list]:
@@ -272,9 +347,11 @@ def publish_pending(loop, rows: list) -> None:
     loop.end(stopped, "hook")
 
 
-def end_blocks(loop, rows: list) -> None:
+def end_blocks(loop, rows: list, defer: bool = False) -> None:
     """These rows' blocks are resolved: the rows that end commit their last blocks and leave, the
-    others' blocks wait for their fused commit (the next step's first preview)."""
+    others' blocks wait for their fused commit (the next step's first preview). ``defer``: a
+    packed step: the rows that end commit their last blocks in the next step's forward
+    (``row.closing``: why they end), beside the other rows' segments."""
     leaving = []
     for row in rows:
         block, row.block = row.block, None
@@ -282,6 +359,9 @@ def end_blocks(loop, rows: list) -> None:
             continue
         tokens = block.tokens()
         if block.end_reason is not None or row.produced + len(tokens) >= row.max_new:
+            if defer and tokens:
+                row.pending, row.closing = (tokens, block.step), block.end_reason or "length"
+                continue
             leaving.append((row, tokens, block))
         else:
             row.pending = (tokens, block.step)

@@ -169,6 +169,7 @@ class Row:
         # where the row's decoder stands (diffusion.py, ar.py, speculative.py)
         self.block = None  # the block being resolved (or drafted)
         self.ahead = None  # its next block, begun early by a look-ahead policy
+        self.closing = None  # why the row ends, while its last block (``pending``) waits for its commit
         self.pending: tuple[list[int], int] | None = None  # a finished block waiting for its fused commit, its steps
         self.produced = 0  # response tokens before the current block
         self.logits: torch.Tensor | None = None  # [V]: the causal logits at the next position (AR, speculative)

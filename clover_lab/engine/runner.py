@@ -14,7 +14,8 @@ that sit a forward out are not in it: the others run against a copy of their own
 and a padded cache is compacted before it. A fused commit of some rows beside others' previews
 is one forward (``committing``: the rows without a commit pad theirs, ``ForwardContext.cached``). Every forward runs inside
 ``hooks.applied()``, so that the model's events see the generation's hooks, and inside a named
-region of torch.profiler's traces (``clover_lab.prefill``, ``.preview``, ``.commit``): a profile
+region of torch.profiler's traces (``clover_lab.prefill``, ``.preview``, ``.commit``; a packed step's
+is named after the widest of its parts: preview, else commit, else prefill): a profile
 of a generation tells the steps' time from the loop's (``bench/bench_batch_bound.py``).
 """
 from __future__ import annotations
@@ -28,7 +29,8 @@ from clover_lab.engine.graphs import StepGraphs, bucket
 from clover_lab.engine.observed import describe, fire_observed, live_layers, observed_points
 from clover_lab.engine.requests import GenerationError
 from clover_lab.model.cache import CloverCache, cache_bytes
-from clover_lab.model.context import Coreset
+from clover_lab.model.context import Coreset, Segment
+from clover_lab.model.drafts import DraftCommit
 
 
 class Runner:
@@ -43,6 +45,7 @@ class Runner:
         self.coreset: Coreset | None = None
         self.off = engine.fast_path_off()  # why these rows have no fast path, or None
         self.last: str | None = None  # the path the last forward took (a label, ``_took``)
+        self.drafts: dict = {}  # row -> (its length before, GDN records): drafts the last packed forward committed
         rows = len(keys)
         try:
             self.graphs = engine.fast_path.acquire(owner, model, length, self.off is None,
@@ -220,6 +223,42 @@ class Runner:
                 self._took(kind, detail)
             return out
 
+    def run(self, parts: list) -> list[torch.Tensor]:
+        """One forward over the step's segments (``step_loop.Part``: a row's commit tokens and/or
+        its block, whatever its phase and mode), packed (``CloverModel.forward_packed``); each
+        part's logits [len(part.want), V] at the segment positions it wants, in order. The eager
+        forward, with no hook inside the model (the step loop packs only such rows)."""
+        kinds = {part.kind for part in parts}  # the region: "preview" if a row previews, else "commit", else "prefill"
+        with self.hooks.applied(), region(next(k for k in ("preview", "commit", "prefill") if k in kinds)):
+            self._arrange(fast=False)
+            segments, wanted, at = [], [], 0
+            lengths = self.cache.row_lengths or [self.cache.length] * self.cache.batch_size
+            for part in parts:
+                segments.append(Segment(self.slots.index(part.row.key), part.commit, part.preview, at, part.draft))
+                wanted += [at + j for j in part.want]
+                at += part.commit + part.preview
+            drafts = {} if any(part.draft for part in parts) else None
+            before = {part.row.key: lengths[s.row] for part, s in zip(parts, segments) if part.draft}
+            ids = torch.cat([part.ids for part in parts])
+            logits = self.model.forward_packed(self.cache, segments, ids,
+                                               torch.tensor(wanted, device=ids.device, dtype=torch.long),
+                                               drafts=drafts)
+            self.drafts = {key: (before[key], drafts.get(s.row, {})) for key, s in
+                           ((p.row.key, s) for p, s in zip(parts, segments) if p.draft)}
+            kind, detail = self.plan()
+            self._took("eager", detail if kind == "eager" else "rows in different phases packed into one forward")
+        return list(logits.split([len(part.want) for part in parts]))
+
+    def keep_draft(self, row: int, logits: torch.Tensor, kept: int) -> None:
+        """Row ``row``'s drafted block, committed by the last packed forward (``run``), kept up to its
+        first ``kept`` tokens (``DraftCommit.keep`` on that cache row)."""
+        before, records = self.drafts.pop(row)
+        index = self.slots.index(row)
+        DraftCommit(self.model, self.cache.row(index), [before], logits[None], records).keep([kept])
+        lengths = list(self.cache.row_lengths or [self.cache.length] * self.cache.batch_size)
+        lengths[index] = before + kept
+        self.cache.set_row_lengths(lengths)
+
     def commit_draft(self, rows: list[int], ids: torch.Tensor, where) -> "KeptDraft":
         """Commit these rows' drafted blocks ``ids`` [R, m] on the eager forward; the returned
         draft's ``keep`` then keeps each row's accepted prefix in the cache (``drafts.py``)."""
@@ -303,6 +342,37 @@ class Runner:
             return
         if self.coreset is not None and self.coreset.experts:
             self.coreset.keep(keep)
+
+
+class Part:
+    """A row's segment of a step's one forward: ``ids`` [commit + preview] on the device (its
+    commit tokens, then its block), the segment positions whose logits it ``want``s, its ``kind``
+    ("prefill", "preview", "commit"), whether it commits a finished block beside its preview
+    (``fused``), whether its commit is a drafted block, kept up to a prefix (``draft``:
+    ``Runner.keep_draft``), and ``taken(logits [len(want), V])``: what the row does with them, deciding on
+    the device; it returns the (1-D tensor, reader) pairs the host reads in the step's one
+    transfer, each reader taking the values of its tensor."""
+
+    __slots__ = ("row", "ids", "commit", "preview", "want", "kind", "taken", "fused", "draft", "last")
+
+    def __init__(self, row, ids, commit: int, preview: int, want: list[int], kind: str, taken, fused: bool = False,
+                 draft: bool = False):
+        self.row, self.ids, self.commit, self.preview, self.want = row, ids, commit, preview, want
+        self.kind, self.taken, self.fused, self.draft = kind, taken, fused, draft
+        self.last = False  # a prompt's chunk: its last
+
+
+class Reader:
+    """A reader of a row's values in a step's one host transfer (``Part.taken``): ``fn(values)``."""
+
+    __slots__ = ("row", "fn")
+
+    def __init__(self, row, fn):
+        self.row, self.fn = row, fn
+
+    def __call__(self, values):
+        if self.row.live:
+            return self.fn(values)
 
 
 # --------------------------------------------------------------------------- which step loop holds the graphs

@@ -31,8 +31,9 @@ import torch
 from clover_lab.engine import sampling
 from clover_lab.engine.acceptance import greedy_accept, speculative_accept
 from clover_lab.engine.ar import end_reason
-from clover_lab.engine.diffusion import Block, denoise_step
+from clover_lab.engine.diffusion import Block, decide, denoise_step, take
 from clover_lab.engine.faults import check_logits
+from clover_lab.engine.runner import Part, Reader
 from clover_lab.engine.sampling import OK, collapsed, logits_health
 
 
@@ -156,6 +157,81 @@ def verify(loop, rows: list) -> None:
     loop.end(ending, reasons)
 
 
+def schedule(loop, rows: list) -> list:
+    """A packed step (``StepLoop._step_packed``): each row's segment of the step's one forward, each
+    row on its own cycle: a draft pass of its block (begun here when the row has none), or, once
+    drafted, its block's commit whose logits verify the draft (kept up to the accepted tokens:
+    ``Runner.keep_draft``); the host reads the decisions with the step's others."""
+    parts = []
+    for row in rows:
+        if row.block is None:
+            # the room its cache would have alone (a draft near the end of the cache is shorter)
+            own = min(loop.runner.cache.max_len, max(len(row.prompt_ids) + row.max_new, loop.capacity))
+            room = own - len(row.prompt_ids) - len(row.committed)
+            begin_cycle(row, max(1, min(row.block_size, room)))
+        block = row.block
+        if drafting(row):
+            parts.append(Part(row, block.canvas, 0, len(block), list(block.masked), "preview",
+                              lambda logits, row=row: drafted(row, logits)))
+            continue
+        counts, clean = row.draft  # the response's penalty counts and stop-string scan again
+        if counts is not None:
+            row.counts.copy_(counts)
+        if clean is not None:
+            row.stop_strings.clean = clean
+        parts.append(Part(row, block.canvas, len(block), 0, list(range(len(block))), "commit",
+                          lambda logits, row=row: verified(loop, row, logits), draft=True))
+    return parts
+
+
+def drafted(row, logits: torch.Tensor) -> list:
+    """A packed step's draft pass of the row's block (``logits`` [N, V] at its masked positions):
+    decided on the device, taken once the host has read it."""
+    block = row.block
+    mine = logits[None]
+    if not row.s.greedy:  # one pass: every position drawn from these distributions
+        masked = mine[0].float().clone()
+        masked[:, row.engine.mask_token_id] = float("-inf")
+        block.q = sampling.sampling_probs(masked, row.counts, row.s)
+    d = decide(row, block, mine, block.masked_index())
+
+    def read(values):
+        unmask, stop = take(d, values)
+        row.stopped |= stop
+        row.update("step", block.index, block.step - 1, block.host, unmask)
+    return [(d.host, Reader(row, read))]
+
+
+def verified(loop, row, logits: torch.Tensor) -> list:
+    """A packed step committed the row's drafted block (``logits`` [m, V]): it accepts its draft up
+    to the first disagreement with the causal choice, the cache keeps exactly the accepted
+    tokens, ``block.commit`` fires with the acceptance, and the row ends or begins its next cycle
+    at the next step."""
+    host, accepted = accepting(row, row.block, logits)
+
+    def read(values):
+        kept, reason = accepted(values)
+        if row.stopped:
+            reason = "hook"
+        loop.runner.keep_draft(row.key, logits, kept)
+        block, row.block = row.block, None
+        tokens = row.committed[len(row.committed) - kept:]
+        start = len(row.prompt_ids) + len(row.committed) - kept
+        if row.fire_commit(block.index, tokens, block.step, start, row.stats.acceptance(-1)):
+            reason = "hook"
+        row.update("commit", block.index, None)
+        if reason != "length" or len(row.committed) >= row.max_new:
+            loop.end([row], reason)
+    if host is None:
+        read(None)
+        return []
+    return [(host, Reader(row, read))]
+
+
+def finish(loop, rows: list) -> None:
+    """Nothing is left to do after a packed step's reads (:func:`verified` took each draft)."""
+
+
 def abandon(loop, rows: list) -> None:
     """A model hook stopped a forward, which changed nothing: these rows end."""
     loop.end(rows, "hook")
@@ -165,28 +241,45 @@ def accept(row, block: Block, logits: torch.Tensor) -> tuple[int, str]:
     """The row's accepted tokens of its committed draft (``logits`` [m, V]: row i the causal
     distribution at position i + 1) join its response; the causal token after them is kept
     for the next cycle. Returns (tokens kept, why the row ends or "length")."""
+    host, take = accepting(row, block, logits)
+    return take(None if host is None else host.tolist())
+
+
+def accepting(row, block: Block, logits: torch.Tensor):
+    """:func:`accept` in two halves: on the device, the causal choices at the drafted positions
+    (greedy rows) -> (the 1-D tensor the host reads, or None: a sampled row's acceptance reads on
+    its own, ``take(values)`` -> (tokens kept, why the row ends or "length"))."""
     d = min(block.prefix, block.end) - 1  # drafted positions 1..d
     drafted = block.host[1:d + 1]
     rows, counts = logits[:d + 1].float(), draft_counts(row, block.host[:d + 1])
     flat = collapsed(rows)
     rows = row.allowed(rows, block.host[:d + 1], skip=1)  # row i follows the block's first i + 1 tokens
     rows = row.keep_going(rows, range(len(row.committed) + 1, len(row.committed) + d + 2))
+    # log-probabilities (when asked for) under the causal pass's distribution, as AR's (see kept_tokens)
+    dist = row.info.distribution(rows, counts, row.s)
     if row.s.greedy:
         t, conf, _ = sampling.decide(rows, counts, row.s, row.generator)
-        host = torch.cat([t, logits_health(flat, conf).reshape(1)]).tolist()
-        if host[-1] != OK:
-            check_logits(row, host[-1], f"block {block.index}, the draft's commit")
-        n = greedy_accept(drafted, host[:d])
-        row.next_token = host[n]
-    else:
-        p = sampling.sampling_probs(rows, counts, row.s)
-        q = block.q[:d] if d else p[:0]  # nothing drafted (a block of one): the causal token only
-        n, row.next_token = speculative_accept(torch.tensor(drafted, device=rows.device, dtype=torch.long),
-                                                     q, p, row.generator)
-    # log-probabilities (when asked for) under the causal pass's distribution, as AR's: row i of ``rows``
-    # chose the token at position i + 1, drafted[i] where accepted, the next c0 at the first difference
-    details = row.info.chosen(row.info.distribution(rows, counts, row.s), list(range(n + 1)),
-                              drafted[:n] + [row.next_token])
+
+        def take(host: list) -> tuple[int, str]:
+            if host[-1] != OK:
+                check_logits(row, host[-1], f"block {block.index}, the draft's commit")
+            n = greedy_accept(drafted, host[:d])
+            row.next_token = host[n]
+            return kept_tokens(row, block, drafted, n, d, dist)
+        return torch.cat([t, logits_health(flat, conf).reshape(1)]), take
+    p = sampling.sampling_probs(rows, counts, row.s)
+    q = block.q[:d] if d else p[:0]  # nothing drafted (a block of one): the causal token only
+    n, row.next_token = speculative_accept(torch.tensor(drafted, device=rows.device, dtype=torch.long),
+                                           q, p, row.generator)
+    return None, lambda _: kept_tokens(row, block, drafted, n, d, dist)
+
+
+def kept_tokens(row, block: Block, drafted: list[int], n: int, d: int, dist) -> tuple[int, str]:
+    """The causal token and the ``n`` accepted drafted tokens join the row's response (up to an
+    end); returns (tokens kept, why the row ends or "length"). ``dist``: the causal pass's
+    distribution, whose row i chose the token at position i + 1 (drafted[i] where accepted, the
+    next causal token at the first difference): each kept token's log-probability, as AR's."""
+    details = row.info.chosen(dist, list(range(n + 1)), drafted[:n] + [row.next_token])
     details, row.next_details = [row.next_details] + details[:n], details[n]
     kept, reason = 0, "length"
     row.info.forget()  # the draft's unmask notes: its tokens join as the causal pass's

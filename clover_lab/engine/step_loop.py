@@ -2,12 +2,16 @@
 rows; each :meth:`StepLoop.step`
 
 1. ends the rows of cancelled requests (stop reason "cancelled", their partial results intact);
-2. admits queued rows while there is room, prefilling their prompts (a forward per prompt
-   length);
-3. groups the rows going on into cohorts, rows that may share a forward (the same hooks; with a
-   hook inside the model, the same request), and hands each cohort's rows of each mode to that
-   mode's decoder (``diffusion.py``, ``ar.py``, ``speculative.py``), which asks the runner
-   (``runner.py``) for its forwards through :meth:`StepLoop.forward` and decides from their logits;
+2. admits queued rows while there is room, prefilling their prompts (at an idle engine: a forward
+   per prompt length; beside decoding rows: in the step's forward, a chunk a step);
+3. on the eager forward with no hook inside the model, runs the step as schedule -> run -> take
+   (:meth:`StepLoop._step_packed`): every row's decoder (``diffusion.py``, ``ar.py``,
+   ``speculative.py``) gives its segment, the runner (``runner.py``) runs them all as ONE
+   forward, each row decides on the device and the host reads every decision in one transfer;
+   elsewhere (the static steps, a hook inside the model, a coreset, mtp rows) it groups the
+   rows into cohorts, rows that may share a forward (the same hooks; with a hook inside the
+   model, the same request), and hands each cohort's rows of each mode to that mode's decoder,
+   which asks the runner for its forwards through :meth:`StepLoop.forward`;
 4. returns the step's updates (also handed to each request's handle).
 
 Rows join and leave at any step; rows with different settings (mode, sampler, policy, length,
@@ -32,11 +36,13 @@ import torch
 
 from clover_lab.engine import ar, diffusion, mtp, speculative
 from clover_lab.engine.row import Handle, Row
-from clover_lab.engine.runner import Runner
+from clover_lab.engine.runner import Part, Runner
 from clover_lab.hooks.events import Where
 from clover_lab.hooks.registry import StopGeneration
 
 DECODERS = {"diffusion": diffusion, "ar": ar, "speculative": speculative, "mtp": mtp}
+PACKED = ("diffusion", "ar", "speculative")  # the modes whose rows share a step's one packed forward (``StepLoop._step_packed``)
+
 
 
 class StepLoop:
@@ -49,6 +55,7 @@ class StepLoop:
         self.max_rows = 64  # rows going on at once (the server sets its --max-batch)
         self.capacity = 0  # positions per row the runner's cache holds at least (the server's)
         self.in_step = False  # diffusion rows begin their blocks together even where not needed (a comparison)
+        self.packed = True  # False: each mode's rows and each prompt take forwards of their own (a comparison)
         # prompt positions prefilled per step while other rows decode (None: every prompt whole at once)
         self.prefill_budget: int | None = 512
         self.filling: dict[int, int] = {}  # row key -> positions of its prompt in the cache, while partly
@@ -86,17 +93,127 @@ class StepLoop:
             try:
                 self._cancel()
                 self._admit()
-                self._fill()
+                packed = self._packs()
+                if packed:
+                    self._step_packed()
+                else:
+                    self._fill()
                 for cohort in self._cohorts():
                     for mode, decoder in DECODERS.items():
                         rows = [row for row in cohort if row.mode == mode and row.live]
-                        if rows:
+                        if rows and not (packed and mode in PACKED):
                             self._advance(decoder, rows)
                 self._leave_failed()
                 self._release()
                 return self.produced
             finally:
                 self._stepping, self.produced = None, None
+
+    # ---------------------------------------------------------------- one forward: schedule -> run -> take
+    def _packs(self) -> bool:
+        """Whether this step's rows run in one packed forward (``_step_packed``): on the eager forward
+        (a static step has a layout of its own), with no hook inside the model on any row (its
+        events name one request, block and step), no expert coreset and rows not kept in step."""
+        runner = self.runner
+        if (runner is None or runner.graphs is not None or runner.coreset is not None or self.in_step
+                or not self.packed):
+            return False
+        return not any(row.hooks.model_hooks_attached() for row in self.rows if row.live)
+
+    def _step_packed(self) -> None:
+        """A step as schedule -> run -> take: each row gives its segment for this step (a prompt's
+        chunk, a diffusion row's preview, fused commit+preview or last commit, an AR token, a
+        speculative row's draft pass or verify: ``diffusion.schedule``, ``ar.schedule``,
+        ``speculative.schedule``), the runner runs them as ONE forward (``Runner.run``), and each
+        part takes its row's logits, deciding on the device; the host reads every row's decision
+        in one transfer, then each row takes its values (``_run``). mtp rows still take forwards
+        of their own (``step``)."""
+        parts: list[Part] = []
+        for row in [r for r in self.rows if r.key in self.filling and r.live]:
+            parts += self._fill_part(row, (self.prefill_budget or len(row.prompt_ids)) - sum(p.commit for p in parts))
+        # a diffusion row whose prompt ends in this step begins its first block in the same segment
+        first = {p.row.key: p for p in parts if p.row.mode == "diffusion" and p.last}
+        for mode in PACKED:
+            rows = [row for row in self.rows if row.mode == mode and row.live
+                    and (row.key not in self.filling or row.key in first)]
+            if rows:
+                try:
+                    parts += DECODERS[mode].schedule(self, rows)
+                except BaseException as e:
+                    self.fail({row.handle for row in rows}, e)
+                    if not isinstance(e, Exception):
+                        raise
+        if first:
+            begun = {p.row.key: p for p in parts if p.row.key in first and p.kind != "prefill"}
+            parts = [after_prompt(p, begun[p.row.key]) if p.kind == "prefill" and p.row.key in begun else p
+                     for p in parts if p.kind == "prefill" or p.row.key not in begun]
+        parts = [part for part in parts if part.row.live]
+        if parts:
+            self._run(parts)
+        for mode in PACKED:
+            rows = [row for row in self.rows if row.mode == mode and row.live and row.key not in self.filling]
+            if rows:
+                self._guarded(rows, DECODERS[mode].finish, self, rows)
+
+    def _fill_part(self, row: Row, left: int) -> list["Part"]:
+        """Chunked prefill in a packed step: the next chunk of a prompt being prefilled beside
+        decoding rows, within the positions of this step's budget ``left`` (and
+        ``prefill_chunk_size``); its row decodes from the step after its last chunk."""
+        if left <= 0:
+            return []
+        done = self.filling[row.key]
+        ids = row.prompt_ids[done:done + min(left, self.engine.prefill_chunk_size)]
+        last = done + len(ids) == len(row.prompt_ids)
+        want = [len(ids) - 1] if last and row.mode != "diffusion" else []
+
+        def taken(logits):
+            row.stats.prefill_forwards += 1
+            if not last:
+                self.filling[row.key] = done + len(ids)
+                return []
+            del self.filling[row.key]
+            self._prefilled([row], logits if want else None, score=False)
+            return []
+        part = Part(row, torch.tensor(ids, device=row.device), len(ids), 0, want, "prefill", taken)
+        part.last = last
+        return [part]
+
+    def _run(self, parts: list["Part"]) -> None:
+        """The step's one forward over ``parts``, then each part takes its logits, the host reads
+        every decision in one transfer, and each part's reader takes its values. An error in the
+        forward fails every request in it; an error taking a row's values fails its request."""
+        rows = [part.row for part in parts]
+        try:
+            with self.forward({p.row.key: p.kind for p in parts}, rows, fused={p.row.key for p in parts if p.fused}):
+                logits = self.runner.use(rows[0].hooks).run(parts)
+        except BaseException as e:
+            self.fail({row.handle for row in rows}, e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        reads = []
+        for part, mine in zip(parts, logits):
+            if part.row.live:  # (a row's error ended its request's other rows)
+                reads += self._guarded([part.row], part.taken, mine) or []
+        if not reads:
+            return
+        values = torch.cat([t for t, _ in reads]).tolist()  # the step's one host transfer
+        at = 0
+        for t, back in reads:
+            n, at = t.shape[0], at + t.shape[0]
+            self._guarded(None, back, values[at - n:at])
+
+    def _guarded(self, rows, fn, *args):
+        """``fn(*args)``; an error fails the requests of ``rows`` (None: of the row ``fn`` reads for,
+        ``fn.row``) and the step goes on with the others."""
+        try:
+            return fn(*args)
+        except BaseException as e:
+            handles = {row.handle for row in rows} if rows is not None else {fn.row.handle}
+            self.fail(handles, e)
+            if not isinstance(e, Exception):
+                raise
+            return None
 
     def _advance(self, decoder, rows: list[Row]) -> None:
         """One step of a cohort's rows of one mode; a model hook's StopGeneration ends their
@@ -162,12 +279,13 @@ class StepLoop:
         decoding = [row for row in self.rows if row.key not in self.filling]
         self.rows += new
         budget = self.prefill_budget
+        packs = bool(decoding) and self._packs()  # beside decoding rows, in this step's one forward
         groups: dict[tuple, list[Row]] = {}
         for row in new:
             # (not rows scoring their prompt, nor mtp rows: their head reads the whole prompt's trunk states)
-            if (decoding and budget and len(row.prompt_ids) > budget and row.prompt_logprobs is None
+            if (decoding and (packs or (budget and len(row.prompt_ids) > budget)) and row.prompt_logprobs is None
                     and row.mode != "mtp"):
-                self.filling[row.key] = 0  # a long prompt beside decoding rows: a chunk a step (``_fill``)
+                self.filling[row.key] = 0  # beside decoding rows: a chunk a step (``_fill``, ``_fill_part``)
                 continue
             groups.setdefault((row.hooks.scopes, len(row.prompt_ids), row.prompt_logprobs is not None), []).append(row)
         for rows in groups.values():
@@ -261,32 +379,38 @@ class StepLoop:
 
     # ---------------------------------------------------------------- forwards, timed and counted
     @contextmanager
-    def forward(self, kind: str, rows: list[Row], fused: bool | set = False):
-        """One forward of ``kind`` ("prefill", "preview", "commit") over ``rows``: its time goes to
-        each row and request; a forward that succeeded counts for them, with the path it took.
-        ``fused``: the preview commits every row's finished block too, or the keys of the rows
-        whose it commits."""
+    def forward(self, kind: str | dict, rows: list[Row], fused: bool | set = False):
+        """One forward of ``kind`` ("prefill", "preview", "commit"; or, a packed step, a dict row
+        key -> its part's kind) over ``rows``: its time goes to each row and request; a forward
+        that succeeded counts for them, with the path it took. ``fused``: the preview commits
+        every row's finished block too, or the keys of the rows whose it commits."""
+        kinds = kind if isinstance(kind, dict) else dict.fromkeys((row.key for row in rows), kind)
         handles = list(dict.fromkeys(row.handle for row in rows))
-        clocks = [h.clock for h in handles] + [row.clock for row in rows]
-        for c in clocks:
-            c.start(kind)
+        first = {}
+        for row in rows:
+            first.setdefault(row.handle, kinds[row.key])
+        clocks = [(h.clock, first[h]) for h in handles] + [(row.clock, kinds[row.key]) for row in rows]
+        for c, k in clocks:
+            c.start(k)
         try:
             yield
         finally:
-            for c in clocks:
+            for c, _ in clocks:
                 c.stop()
         label = self.runner.last
         def fuses(row: Row) -> bool:
             return fused is True or (bool(fused) and row.key in fused)
 
         for h in handles:
-            h.took("fused" if any(fuses(row) for row in rows if row.handle is h) else kind, label)
-        if kind == "prefill":
+            h.took("fused" if any(fuses(row) for row in rows if row.handle is h) else first[h], label)
+        if all(k == "prefill" for k in kinds.values()):
             return
         self.forwards += 1
         for row in rows:
             st = row.stats
-            if kind == "preview":
+            if kinds[row.key] == "prefill":
+                continue
+            if kinds[row.key] == "preview":
                 st.preview_forwards += 1
                 st.fused_forwards += fuses(row)
             else:
@@ -361,6 +485,16 @@ class StepLoop:
         if not self.rows and self.runner is not None:
             self.runner = self.heads = None
             self.engine.fast_path.release(self)
+
+
+def after_prompt(prompt: Part, part: Part) -> Part:
+    """A diffusion row's last prompt chunk and its first block's preview as one segment: the
+    prompt committed, the block previewed after it (a fused commit+preview)."""
+    def taken(logits):
+        prompt.taken(None)
+        return part.taken(logits)
+    return Part(part.row, torch.cat([prompt.ids, part.ids]), prompt.commit + part.commit, part.preview,
+                [prompt.commit + j for j in part.want], part.kind, taken, fused=False)
 
 
 def alone(row: Row) -> bool:

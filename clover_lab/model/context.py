@@ -10,6 +10,10 @@ which cache, and the per-block expert coreset. Three layouts, one named construc
 - ``static``: the same with static shapes for CUDA graphs and torch.compile: the rows'
   committed lengths are a [B] device tensor (positions [B, c + m], each row from its own length)
   and attention runs over the cache's whole buffer with a mask.
+- ``packed``: rows in different phases in one forward (``segments``): every token of the step
+  in one row [1, N] (the embedding, norms, MoE and LM head over all of them at once), each
+  segment a cache row's commit (causal, at its own length: a prefill chunk, an AR token, a
+  block) and/or its block's preview after it; the mixers run per group of segments of one shape.
 - ``training``: no cache. Rows [0, L) are a clean sequence from position 0, run causally; rows
   [L, 2L) a noisy copy, each block of ``block_size`` rows previewed against the clean prefix
   before it, exactly as the engine previews it against its cache.
@@ -79,6 +83,39 @@ class Coreset:
         return {layer: buf for (layer, shape), buf in self._buffers.items() if shape[:-1] == lead}
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One cache row's part of a packed forward: ``commit`` tokens committed causally at the row's
+    length, then ``preview`` block tokens previewed after them; its tokens lie at [offset,
+    offset + commit + preview) of the forward."""
+
+    row: int
+    commit: int
+    preview: int
+    offset: int = 0
+    draft: bool = False  # a drafted block's commit: the GDN layers record what keeping a prefix of it needs
+
+    @property
+    def width(self) -> int:
+        return self.commit + self.preview
+
+
+@dataclass
+class SegmentGroup:
+    """The segments of a packed forward that share a shape (commit, preview): their cache rows
+    ``rows`` [G], their tokens ``tokens`` [G, c + m] (indices into the forward), their committed
+    lengths (host) and positions [G, c + m]; a mixer runs them as one batch."""
+
+    c: int
+    m: int
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    lengths: list[int]
+    positions: torch.Tensor
+    draft: bool = False  # the segments are drafted blocks' commits (``drafts.py``)
+    members: list = field(default_factory=list)  # the cache rows, on the host
+
+
 class RouterStats:
     """Where a training forward's MoE layers append (router probs [T, E], expert ids [T, k]), into
     the caller's list. Deliberately neither a list nor a dataclass: FSDP2 rebuilds a layer's
@@ -123,6 +160,8 @@ class ForwardContext:
     # on the host
     commit_rows: torch.Tensor | None = None
     committing: list[bool] | None = None
+    # a packed forward: its segments' groups by shape (the mixers run each group as a batch)
+    groups: list[SegmentGroup] | None = None
 
     @classmethod
     def cached(cls, cache: CloverCache, c: int, m: int, device, coreset: Coreset | None = None,
@@ -140,6 +179,26 @@ class ForwardContext:
                                   for n_r, k in zip(lengths, commit_rows)], device=device)
         return cls(c, m, positions, cache=cache, n=n, coreset=coreset, where=where,
                    commit_rows=torch.tensor(commit_rows, device=device), committing=list(commit_rows))
+
+    @classmethod
+    def packed(cls, cache: CloverCache, segments: list[Segment], device, where: Where = NOWHERE) -> "ForwardContext":
+        """Segments of rows in different phases, their tokens one after another in one row: no hook
+        inside the model runs (the step loop packs only rows without one)."""
+        lengths = cache.row_lengths or [cache.length] * cache.batch_size
+        positions, shapes = [], {}
+        for s in segments:
+            positions += range(lengths[s.row], lengths[s.row] + s.width)
+            shapes.setdefault((s.commit, s.preview, s.draft), []).append(s)
+        groups = []
+        for (c, m, draft), members in shapes.items():
+            tokens = torch.tensor([list(range(s.offset, s.offset + c + m)) for s in members], device=device)
+            at = [lengths[s.row] for s in members]
+            groups.append(SegmentGroup(c, m, torch.tensor([s.row for s in members], device=device), tokens, at,
+                                       torch.tensor(at, device=device)[:, None] + torch.arange(c + m, device=device),
+                                       draft, [s.row for s in members]))
+        n = len(positions)
+        return cls(n, 0, torch.tensor(positions, device=device), cache=cache, n=cache.length, hooks=False,
+                   where=where, groups=groups)
 
     @classmethod
     def static(cls, cache: CloverCache, n: torch.Tensor, c: int, m: int,
@@ -180,6 +239,10 @@ class ForwardContext:
         return self.positions.dim() == 2
 
     @property
+    def is_packed(self) -> bool:
+        return self.groups is not None
+
+    @property
     def is_training(self) -> bool:
         return self.block_size is not None
 
@@ -197,11 +260,17 @@ def row_positions(lengths: list[int], rows: int, device) -> torch.Tensor:
 
 
 def publish(pending: list) -> None:
-    """Deferred cache writes, (destination, source) pairs, land (a forward, or a static step
+    """Deferred cache writes, (destination, source) pairs (or (destination, batch rows, source)
+    triples), land (a forward, or a static step
     whose observers have read, succeeded): one multi-tensor copy per device and dtype (a launch
     or few on a GPU, not two per layer)."""
     groups: dict = {}
-    for dst, src in pending:
+    for write in pending:
+        if len(write) == 3:  # (destination, batch rows, source): a packed forward's rows
+            dst, rows, src = write
+            dst.index_copy_(0, rows.to(dst.device), src.to(dst.dtype))
+            continue
+        dst, src = write
         dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype), ([], []))
         dsts.append(dst)
         srcs.append(src)

@@ -261,15 +261,15 @@ class CloverModel(nn.Module):
                 module.reset_preview_parameters()
 
     # ------------------------------------------------------------------ the forward
-    def _check_ids(self, ids: torch.Tensor, name: str, cache: CloverCache) -> torch.Tensor:
+    def _check_ids(self, ids: torch.Tensor, name: str, batch_size: int) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
             ids = torch.as_tensor(ids, dtype=torch.long)
         if ids.dim() == 1:
             ids = ids[None]
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"{name}: expected integer token ids of shape [B, T], got {tuple(ids.shape)} {ids.dtype}")
-        if ids.shape[0] != cache.batch_size:
-            raise ValueError(f"{name}: batch size {ids.shape[0]} does not match the cache's {cache.batch_size}")
+        if ids.shape[0] != batch_size:
+            raise ValueError(f"{name}: batch size {ids.shape[0]} does not match the cache's {batch_size}")
         # range-checked where that costs no device-to-host sync: ids already on an accelerator
         # come from the engine itself
         if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
@@ -292,10 +292,10 @@ class CloverModel(nn.Module):
         """
         parts = []
         if commit_ids is not None:
-            commit_ids = self._check_ids(commit_ids, "commit_ids", cache)
+            commit_ids = self._check_ids(commit_ids, "commit_ids", cache.batch_size)
             parts.append(commit_ids)
         if preview_ids is not None:
-            preview_ids = self._check_ids(preview_ids, "preview_ids", cache)
+            preview_ids = self._check_ids(preview_ids, "preview_ids", cache.batch_size)
             parts.append(preview_ids)
         if not parts:
             raise ValueError("forward needs commit_ids, preview_ids or both")
@@ -331,6 +331,41 @@ class CloverModel(nn.Module):
             lengths = cache.row_lengths or [cache.length] * cache.batch_size
             cache.set_row_lengths([n + c * k for n, k in zip(lengths, ctx.committing)])
         return self.heads(x, ctx, commit_logits, preview_positions)
+
+    @torch.no_grad()
+    def forward_packed(self, cache: CloverCache, segments: list, ids: torch.Tensor, wanted: torch.Tensor,
+                       where: Where = NOWHERE, drafts: dict | None = None) -> torch.Tensor:
+        """One forward over rows in different phases (``context.Segment``s of distinct cache rows):
+        ``ids`` [N] every segment's tokens one after another (a segment's commit tokens, then its
+        block), ``wanted`` [K] the indices of the tokens whose logits are wanted -> logits [K, V].
+        The embedding, the norms, the MoE and the LM head run over the step's tokens at once; the
+        mixers per group of segments of one shape. Each segment's row commits its commit tokens
+        (its length advances by them) only if the whole forward succeeds; no hook inside the model
+        runs (rows with one take forwards of their own). ``drafts``: a dict the GDN layers fill,
+        per cache row of a ``draft`` segment, with what keeping only a prefix of its commit needs
+        (``DraftCommit.keep`` on that row, ``drafts.py``)."""
+        lengths = cache.row_lengths or [cache.length] * cache.batch_size
+        if len({s.row for s in segments}) != len(segments) or not segments:
+            raise ValueError(f"forward_packed: one segment per cache row, got rows {[s.row for s in segments]}")
+        if ids.dim() != 1 or ids.shape[0] != sum(s.width for s in segments):
+            raise ValueError(f"forward_packed: ids must be [{sum(s.width for s in segments)}] (every segment's "
+                             f"tokens), got {tuple(ids.shape)}")
+        for s in segments:
+            if lengths[s.row] + s.commit > cache.max_len:
+                raise CacheFullError(f"committing {s.commit} tokens at length {lengths[s.row]} would exceed the "
+                                     f"cache's {cache.max_len} positions")
+            if lengths[s.row] + s.width > self.config.max_position_embeddings:
+                raise ValueError(f"positions up to {lengths[s.row] + s.width} exceed the context length "
+                                 f"{self.config.max_position_embeddings}")
+        ctx = ForwardContext.packed(cache, segments, self.input_device, where)
+        ctx.drafts = drafts
+        x = self.hidden_states(self._check_ids(ids[None], "ids", 1), ctx)
+        ctx.publish()
+        grown = list(lengths)
+        for s in segments:
+            grown[s.row] += s.commit
+        cache.set_row_lengths(grown)
+        return self.head(x[0, wanted.to(x.device)])
 
     def heads(self, x: torch.Tensor, ctx: ForwardContext, commit_logits: str | None = "last",
               preview_positions=None) -> StepOutput:
@@ -429,7 +464,7 @@ class CloverModel(nn.Module):
     def prefill(self, cache: CloverCache, ids, chunk_size: int = 1024, logits: str | None = "last",
                 where: Where = NOWHERE):
         """Commit a long prompt in chunks (bounded activation memory)."""
-        ids = self._check_ids(ids, "ids", cache)
+        ids = self._check_ids(ids, "ids", cache.batch_size)
         cache.check_room(ids.shape[1])
         out = []
         for start in range(0, ids.shape[1], chunk_size):

@@ -36,12 +36,18 @@ def watched(engine, prompt, policy, **kw):
             committed.append(torch.as_tensor(commit_ids).reshape(-1).tolist())
         return forward(cache, commit_ids, preview_ids, **k)
 
-    engine.model.forward = spy
+    packed = engine.model.forward_packed
+
+    def spy_packed(cache, segments, ids, wanted, **k):  # a packed step: each segment's commit
+        committed.extend(ids[s.offset:s.offset + s.commit].tolist() for s in segments if s.commit)
+        return packed(cache, segments, ids, wanted, **k)
+
+    engine.model.forward, engine.model.forward_packed = spy, spy_packed
     try:
         with engine.hooks({"denoise.step": log.append, "block.commit": log.append}):
             r = engine.generate(prompt, policy=policy, **kw)
     finally:
-        del engine.model.forward
+        del engine.model.forward, engine.model.forward_packed
     steps = [e for e in log if hasattr(e, "unmask")]
     ahead = [e for i, e in enumerate(log) if e in steps and e.block and  # a step before the block before it was committed
              not any(c.block == e.block - 1 for c in log[:i] if c not in steps)]

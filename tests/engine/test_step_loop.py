@@ -11,6 +11,7 @@ import torch
 import clover_lab
 from clover_lab import Request
 from clover_lab.engine.requests import GenerationError
+from clover_lab.engine.runner import Runner
 from clover_lab.engine.sampling import SettingsError
 
 PROMPTS = ["def parse(line):\n", "import os\n", "class Stack:\n    def push(self, x):\n", "import os\nimport sys\n",
@@ -344,19 +345,21 @@ def test_a_hooks_error_on_one_row_ends_that_request_only(engine):
 
 @pytest.mark.parametrize("rows", [1, pytest.param(8, marks=pytest.mark.slow), pytest.param(32, marks=pytest.mark.slow)])
 def test_a_step_reads_every_rows_decision_in_one_host_transfer(engine, rows):
-    """The rows' policies decide on the device and the host reads all their decisions at once: one
-    tensor-to-host read per step from the engine at 1, 8 and 32 rows (the model's range check of
-    token ids reads only ids on the CPU, none on an accelerator)."""
+    """The rows' policies and samplers decide on the device and the host reads all their decisions
+    at once, diffusion rows' and AR rows' together: one tensor-to-host read per step from the
+    engine at 1, 8 and 32 rows (the model's range check of token ids reads only ids on the CPU,
+    none on an accelerator); the last step, which only commits the rows' last blocks, reads none."""
     from clover_kernels.launches import HostReads
 
-    handles = [engine.submit(Request(PROMPTS[i % len(PROMPTS)], max_new_tokens=12, seed=i, temperature=0.7))
+    handles = [engine.submit(Request(PROMPTS[i % len(PROMPTS)], max_new_tokens=12, seed=i, temperature=0.7,
+                                     mode="ar" if i % 3 == 1 else "diffusion"))
                for i in range(rows)]
     per_step = []
     while not all(h.done for h in handles):
         with HostReads() as reads:
             engine.step()
         per_step.append([w for w in reads.where if w.startswith("engine/")])
-    assert len(per_step) > 2 and all(len(w) == 1 for w in per_step), per_step
+    assert len(per_step) > 2 and all(len(w) == 1 for w in per_step[:-1]) and len(per_step[-1]) <= 1, per_step
 
 
 @pytest.mark.parametrize("prompt_tokens,budget,rows", [(120, 40, 2), pytest.param(2048, 512, 8, marks=pytest.mark.slow)])
@@ -374,9 +377,15 @@ def test_a_long_prompt_arriving_beside_decoding_rows_is_prefilled_a_chunk_a_step
         handles = [engine.submit(r) for r in short]
         engine.step()  # the short rows are decoding
         late = engine.submit(long) if with_long else None
-        tokens, ends, k = [], {}, 1
+        tokens, ends, k, forwards = [], {}, 1, []
         layer = engine.model.model.layers[0]
-        handle = layer.register_forward_pre_hook(lambda mod, args: tokens.append((k, args[0].shape[1])))
+        handle = layer.register_forward_pre_hook(lambda mod, args: forwards.append(k))
+        run = Runner.run
+
+        def counted(runner, parts):  # the prompt's chunk in each step's one forward (its last with its first block)
+            tokens.extend((k, p.commit) for p in parts if p.row.key in engine.loop.filling)
+            return run(runner, parts)
+        Runner.run = counted
         try:
             while not all(h.done for h in handles + [late] if h is not None):
                 k += 1
@@ -384,6 +393,8 @@ def test_a_long_prompt_arriving_beside_decoding_rows_is_prefilled_a_chunk_a_step
                 ends.update({i: k for i, h in enumerate(handles) if h.done and i not in ends})
         finally:
             handle.remove()
+            Runner.run = run
+        assert len(forwards) == len(set(forwards)), forwards  # one forward per step, the prompt's chunk in it
         return handles, late, ends, tokens
 
     engine.loop.prefill_budget = budget
@@ -394,6 +405,33 @@ def test_a_long_prompt_arriving_beside_decoding_rows_is_prefilled_a_chunk_a_step
         engine.loop.prefill_budget = 512
     assert [h.result.token_ids for h in handles + [late]] == alone
     assert all(ends[i] <= base_ends[i] + 1 for i in range(rows)), (ends, base_ends)
-    prefill = [n for _, n in tokens if n > 32]  # the short rows' previews and fused commits: 16 or 32 wide
+    prefill = [n for _, n in tokens]
     assert sum(prefill) == prompt_tokens and max(prefill) <= budget, prefill
     assert late.result.stats.prefill_forwards == -(-prompt_tokens // budget)
+
+
+def test_rows_in_four_phases_run_one_model_forward_per_step(engine):
+    """A diffusion row mid-block, an AR row, a speculative row and a prompt arriving (sampled, with
+    a seed) run ONE model forward per step (counted with a forward pre-hook on the first decoder
+    layer): their segments packed, each row decided from its own logits; each gives its alone
+    tokens."""
+    reqs = [Request(PROMPTS[0], max_new_tokens=20), Request(PROMPTS[1], mode="ar", max_new_tokens=8),
+            Request(PROMPTS[2], mode="speculative", max_new_tokens=12),
+            Request(PROMPTS[3] * 3, max_new_tokens=8, temperature=0.8, seed=3)]
+    alone = [engine.generate(r).token_ids for r in reqs]
+    handles = [engine.submit(r) for r in reqs[:3]]
+    for _ in range(3):  # admitted and prefilled, then previews, AR tokens, draft passes
+        engine.step()
+    diffusing = next(r for r in engine.loop.rows if r.handle is handles[0])
+    assert diffusing.block is not None and diffusing.block.step > 0  # mid-block
+    handles.append(engine.submit(reqs[3]))
+    forwards, k = [], 0
+    hook = engine.model.model.layers[0].register_forward_pre_hook(lambda mod, args: forwards.append(k))
+    try:
+        while not all(h.done for h in handles):
+            k += 1
+            engine.step()
+    finally:
+        hook.remove()
+    assert forwards == list(range(1, k + 1)), forwards  # one forward in every step, the prompt's prefill in it
+    assert [h.result.token_ids for h in handles] == alone

@@ -335,13 +335,19 @@ def test_observing_hooks_add_no_host_syncs(tiny_engine, monkeypatch):
     for name in ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):
         counting(name)
 
-    def run(mode):
+    def run(mode, packed=True):
         count.clear()
-        r = tiny_engine.generate(PROMPT, mode=mode, **settings_for_mode(mode, KW))
+        tiny_engine.loop.packed = packed
+        try:
+            r = tiny_engine.generate(PROMPT, mode=mode, **settings_for_mode(mode, KW))
+        finally:
+            tiny_engine.loop.packed = True
         return dict(count), r
 
     for mode in ("diffusion", "ar"):
-        plain, r = run(mode)
+        # hooks inside the model take the per-group forwards (a packed step fires no model event):
+        # compared on that path without them
+        plain, r = run(mode, packed=False)
         with tiny_engine.hooks({"*": lambda ev: None}):
             observed, r2 = run(mode)
         assert r2.token_ids == r.token_ids
@@ -349,6 +355,9 @@ def test_observing_hooks_add_no_host_syncs(tiny_engine, monkeypatch):
         # the engine's own reads: one per denoising step (the unmask decision) or per AR token
         engine_reads = sum(n for f, n in plain.items() if f.endswith(("engine/diffusion.py", "engine/ar.py", "sampling.py")))
         assert engine_reads == (r.stats.preview_forwards if mode == "diffusion" else r.stats.new_tokens)
+        packed, r3 = run(mode)  # the packed step reads as often, all rows' decisions at once
+        assert r3.token_ids == r.token_ids
+        assert sum(n for f, n in packed.items() if "/engine/" in f) == engine_reads, packed
 
 
 def test_model_events_carry_their_block_and_step(tiny_engine):

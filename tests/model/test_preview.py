@@ -231,3 +231,53 @@ def test_rows_that_commit_and_rows_that_only_preview_share_one_forward(tiny_mode
             if a.dim() == 4 and a.shape[2] == 128:
                 a, c = a[:, :, :56], c[:, :, :56]
             torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_in_different_phases_share_one_packed_forward(tiny_model):
+    """``forward_packed``: a prompt chunk, an AR token, a block's commit fused with the next
+    block's preview, a preview alone and a draft's verify (a commit whose every logit is read), of
+    five rows at five lengths, in one forward: each row's logits and cache as it gets them alone,
+    and the MoE and LM head ran once over the step's tokens."""
+    from clover_lab.model.context import Segment
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [0, 33, 40, 29, 21]
+    prompts = [torch.randint(0, 500, (1, n), generator=g) for n in lengths]
+    parts = [(torch.randint(0, 500, (1, 24), generator=g), None),  # a prompt's first chunk
+             (torch.randint(0, 500, (1, 1), generator=g), None),  # an AR token
+             (block(g), block(g, masked=range(3, 16))),  # fused commit + preview
+             (None, block(g, masked=range(16))),  # a preview
+             (torch.randint(0, 500, (1, 6), generator=g), None)]  # a verify
+    alone = []
+    for prompt, (commit, preview) in zip(prompts, parts):
+        cache = tiny_model.new_cache(128)
+        if prompt.shape[1]:
+            tiny_model.commit(cache, prompt)
+        out = tiny_model.forward(cache, commit, preview, commit_logits="all")
+        alone.append((torch.cat([t[0] for t in (out.commit_logits, out.preview_logits) if t is not None]), cache))
+    cache = tiny_model.new_cache(128, 5)
+    for r, prompt in enumerate(prompts):
+        if prompt.shape[1]:
+            tiny_model.commit(cache.row(r), prompt)
+    cache.set_row_lengths(lengths)
+    segments, ids, at = [], [], 0
+    for r, (commit, preview) in enumerate(parts):
+        c, m = (0 if t is None else t.shape[1] for t in (commit, preview))
+        segments.append(Segment(r, c, m, at))
+        ids += [t[0] for t in (commit, preview) if t is not None]
+        at += c + m
+    calls = []
+    hook = tiny_model.lm_head.register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape))
+    try:
+        logits = tiny_model.forward_packed(cache, segments, torch.cat(ids), torch.arange(at))
+    finally:
+        hook.remove()
+    assert len(calls) == 1 and cache.row_lengths == [24, 34, 56, 29, 27]
+    for s, (want, solo) in zip(segments, alone):
+        torch.testing.assert_close(logits[s.offset:s.offset + s.width], want, rtol=1e-4, atol=1e-4)
+        mine, n = cache.select([s.row]), cache.row_lengths[s.row]
+        for layer, part in mine.layers.items():
+            for a, c in zip(vars(part).values(), vars(solo.layers[layer]).values()):
+                if a.dim() == 4 and a.shape[2] == 128:  # K,V: the row's own positions
+                    a, c = a[:, :, :n], c[:, :, :n]
+                torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)

@@ -51,6 +51,8 @@ class GatedAttention(nn.Module):
             return self.o_proj(self._gated(o, gate))
         if ctx.is_static:
             return self.o_proj(self._attend_static(q, gate, cache, ctx))
+        if ctx.is_packed:
+            return self.o_proj(self._gated(self._attend_packed(q, k, v, cache, ctx), gate))
         if ctx.is_ragged:
             return self.o_proj(self._gated(self._attend_ragged(q, k, v, cache, ctx), gate))
         n, c, m = ctx.n, ctx.c, ctx.m
@@ -120,6 +122,37 @@ class GatedAttention(nn.Module):
             outs.append(F.scaled_dot_product_attention(q[:, :, c:], keys, values, attn_mask=allowed[:, None],
                                                        enable_gqa=True))
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def _attend_packed(q, k, v, cache: AttentionCache, ctx: ForwardContext) -> torch.Tensor:
+        """A packed forward (q [1, Hq, N, D], k, v [1, Hkv, N, D]): each group of segments of one
+        shape as a batch of its cache rows, as :meth:`_attend_ragged` attends a ragged batch (its
+        commit rows written at each row's own positions, seen causally; its block rows see the
+        row's prefix and the block). Returns [1, Hq, N, D]."""
+        o = q.new_empty(q.shape)
+        for g in ctx.groups:
+            c, m, pos, rows = g.c, g.m, g.positions, g.rows
+            qg, kg, vg = (t[0][:, g.tokens].transpose(0, 1) for t in (q, k, v))  # [G, H, c + m, D]
+            if c:
+                cache.k[rows[:, None], :, pos[:, :c]] = kg[:, :, :c].transpose(1, 2)
+                cache.v[rows[:, None], :, pos[:, :c]] = vg[:, :, :c].transpose(1, 2)
+            keys_len = max(g.lengths) + c
+            keys, values = cache.k[rows, :, :keys_len], cache.v[rows, :, :keys_len]
+            key_pos = torch.arange(keys_len, device=pos.device)
+            outs = []
+            if c:
+                allowed = key_pos[None, None, :] <= pos[:, :c, None]  # [G, c, keys]
+                outs.append(F.scaled_dot_product_attention(qg[:, :, :c], keys, values, attn_mask=allowed[:, None],
+                                                           enable_gqa=True))
+            if m:
+                prefix = key_pos[None, None, :] < pos[:, c:c + 1, None]  # the row's prefix after its commit
+                allowed = torch.cat([prefix.expand(-1, m, -1), prefix.new_ones(len(g.lengths), m, m)], dim=2)
+                outs.append(F.scaled_dot_product_attention(
+                    qg[:, :, c:], torch.cat([keys, kg[:, :, c:]], dim=2), torch.cat([values, vg[:, :, c:]], dim=2),
+                    attn_mask=allowed[:, None], enable_gqa=True))
+            og = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # [G, Hq, c + m, D]
+            o[0][:, g.tokens] = og.transpose(0, 1)
+        return o
 
     @staticmethod
     def _attend_blocks(q, k, v, L: int, bs: int) -> torch.Tensor:

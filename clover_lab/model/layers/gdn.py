@@ -106,6 +106,8 @@ class GatedDeltaNet(nn.Module):
             o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
             return self.out_proj(o.reshape(B, T, -1))
         cache: GDNCache = ctx.cache.layers[self.layer]
+        if ctx.is_packed:
+            return self.out_proj(self.norm(self._mix_packed(mixed, b, a, cache, ctx), z).reshape(B, T, -1))
         ring, state = cache.ring, cache.state
         conv_w = self.conv1d.weight[:, 0]
         # a fused commit+preview writes both parts' rows into one output (no concatenation)
@@ -149,6 +151,34 @@ class GatedDeltaNet(nn.Module):
             o = o_p if o is None else o  # [B, T, Hv, dv]
         return self.out_proj(self.norm(o, z).reshape(B, T, -1))
 
+
+    def _mix_packed(self, mixed, b, a, cache: GDNCache, ctx: ForwardContext) -> torch.Tensor:
+        """A packed forward ([1, N, ...]): each group of segments of one shape as a batch of its cache
+        rows: the commit rows by the delta rule from each row's ring and state (kept for the cache
+        when the forward succeeds), the block rows by the preview operator from the state after
+        them. Returns [1, N, Hv, dv]."""
+        conv_w = self.conv1d.weight[:, 0]
+        o = mixed.new_zeros(1, mixed.shape[1], self.num_v_heads, self.head_v_dim)
+        for grp in ctx.groups:
+            c, m, rows, tokens = grp.c, grp.m, grp.rows, grp.tokens
+            ring, state = cache.ring[rows], cache.state[rows]
+            x = mixed[0, tokens]  # [G, c + m, C]
+            if c:
+                g, beta = self._gates(b[0, tokens[:, :c]], a[0, tokens[:, :c]])
+                if grp.draft and ctx.drafts is not None:  # per cache row: what keeping a prefix of its draft needs
+                    for i, r in enumerate(grp.members):
+                        ctx.drafts.setdefault(r, {})[self.layer] = DraftRows(
+                            ring[i:i + 1], state[i:i + 1], x[i:i + 1, :c], g[i:i + 1], beta[i:i + 1])
+                o_c, ring, state = ops.gdn_commit(x[:, :c], ring, conv_w, g, beta, state, self.num_k_heads,
+                                                  self.head_k_dim, self.head_v_dim)
+                o[0, tokens[:, :c]] = o_c.to(o.dtype)
+                ctx.pending += [(cache.ring, rows, ring), (cache.state, rows, state)]
+            if m:
+                right, scale, bias, coef = self.preview_weights(m)
+                o_p, _, _ = ops.gdn_preview(x[:, c:], ring, conv_w, right, state, scale, bias, coef,
+                                            self.num_k_heads, self.head_k_dim, self.head_v_dim)
+                o[0, tokens[:, c:]] = o_p.to(o.dtype)
+        return o
 
     def kept_state(self, rows: "DraftRows", a: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ring, state) after only the first ``a`` rows of a draft commit: the delta rule over
