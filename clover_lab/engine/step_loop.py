@@ -3,7 +3,7 @@ rows; each :meth:`StepLoop.step`
 
 1. ends the rows of cancelled requests (stop reason "cancelled", their partial results intact);
 2. admits queued rows while there is room, prefilling their prompts (a forward per prompt
-   length; a prompt the prefix cache serves or keeps, ``prefix_cache.py``, on its own: its cached
+   length; a prompt the prefix cache serves or keeps, ``model/prefix_cache.py``, on its own: its cached
    positions restored, the rest in parts that end where a GDN snapshot is taken);
 3. groups the rows going on into cohorts, rows that may share a forward (the same hooks; with a
    hook inside the model, the same request), and hands each cohort's rows of each mode to that
@@ -191,7 +191,7 @@ class StepLoop:
             if left <= 0:
                 return
             done, look = self.filling[row.key], row.prefix
-            end = min([done + left] + ([s for s in look.stops if s > done] if look is not None else []))
+            end = min([done + left, len(row.prompt_ids)] + ([s for s in look.stops if s > done] if look else []))
             ids = row.prompt_ids[done:end]
             last = end == len(row.prompt_ids)
             cached = 0 if look is None else look.cached

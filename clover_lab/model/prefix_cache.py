@@ -21,7 +21,7 @@ turns it off (and empties it). An insertion builds every copy before it links an
 empties itself when the model's weights change (a parameter replaced, or written in place, as its
 version counter tells: writes through ``.data`` are not seen; call :meth:`clear`).
 
-Who uses it is the step loop's business (``step_loop.py``): which rows read it, which add to it.
+Who uses it is the step loop's business (``engine/step_loop.py``): which rows read it, which add to it.
 """
 from __future__ import annotations
 
