@@ -217,13 +217,14 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
         try:  # the engine's one request check; its error names the field, which is the body's here
             checked = engine.check(Request(ids, mode=mode, max_new_tokens=max_new, stop=stop or None,
                                            settings=settings, block_size=opts.block_size, grammar=grammar,
-                                           policy=opts.policy, prompt_logprobs=prompt_logprobs))
+                                           policy=opts.policy, prompt_logprobs=prompt_logprobs,
+                                           skip_reading_prefix_cache=request.skip_reading_prefix_cache))
         except (GenerationError, SettingsError) as e:
             field = getattr(e, "field", None)
             over = "context length" in str(e)
             param = {"prompt": where, "max_new_tokens": max_tokens_param, "mode": "clover.mode", "stop": "stop",
                      "block_size": "clover.block_size", "logprobs": logprobs[1], "policy": "clover.policy",
-                     "prompt_logprobs": logprobs[1]}.get(field)
+                     "prompt_logprobs": logprobs[1], "skip_reading_prefix_cache": "skip_reading_prefix_cache"}.get(field)
             param = param or OPENAI_PARAMS.get(field) or (f"clover.{field}" if field else max_tokens_param)
             raise RequestError(str(e), param, code="context_length_exceeded" if over else None) from None
         for k in range(n):  # n rows of one request: sampled with a seed, row k takes seed + k
