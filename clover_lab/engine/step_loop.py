@@ -164,19 +164,21 @@ class StepLoop:
         budget = self.prefill_budget
         groups: dict[tuple, list[Row]] = {}
         for row in new:
+            if row.handle.error is not None:  # another row of its request failed in its prefill just now
+                continue
             use = self._prefix_use(row)
             # (not rows scoring their prompt, nor mtp rows: their head reads the whole prompt's trunk states)
             if (decoding and budget and len(row.prompt_ids) > budget and row.prompt_logprobs is None
                     and row.mode != "mtp"):
                 # a long prompt beside decoding rows: a chunk a step (``_fill``), after its cached positions
                 try:
-                    self.filling[row.key] = 0 if use is None else self._restore(row, *use)
+                    self.filling[row.key] = 0 if use is None or self._look(row, *use) is None else self._restore(row)
                 except Exception as e:
                     row.prefix = None
                     self.fail({row.handle}, e)
                 continue
-            if use is not None:
-                self._prefill_cached(row, *use)
+            if use is not None and self._look(row, *use) is not None:
+                self._prefill_cached(row)  # now: a row admitted after it finds what it added
                 continue
             groups.setdefault((row.hooks.scopes, len(row.prompt_ids), row.prompt_logprobs is not None), []).append(row)
         for rows in groups.values():
@@ -237,10 +239,14 @@ class StepLoop:
             return (True, False) if row.skip_reading_prefix_cache is False else None
         return not row.skip_reading_prefix_cache, True
 
-    def _restore(self, row: Row, read: bool, write: bool) -> int:
-        """Looks ``row``'s prompt up in the prefix cache (``row.prefix``) and restores its cached
-        positions into its cache row; returns how many."""
+    def _look(self, row: Row, read: bool, write: bool):
+        """``row``'s prompt looked up in the prefix cache: ``row.prefix`` (returned), None where
+        the cache does nothing for it (no whole block to read or add)."""
         row.prefix = self.engine.prefix_cache.lookup(self.engine.model, row.prompt_ids, read, write)
+        return row.prefix
+
+    def _restore(self, row: Row) -> int:
+        """``row``'s cached positions (``row.prefix``) into its cache row; returns how many."""
         if row.prefix is None:
             return 0
         self.runner.restore(row.key, self.engine.prefix_cache, row.prefix)
@@ -256,23 +262,21 @@ class StepLoop:
         if last:
             prefix.insert(look, self.runner.row_view(row.key))
 
-    def _prefill_cached(self, row: Row, read: bool, write: bool) -> None:
-        """``row``'s prompt through the prefix cache, alone: its cached positions restored (looked
-        up now, so a row admitted beside it finds what this one added), the rest prefilled in
-        parts that end where its lookup takes a GDN snapshot, its whole blocks added at the end."""
+    def _prefill_cached(self, row: Row) -> None:
+        """``row``'s prompt through the prefix cache (``row.prefix``), alone: its cached positions
+        restored, the rest prefilled in parts that end where its lookup takes a GDN snapshot, its
+        whole blocks added at the end."""
         chunk, ids = self.engine.prefill_chunk_size, row.prompt_ids
         logits, forwards = None, 0
         try:
             with self.forward("prefill", [row]):
-                start = self._restore(row, read, write)
-                where = self.where([row], "prefill", cached=start)
-                for start, end in row.prefix.segments() if row.prefix is not None else [(0, len(ids))]:
+                where = self.where([row], "prefill", cached=self._restore(row))
+                for start, end in row.prefix.segments():
                     logits = self.runner.use(row.hooks).prefill_part(
                         row.key, start, ids[start:end], chunk,
                         "last" if end == len(ids) and row.mode != "diffusion" else None, where)
                     forwards += -(-(end - start) // chunk)
-                    if row.prefix is not None:
-                        self._keep_prefix(row, end, end == len(ids))
+                    self._keep_prefix(row, end, end == len(ids))
         except StopGeneration:  # a model hook stopped a prompt's prefill: no tokens, the prompt half cached
             self.end([row], "hook", cache_complete=False)
             return
