@@ -176,6 +176,11 @@ class StepLoop:
                 except Exception as e:
                     row.prefix = None
                     self.fail({row.handle}, e)
+                    continue
+                if self.filling[row.key] == len(row.prompt_ids):  # a diffusion row's whole prompt came from the cache
+                    del self.filling[row.key]
+                    row.prefix = None
+                    self._prefilled([row], None, score=False)
                 continue
             if use is not None and self._look(row, *use) is not None:
                 self._prefill_cached(row)  # now: a row admitted after it finds what it added
@@ -242,7 +247,8 @@ class StepLoop:
     def _look(self, row: Row, read: bool, write: bool):
         """``row``'s prompt looked up in the prefix cache: ``row.prefix`` (returned), None where
         the cache does nothing for it (no whole block to read or add)."""
-        row.prefix = self.engine.prefix_cache.lookup(self.engine.model, row.prompt_ids, read, write)
+        row.prefix = self.engine.prefix_cache.lookup(self.engine.model, row.prompt_ids, read, write,
+                                                     last_logits=row.mode != "diffusion")
         return row.prefix
 
     def _restore(self, row: Row) -> int:
@@ -267,11 +273,11 @@ class StepLoop:
         restored, the rest prefilled in parts that end where its lookup takes a GDN snapshot, its
         whole blocks added at the end."""
         chunk, ids = self.engine.prefill_chunk_size, row.prompt_ids
-        logits, forwards = None, 0
+        logits, forwards, segments = None, 0, row.prefix.segments()  # none: the whole prompt is cached
         try:
-            with self.forward("prefill", [row]):
+            with self.forward("prefill", [row]) if segments else nullcontext():
                 where = self.where([row], "prefill", cached=self._restore(row))
-                for start, end in row.prefix.segments():
+                for start, end in segments:
                     logits = self.runner.use(row.hooks).prefill_part(
                         row.key, start, ids[start:end], chunk,
                         "last" if end == len(ids) and row.mode != "diffusion" else None, where)

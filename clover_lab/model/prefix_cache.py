@@ -11,8 +11,9 @@ conv ring and recurrent state are kept as a **snapshot** on a node, the state ri
 block, and only where a prefill stopped there (SGLang keeps Mamba states the same way): at the
 end of a prompt's whole blocks, and where a prompt left the cached tree (a branch point, so the
 next prompt that shares the same part starts there). A prompt starts at the deepest node of its
-chain that has a snapshot, at most its last whole block before its last position (the prefill
-gives that position's logits); the rest, the partial block at its end included, runs.
+chain that has a snapshot, at most its last whole block before its last position where the
+prefill gives that position's logits (a block-diffusion row needs none: its prompt may come
+whole); the rest, the partial block at its end included, runs.
 
 Only whole blocks are cached; entries go least recently used first (a leaf block, or a snapshot
 on an inner block) once the cache would hold more than ``budget`` bytes; ``budget`` 0 or None
@@ -75,7 +76,7 @@ class Lookup:
         """The prefill's parts: [cached, first stop), ..., [last stop, prompt end)."""
         ends = [s for s in self.stops if s < len(self.prompt)] + [len(self.prompt)]
         starts = [self.cached] + ends[:-1]
-        return list(zip(starts, ends))
+        return [(a, b) for a, b in zip(starts, ends) if b > a]  # none: the whole prompt came from the cache
 
 
 class PrefixCache:
@@ -127,9 +128,10 @@ class PrefixCache:
         self.nbytes = 0
 
     # ---------------------------------------------------------------- a prompt
-    def lookup(self, model, prompt: list, read: bool, write: bool) -> Lookup | None:
+    def lookup(self, model, prompt: list, read: bool, write: bool, last_logits: bool = True) -> Lookup | None:
         """What the cache does for ``prompt``: None when nothing (off, or a prompt of no whole
-        block to read or add)."""
+        block to read or add). ``last_logits``: the prefill must give its last position's logits
+        (so at least that position runs); without, a prompt of whole blocks may come whole."""
         if not self.on or not (read or write):
             return None
         weights = _fingerprint(model)
@@ -145,9 +147,9 @@ class PrefixCache:
                 break
             path.append(node)
         cached = 0
-        if read:  # at most the last whole block before the prompt's last position (its logits are wanted)
+        if read:  # where its last position's logits are wanted, at most the last whole block before it
             self.lookups += 1
-            cap = (len(prompt) - 1) // B
+            cap = (len(prompt) - 1) // B if last_logits else len(prompt) // B
             cached = next((b.depth * B for b in reversed(path[:cap]) if b.snapshot is not None), 0)
             if cached:
                 self.hits += 1

@@ -89,6 +89,19 @@ def test_a_prompt_sharing_a_1024_token_cached_prefix_runs_only_its_new_positions
         handle.remove()
 
 
+@pytest.mark.parametrize("mode,length", [("diffusion", 64), ("ar", 70)])
+def test_rows_of_one_prompt_run_it_once(engine, cache, mode, length):
+    """A request of n rows of one prompt: the first row's prefill adds it, the others start from
+    it (a block-diffusion row needs no logits of its prompt: a prompt of whole blocks comes whole)."""
+    ids = words(length, 4)
+    cache.budget = 0
+    off, pushed_off = run(engine, Request(ids, mode=mode, n=3, max_new_tokens=4))
+    cache.budget = 1 << 30
+    on, pushed = run(engine, Request(ids, mode=mode, n=3, max_new_tokens=4))
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    assert [r.stats.cached_positions for r in on] == [0, 64, 64] and pushed == pushed_off - 128
+
+
 def test_a_second_prompt_leaving_the_cached_chain_leaves_a_snapshot_where_it_left(engine, cache):
     """Prompts sharing a system prompt and differing after it: the first that leaves the cached
     chain at a block with no GDN snapshot runs whole and keeps one there; the next ones start there."""
