@@ -26,6 +26,7 @@ Who uses it is the step loop's business (``engine/step_loop.py``): which rows re
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -229,11 +230,18 @@ class PrefixCache:
         block without children, or an inner block's snapshot; not those in ``keep``)."""
         if not self.on or need > self._budget:
             return False
+        if self.nbytes + need <= self._budget:
+            return True
+
+        def evictable(b: Block) -> bool:
+            return b not in keep and b is not self.root and (not b.children or b.snapshot is not None)
+
+        entries = [(b.used, id(b), b) for b in self._blocks() if evictable(b)]
+        heapq.heapify(entries)
         while self.nbytes + need > self._budget:
-            entries = [b for b in self._blocks() if b not in keep and (not b.children or b.snapshot is not None)]
             if not entries:
                 return False
-            b = min(entries, key=lambda b: b.used)
+            b = heapq.heappop(entries)[2]
             self.evictions += 1
             if b.children:  # an inner block: only its snapshot goes
                 self.nbytes -= b.snapshot_bytes()
@@ -241,6 +249,8 @@ class PrefixCache:
             else:
                 self.nbytes -= b.kv_bytes() + b.snapshot_bytes()
                 del b.parent.children[b.tokens]
+                if not b.parent.children and b.parent.snapshot is None and evictable(b.parent):
+                    heapq.heappush(entries, (b.parent.used, id(b.parent), b.parent))  # a leaf now
         return True
 
     def _linked(self, lookup: Lookup) -> bool:
