@@ -69,7 +69,7 @@ class Request:
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
 
     def __repr__(self) -> str:
-        defaults = {"mode": "diffusion", "n": 1}  # not shown when so (a flag True is shown: it is not n=1)
+        defaults = {"mode": "diffusion", "n": 1}  # not shown at these values
         given = {k: v for k in self.FIELDS if (v := getattr(self, k)) is not None and v != defaults.get(k, None)}
         given.update(self.sampler)
         return f"Request({self.prompt!r:.60}, {', '.join(f'{k}={v!r}' for k, v in given.items())})"
