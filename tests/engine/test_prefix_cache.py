@@ -73,6 +73,19 @@ def test_a_prompt_sharing_a_cached_prefix_runs_only_its_new_positions_and_gives_
     same_tokens_from_the_cache(engine, cache, mode, words(95, 0), 8)  # 5 whole blocks of 16 and 15 positions
 
 
+def test_the_static_steps_start_after_the_cached_prefix_too(engine, cache):
+    """On the fast path's static steps (eager static steps on a CPU), a row beside another, both
+    from the cache."""
+    engine.step_graphs = True
+    same_tokens_from_the_cache(engine, cache, "diffusion", words(95, 0), 8)
+    alone = engine.generate(Request(words(95, 0) + words(9, 2), max_new_tokens=8, skip_reading_prefix_cache=True))
+    rows = [engine.submit(Request(words(95, 0) + words(n, 2), max_new_tokens=8), emit=False) for n in (9, 23)]
+    while not all(h.done for h in rows):  # (both share alone's 104 first tokens: its 6 whole blocks were added)
+        engine.step()
+    assert [h.result.stats.cached_positions for h in rows] == [96, 96] and rows[0].result.token_ids == alone.token_ids
+    assert "static" in rows[0].result.stats.path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["diffusion", "ar"])
 def test_a_prompt_sharing_a_1024_token_cached_prefix_runs_only_its_new_positions(stdlib, mode):
