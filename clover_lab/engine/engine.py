@@ -29,6 +29,7 @@ from clover_lab.checkpoint import loading
 from clover_lab.checkpoint.loading import resolve_device
 from clover_lab.cpu import check_threads, set_threads, tune_malloc
 from clover_lab.engine.policies import DecodingPolicy, ThresholdPolicy, make_policy
+from clover_lab.model.prefix_cache import PrefixCache
 from clover_lab.engine.requests import GenerationError, Plan, Request, check_coreset, encode_prompt, plain_int, plan
 from clover_lab.engine.results import GenerationResult, StreamUpdate
 from clover_lab.engine.row import Handle
@@ -163,6 +164,8 @@ class Engine:
         # built (None before any), ``fast_path.held`` whether rows run on them now
         self.fast_path = FastPath()
         self.policy = ThresholdPolicy()  # which block positions a denoising step unmasks (policies.py)
+        # prompts' committed prefixes kept across requests (model/prefix_cache.py); budget in bytes, 0 or None: off
+        self.prefix_cache = PrefixCache(model.config.block_size)
         self.loop = StepLoop(self)  # where every generation runs (engine/step_loop.py): submit, step
 
     def fast_path_off(self) -> str | None:

@@ -47,22 +47,29 @@ class Request:
     ``GrammarPolicy`` around the request's policy, AR and speculative decoding by masking the
     causal choice with the row's ``Constraint``) and ``prompt_logprobs`` (k: the result scores every
     prompt token, its log-probability and k alternatives'; with it, ``max_new_tokens=0`` scores the
-    prompt alone). Requests with different
+    prompt alone) and ``skip_reading_prefix_cache`` (vLLM's name: True runs the whole prompt even
+    where the engine's prefix cache holds a prefix of it; None, the default, reads it except for
+    rows whose prompt is scored, mtp rows and requests with a hook inside the model; False reads
+    it for those hooks too: their prefill events then see only the positions that run, and
+    ``where.cached`` says how many came from the cache). Requests with different
     settings share the engine's forwards; each row's tokens are the ones it gives alone."""
 
     FIELDS = ("mode", "max_new_tokens", "stop", "thinking", "settings", "policy", "block_size", "n", "grammar",
-              "prompt_logprobs")
+              "prompt_logprobs", "skip_reading_prefix_cache")
 
     def __init__(self, prompt, *, mode: str = "diffusion", max_new_tokens: int | None = None, stop=None,
                  thinking: bool | None = None, settings=None, policy=None, block_size: int | None = None,
-                 n: int = 1, grammar=None, prompt_logprobs: int | None = None, **sampler):
+                 n: int = 1, grammar=None, prompt_logprobs: int | None = None,
+                 skip_reading_prefix_cache: bool | None = None, **sampler):
         self.prompt, self.mode, self.max_new_tokens, self.stop, self.thinking = prompt, mode, max_new_tokens, stop, \
             thinking
         self.settings, self.policy, self.block_size, self.n, self.sampler = settings, policy, block_size, n, sampler
         self.grammar, self.prompt_logprobs = grammar, prompt_logprobs
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
 
     def __repr__(self) -> str:
-        given = {k: getattr(self, k) for k in self.FIELDS if getattr(self, k) not in (None, 1, "diffusion")}
+        defaults = {"mode": "diffusion", "n": 1}  # not shown at these values
+        given = {k: v for k in self.FIELDS if (v := getattr(self, k)) is not None and v != defaults.get(k, None)}
         given.update(self.sampler)
         return f"Request({self.prompt!r:.60}, {', '.join(f'{k}={v!r}' for k, v in given.items())})"
 
@@ -84,6 +91,7 @@ class Plan:
     sources: list[int] = field(default_factory=list)  # row -> the prompt it answers
     grammar: object = None  # a clover_lab.grammar.Grammar the rows follow, or None
     prompt_logprobs: int | None = None  # alternatives per scored prompt token (None: the prompt is not scored)
+    skip_reading_prefix_cache: bool | None = None  # Request's: None reads the prefix cache where it can
 
 
 def encode_prompt(prompt, tokenizer, vocab_size: int, thinking: bool | None = None) -> list[int]:
@@ -496,6 +504,15 @@ def plan(engine, request: Request) -> Plan:
         raise GenerationError(f"min_tokens={s.min_tokens} is more than max_new_tokens={max_new}: the response could "
                               f"never have them; lower min_tokens or raise max_new_tokens", "min_tokens")
     check_combination(engine, request.grammar, s, stop)
+    skip = request.skip_reading_prefix_cache
+    if skip is not None and not isinstance(skip, bool):
+        raise GenerationError(f"skip_reading_prefix_cache={skip!r}: expected True, False or None",
+                              "skip_reading_prefix_cache")
+    if skip is False and (mode == "mtp" or k is not None):
+        why = "mtp rows' head reads the trunk states of the whole prompt" if mode == "mtp" else \
+            "prompt_logprobs needs the logits of every prompt position"
+        raise GenerationError(f"skip_reading_prefix_cache=False: {why}, so the prompt runs whole; "
+                              f"leave it None", "skip_reading_prefix_cache")
     batched = is_batch(request.prompt)
     prompts = request.prompt if batched else [request.prompt]
     ids = []
@@ -516,4 +533,4 @@ def plan(engine, request: Request) -> Plan:
         seeded = s.seed is not None and n > 1 and not s.greedy
         settings.append(SamplerSettings.from_kwargs(s, seed=(s.seed + i % n) % (2**64)) if seeded else s)
     return Plan(rows, mode, max_new, stop, settings, request.policy, block_size, request.thinking, batched or n > 1,
-                [p for p in range(len(ids)) for _ in range(n)], request.grammar, k)
+                [p for p in range(len(ids)) for _ in range(n)], request.grammar, k, skip)

@@ -109,6 +109,7 @@ class GenerationStats:
     fused_forwards: int = 0
     commit_forwards: int = 0
     prefill_forwards: int = 0
+    cached_positions: int = 0  # prompt positions that came from the prefix cache (not run), rows summed
     tokens_per_forward: float = 0.0
     steps_per_block: list[int] = field(default_factory=list)
     mean_steps_per_block: float | None = None
@@ -155,7 +156,8 @@ class GenerationStats:
                  prompt_tokens=sum(r.prompt_tokens for r in rows), new_tokens=sum(r.new_tokens for r in rows),
                  blocks=sum(r.blocks for r in rows), preview_forwards=forwards["preview"] + forwards["fused"],
                  fused_forwards=forwards["fused"], commit_forwards=forwards["commit"],
-                 prefill_forwards=forwards["prefill"], cache_complete=all(r.cache_complete for r in rows),
+                 prefill_forwards=forwards["prefill"], cached_positions=sum(r.cached_positions for r in rows),
+                 cache_complete=all(r.cache_complete for r in rows),
                  steps_per_block=[n for r in rows for n in r.steps_per_block], path=path)
         for name in ("seed", "block_size", "coreset_size"):
             values = {getattr(r, name) for r in rows}

@@ -156,6 +156,8 @@ class Row:
         self.eos = (set() if s.ignore_eos else set(engine.eos_token_ids)) | stop_ids(self.thinking, plan.thinking)
         self.prompt_logprobs = plan.prompt_logprobs  # k: the prompt's tokens scored at its prefill (None: not)
         self.prompt_scores: tuple[list, list | None] | None = None
+        self.skip_reading_prefix_cache = plan.skip_reading_prefix_cache  # Request's (None: read where it can)
+        self.prefix = None  # while its prompt is prefilled: what the prefix cache does for it (prefix_cache.Lookup)
         self.clock = Clock(self.device)
         self.stats = GenerationStats(mode=self.mode, prompt_tokens=len(prompt_ids),
                                      seed=s.seed if s.greedy else self.seed,

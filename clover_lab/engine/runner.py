@@ -149,6 +149,19 @@ class Runner:
         self.cache.set_row_lengths(lengths)
         return None if out is None else out[0, -1]
 
+    def row_view(self, row: int) -> CloverCache:
+        """Row ``row``'s part of the cache as views (what lands there lands in the cache)."""
+        return self.cache.row(self.slots.index(row))
+
+    def restore(self, row: int, prefix, lookup) -> None:
+        """Row ``row``'s cached prompt positions from the prefix cache ``prefix`` into its cache
+        row (``lookup``: ``prefix.lookup``'s answer for its prompt)."""
+        index = self.slots.index(row)
+        prefix.restore(lookup, self.cache.row(index))
+        lengths = list(self.cache.row_lengths or [self.cache.length] * self.cache.batch_size)
+        lengths[index] = lookup.cached
+        self.cache.set_row_lengths(lengths)
+
     def add(self, rows: list[int], length: int = 0) -> None:
         """A cache of the rows going on plus ``rows`` (empty, after them), to be prefilled, of
         ``length`` positions per row at least (more than the static steps' cache holds: the rows

@@ -3,7 +3,9 @@ rows; each :meth:`StepLoop.step`
 
 1. ends the rows of cancelled requests (stop reason "cancelled", their partial results intact);
 2. admits queued rows while there is room, prefilling their prompts (at an idle engine: a forward
-   per prompt length; beside decoding rows: in the step's forward, a chunk a step);
+   per prompt length; beside decoding rows: in the step's forward, a chunk a step; a prompt the
+   prefix cache serves or keeps, ``model/prefix_cache.py``: its cached positions restored, the
+   rest in parts that end where a GDN snapshot is taken);
 3. on the eager forward with no hook inside the model, runs the step as schedule -> run -> take
    (:meth:`StepLoop._step_packed`): every row's decoder (``diffusion.py``, ``ar.py``,
    ``speculative.py``) gives its segment, the runner (``runner.py``) runs them all as ONE
@@ -161,17 +163,22 @@ class StepLoop:
         ``prefill_chunk_size``); its row decodes from the step after its last chunk."""
         if left <= 0:
             return []
-        done = self.filling[row.key]
-        ids = row.prompt_ids[done:done + min(left, self.engine.prefill_chunk_size)]
-        last = done + len(ids) == len(row.prompt_ids)
+        done, look = self.filling[row.key], row.prefix
+        end = min([done + min(left, self.engine.prefill_chunk_size), len(row.prompt_ids)]
+                  + ([s for s in look.stops if s > done] if look else []))  # a chunk ends at a GDN snapshot
+        ids = row.prompt_ids[done:end]
+        last = end == len(row.prompt_ids)
         want = [len(ids) - 1] if last and row.mode != "diffusion" else []
 
         def taken(logits):
             row.stats.prefill_forwards += 1
+            if look is not None:
+                self._keep_prefix(row, end, last)
             if not last:
-                self.filling[row.key] = done + len(ids)
+                self.filling[row.key] = end
                 return []
             del self.filling[row.key]
+            row.prefix = None
             self._prefilled([row], logits if want else None, score=False)
             return []
         part = Part(row, torch.tensor(ids, device=row.device), len(ids), 0, want, "prefill", taken)
@@ -282,10 +289,26 @@ class StepLoop:
         packs = bool(decoding) and self._packs()  # beside decoding rows, in this step's one forward
         groups: dict[tuple, list[Row]] = {}
         for row in new:
+            if row.handle.error is not None:  # another row of its request failed in its prefill just now
+                continue
+            use = self._prefix_use(row)
             # (not rows scoring their prompt, nor mtp rows: their head reads the whole prompt's trunk states)
             if (decoding and (packs or (budget and len(row.prompt_ids) > budget)) and row.prompt_logprobs is None
                     and row.mode != "mtp"):
-                self.filling[row.key] = 0  # beside decoding rows: a chunk a step (``_fill``, ``_fill_part``)
+                # beside decoding rows: a chunk a step (``_fill``, ``_fill_part``), after its cached positions
+                try:
+                    self.filling[row.key] = 0 if use is None or self._look(row, *use) is None else self._restore(row)
+                except Exception as e:
+                    row.prefix = None
+                    self.fail({row.handle}, e)
+                    continue
+                if self.filling[row.key] == len(row.prompt_ids):  # a diffusion row's whole prompt came from the cache
+                    del self.filling[row.key]
+                    row.prefix = None
+                    self._prefilled([row], None, score=False)
+                continue
+            if use is not None and self._look(row, *use) is not None:
+                self._prefill_cached(row)  # now: a row admitted after it finds what it added
                 continue
             groups.setdefault((row.hooks.scopes, len(row.prompt_ids), row.prompt_logprobs is not None), []).append(row)
         for rows in groups.values():
@@ -299,20 +322,27 @@ class StepLoop:
         for row in [r for r in self.rows if r.key in self.filling]:
             if left <= 0:
                 return
-            done = self.filling[row.key]
-            ids = row.prompt_ids[done:done + left]
-            last = done + len(ids) == len(row.prompt_ids)
+            done, look = self.filling[row.key], row.prefix
+            end = min([done + left, len(row.prompt_ids)] + ([s for s in look.stops if s > done] if look else []))
+            ids = row.prompt_ids[done:end]
+            last = end == len(row.prompt_ids)
+            cached = 0 if look is None else look.cached
             try:
                 with self.forward("prefill", [row]):
                     logits = self.runner.use(row.hooks).prefill_part(
                         row.key, done, ids, self.engine.prefill_chunk_size,
-                        "last" if last and row.mode != "diffusion" else None, self.where([row], "prefill"))
+                        "last" if last and row.mode != "diffusion" else None,
+                        self.where([row], "prefill", cached=cached))
+                    if look is not None:
+                        self._keep_prefix(row, end, last)
             except StopGeneration:
                 self.filling.pop(row.key, None)
+                row.prefix = None
                 self.end([row], "hook", cache_complete=False)
                 continue
             except BaseException as e:
                 self.filling.pop(row.key, None)
+                row.prefix = None
                 self.fail({row.handle}, e)
                 if not isinstance(e, Exception):
                     raise
@@ -320,10 +350,76 @@ class StepLoop:
             left -= len(ids)
             row.stats.prefill_forwards += -(-len(ids) // self.engine.prefill_chunk_size)
             if not last:
-                self.filling[row.key] = done + len(ids)
+                self.filling[row.key] = end
                 continue
             del self.filling[row.key]
+            row.prefix = None
             self._prefilled([row], None if logits is None else logits[None], score=False)
+
+    # ---------------------------------------------------------------- the prefix cache
+    def _prefix_use(self, row: Row) -> tuple[bool, bool] | None:
+        """Whether ``row`` reads the engine's prefix cache and adds its prompt to it (read, write),
+        or None: neither. Not rows whose prompt is scored (every position's logits are wanted) nor
+        mtp rows (their head reads every trunk state of the prompt); a request with a hook inside
+        the model reads it only where it asks (``skip_reading_prefix_cache=False``: its hooks see
+        the positions that run) and never adds to it (its hooks may change the states)."""
+        if not self.engine.prefix_cache.on or row.prompt_logprobs is not None or row.mode == "mtp":
+            return None
+        if row.hooks.model_hooks_attached():
+            return (True, False) if row.skip_reading_prefix_cache is False else None
+        return not row.skip_reading_prefix_cache, True
+
+    def _look(self, row: Row, read: bool, write: bool):
+        """``row``'s prompt looked up in the prefix cache: ``row.prefix`` (returned), None where
+        the cache does nothing for it (no whole block to read or add)."""
+        row.prefix = self.engine.prefix_cache.lookup(self.engine.model, row.prompt_ids, read, write,
+                                                     last_logits=row.mode != "diffusion")
+        return row.prefix
+
+    def _restore(self, row: Row) -> int:
+        """``row``'s cached positions (``row.prefix``) into its cache row; returns how many."""
+        if row.prefix is None:
+            return 0
+        self.runner.restore(row.key, self.engine.prefix_cache, row.prefix)
+        row.stats.cached_positions = row.prefix.cached
+        return row.prefix.cached
+
+    def _keep_prefix(self, row: Row, end: int, last: bool) -> None:
+        """``row``'s prompt is prefilled up to ``end``: the GDN snapshot its lookup stops there
+        for, and once it is ``last``, its whole blocks into the prefix cache."""
+        prefix, look = self.engine.prefix_cache, row.prefix
+        if end in look.stops:
+            prefix.snapshot(look, self.runner.row_view(row.key), end)
+        if last:
+            prefix.insert(look, self.runner.row_view(row.key))
+
+    def _prefill_cached(self, row: Row) -> None:
+        """``row``'s prompt through the prefix cache (``row.prefix``), alone: its cached positions
+        restored, the rest prefilled in parts that end where its lookup takes a GDN snapshot, its
+        whole blocks added at the end."""
+        chunk, ids = self.engine.prefill_chunk_size, row.prompt_ids
+        logits, forwards, segments = None, 0, row.prefix.segments()  # none: the whole prompt is cached
+        try:
+            with self.forward("prefill", [row]) if segments else nullcontext():
+                where = self.where([row], "prefill", cached=self._restore(row))
+                for start, end in segments:
+                    logits = self.runner.use(row.hooks).prefill_part(
+                        row.key, start, ids[start:end], chunk,
+                        "last" if end == len(ids) and row.mode != "diffusion" else None, where)
+                    forwards += -(-(end - start) // chunk)
+                    self._keep_prefix(row, end, end == len(ids))
+        except StopGeneration:  # a model hook stopped a prompt's prefill: no tokens, the prompt half cached
+            self.end([row], "hook", cache_complete=False)
+            return
+        except BaseException as e:
+            self.fail({row.handle}, e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        finally:
+            row.prefix = None
+        row.stats.prefill_forwards = forwards
+        self._prefilled([row], None if logits is None else logits[None], score=False)
 
     def _room(self, row: Row, going: list[Row]) -> bool:
         """Whether ``row`` may join ``going``: within ``max_rows``; a request with a coreset only
@@ -419,13 +515,14 @@ class StepLoop:
                 row.paths[label] = row.paths.get(label, 0) + 1
 
     def where(self, rows: list[Row], phase: str, block: int | None = None, step: int | None = None,
-              commit_block: int | None = None) -> Where:
+              commit_block: int | None = None, cached: int = 0) -> Where:
         """Where a forward of ``rows`` stands: their request's number and, in a batch, their rows
-        (rows of several requests share a forward only where no event inside the model names it)."""
+        (rows of several requests share a forward only where no event inside the model names it);
+        ``cached``: a prefill's prompt positions that came from the prefix cache."""
         handle = rows[0].handle
         one = all(row.handle is handle for row in rows)
         return Where(handle.number, phase, block, step, commit_block,
-                     tuple(row.index for row in rows) if one and handle.batched else None)
+                     tuple(row.index for row in rows) if one and handle.batched else None, cached)
 
     # ---------------------------------------------------------------- rows leave
     def end(self, rows: list[Row], reason: str | dict, cache_complete: bool = True) -> None:

@@ -23,7 +23,8 @@ class Where:
     block being committed by this forward (fused with a preview, or alone). ``rows``: in a
     batched generation, the request rows (indices into the prompts) that the event's batch
     dimension holds, in order (rows leave as they finish); a step or commit event concerns one
-    row. None for a single generation."""
+    row. None for a single generation. ``cached``: in a prefill, the prompt positions before this
+    forward's that came from the engine's prefix cache (no forward ran them; 0: none)."""
 
     run: int = 0
     phase: str | None = None
@@ -31,6 +32,7 @@ class Where:
     step: int | None = None
     commit_block: int | None = None
     rows: tuple[int, ...] | None = None
+    cached: int = 0
 
     @property
     def row(self) -> int | None:

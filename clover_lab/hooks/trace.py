@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -55,7 +55,7 @@ def check_document(doc: dict, where: str) -> None:
         for name in ("block", "step"):
             _field(row, name, at, lambda v: v is None or _count(v), "null or an int >= 0")
         _field(row, "data", at, lambda v: isinstance(v, dict), "an object")
-        _field(row, "where", at, _where_ok, "null or [run, phase, block, step, commit_block, rows]", missing=True)
+        _field(row, "where", at, _where_ok, "null or [run, phase, block, step, commit_block, rows, cached]", missing=True)
 
 
 def _field(row: dict, name: str, at: str, ok, what: str, missing: bool = False) -> None:
@@ -74,11 +74,12 @@ def _count(v) -> bool:
 def _where_ok(v) -> bool:
     if v is None:
         return True
-    if not isinstance(v, list) or len(v) != 6:
+    if not isinstance(v, list) or len(v) not in (6, 7):  # traces saved before ``cached`` have 6
         return False
-    run, phase, block, step, commit_block, rows = v
+    run, phase, block, step, commit_block, rows, *cached = v
     return (_count(run) and phase in PHASES and all(x is None or _count(x) for x in (block, step, commit_block))
-            and (rows is None or (isinstance(rows, list) and rows and all(_count(r) for r in rows))))
+            and (rows is None or (isinstance(rows, list) and rows and all(_count(r) for r in rows)))
+            and all(_count(c) for c in cached))
 
 
 def check_record(point: str, data: dict, at: str, config=None) -> None:
@@ -430,4 +431,4 @@ def load_trace(path) -> Trace:
 def _where(fields: list) -> Where:
     """A saved Where (its fields in order; rows, when saved, back as a tuple)."""
     where = Where(*fields)
-    return where if where.rows is None else Where(*fields[:-1], tuple(where.rows))
+    return where if where.rows is None else replace(where, rows=tuple(where.rows))

@@ -210,13 +210,15 @@ def make_jobs(engine, request: schemas.Common, prompts: list, prompt_param: str,
         try:  # the engine's one request check (its sampler settings too); its error names the field, the body's here
             checked = engine.check(Request(ids, mode=mode, max_new_tokens=max_new, stop=stop or None, n=n,
                                            block_size=opts.block_size, grammar=grammar, policy=opts.policy,
-                                           prompt_logprobs=prompt_logprobs, **sampler))
+                                           prompt_logprobs=prompt_logprobs,
+                                           skip_reading_prefix_cache=request.skip_reading_prefix_cache, **sampler))
         except (GenerationError, SettingsError) as e:
             field = getattr(e, "field", None)
             over = "context length" in str(e)
             param = {"prompt": where, "max_new_tokens": max_tokens_param, "mode": "clover.mode", "stop": "stop",
                      "block_size": "clover.block_size", "policy": "clover.policy", "n": "n",
-                     "prompt_logprobs": logprobs[1]}.get(field)
+                     "prompt_logprobs": logprobs[1],
+                     "skip_reading_prefix_cache": "skip_reading_prefix_cache"}.get(field)
             param = param or params.get(field) or (f"clover.{field}" if field else max_tokens_param)
             code = "context_length_exceeded" if over else "ignored_setting" if isinstance(e, IgnoredSettingError) else None
             raise RequestError(str(e), param, code=code) from None

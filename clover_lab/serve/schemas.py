@@ -91,6 +91,7 @@ class Common(Strict):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None  # each must be an end token of the model (it ends the response)
+    skip_reading_prefix_cache: bool | None = None  # true: the whole prompt runs (engine/requests.py's Request)
     include_stop_str_in_output: Literal[False] | None = None  # the stop string is never in the text
     skip_special_tokens: Literal[True] | None = None  # the text never holds special tokens
     spaces_between_special_tokens: bool | None = None  # no-op: no special token is in the text

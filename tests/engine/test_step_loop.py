@@ -398,11 +398,13 @@ def test_a_long_prompt_arriving_beside_decoding_rows_is_prefilled_a_chunk_a_step
         return handles, late, ends, tokens
 
     engine.loop.prefill_budget = budget
+    engine.prefix_cache.budget = 0  # the long prompt ran alone above: it would start from the cache
     try:
         base, _, base_ends, _ = steps_of(False)
         handles, late, ends, tokens = steps_of(True)
     finally:
         engine.loop.prefill_budget = 512
+        engine.prefix_cache.budget = 1 << 30
     assert [h.result.token_ids for h in handles + [late]] == alone
     assert all(ends[i] <= base_ends[i] + 1 for i in range(rows)), (ends, base_ends)
     prefill = [n for _, n in tokens]

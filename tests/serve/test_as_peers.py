@@ -101,7 +101,7 @@ def test_fields_clients_send_are_accepted_or_mapped(server):
         {"role": "tool", "content": "12", "tool_call_id": "c1", "name": "get_weather"}],
         max_tokens=2, store=False, metadata={"k": "v"}, service_tier="auto", reasoning_effort="low", prediction=None,
         top_k=-1, min_p=0.05, repetition_penalty=1.1, stop_token_ids=server[1].eos_token_ids,
-        include_stop_str_in_output=False, skip_special_tokens=True, user="u")
+        include_stop_str_in_output=False, skip_special_tokens=True, user="u", skip_reading_prefix_cache=True)
     assert r.status_code == 200, r.text
     for extra, param in [({"stop_token_ids": [5]}, "stop_token_ids"), ({"include_stop_str_in_output": True},
                                                                          "include_stop_str_in_output"),
