@@ -26,7 +26,7 @@ even among rows that shared its forward); the runner's cache is dropped when the
 One loop per engine (``engine.loop``): a request submitted from a listener or a hook joins it at
 the next step; one *waited for* inside a hook (a nested ``generate``) gets a loop of its own.
 
-(One module, a little over 600 lines: what a step does with its rows, admission, prefill and the
+(One concept in a little over 600 lines: what a step does with its rows, admission, prefill and the
 prefix cache's use included, is one schedule; split, each part would reach into the others' state.)
 """
 from __future__ import annotations
